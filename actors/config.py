@@ -1,0 +1,34 @@
+"""The engine's configuration: one frozen struct, fields named as `vllm serve` names its flags."""
+
+from typing import Annotated, Literal
+
+import msgspec
+
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+
+
+class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything that shapes an engine. ``num_kv_blocks`` None sizes the cache
+    from memory (``gpu_memory_utilization`` on CUDA, ``cpu_kv_cache_gib`` on the
+    CPU). ``async_scheduling`` is pipelining depth 2; False is depth 1."""
+
+    model: str = "tiny"
+    tokenizer: str | None = None
+    served_model_name: str | None = None
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    load_format: Literal["auto", "safetensors", "dummy"] = "auto"
+    seed: int = 0
+    max_num_seqs: PositiveInt = 256
+    max_num_batched_tokens: PositiveInt = 8192
+    max_model_len: PositiveInt | None = None
+    block_size: PositiveInt = 16
+    num_kv_blocks: PositiveInt | None = None
+    gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.9
+    cpu_kv_cache_gib: Annotated[float, msgspec.Meta(gt=0.0)] = 1.0
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    priority_preemption_threshold: int | None = None
+    max_waiting_requests: PositiveInt = 4096
+    async_scheduling: bool = True
+    enforce_eager: bool = False
+    shutdown_grace_seconds: Annotated[float, msgspec.Meta(ge=0.0)] = 5.0

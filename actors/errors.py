@@ -1,0 +1,26 @@
+"""The engine's one error hierarchy."""
+
+
+class EngineError(Exception):
+    """Base of every error the engine raises to its callers."""
+
+
+class RequestRejected(EngineError):
+    """The request is invalid or cannot be served (HTTP 4xx). ``param`` names the field."""
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class QueueFull(RequestRejected):
+    """The waiting queue is at its bound (HTTP 503 with Retry-After)."""
+
+
+class RequestAborted(EngineError):
+    """The request was aborted before it finished (engine.abort or shutdown)."""
+
+
+class EngineDead(EngineError):
+    """The engine stopped: an actor failed or it was shut down."""

@@ -1,0 +1,287 @@
+"""Every message that crosses a channel between the engine's actors.
+
+Messages carry ids, counts, block ids and token lists only: no tensors, no
+callables. Each inbox has one tagged union, dispatched with ``match``.
+
+Flow (see docs/architecture.md):
+
+    facade --Submit/Abort--> intake --Admit/Abort--> queue <--Pull/Requeue/AbortOutcome-- scheduler
+    queue --Pulled/Abort--> scheduler --ScheduledBatch--> runner --StepResult--> scheduler
+    scheduler --Track/TokenBatch--> detokenizer --StopStringHit--> scheduler
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+FinishReason = Literal["stop", "length", "abort"]
+
+NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    """What a caller asks of one request; field names follow vLLM's SamplingParams.
+
+    ``top_k`` 0 or -1 and ``top_p`` 1.0 disable those filters; ``temperature`` 0
+    is greedy. ``seed`` None draws a seed from the engine's own seed at intake,
+    so every request samples from randomness keyed by (seed, output position).
+    """
+
+    max_tokens: PositiveInt = 16
+    min_tokens: NonNegativeInt = 0
+    temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, msgspec.Meta(ge=-1)] = 0
+    min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
+    seed: int | None = None
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
+    skip_special_tokens: bool = True
+
+
+class SamplingOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """The part of a request the runner needs to sample its tokens.
+
+    ``seed`` is always resolved. ``banned_token_ids`` are masked to -inf while the
+    output position is below ``min_tokens`` (vLLM's min_tokens semantics: EOS and
+    stop token ids cannot end the request early).
+    """
+
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    seed: int
+    num_logprobs: int | None
+    min_tokens: int
+    banned_token_ids: list[int]
+
+
+class Request(msgspec.Struct, frozen=True, kw_only=True):
+    """An admitted request, as intake validated and tokenized it.
+
+    ``stop_token_ids`` already holds EOS ids unless ``ignore_eos``; ``max_tokens``
+    is resolved (never over max_model_len minus the prompt).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sampling: SamplingOptions
+    stop_token_ids: list[int]
+    max_tokens: int
+    priority: int
+    arrival_index: int
+    arrival_time: float
+
+
+# -- facade -> intake ---------------------------------------------------------
+
+
+class Submit(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """A new request from the facade. Exactly one of prompt, prompt_token_ids, messages."""
+
+    request_id: str
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[dict[str, str]] | None = None
+    params: SamplingParams
+    priority: int = 0
+    arrival_time: float
+
+
+class Abort(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """End a request early (caller left, or engine.abort). Forwarded along the graph."""
+
+    request_id: str
+
+
+IntakeInbox = Submit | Abort
+
+
+# -- intake -> queue, scheduler -> queue --------------------------------------
+
+
+class Admit(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """A validated request enters the waiting set."""
+
+    request: Request
+
+
+class Pull(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """The scheduler asks for up to ``max_requests`` waiting requests, best first.
+
+    With ``wait`` the queue answers only once at least one request is waiting
+    (the scheduler is idle); otherwise it answers at once, possibly empty.
+    """
+
+    max_requests: int
+    wait: bool
+
+
+class Requeue(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Requests go back to the waiting set: preempted, or pulled but not admitted.
+
+    A preempted request carries the output it already has and is recomputed
+    from prompt + output when it runs again.
+    """
+
+    requests: list[WaitingRequest]
+
+
+class AbortOutcome(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """The scheduler's answer to an Abort the queue forwarded: lets the queue
+    forget the abort, after any Requeue of that request sent earlier has arrived."""
+
+    request_id: str
+
+
+QueueInbox = Admit | Abort | Pull | Requeue | AbortOutcome
+
+
+class WaitingRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """A request in the waiting set, with the output it had when preempted."""
+
+    request: Request
+    output_token_ids: list[int] = []
+    num_preemptions: int = 0
+
+
+# -- queue -> scheduler, runner -> scheduler, detokenizer -> scheduler --------
+
+
+class Pulled(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """The queue's answer to Pull: requests in (priority, arrival) or FCFS order."""
+
+    requests: list[WaitingRequest]
+    num_waiting: int
+
+
+class ScheduledRequest(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """One request's share of a step.
+
+    ``token_ids`` are this step's input tokens (a prefill chunk, or one decode
+    token). When ``input_from_previous_step`` is set the single input token is
+    the one the runner sampled for this request in the previous step, not yet
+    known to the scheduler (depth-2 pipelining), and ``token_ids`` is empty.
+    ``new_block_ids`` extend the request's block table. ``sample`` is false for
+    a prefill chunk that does not reach the end of the prompt;
+    ``output_index`` is the position in the output of the token sampled now.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    input_from_previous_step: bool
+    num_computed_tokens: int
+    new_block_ids: list[int]
+    sample: bool
+    output_index: int
+
+
+class NewRequestData(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """Sent once, the first step a request (or a recomputed one) runs."""
+
+    request_id: str
+    sampling: SamplingOptions
+
+
+class ScheduledBatch(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """One engine step for the runner to execute exactly.
+
+    ``finished_request_ids``: the runner drops their state before this step
+    (finished, aborted, preempted since the previous batch).
+    """
+
+    step_id: int
+    new_requests: list[NewRequestData]
+    requests: list[ScheduledRequest]
+    finished_request_ids: list[str]
+    num_tokens: int
+
+
+class TokenLogprobs(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """Log-probability of the sampled token and of the top alternatives (raw model distribution)."""
+
+    logprob: float
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+class StepResult(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """The runner's answer to one ScheduledBatch: one sampled token for each
+    request that had ``sample`` set, in batch order."""
+
+    step_id: int
+    request_ids: list[str]
+    sampled_token_ids: list[int]
+    logprobs: list[TokenLogprobs | None] | None = None
+
+
+class StopStringHit(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """The detokenizer found a stop string: the scheduler frees the request."""
+
+    request_id: str
+
+
+SchedulerInbox = Pulled | Abort | StepResult | StopStringHit
+
+
+# -- scheduler -> detokenizer -------------------------------------------------
+
+
+class Track(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Start decoding a request's output (sent when it first runs)."""
+
+    request: Request
+
+
+class TokenDelta(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """New output tokens of one request, and its finish reason once it finished.
+
+    ``stop_reason`` is the stop token id that ended it, if one did.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None] | None
+    finish_reason: FinishReason | None
+    stop_reason: int | None = None
+
+
+class TokenBatch(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Every request's new tokens from one step, plus aborts and finishes."""
+
+    deltas: list[TokenDelta]
+
+
+DetokenizerInbox = Track | TokenBatch
+
+
+# -- detokenizer -> request streams (not a channel: see actors/streams.py) ----
+
+
+class RequestOutput(msgspec.Struct, kw_only=True):
+    """A delta of one request's output, as its caller sees it.
+
+    ``text`` and ``token_ids`` are new since the previous output; several step
+    deltas may be coalesced into one when the caller reads slowly.
+    ``queue_time`` (seconds from arrival to first scheduled) is set on the
+    first output; the ``num_*`` counts are running totals.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprobs | None] | None = None
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    queue_time: float | None = None
