@@ -1,0 +1,1 @@
+"""The engine's actors and the messages they exchange."""

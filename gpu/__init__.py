@@ -1,0 +1,1 @@
+"""Synchronous device code: model, attention, sampler, executor. Never imports trio."""
