@@ -73,6 +73,7 @@ class RequestStreams:
 
     def __init__(self) -> None:
         self._streams: dict[str, RequestStream] = {}
+        self._emptied = trio.lowlevel.ParkingLot()
 
     def open(self, request_id: str) -> RequestStream:
         if request_id in self._streams:
@@ -82,6 +83,13 @@ class RequestStreams:
 
     def close(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
+        if not self._streams:
+            self._emptied.unpark_all()
+
+    async def wait_empty(self) -> None:
+        """Wait until every open stream was closed (the engine is drained)."""
+        while self._streams:
+            await self._emptied.park()
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._streams

@@ -1,0 +1,118 @@
+"""The `trio-llm` command: generate, serve, bench throughput, bench serve."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from trio_llm.actors.config import EngineConfig
+
+# Engine flags, named as `vllm serve` names them: (flag, EngineConfig field, type, help).
+_ENGINE_FLAGS: list[tuple[str, type, str]] = [
+    ("--model", str, "model directory or built-in name (tiny, qwen3-0.6b, qwen3-8b)"),
+    ("--tokenizer", str, "tokenizer directory (default: the model's)"),
+    ("--served-model-name", str, "model name reported by the API"),
+    ("--dtype", str, "auto, float32, bfloat16 or float16"),
+    ("--device", str, "auto, cpu or cuda"),
+    ("--load-format", str, "auto, safetensors or dummy (random weights)"),
+    ("--seed", int, "seed for requests that give none"),
+    ("--max-num-seqs", int, "most requests running at once"),
+    ("--max-num-batched-tokens", int, "token budget of one step"),
+    ("--max-model-len", int, "longest prompt + output"),
+    ("--block-size", int, "tokens per KV cache block"),
+    ("--num-kv-blocks", int, "KV cache blocks (default: sized from memory)"),
+    ("--gpu-memory-utilization", float, "share of GPU memory for weights + KV cache"),
+    ("--cpu-kv-cache-gib", float, "KV cache size on the CPU"),
+    ("--scheduling-policy", str, "fcfs or priority"),
+    ("--priority-preemption-threshold", int, "priority gap at which a waiting request preempts"),
+    ("--max-waiting-requests", int, "bound of the waiting queue"),
+]
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the engine's flags; unset flags keep EngineConfig's defaults."""
+    group = parser.add_argument_group("engine")
+    for flag, kind, help_text in _ENGINE_FLAGS:
+        group.add_argument(flag, type=kind, default=None, help=help_text)
+    group.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="pipeline depth 2 (default) or 1 (--no-async-scheduling)",
+    )
+    group.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """EngineConfig from parsed flags; raises SystemExit with the field at fault."""
+    import msgspec
+
+    fields = {f.name for f in msgspec.structs.fields(EngineConfig)}
+    given = {k: v for k, v in vars(args).items() if k in fields and v is not None}
+    try:
+        return msgspec.convert(given, EngineConfig)
+    except msgspec.ValidationError as error:
+        raise SystemExit(f"trio-llm: invalid engine option: {error}") from None
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    import trio
+
+    from trio_llm.actors.messages import SamplingParams
+    from trio_llm.api.engine import Engine
+
+    config = engine_config_from_args(args)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.sampling_seed
+    )
+
+    async def generate() -> None:
+        async with Engine.open(config) as engine:
+            stream = engine.chat([{"role": "user", "content": args.prompt}], params) if args.chat else (
+                engine.generate(args.prompt, params)
+            )
+            async for output in stream:
+                sys.stdout.write(output.text)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+
+    trio.run(generate)
+    return 0
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="trio-llm", description=__doc__)
+    parser.add_argument("--log-level", default="INFO")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    generate = commands.add_parser("generate", help="print one completion")
+    generate.add_argument("prompt")
+    generate.add_argument("--max-tokens", type=int, default=32)
+    generate.add_argument("--temperature", type=float, default=0.0)
+    generate.add_argument("--sampling-seed", type=int, default=None)
+    generate.add_argument("--chat", action="store_true", help="apply the chat template")
+    add_engine_arguments(generate)
+    generate.set_defaults(run=_run_generate)
+
+    from trio_llm.api import bench, server
+
+    serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_engine_arguments(serve)
+    server.add_serve_arguments(serve)
+    serve.set_defaults(run=server.run_serve)
+
+    bench_parser = commands.add_parser("bench", help="benchmarks")
+    bench_commands = bench_parser.add_subparsers(dest="bench_command", required=True)
+    bench.add_bench_commands(bench_commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    return int(args.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,168 @@
+"""The in-process API: the Engine facade over the actors.
+
+    async with Engine.open(EngineConfig(model="tiny")) as engine:
+        async for out in engine.generate("Hello", SamplingParams(max_tokens=16)):
+            print(out.text, end="")
+
+Cancellation belongs to the caller: leaving a `generate` stream early, or a
+cancel scope around it, aborts the request; its KV blocks are free within one
+engine step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import trio
+
+from trio_llm.actors.config import EngineConfig
+from trio_llm.actors.errors import EngineDead, EngineError
+from trio_llm.actors.messages import Abort, RequestOutput, SamplingParams, Submit
+from trio_llm.actors.streams import RequestStreams
+from trio_llm.actors.supervisor import EngineActors, EngineStatistics, run_supervisor
+from trio_llm.actors.tokenizer import Tokenizer
+from trio_llm.gpu.executor import ModelExecutor
+
+logger = logging.getLogger(__name__)
+
+# Sending an Abort only waits for room in the intake's inbox; bound it anyway,
+# since it runs shielded in cleanup.
+ABORT_SEND_TIMEOUT = 5.0
+
+__all__ = ["Engine", "EngineConfig", "EngineStatistics", "RequestOutput", "SamplingParams"]
+
+
+class Engine:
+    """A running engine. Create it with ``Engine.open(config)``."""
+
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer, actors: EngineActors,
+                 streams: RequestStreams, *, max_model_len: int) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.model_name = config.served_model_name or config.model
+        self.max_model_len = max_model_len
+        self._actors = actors
+        self._streams = streams
+        self._request_counter = itertools.count()
+        self._aborted: set[str] = set()
+        self._draining = False
+
+    @classmethod
+    @asynccontextmanager
+    async def open(cls, config: EngineConfig | None = None, *,
+                   executor: ModelExecutor | None = None) -> AsyncIterator[Engine]:
+        """Load the model, start the actors, and shut them down on exit.
+
+        On exit: stop taking requests, let in-flight ones finish for up to
+        ``config.shutdown_grace_seconds``, then cancel. Raises EngineDead at
+        exit if an actor failed while the engine ran. ``executor`` replaces the
+        model executor built from the config (benchmarks, fault injection).
+        """
+        config = config or EngineConfig()
+        if executor is None:
+            executor = await trio.to_thread.run_sync(ModelExecutor.create, config)
+        tokenizer = Tokenizer.from_dir(config.tokenizer or executor.model_path)
+        streams = RequestStreams()
+        async with trio.open_nursery() as nursery:
+            actors = await nursery.start(
+                run_supervisor, config, executor, tokenizer, streams,
+                max_model_len=executor.max_model_len, num_kv_blocks=executor.num_kv_blocks,
+                vocab_size=executor.vocab_size,
+            )
+            engine = cls(config, tokenizer, actors, streams, max_model_len=executor.max_model_len)
+            try:
+                yield engine
+            finally:
+                await engine._drain()
+                nursery.cancel_scope.cancel()
+        if actors.error is not None:
+            raise actors.error
+
+    # -- requests -------------------------------------------------------------
+
+    def generate(self, prompt: str | list[int], params: SamplingParams | None = None, *,
+                 priority: int = 0, request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream the output of one request, as deltas; the last has ``finished``."""
+        text, token_ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
+        submit = Submit(request_id=request_id or self._new_request_id(), prompt=text,
+                        prompt_token_ids=token_ids, params=params or SamplingParams(),
+                        priority=priority, arrival_time=time.monotonic())
+        return self._run(submit)
+
+    def chat(self, messages: list[dict[str, str]], params: SamplingParams | None = None, *,
+             priority: int = 0, request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Like generate, for a conversation rendered with the model's chat template."""
+        submit = Submit(request_id=request_id or self._new_request_id(), messages=messages,
+                        params=params or SamplingParams(), priority=priority,
+                        arrival_time=time.monotonic())
+        return self._run(submit)
+
+    async def abort(self, request_id: str) -> None:
+        """End a running or waiting request; its stream finishes with reason "abort"."""
+        if request_id in self._streams and request_id not in self._aborted:
+            self._aborted.add(request_id)
+            await self._actors.intake_outbox.send(Abort(request_id=request_id))
+
+    async def _run(self, submit: Submit) -> AsyncIterator[RequestOutput]:
+        self._check_accepting()
+        request_id = submit.request_id
+        stream = self._streams.open(request_id)
+        finished = False
+        try:
+            await self._actors.intake_outbox.send(submit)
+            while not finished:
+                output = await stream.receive()
+                finished = output.finished
+                yield output
+        except EngineError:
+            finished = True  # rejected, or the engine died: nothing left to abort
+            raise
+        finally:
+            self._streams.close(request_id)
+            if not finished and request_id not in self._aborted and not self._actors.dead.is_set():
+                with trio.move_on_after(ABORT_SEND_TIMEOUT, shield=True):
+                    await self._actors.intake_outbox.send(Abort(request_id=request_id))
+            self._aborted.discard(request_id)
+
+    def _new_request_id(self) -> str:
+        return f"req-{next(self._request_counter)}"
+
+    def _check_accepting(self) -> None:
+        if self._actors.error is not None:
+            raise self._actors.error
+        if self._draining:
+            raise EngineDead("the engine is shutting down and takes no new requests")
+
+    # -- state ----------------------------------------------------------------
+
+    def statistics(self) -> EngineStatistics:
+        return self._actors.statistics()
+
+    @property
+    def is_healthy(self) -> bool:
+        """False once the engine is dead or draining."""
+        return not self._draining and self._actors.error is None
+
+    @property
+    def num_open_requests(self) -> int:
+        return len(self._streams)
+
+    def begin_drain(self) -> None:
+        """Take no new requests; those in flight go on."""
+        self._draining = True
+
+    async def wait_dead(self) -> None:
+        """Return once an actor failed and the engine stopped."""
+        await self._actors.dead.wait()
+
+    async def _drain(self) -> None:
+        self.begin_drain()
+        with trio.move_on_after(self.config.shutdown_grace_seconds, shield=True):
+            await self._streams.wait_empty()
+        if len(self._streams):
+            logger.warning("shutting down with %d requests still open", len(self._streams))
+            self._streams.fail_all(EngineDead("the engine shut down"))
