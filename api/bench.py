@@ -1,0 +1,185 @@
+"""`trio-llm bench throughput`: the in-process engine on a random workload.
+
+The default workload is the one nano-vllm publishes: 256 requests, prompt and
+output lengths uniform in [100, 1024], prompt token ids uniform in [0, 10000),
+ignore_eos, temperature 0.6. ``--executor null`` swaps the model for one that
+returns tokens at once, which leaves the engine's own control plane
+(scheduler, messages, detokenizer, streams) as the whole cost of a step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from trio_llm.actors.config import EngineConfig
+from trio_llm.actors.messages import SamplingParams, ScheduledBatch, StepResult
+
+
+class WorkloadItem(msgspec.Struct, frozen=True):
+    prompt_token_ids: list[int]
+    max_tokens: int
+
+
+def random_workload(*, seed: int, num_prompts: int, prompt_len: tuple[int, int],
+                    output_len: tuple[int, int], max_token_id: int) -> list[WorkloadItem]:
+    """Random prompts from a seed: the same list on every machine."""
+    rng = random.Random(seed)
+    return [
+        WorkloadItem(
+            prompt_token_ids=[rng.randrange(max_token_id) for _ in range(rng.randint(*prompt_len))],
+            max_tokens=rng.randint(*output_len),
+        )
+        for _ in range(num_prompts)
+    ]
+
+
+class NullExecutor:
+    """A model that costs nothing: samples token 1 for every request.
+
+    It keeps the real executor's sizes, so the engine is configured exactly as
+    it would be with the model.
+    """
+
+    def __init__(self, model: Any) -> None:
+        self.model_path = model.model_path
+        self.num_kv_blocks = model.num_kv_blocks
+        self.max_model_len = model.max_model_len
+        self.vocab_size = model.vocab_size
+        self.execute_seconds = 0.0
+
+    def execute(self, batch: ScheduledBatch) -> StepResult:
+        sampled = [request.request_id for request in batch.requests if request.sample]
+        return StepResult(step_id=batch.step_id, request_ids=sampled,
+                          sampled_token_ids=[1] * len(sampled))
+
+
+class TimedExecutor:
+    """Wraps an executor to add up the time it spends in `execute`."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.execute_seconds = 0.0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def execute(self, batch: ScheduledBatch) -> StepResult:
+        start = time.perf_counter()
+        try:
+            return self.inner.execute(batch)
+        finally:
+            self.execute_seconds += time.perf_counter() - start
+
+
+async def run_engine_throughput(config: EngineConfig, model: Any, workload: list[WorkloadItem],
+                                *, temperature: float, executor_kind: str,
+                                progress: bool) -> dict[str, Any]:
+    """Submit the whole workload at once to an engine over ``model`` (a
+    ModelExecutor); return measured figures."""
+    import trio
+    from tqdm import tqdm
+
+    from trio_llm.api.engine import Engine
+
+    executor = NullExecutor(model) if executor_kind == "null" else TimedExecutor(model)
+    num_output_tokens = 0
+    bar = tqdm(total=sum(item.max_tokens for item in workload), disable=not progress,
+               unit="tok", file=sys.stderr)
+
+    async def one(engine: Engine, index: int, item: WorkloadItem) -> None:
+        nonlocal num_output_tokens
+        params = SamplingParams(max_tokens=item.max_tokens, temperature=temperature,
+                                ignore_eos=True, seed=index)
+        async for output in engine.generate(item.prompt_token_ids, params):
+            num_output_tokens += len(output.token_ids)
+            bar.update(len(output.token_ids))
+
+    async with Engine.open(config, executor=executor) as engine:
+        start = time.perf_counter()
+        async with trio.open_nursery() as nursery:
+            for index, item in enumerate(workload):
+                nursery.start_soon(one, engine, index, item)
+        elapsed = time.perf_counter() - start
+        stats = engine.statistics()
+    bar.close()
+    return {
+        "executor": executor_kind,
+        "num_requests": len(workload),
+        "num_prompt_tokens": sum(len(item.prompt_token_ids) for item in workload),
+        "num_output_tokens": num_output_tokens,
+        "elapsed_seconds": elapsed,
+        "output_tokens_per_second": num_output_tokens / elapsed,
+        "num_steps": stats.num_steps,
+        "num_preemptions": stats.num_preemptions,
+        "milliseconds_per_step": 1000 * elapsed / max(stats.num_steps, 1),
+        "executor_milliseconds_per_step": 1000 * executor.execute_seconds / max(stats.num_steps, 1),
+    }
+
+
+def _run_throughput(args: argparse.Namespace) -> int:
+    import trio
+
+    from trio_llm.api.cli import engine_config_from_args
+
+    config = engine_config_from_args(args)
+
+    def workload(max_token_id: int) -> list[WorkloadItem]:
+        return random_workload(seed=args.seed_workload, num_prompts=args.num_prompts,
+                               prompt_len=(args.min_prompt_len, args.max_prompt_len),
+                               output_len=(args.min_output_len, args.max_output_len),
+                               max_token_id=max_token_id)
+
+    if args.backend == "transformers":
+        from trio_llm.gpu.cuda_hf_baseline import run_transformers_throughput
+
+        result = run_transformers_throughput(config, workload(args.max_token_id),
+                                             temperature=args.temperature)
+    else:
+        from trio_llm.gpu.executor import ModelExecutor
+
+        model = ModelExecutor.create(config)
+        items = workload(min(args.max_token_id, model.vocab_size))
+        result = trio.run(lambda: run_engine_throughput(
+            config, model, items, temperature=args.temperature, executor_kind=args.executor,
+            progress=not args.no_progress))
+    result["config"] = msgspec.to_builtins(config)
+    print(json.dumps({k: v for k, v in result.items() if k != "config"}, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+def add_bench_commands(commands: Any) -> None:
+    """Add `bench throughput` and `bench serve` to the `trio-llm bench` parser."""
+    from trio_llm.api import bench_serve
+    from trio_llm.api.cli import add_engine_arguments
+
+    throughput = commands.add_parser("throughput", help="in-process engine throughput")
+    add_engine_arguments(throughput)
+    throughput.add_argument("--backend", choices=["trio-llm", "transformers"], default="trio-llm")
+    throughput.add_argument("--executor", choices=["model", "null"], default="model",
+                            help="null: a model that costs nothing (measures the control plane)")
+    throughput.add_argument("--num-prompts", type=int, default=256)
+    throughput.add_argument("--min-prompt-len", type=int, default=100)
+    throughput.add_argument("--max-prompt-len", type=int, default=1024)
+    throughput.add_argument("--min-output-len", type=int, default=100)
+    throughput.add_argument("--max-output-len", type=int, default=1024)
+    throughput.add_argument("--max-token-id", type=int, default=10000,
+                            help="prompt token ids are uniform in [0, this)")
+    throughput.add_argument("--temperature", type=float, default=0.6)
+    throughput.add_argument("--seed-workload", type=int, default=0)
+    throughput.add_argument("--json", help="write the results here")
+    throughput.add_argument("--no-progress", action="store_true")
+    throughput.set_defaults(run=_run_throughput)
+
+    serve = commands.add_parser("serve", help="benchmark a running server over HTTP")
+    bench_serve.add_bench_serve_arguments(serve)
+    serve.set_defaults(run=bench_serve.run_bench_serve)
