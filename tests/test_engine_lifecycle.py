@@ -1,0 +1,222 @@
+"""The in-process API end to end: priority, cancellation, failure, bad input."""
+
+from __future__ import annotations
+
+import random
+from contextlib import aclosing
+
+import pytest
+import trio
+from trio.testing import wait_all_tasks_blocked
+
+from trio_llm.actors.config import EngineConfig
+from trio_llm.actors.errors import EngineDead, RequestRejected
+from trio_llm.actors.messages import SamplingParams, ScheduledBatch, StepResult
+from trio_llm.api.engine import Engine
+from trio_llm.gpu.executor import ModelExecutor
+
+CONFIG = EngineConfig(model="tiny", num_kv_blocks=256, block_size=16, max_num_seqs=64,
+                      max_num_batched_tokens=512)
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+async def collect(engine: Engine, prompt: list[int] | str, params: SamplingParams,
+                  **kwargs: object) -> list[int]:
+    token_ids: list[int] = []
+    async for output in engine.generate(prompt, params, **kwargs):  # type: ignore[arg-type]
+        token_ids += output.token_ids
+    return token_ids
+
+
+async def assert_engine_idle(engine: Engine) -> None:
+    """Run one more request: channels are FIFO, so once it finished, every abort
+    sent before it has been handled. Then nothing may hold a KV block."""
+    assert await collect(engine, [5, 6, 7], greedy(2))
+    stats = engine.statistics()
+    assert (stats.num_running, stats.num_waiting) == (0, 0)
+    assert stats.num_free_blocks == stats.num_total_blocks
+
+
+# -- priority -------------------------------------------------------------------
+
+
+async def first_token_order(config: EngineConfig) -> tuple[list[str], int]:
+    """Fill both seats with low-priority requests, queue two more, then send a
+    high-priority one; return the order in which requests got a first token."""
+    order: list[str] = []
+    async with Engine.open(config) as engine:
+        first_tokens = {name: trio.Event() for name in "ABCDH"}
+
+        async def run(name: str, priority: int, max_tokens: int) -> None:
+            async for _ in engine.generate([10, 11, 12, ord(name)], greedy(max_tokens),
+                                           priority=priority, request_id=name):
+                if not first_tokens[name].is_set():
+                    first_tokens[name].set()
+                    order.append(name)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run, "A", 5, 60)
+            nursery.start_soon(run, "B", 5, 60)
+            await first_tokens["A"].wait()
+            await first_tokens["B"].wait()
+            for name in "CD":
+                nursery.start_soon(run, name, 5, 5)
+                await wait_all_tasks_blocked()
+            nursery.start_soon(run, "H", 0, 5)
+        num_preemptions = engine.statistics().num_preemptions
+    return order, num_preemptions
+
+
+async def test_late_high_priority_request_runs_before_earlier_low_priority_ones() -> None:
+    config = EngineConfig(model="tiny", max_num_seqs=2, scheduling_policy="priority",
+                          num_kv_blocks=64)
+    with trio.fail_after(60):
+        order, num_preemptions = await first_token_order(config)
+    assert order.index("H") < order.index("C") < order.index("D")
+    assert num_preemptions == 0
+
+
+async def test_priority_preemption_threshold() -> None:
+    base = EngineConfig(model="tiny", max_num_seqs=2, scheduling_policy="priority",
+                        num_kv_blocks=64)
+    with trio.fail_after(60):
+        order, num_preemptions = await first_token_order(
+            msgspec_replace(base, priority_preemption_threshold=3))
+        assert num_preemptions >= 1
+        assert order[2] == "H", "the high-priority request preempted a running one at once"
+
+        order, num_preemptions = await first_token_order(
+            msgspec_replace(base, priority_preemption_threshold=6))
+        assert num_preemptions == 0, "a gap of 5 is under the threshold of 6"
+
+
+def msgspec_replace(config: EngineConfig, **changes: object) -> EngineConfig:
+    import msgspec
+
+    return msgspec.structs.replace(config, **changes)
+
+
+# -- cancellation ---------------------------------------------------------------
+
+
+async def test_cancelled_streams_free_their_blocks_and_leave_others_unchanged() -> None:
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(1, 30))] for _ in range(100)]
+    cancelled = set(rng.sample(range(100), 50))
+    with trio.fail_after(240):
+        async with Engine.open(CONFIG) as engine:
+            reference = {}
+            async with trio.open_nursery() as nursery:
+                for index in sorted(set(range(100)) - cancelled):
+                    async def run_reference(index: int = index) -> None:
+                        reference[index] = await collect(engine, prompts[index], greedy(12))
+                    nursery.start_soon(run_reference)
+
+            results: dict[int, list[int]] = {}
+
+            async def run(index: int) -> None:
+                received: list[int] = []
+                stop_after = 1 + index % 5
+                if index not in cancelled:
+                    results[index] = await collect(engine, prompts[index], greedy(12))
+                elif index % 2:  # leave the loop early
+                    async with aclosing(engine.generate(prompts[index], greedy(12))) as stream:
+                        async for output in stream:
+                            received += output.token_ids
+                            if len(received) >= stop_after:
+                                break
+                else:  # a cancel scope around the stream
+                    with trio.CancelScope() as scope:
+                        async for output in engine.generate(prompts[index], greedy(12)):
+                            received += output.token_ids
+                            if len(received) >= stop_after:
+                                scope.cancel()
+
+            async with trio.open_nursery() as nursery:
+                for index in range(100):
+                    nursery.start_soon(run, index)
+            assert results == reference
+            await assert_engine_idle(engine)
+
+
+async def test_abort_by_id_finishes_the_stream_with_reason_abort() -> None:
+    with trio.fail_after(60):
+        async with Engine.open(CONFIG) as engine:
+            last = None
+            async for output in engine.generate([1, 2, 3], greedy(1000), request_id="victim"):
+                last = output
+                if not output.finished:
+                    await engine.abort("victim")
+            assert last is not None and last.finished and last.finish_reason == "abort"
+            await assert_engine_idle(engine)
+
+
+# -- failure --------------------------------------------------------------------
+
+
+class FaultyExecutor:
+    """The real executor, until step ``fail_at`` raises."""
+
+    def __init__(self, inner: ModelExecutor, fail_at: int) -> None:
+        self.inner = inner
+        self.fail_at = fail_at
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def execute(self, batch: ScheduledBatch) -> StepResult:
+        if batch.step_id >= self.fail_at:
+            raise RuntimeError("injected device failure")
+        return self.inner.execute(batch)
+
+
+async def test_runner_failure_reaches_every_request_and_closes_the_engine() -> None:
+    executor = FaultyExecutor(await trio.to_thread.run_sync(ModelExecutor.create, CONFIG), 5)
+    errors: list[BaseException] = []
+    with trio.fail_after(60), pytest.raises(EngineDead, match="injected device failure"):
+        async with Engine.open(CONFIG, executor=executor) as engine:
+
+            async def run(index: int) -> None:
+                try:
+                    await collect(engine, [index + 3] * 4, greedy(100))
+                except EngineDead as error:
+                    errors.append(error)
+
+            async with trio.open_nursery() as nursery:
+                for index in range(8):
+                    nursery.start_soon(run, index)
+            assert len(errors) == 8
+            assert not engine.is_healthy
+            with pytest.raises(EngineDead):
+                await collect(engine, [1, 2], greedy(2))
+
+
+# -- bad input ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "param", "words"),
+    [
+        ("", SamplingParams(), "prompt", "empty"),
+        ([], SamplingParams(), "prompt", "empty"),
+        ("hello", SamplingParams(max_tokens=0), "max_tokens", ">= 1"),
+        ("hello", SamplingParams(temperature=-1.0), "temperature", ">= 0"),
+        ("hello", SamplingParams(top_p=1.5), "top_p", "<= 1"),
+        ([1, 2, 10**9], SamplingParams(), "prompt", "vocabulary"),
+        ("hello", SamplingParams(stop_token_ids=[-4]), "stop_token_ids", ""),
+        ([1] * 5000, SamplingParams(), "prompt", "maximum context length"),
+        ("hello", SamplingParams(max_tokens=10**6), "max_tokens", "maximum context length"),
+    ],
+)
+async def test_bad_input_is_rejected_clearly(prompt: object, params: SamplingParams, param: str,
+                                             words: str) -> None:
+    with trio.fail_after(60):
+        async with Engine.open(CONFIG) as engine:
+            with pytest.raises(RequestRejected) as caught:
+                await collect(engine, prompt, params)  # type: ignore[arg-type]
+            assert caught.value.param == param
+            assert words in str(caught.value)
+            assert await collect(engine, "hello", greedy(3)), "the engine still serves"
