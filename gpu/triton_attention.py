@@ -1,0 +1,312 @@
+"""Triton kernels for attention over the paged KV cache (the CUDA path).
+
+Same contract as the torch reference in trio_llm.gpu.attention:
+
+- caches are ``[num_blocks, block_size, num_kv_heads, head_dim]``, contiguous;
+- a slot is ``block_id * block_size + offset``;
+- query ``i`` of sequence ``s`` sits at position ``context_len - query_len + i``
+  and attends causally to every earlier position of its sequence.
+
+Decode (one query token per sequence) groups the query heads that share a KV
+head into one program, so each KV tile is read once per group, and splits long
+contexts over several programs when there are too few sequences to fill the
+device; a second small kernel merges the splits. Prefill and mixed steps
+(varlen, causal, GQA) run one program per (query tile, query head, sequence).
+Every grid depends on shapes only, never on values, so decode steps can be
+captured in a CUDA graph, and nothing here synchronizes with the host.
+
+Padding for CUDA graphs: a token with a negative slot is not written, and a
+sequence with context length 0 produces zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# tl.dot needs at least 16 rows: GQA groups are padded up to this.
+MIN_DOT_ROWS = 16
+DECODE_BLOCK_N = 64
+PREFILL_BLOCK_M = 64
+PREFILL_BLOCK_N = 64
+MAX_DECODE_SPLITS = 16
+
+
+@triton.jit
+def _write_kv_kernel(
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    key_token_stride, key_head_stride, value_token_stride, value_head_stride,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_HEADS: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    heads = tl.arange(0, BLOCK_HEADS)[:, None]
+    dims = tl.arange(0, BLOCK_D)[None, :]
+    mask = (heads < NUM_KV_HEADS) & (dims < HEAD_DIM) & (slot >= 0)
+    cache_offsets = slot * (NUM_KV_HEADS * HEAD_DIM) + heads * HEAD_DIM + dims
+    key = tl.load(key_ptr + token * key_token_stride + heads * key_head_stride + dims, mask=mask)
+    tl.store(k_cache_ptr + cache_offsets, key, mask=mask)
+    value = tl.load(value_ptr + token * value_token_stride + heads * value_head_stride + dims,
+                    mask=mask)
+    tl.store(v_cache_ptr + cache_offsets, value, mask=mask)
+
+
+@triton.jit
+def _load_kv_tile(cache_ptr, block_table_row_ptr, positions, position_mask, kv_head, dims,
+                  dim_mask, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK_SIZE: tl.constexpr):
+    """Rows of one KV head's cache for ``positions`` of one sequence: [BLOCK_N, BLOCK_D]."""
+    block_ids = tl.load(block_table_row_ptr + positions // BLOCK_SIZE, mask=position_mask,
+                        other=0).to(tl.int64)
+    slots = block_ids * BLOCK_SIZE + positions % BLOCK_SIZE
+    offsets = slots[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + dims[None, :]
+    return tl.load(cache_ptr + offsets, mask=position_mask[:, None] & dim_mask[None, :], other=0.0)
+
+
+@triton.jit
+def _decode_kernel(
+    query_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+    out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, scale,
+    query_token_stride, query_head_stride, out_token_stride, out_head_stride,
+    block_table_stride,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    context_len = tl.load(context_lens_ptr + seq)
+
+    group_rows = tl.arange(0, BLOCK_H)
+    row_mask = group_rows < GROUP_SIZE
+    heads = kv_head * GROUP_SIZE + group_rows
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < HEAD_DIM
+    io_mask = row_mask[:, None] & dim_mask[None, :]
+    query = tl.load(query_ptr + seq * query_token_stride + heads[:, None] * query_head_stride
+                    + dims[None, :], mask=io_mask, other=0.0)
+
+    tokens_per_split = tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, context_len)
+    block_table_row_ptr = block_tables_ptr + seq.to(tl.int64) * block_table_stride
+
+    running_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    running_sum = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for tile_start in range(start, end, BLOCK_N):
+        positions = tile_start + tl.arange(0, BLOCK_N)
+        position_mask = positions < end
+        key = _load_kv_tile(k_cache_ptr, block_table_row_ptr, positions, position_mask, kv_head,
+                            dims, dim_mask, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
+        scores = tl.dot(query, tl.trans(key)) * scale
+        scores = tl.where(position_mask[None, :], scores, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(scores, 1))
+        rescale = tl.exp(running_max - new_max)
+        probs = tl.exp(scores - new_max[:, None])
+        running_sum = running_sum * rescale + tl.sum(probs, 1)
+        value = _load_kv_tile(v_cache_ptr, block_table_row_ptr, positions, position_mask,
+                              kv_head, dims, dim_mask, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
+        acc = acc * rescale[:, None] + tl.dot(probs.to(value.dtype), value)
+        running_max = new_max
+
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
+        tl.store(out_ptr + seq * out_token_stride + heads[:, None] * out_head_stride
+                 + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=io_mask)
+    else:
+        # partials: [num_seqs, NUM_HEADS, NUM_SPLITS] and [..., HEAD_DIM]
+        split_index = (seq * NUM_HEADS + heads) * NUM_SPLITS + split
+        tl.store(partial_max_ptr + split_index, running_max, mask=row_mask)
+        tl.store(partial_sum_ptr + split_index, running_sum, mask=row_mask)
+        tl.store(partial_acc_ptr + split_index[:, None] * HEAD_DIM + dims[None, :], acc,
+                 mask=io_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr,
+    out_token_stride, out_head_stride,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, BLOCK_SPLITS)
+    split_mask = splits < NUM_SPLITS
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < HEAD_DIM
+    split_index = (seq * NUM_HEADS + head) * NUM_SPLITS + splits
+    split_max = tl.load(partial_max_ptr + split_index, mask=split_mask, other=float("-inf"))
+    split_sum = tl.load(partial_sum_ptr + split_index, mask=split_mask, other=0.0)
+    split_acc = tl.load(partial_acc_ptr + split_index[:, None] * HEAD_DIM + dims[None, :],
+                        mask=split_mask[:, None] & dim_mask[None, :], other=0.0)
+    overall_max = tl.max(split_max, 0)
+    # Empty splits (and padded sequences, where every split is empty) weigh 0.
+    overall_max = tl.where(overall_max == float("-inf"), 0.0, overall_max)
+    weights = tl.where(split_sum > 0, tl.exp(split_max - overall_max), 0.0)
+    total = tl.sum(split_sum * weights, 0)
+    out = tl.sum(split_acc * weights[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + seq * out_token_stride + head * out_head_stride + dims,
+             out.to(out_ptr.dtype.element_ty), mask=dim_mask)
+
+
+@triton.jit
+def _prefill_kernel(
+    query_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+    query_start_loc_ptr, out_ptr, scale,
+    query_token_stride, query_head_stride, out_token_stride, out_head_stride,
+    block_table_stride,
+    NUM_KV_HEADS: tl.constexpr, GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    query_tile = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.program_id(2)
+    query_start = tl.load(query_start_loc_ptr + seq)
+    query_len = tl.load(query_start_loc_ptr + seq + 1) - query_start
+    if query_tile * BLOCK_M >= query_len:
+        return
+    kv_head = head // GROUP_SIZE
+    context_len = tl.load(context_lens_ptr + seq)
+
+    rows = query_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < query_len
+    query_positions = context_len - query_len + rows
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < HEAD_DIM
+    io_mask = row_mask[:, None] & dim_mask[None, :]
+    tokens = (query_start + rows).to(tl.int64)
+    query = tl.load(query_ptr + tokens[:, None] * query_token_stride + head * query_head_stride
+                    + dims[None, :], mask=io_mask, other=0.0)
+    block_table_row_ptr = block_tables_ptr + seq.to(tl.int64) * block_table_stride
+
+    running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    running_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # The last row of this tile sees positions up to its own; nothing beyond.
+    end = tl.minimum(context_len, context_len - query_len + (query_tile + 1) * BLOCK_M)
+    for tile_start in range(0, end, BLOCK_N):
+        positions = tile_start + tl.arange(0, BLOCK_N)
+        position_mask = positions < end
+        key = _load_kv_tile(k_cache_ptr, block_table_row_ptr, positions, position_mask, kv_head,
+                            dims, dim_mask, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
+        scores = tl.dot(query, tl.trans(key)) * scale
+        visible = (positions[None, :] <= query_positions[:, None]) & position_mask[None, :]
+        scores = tl.where(visible, scores, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(scores, 1))
+        rescale = tl.exp(running_max - new_max)
+        probs = tl.exp(scores - new_max[:, None])
+        running_sum = running_sum * rescale + tl.sum(probs, 1)
+        value = _load_kv_tile(v_cache_ptr, block_table_row_ptr, positions, position_mask,
+                              kv_head, dims, dim_mask, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
+        acc = acc * rescale[:, None] + tl.dot(probs.to(value.dtype), value)
+        running_max = new_max
+
+    out = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
+    tl.store(out_ptr + tokens[:, None] * out_token_stride + head * out_head_stride + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store this step's keys and values at their slots; a negative slot is skipped."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert key.stride(2) == 1 and value.stride(2) == 1
+    _write_kv_kernel[(num_tokens,)](
+        key, value, k_cache, v_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        BLOCK_HEADS=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+    )
+
+
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, context_lens: torch.Tensor,
+                    query_start_loc: torch.Tensor, scale: float, *,
+                    max_query_len: int | None = None,
+                    num_splits: int | None = None) -> torch.Tensor:
+    """Causal attention of ``query`` over the paged cache -> [num_tokens, num_heads, head_dim].
+
+    A batch with as many tokens as sequences is decode-only (every sequence has
+    at least one query token) and takes the decode kernel. ``max_query_len``,
+    when the caller knows it, trims the prefill grid; ``num_splits`` overrides
+    the decode split count (which otherwise depends on the batch size only).
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    num_seqs = block_tables.shape[0]
+    out = torch.empty_like(query)
+    if num_tokens == 0:
+        return out
+    assert query.stride(2) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
+    if num_tokens == num_seqs:
+        splits = num_splits or decode_num_splits(num_seqs, k_cache.shape[2], query.device)
+        _decode(query, k_cache, v_cache, block_tables, context_lens, scale, out, splits)
+    else:
+        _prefill(query, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, out,
+                 max_query_len or num_tokens - num_seqs + 1)
+    return out
+
+
+def decode_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
+    """Split the context over more programs only when sequences x KV heads leave SMs idle."""
+    if device.type != "cuda":
+        return 1
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    num_programs = num_seqs * num_kv_heads
+    if num_programs >= num_sms:
+        return 1
+    return min(MAX_DECODE_SPLITS, triton.cdiv(2 * num_sms, num_programs))
+
+
+def _decode(query, k_cache, v_cache, block_tables, context_lens, scale, out, num_splits):
+    num_seqs, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group_size = num_heads // num_kv_heads
+    if num_splits > 1:
+        partial_acc = torch.empty((num_seqs, num_heads, num_splits, head_dim),
+                                  dtype=torch.float32, device=query.device)
+        partial_max = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32,
+                                  device=query.device)
+        partial_sum = torch.empty_like(partial_max)
+    else:
+        partial_acc = partial_max = partial_sum = out  # unused by the kernel
+    block_d = triton.next_power_of_2(head_dim)
+    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        query, k_cache, v_cache, block_tables, context_lens,
+        out, partial_acc, partial_max, partial_sum, scale,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP_SIZE=group_size,
+        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
+        BLOCK_H=max(MIN_DOT_ROWS, triton.next_power_of_2(group_size)),
+        BLOCK_N=DECODE_BLOCK_N, BLOCK_D=block_d, num_warps=4,
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(num_seqs, num_heads)](
+            out, partial_acc, partial_max, partial_sum, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+            BLOCK_SPLITS=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=2,
+        )
+
+
+def _prefill(query, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, out,
+             max_query_len):
+    num_seqs = block_tables.shape[0]
+    _, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    grid = (triton.cdiv(max_query_len, PREFILL_BLOCK_M), num_heads, num_seqs)
+    _prefill_kernel[grid](
+        query, k_cache, v_cache, block_tables, context_lens, query_start_loc, out, scale,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        NUM_KV_HEADS=num_kv_heads, GROUP_SIZE=num_heads // num_kv_heads, HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size, BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N,
+        BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4, num_stages=2,
+    )

@@ -1,0 +1,183 @@
+"""The Triton paged-attention kernels against the torch reference, on random inputs.
+
+On CUDA they run compiled, in bf16; elsewhere in Triton's interpreter
+(TRITON_INTERPRET=1, set before triton is imported) on small float32 shapes,
+so CI checks the kernels' logic too.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+from trio_llm.gpu import triton_attention  # noqa: E402
+
+if not HAS_CUDA and type(triton_attention._decode_kernel).__name__ != "InterpretedFunction":
+    pytest.skip("the kernels were compiled before interpreter mode could be set",
+                allow_module_level=True)
+
+try:
+    from trio_llm.gpu.attention import paged_attention as reference_attention
+    from trio_llm.gpu.attention import write_kv_cache as reference_write
+except ImportError:  # the reference has not landed yet
+    reference_attention = reference_write = None
+
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+DTYPE = torch.bfloat16 if HAS_CUDA else torch.float32
+# bf16 operands: relative error between 1e-3 and 1e-2; float32 in the interpreter is exact-ish.
+TOLERANCE = 2e-2 if HAS_CUDA else 1e-4
+
+
+def naive_paged_attention(query, k_cache, v_cache, block_tables, context_lens, query_start_loc,
+                          scale):
+    """Float64 attention, one sequence at a time, gathering each sequence's cache rows."""
+    num_heads = query.shape[1]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group_size = num_heads // num_kv_heads
+    out = torch.zeros_like(query, dtype=torch.float64)
+    for seq in range(block_tables.shape[0]):
+        start, end = int(query_start_loc[seq]), int(query_start_loc[seq + 1])
+        context_len, query_len = int(context_lens[seq]), end - start
+        positions = torch.arange(context_len, device=query.device)
+        slots = block_tables[seq, positions // block_size].long() * block_size + positions % block_size
+        keys = k_cache.flatten(0, 1)[slots].double().repeat_interleave(group_size, dim=1)
+        values = v_cache.flatten(0, 1)[slots].double().repeat_interleave(group_size, dim=1)
+        queries = query[start:end].double()
+        scores = torch.einsum("qhd,khd->hqk", queries, keys) * scale
+        query_positions = context_len - query_len + torch.arange(query_len, device=query.device)
+        hidden = positions[None, :] > query_positions[:, None]
+        scores = scores.masked_fill(hidden[None], float("-inf"))
+        out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
+    return out
+
+
+def random_batch(generator, *, query_lens, context_lens, num_heads, num_kv_heads, head_dim,
+                 block_size):
+    """Random query and caches, and block tables that scatter each sequence over shuffled blocks."""
+    num_seqs = len(query_lens)
+    max_blocks = max(-(-c // block_size) for c in context_lens)
+    num_blocks = num_seqs * max_blocks + 3
+    permutation = torch.randperm(num_blocks, generator=generator)
+    block_tables = permutation[: num_seqs * max_blocks].reshape(num_seqs, max_blocks)
+    query = torch.randn(sum(query_lens), num_heads, head_dim, generator=generator)
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=generator)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=generator)
+    query_start_loc = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()])
+    as_device = {"device": DEVICE}
+    return (query.to(DTYPE).to(**as_device), k_cache.to(DTYPE).to(**as_device),
+            v_cache.to(DTYPE).to(**as_device), block_tables.to(torch.int32).to(**as_device),
+            torch.tensor(context_lens, dtype=torch.int32, device=DEVICE),
+            query_start_loc.to(torch.int32).to(**as_device))
+
+
+def relative_error(out, expected):
+    assert not out.isnan().any()
+    return ((out.double() - expected).norm() / expected.norm()).item()
+
+
+SHAPES = [
+    # (num_heads, num_kv_heads, head_dim, block_size)
+    (4, 2, 32, 16),
+    (6, 6, 16, 8),
+    (8, 1, 64, 32),
+]
+if HAS_CUDA:
+    SHAPES += [(16, 8, 128, 16), (32, 8, 128, 16)]
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "block_size"), SHAPES)
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_matches_reference(num_heads, num_kv_heads, head_dim, block_size, num_splits):
+    generator = torch.Generator().manual_seed(num_heads * 100 + head_dim + num_splits)
+    context_lens = [1, 37, 130, 64]
+    batch = random_batch(generator, query_lens=[1] * 4, context_lens=context_lens,
+                         num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                         block_size=block_size)
+    scale = head_dim**-0.5
+    out = triton_attention.paged_attention(*batch, scale, num_splits=num_splits)
+    assert relative_error(out, naive_paged_attention(*batch, scale)) < TOLERANCE
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "block_size"), SHAPES)
+def test_prefill_and_mixed_match_reference(num_heads, num_kv_heads, head_dim, block_size):
+    generator = torch.Generator().manual_seed(num_heads * 10 + head_dim)
+    # a whole prompt, a chunk continuing a prompt, a decode token, a prompt spanning query tiles
+    query_lens = [20, 9, 1, 70]
+    context_lens = [20, 41, 33, 70]
+    batch = random_batch(generator, query_lens=query_lens, context_lens=context_lens,
+                         num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                         block_size=block_size)
+    scale = head_dim**-0.5
+    expected = naive_paged_attention(*batch, scale)
+    for max_query_len in (None, 70):
+        out = triton_attention.paged_attention(*batch, scale, max_query_len=max_query_len)
+        assert relative_error(out, expected) < TOLERANCE
+
+
+def test_padded_decode_sequence_gives_zeros_and_leaves_others_alone():
+    generator = torch.Generator().manual_seed(7)
+    batch = random_batch(generator, query_lens=[1, 1], context_lens=[5, 1], num_heads=4,
+                         num_kv_heads=2, head_dim=32, block_size=16)
+    query, k_cache, v_cache, block_tables, context_lens, query_start_loc = batch
+    expected = naive_paged_attention(*batch, 0.1)
+    context_lens[1] = 0  # a CUDA-graph padding row
+    for num_splits in (1, 2):
+        out = triton_attention.paged_attention(query, k_cache, v_cache, block_tables,
+                                               context_lens, query_start_loc, 0.1,
+                                               num_splits=num_splits)
+        assert relative_error(out[:1], expected[:1]) < TOLERANCE
+        assert out[1].abs().max().item() == 0.0
+
+
+def test_write_kv_cache_stores_at_slots_and_skips_negative_slots():
+    generator = torch.Generator().manual_seed(3)
+    num_blocks, block_size, num_kv_heads, head_dim = 4, 8, 3, 16
+    key = torch.randn(5, num_kv_heads, head_dim, generator=generator).to(DTYPE).to(DEVICE)
+    value = torch.randn(5, num_kv_heads, head_dim, generator=generator).to(DTYPE).to(DEVICE)
+    slot_mapping = torch.tensor([9, 0, 31, -1, 17], dtype=torch.int64, device=DEVICE)
+    k_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=DTYPE,
+                          device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    triton_attention.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+    written = [0, 1, 2, 4]
+    assert torch.equal(k_cache.flatten(0, 1)[slot_mapping[written]], key[written])
+    assert torch.equal(v_cache.flatten(0, 1)[slot_mapping[written]], value[written])
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
+    untouched[slot_mapping[written].cpu()] = False
+    assert k_cache.flatten(0, 1)[untouched.to(DEVICE)].abs().max().item() == 0.0
+
+
+def test_write_kv_cache_reads_strided_views():
+    """Keys and values usually arrive as views into one fused qkv projection."""
+    generator = torch.Generator().manual_seed(4)
+    num_kv_heads, head_dim = 2, 16
+    qkv = torch.randn(3, (4 + 2 * num_kv_heads) * head_dim, generator=generator)
+    qkv = qkv.to(DTYPE).to(DEVICE)
+    key = qkv[:, 4 * head_dim:6 * head_dim].view(3, num_kv_heads, head_dim)
+    value = qkv[:, 6 * head_dim:].view(3, num_kv_heads, head_dim)
+    k_cache = torch.zeros(2, 4, num_kv_heads, head_dim, dtype=DTYPE, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    slot_mapping = torch.tensor([5, 2, 7], device=DEVICE)
+    triton_attention.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+    assert torch.equal(k_cache.flatten(0, 1)[slot_mapping], key)
+    assert torch.equal(v_cache.flatten(0, 1)[slot_mapping], value)
+
+
+@pytest.mark.skipif(reference_attention is None, reason="gpu/attention.py has not landed")
+def test_matches_the_torch_reference_module():
+    generator = torch.Generator().manual_seed(11)
+    batch = random_batch(generator, query_lens=[12, 1, 5], context_lens=[12, 30, 21],
+                         num_heads=4, num_kv_heads=2, head_dim=32, block_size=16)
+    query, k_cache, v_cache, *_ = batch
+    scale = 32**-0.5
+    expected = reference_attention(query.float(), k_cache.float(), v_cache.float(), *batch[3:],
+                                   scale)
+    out = triton_attention.paged_attention(*batch, scale)
+    assert relative_error(out, expected.double()) < TOLERANCE
