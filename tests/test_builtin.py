@@ -1,0 +1,111 @@
+"""Built-in models: deterministic, cached, atomic, offline."""
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+
+from trio_llm.actors.tokenizer import Tokenizer
+from trio_llm.gpu import builtin
+from trio_llm.gpu.builtin import MARKER_FILE, resolve_model
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRIO_LLM_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def _file_bytes(directory: Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted(directory.iterdir())}
+
+
+def test_tiny_is_built_into_the_cache(cache):
+    path = resolve_model("tiny")
+    assert path == cache / "tiny"
+    names = {file.name for file in path.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+            "chat_template.jinja", "generation_config.json"} <= names
+    assert not [name for name in cache.iterdir() if name.name.startswith(".")]
+
+
+def test_tiny_tokenizer_matches_the_model(cache):
+    path = resolve_model("tiny")
+    config = json.loads((path / "config.json").read_text())
+    tokenizer = Tokenizer.from_dir(path)
+    assert tokenizer.vocab_size == config["vocab_size"] == 2048
+    assert config["architectures"] == ["Qwen3ForCausalLM"]
+    text = "The old bridge stood over the river for three hundred years."
+    token_ids = tokenizer.encode(text)
+    assert len(token_ids) < len(text) / 2  # real merges, not bytes
+    assert tokenizer.decode(token_ids) == text
+
+
+def test_tiny_chat_template_and_eos(cache):
+    tokenizer = Tokenizer.from_dir(resolve_model("tiny"))
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}])
+    assert prompt == "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n"
+    im_end, endoftext = tokenizer.encode("<|im_end|><|endoftext|>")
+    assert tokenizer.eos_token_ids == [im_end, endoftext]
+    assert {im_end, endoftext} <= tokenizer.all_special_ids
+
+
+def test_build_is_deterministic(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRIO_LLM_CACHE", str(tmp_path / "first"))
+    first = _file_bytes(resolve_model("tiny"))
+    monkeypatch.setenv("TRIO_LLM_CACHE", str(tmp_path / "second"))
+    second = _file_bytes(resolve_model("tiny"))
+    assert first == second
+
+
+def test_cached_copy_is_reused(cache):
+    path = resolve_model("tiny")
+    (path / "config.json").write_text("{}")  # would be rewritten by a rebuild
+    assert resolve_model("tiny") == path
+    assert (path / "config.json").read_text() == "{}"
+
+
+def test_outdated_copy_is_rebuilt(cache):
+    path = resolve_model("tiny")
+    expected = _file_bytes(path)
+    (path / MARKER_FILE).write_text(json.dumps({"name": "tiny", "version": -1}))
+    (path / "model.safetensors").write_bytes(b"broken")
+    assert _file_bytes(resolve_model("tiny")) == expected
+
+
+def test_concurrent_first_uses_agree(cache):
+    paths: list[Path] = []
+    threads = [threading.Thread(target=lambda: paths.append(resolve_model("tiny")))
+               for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert paths == [cache / "tiny"] * 3
+    assert (cache / "tiny" / MARKER_FILE).is_file()
+    assert [entry.name for entry in cache.iterdir()] == ["tiny"]
+
+
+def test_directory_is_used_as_is(tmp_path, cache):
+    assert resolve_model(str(tmp_path)) == tmp_path
+    assert not cache.exists()
+
+
+def test_unknown_name_lists_builtin_names(cache):
+    with pytest.raises(ValueError, match="tiny, qwen3-0.6b, qwen3-8b"):
+        resolve_model("no-such-model")
+
+
+def test_qwen3_dummy_configs(cache):
+    path = resolve_model("qwen3-0.6b")
+    config = json.loads((path / "config.json").read_text())
+    assert (config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]) == (
+        1024, 28, 151936)
+    assert config["tie_word_embeddings"] is True
+    assert not (path / "model.safetensors").exists()
+    tokenizer = Tokenizer.from_dir(path)
+    assert tokenizer.vocab_size == 151936
+    assert tokenizer.decode([151935]) == "<|filler_151935|>"
+    assert builtin.QWEN3_8B_CONFIG["num_hidden_layers"] == 36
+    assert builtin.QWEN3_8B_CONFIG["tie_word_embeddings"] is False
