@@ -1,0 +1,172 @@
+"""Prometheus metrics of one server: vLLM's metric names under a ``trio_llm:`` prefix.
+
+Gauges and counters the engine already keeps (running, waiting, KV usage,
+preemptions, token totals) are read from ``engine.statistics()`` at scrape
+time by a custom collector, so they can never drift from the engine. Latency
+histograms are observed by the HTTP handlers through ``RequestTimer``.
+
+Each app gets its own CollectorRegistry: two servers in one process (tests)
+never share or collide on metrics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Protocol
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
+
+# Bucket edges as vLLM publishes them, so dashboards built for it read ours too.
+TIME_TO_FIRST_TOKEN_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)
+INTER_TOKEN_LATENCY_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)
+REQUEST_LATENCY_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)
+
+
+class Statistics(Protocol):
+    """The part of EngineStatistics the metrics read."""
+
+    @property
+    def num_running(self) -> int: ...
+    @property
+    def num_waiting(self) -> int: ...
+    @property
+    def num_free_blocks(self) -> int: ...
+    @property
+    def num_total_blocks(self) -> int: ...
+    @property
+    def num_preemptions(self) -> int: ...
+    @property
+    def num_prompt_tokens(self) -> int: ...
+    @property
+    def num_generation_tokens(self) -> int: ...
+
+
+class StatisticsSource(Protocol):
+    """What the collector needs of an engine."""
+
+    def statistics(self) -> Statistics: ...
+
+
+class EngineCollector:
+    """Reads the engine's counters at scrape time (see the module docstring)."""
+
+    def __init__(self, engine: StatisticsSource, model_name: str) -> None:
+        self._engine = engine
+        self._model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._engine.statistics()
+        yield self._gauge("num_requests_running", "Requests running in the engine.",
+                          stats.num_running)
+        yield self._gauge("num_requests_waiting", "Requests waiting to run.",
+                          stats.num_waiting)
+        yield self._gauge("kv_cache_usage_perc", "Share of KV cache blocks in use, 0 to 1.",
+                          kv_cache_usage(stats))
+        yield self._counter("num_preemptions", "Preemptions since start.",
+                            stats.num_preemptions)
+        yield self._counter("prompt_tokens", "Prompt tokens prefilled since start.",
+                            stats.num_prompt_tokens)
+        yield self._counter("generation_tokens", "Tokens generated since start.",
+                            stats.num_generation_tokens)
+
+    def _gauge(self, name: str, documentation: str, value: float) -> GaugeMetricFamily:
+        family = GaugeMetricFamily(f"trio_llm:{name}", documentation, labels=["model_name"])
+        family.add_metric([self._model_name], value)
+        return family
+
+    def _counter(self, name: str, documentation: str, value: float) -> CounterMetricFamily:
+        family = CounterMetricFamily(f"trio_llm:{name}", documentation, labels=["model_name"])
+        family.add_metric([self._model_name], value)
+        return family
+
+
+def kv_cache_usage(stats: Statistics) -> float:
+    """Share of KV blocks in use, 0 to 1 (0 before the cache exists)."""
+    if stats.num_total_blocks <= 0:
+        return 0.0
+    return 1.0 - stats.num_free_blocks / stats.num_total_blocks
+
+
+class ServerMetrics:
+    """Every metric of one server, in its own registry."""
+
+    def __init__(self, engine: StatisticsSource, model_name: str) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineCollector(engine, model_name))
+        labels = ["model_name"]
+        self.time_to_first_token = Histogram(
+            "trio_llm:time_to_first_token_seconds", "Time from request arrival to first token.",
+            labels, registry=self.registry, buckets=TIME_TO_FIRST_TOKEN_BUCKETS,
+        ).labels(model_name)
+        self.inter_token_latency = Histogram(
+            "trio_llm:inter_token_latency_seconds", "Time between consecutive output tokens.",
+            labels, registry=self.registry, buckets=INTER_TOKEN_LATENCY_BUCKETS,
+        ).labels(model_name)
+        self.e2e_request_latency = Histogram(
+            "trio_llm:e2e_request_latency_seconds", "Time from request arrival to its end.",
+            labels, registry=self.registry, buckets=REQUEST_LATENCY_BUCKETS,
+        ).labels(model_name)
+        self.request_queue_time = Histogram(
+            "trio_llm:request_queue_time_seconds", "Time a request waited before first running.",
+            labels, registry=self.registry, buckets=REQUEST_LATENCY_BUCKETS,
+        ).labels(model_name)
+        self._request_success = Counter(
+            "trio_llm:request_success", "Requests that finished, by finish reason.",
+            ["model_name", "finished_reason"], registry=self.registry,
+        )
+
+    def count_finished(self, finish_reason: str) -> None:
+        self._request_success.labels(self.model_name, finish_reason).inc()
+
+    def render(self) -> bytes:
+        """The registry in Prometheus' text format."""
+        return prometheus_client.generate_latest(self.registry)
+
+    def timer(self, arrival_time: float) -> RequestTimer:
+        return RequestTimer(self, arrival_time)
+
+
+class RequestTimer:
+    """Observes one request's latencies as its outputs arrive.
+
+    Times are passed in (any monotonic clock), so tests drive it without a clock.
+    An output that carries several tokens (coalesced for a slow reader) spreads
+    its interval evenly over them: one inter-token observation per token.
+    """
+
+    def __init__(self, metrics: ServerMetrics, arrival_time: float) -> None:
+        self._metrics = metrics
+        self._arrival_time = arrival_time
+        self._last_token_time: float | None = None
+
+    def on_output(self, now: float, *, num_new_tokens: int, queue_time: float | None) -> None:
+        if queue_time is not None:
+            self._metrics.request_queue_time.observe(queue_time)
+        if num_new_tokens <= 0:
+            return
+        if self._last_token_time is None:
+            self._metrics.time_to_first_token.observe(now - self._arrival_time)
+            num_new_tokens -= 1
+        elif num_new_tokens:
+            interval = (now - self._last_token_time) / num_new_tokens
+            for _ in range(num_new_tokens):
+                self._metrics.inter_token_latency.observe(interval)
+        self._last_token_time = now
+
+    def on_finish(self, now: float, finish_reason: str | None) -> None:
+        self._metrics.e2e_request_latency.observe(now - self._arrival_time)
+        self._metrics.count_finished(finish_reason or "unknown")

@@ -1,0 +1,593 @@
+"""OpenAI-compatible request and response bodies, as msgspec Structs.
+
+Requests are decoded straight into Structs whose constraints mirror
+SamplingParams, so a bad value fails at decode time with the field named.
+What the engine does not support (several choices, echo, penalties, tools) is
+rejected with a 400 naming the field, never silently ignored.
+
+Everything here is synchronous: the server's handlers decode, convert with
+``*_sampling_params`` and build responses with the ``*Builder`` classes.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Sequence
+from typing import Annotated, Any, Literal, TypeVar
+
+import msgspec
+
+from trio_llm.actors.errors import RequestRejected
+from trio_llm.actors.messages import RequestOutput, SamplingParams, TokenLogprobs
+
+T = TypeVar("T")
+
+NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+Temperature = Annotated[float, msgspec.Meta(ge=0.0)]
+TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
+TopK = Annotated[int, msgspec.Meta(ge=-1)]
+MinP = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+NumLogprobs = Annotated[int, msgspec.Meta(ge=0, le=20)]
+
+# Token ids in a prompt: one prompt as a list of ints; a list of one string or
+# of one list of ints is accepted too, since clients send batches of one.
+PromptItem = int | str | list[int]
+
+
+# -- requests -------------------------------------------------------------------
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    """``include_usage`` adds a last chunk with no choices and the token counts."""
+
+    include_usage: bool = False
+
+
+class _GenerationFields(msgspec.Struct, kw_only=True):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None
+    max_tokens: PositiveInt | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[NonNegativeInt] | None = None
+    ignore_eos: bool = False
+    min_tokens: NonNegativeInt = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    priority: int = 0
+    user: str | None = None
+    n: PositiveInt = 1
+    best_of: PositiveInt | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+
+
+class CompletionRequest(_GenerationFields, kw_only=True):
+    """POST /v1/completions. ``logprobs`` is the number of alternatives per token."""
+
+    prompt: str | list[PromptItem]
+    logprobs: NumLogprobs | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+
+class ContentPart(msgspec.Struct, kw_only=True):
+    """One part of a message's content; only text parts are supported."""
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_GenerationFields, kw_only=True):
+    """POST /v1/chat/completions. ``logprobs`` is a flag, ``top_logprobs`` the count."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: PositiveInt | None = None
+    logprobs: bool = False
+    top_logprobs: NumLogprobs | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    """POST /tokenize: exactly one of ``prompt`` and ``messages``."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    """POST /detokenize."""
+
+    model: str | None = None
+    tokens: list[NonNegativeInt]
+
+
+# -- responses ------------------------------------------------------------------
+
+
+class ErrorInfo(msgspec.Struct, kw_only=True):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | None = None
+
+
+class ErrorResponse(msgspec.Struct, kw_only=True):
+    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    error: ErrorInfo
+
+
+class Usage(msgspec.Struct, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(msgspec.Struct, kw_only=True):
+    """The legacy completions logprobs shape: parallel lists, one entry per token."""
+
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    text_offset: list[int] = []
+
+
+class CompletionChoice(msgspec.Struct, kw_only=True):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(msgspec.Struct, kw_only=True):
+    """A whole completion, or (object still "text_completion") one streamed chunk."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(msgspec.Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(msgspec.Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChatLogprobs(msgspec.Struct, kw_only=True):
+    content: list[ChatTokenLogprob] = []
+
+
+class ChatResponseMessage(msgspec.Struct, kw_only=True):
+    role: str = "assistant"
+    content: str = ""
+
+
+class ChatDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChoice(msgspec.Struct, kw_only=True):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatChunkChoice(msgspec.Struct, kw_only=True):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(msgspec.Struct, kw_only=True):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+
+
+class ChatCompletionChunk(msgspec.Struct, kw_only=True):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(msgspec.Struct, kw_only=True):
+    """One served model. ``vocab_size`` is ours (not in OpenAI's or vLLM's card):
+    the serving benchmark draws random prompt token ids below it."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "trio-llm"
+    root: str
+    parent: str | None = None
+    max_model_len: int
+    vocab_size: int
+
+
+class ModelList(msgspec.Struct, kw_only=True):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(msgspec.Struct, kw_only=True):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(msgspec.Struct, kw_only=True):
+    prompt: str
+
+
+# -- decoding -------------------------------------------------------------------
+
+_PATH_PATTERN = re.compile(r"at `\$\.?([^`]*)`")
+_MISSING_PATTERN = re.compile(r"missing required field `([^`]+)`")
+
+
+def decode_request(body: bytes, kind: type[T]) -> T:
+    """Decode a JSON body into ``kind``; RequestRejected names the field at fault."""
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as error:
+        raise RequestRejected(str(error), param=param_of_validation_error(str(error))) from None
+    except msgspec.DecodeError as error:
+        raise RequestRejected(f"the body is not valid JSON: {error}") from None
+
+
+def param_of_validation_error(message: str) -> str | None:
+    """The dotted field path a msgspec validation message points at, if any.
+
+    "Expected `int` >= 1 - at `$.max_tokens`" -> "max_tokens";
+    "Object missing required field `role` - at `$.messages[0]`" -> "messages[0].role".
+    """
+    path_match = _PATH_PATTERN.search(message)
+    path = path_match.group(1) if path_match else ""
+    missing = _MISSING_PATTERN.search(message)
+    if missing:
+        path = f"{path}.{missing.group(1)}" if path else missing.group(1)
+    return path or None
+
+
+# -- requests -> engine arguments -------------------------------------------------
+
+
+def completion_prompt(request: CompletionRequest) -> str | list[int]:
+    """The one prompt of a completion request, as text or token ids."""
+    prompt = request.prompt
+    if isinstance(prompt, str):
+        return prompt
+    if all(isinstance(item, int) for item in prompt):
+        return [int(item) for item in prompt]  # type: ignore[arg-type]
+    if len(prompt) == 1 and isinstance(prompt[0], str | list):
+        return prompt[0]
+    raise RequestRejected("prompt must be one string or one list of token ids; "
+                          "batched prompts are not supported", param="prompt")
+
+
+def chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
+    """Messages as the chat template takes them: text parts joined, one string each."""
+    if not messages:
+        raise RequestRejected("messages must not be empty", param="messages")
+    return [{"role": message.role, "content": _message_text(message, index)}
+            for index, message in enumerate(messages)]
+
+
+def _message_text(message: ChatMessage, index: int) -> str:
+    content = message.content
+    if content is None or isinstance(content, str):
+        return content or ""
+    for part in content:
+        if part.type != "text" or part.text is None:
+            raise RequestRejected(f"content parts of type {part.type!r} are not supported; "
+                                  "only text", param=f"messages[{index}].content")
+    return "".join(part.text or "" for part in content)
+
+
+def completion_sampling_params(request: CompletionRequest) -> SamplingParams:
+    """SamplingParams of a completion request (max_tokens defaults to 16, as OpenAI's)."""
+    _reject_unsupported(request)
+    if request.echo:
+        raise RequestRejected("echo is not supported", param="echo")
+    if request.suffix is not None:
+        raise RequestRejected("suffix is not supported", param="suffix")
+    return _sampling_params(request, max_tokens=request.max_tokens or 16,
+                            num_logprobs=request.logprobs)
+
+
+def chat_sampling_params(request: ChatCompletionRequest, max_model_len: int) -> SamplingParams:
+    """SamplingParams of a chat request. Without a limit the output may fill the
+    context: the engine caps max_tokens at max_model_len minus the prompt."""
+    _reject_unsupported(request)
+    _reject_chat_unsupported(request)
+    if request.top_logprobs is not None and not request.logprobs:
+        raise RequestRejected("top_logprobs needs logprobs set to true", param="top_logprobs")
+    max_tokens = request.max_completion_tokens or request.max_tokens or max_model_len
+    num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
+    return _sampling_params(request, max_tokens=max_tokens, num_logprobs=num_logprobs)
+
+
+def _sampling_params(request: _GenerationFields, *, max_tokens: int,
+                     num_logprobs: int | None) -> SamplingParams:
+    if request.min_tokens > max_tokens:
+        raise RequestRejected(f"min_tokens ({request.min_tokens}) is over max_tokens "
+                              f"({max_tokens})", param="min_tokens")
+    defaults = SamplingParams()
+    stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
+    return SamplingParams(
+        max_tokens=max_tokens,
+        min_tokens=request.min_tokens,
+        temperature=_or(request.temperature, defaults.temperature),
+        top_p=_or(request.top_p, defaults.top_p),
+        top_k=_or(request.top_k, defaults.top_k),
+        min_p=_or(request.min_p, defaults.min_p),
+        seed=request.seed,
+        stop=stop,
+        stop_token_ids=list(request.stop_token_ids or []),
+        ignore_eos=request.ignore_eos,
+        include_stop_str_in_output=request.include_stop_str_in_output,
+        logprobs=num_logprobs,
+        skip_special_tokens=request.skip_special_tokens,
+    )
+
+
+def _or(value: T | None, default: T) -> T:
+    return default if value is None else value
+
+
+def _reject_unsupported(request: _GenerationFields) -> None:
+    if request.n != 1:
+        raise RequestRejected("only n=1 is supported", param="n")
+    if request.best_of not in (None, 1):
+        raise RequestRejected("only best_of=1 is supported", param="best_of")
+    if request.stream_options is not None and not request.stream:
+        raise RequestRejected("stream_options is only allowed when stream is true",
+                              param="stream_options")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(request, name) != 0.0:
+            raise RequestRejected(f"{name} is not supported", param=name)
+    if request.logit_bias:
+        raise RequestRejected("logit_bias is not supported", param="logit_bias")
+
+
+def _reject_chat_unsupported(request: ChatCompletionRequest) -> None:
+    if request.tools or request.tool_choice not in (None, "none"):
+        raise RequestRejected("tool calling is not supported", param="tools")
+    if request.response_format and request.response_format.get("type") != "text":
+        raise RequestRejected("only the text response_format is supported",
+                              param="response_format")
+
+
+# -- engine outputs -> responses ------------------------------------------------
+
+TokenText = Callable[[int], str]
+
+
+def usage_of(output: RequestOutput) -> Usage:
+    return Usage(prompt_tokens=output.num_prompt_tokens,
+                 completion_tokens=output.num_output_tokens,
+                 total_tokens=output.num_prompt_tokens + output.num_output_tokens)
+
+
+def error_response(message: str, *, error_type: str, status: int,
+                   param: str | None = None) -> ErrorResponse:
+    return ErrorResponse(error=ErrorInfo(message=message, type=error_type, param=param,
+                                         code=status))
+
+
+class CompletionBuilder:
+    """Turns one request's outputs into /v1/completions chunks or one response.
+
+    ``token_text`` renders a token id for logprobs; it is only called when the
+    request asked for logprobs.
+    """
+
+    def __init__(self, *, response_id: str, model: str, token_text: TokenText,
+                 created: int | None = None) -> None:
+        self.response_id = response_id
+        self.model = model
+        self.created = int(time.time()) if created is None else created
+        self._token_text = token_text
+        self._text_parts: list[str] = []
+        self._num_chars = 0
+        self._logprobs: CompletionLogprobs | None = None
+        self._last: RequestOutput | None = None
+
+    def chunk(self, output: RequestOutput) -> CompletionResponse | None:
+        """The chunk to stream for ``output``; None when it carries nothing to send."""
+        self._last = output
+        logprobs = self._delta_logprobs(output)
+        self._num_chars += len(output.text)
+        if not (output.text or output.finished or logprobs):
+            return None
+        choice = CompletionChoice(index=0, text=output.text, logprobs=logprobs,
+                                  finish_reason=output.finish_reason,
+                                  stop_reason=output.stop_reason)
+        return self._response([choice])
+
+    def add(self, output: RequestOutput) -> None:
+        """Accumulate ``output`` for a non-streamed response."""
+        self._last = output
+        logprobs = self._delta_logprobs(output)
+        self._num_chars += len(output.text)
+        self._text_parts.append(output.text)
+        if logprobs is not None:
+            self._logprobs = _extend_completion_logprobs(self._logprobs, logprobs)
+
+    def response(self) -> CompletionResponse:
+        last = self._require_last()
+        choice = CompletionChoice(index=0, text="".join(self._text_parts),
+                                  logprobs=self._logprobs, finish_reason=last.finish_reason,
+                                  stop_reason=last.stop_reason)
+        return self._response([choice], usage=usage_of(last))
+
+    def usage_chunk(self) -> CompletionResponse:
+        """The last chunk of a stream with ``include_usage``: no choices, the counts."""
+        return self._response([], usage=usage_of(self._require_last()))
+
+    def _response(self, choices: list[CompletionChoice],
+                  usage: Usage | None = None) -> CompletionResponse:
+        return CompletionResponse(id=self.response_id, created=self.created, model=self.model,
+                                  choices=choices, usage=usage)
+
+    def _delta_logprobs(self, output: RequestOutput) -> CompletionLogprobs | None:
+        if output.logprobs is None:
+            return None
+        logprobs = CompletionLogprobs()
+        offset = self._num_chars
+        for token_id, entry in zip(output.token_ids, output.logprobs, strict=False):
+            token = self._token_text(token_id)
+            logprobs.tokens.append(token)
+            logprobs.token_logprobs.append(None if entry is None else entry.logprob)
+            logprobs.top_logprobs.append(self._top_dict(token, entry))
+            logprobs.text_offset.append(offset)
+            offset += len(token)
+        return logprobs
+
+    def _top_dict(self, token: str, entry: TokenLogprobs | None) -> dict[str, float] | None:
+        if entry is None:
+            return None
+        top = {self._token_text(token_id): logprob
+               for token_id, logprob in zip(entry.top_token_ids, entry.top_logprobs, strict=False)}
+        top.setdefault(token, entry.logprob)
+        return top
+
+    def _require_last(self) -> RequestOutput:
+        if self._last is None:
+            raise RuntimeError("no output was added")
+        return self._last
+
+
+def _extend_completion_logprobs(total: CompletionLogprobs | None,
+                                delta: CompletionLogprobs) -> CompletionLogprobs:
+    if total is None:
+        return delta
+    total.tokens += delta.tokens
+    total.token_logprobs += delta.token_logprobs
+    total.top_logprobs += delta.top_logprobs
+    total.text_offset += delta.text_offset
+    return total
+
+
+class ChatBuilder:
+    """Turns one request's outputs into /v1/chat/completions chunks or one response.
+
+    The first chunk carries the role, as OpenAI's streams do.
+    """
+
+    def __init__(self, *, response_id: str, model: str, token_text: TokenText,
+                 created: int | None = None) -> None:
+        self.response_id = response_id
+        self.model = model
+        self.created = int(time.time()) if created is None else created
+        self._token_text = token_text
+        self._text_parts: list[str] = []
+        self._logprobs: ChatLogprobs | None = None
+        self._last: RequestOutput | None = None
+        self._sent_role = False
+
+    def chunk(self, output: RequestOutput) -> ChatCompletionChunk | None:
+        """The chunk to stream for ``output``; None when it carries nothing to send."""
+        self._last = output
+        logprobs = self._delta_logprobs(output)
+        if not (output.text or output.finished or logprobs or not self._sent_role):
+            return None
+        delta = ChatDelta(content=output.text)
+        if not self._sent_role:
+            delta.role, self._sent_role = "assistant", True
+        choice = ChatChunkChoice(index=0, delta=delta, logprobs=logprobs,
+                                 finish_reason=output.finish_reason,
+                                 stop_reason=output.stop_reason)
+        return self._chunk([choice])
+
+    def add(self, output: RequestOutput) -> None:
+        """Accumulate ``output`` for a non-streamed response."""
+        self._last = output
+        self._text_parts.append(output.text)
+        logprobs = self._delta_logprobs(output)
+        if logprobs is not None:
+            self._logprobs = self._logprobs or ChatLogprobs()
+            self._logprobs.content += logprobs.content
+
+    def response(self) -> ChatCompletionResponse:
+        last = self._require_last()
+        message = ChatResponseMessage(content="".join(self._text_parts))
+        choice = ChatChoice(index=0, message=message, logprobs=self._logprobs,
+                            finish_reason=last.finish_reason, stop_reason=last.stop_reason)
+        return ChatCompletionResponse(id=self.response_id, created=self.created,
+                                      model=self.model, choices=[choice], usage=usage_of(last))
+
+    def usage_chunk(self) -> ChatCompletionChunk:
+        """The last chunk of a stream with ``include_usage``: no choices, the counts."""
+        return self._chunk([], usage=usage_of(self._require_last()))
+
+    def _chunk(self, choices: list[ChatChunkChoice],
+               usage: Usage | None = None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.response_id, created=self.created, model=self.model,
+                                   choices=choices, usage=usage)
+
+    def _delta_logprobs(self, output: RequestOutput) -> ChatLogprobs | None:
+        if output.logprobs is None:
+            return None
+        content = [self._token_logprob(token_id, entry)
+                   for token_id, entry in zip(output.token_ids, output.logprobs, strict=False)
+                   if entry is not None]
+        return ChatLogprobs(content=content)
+
+    def _token_logprob(self, token_id: int, entry: TokenLogprobs) -> ChatTokenLogprob:
+        token = self._token_text(token_id)
+        top = [TopLogprob(token=(text := self._token_text(top_id)), logprob=logprob,
+                          bytes=list(text.encode()))
+               for top_id, logprob in zip(entry.top_token_ids, entry.top_logprobs, strict=False)]
+        return ChatTokenLogprob(token=token, logprob=entry.logprob, bytes=list(token.encode()),
+                                top_logprobs=top)
+
+    def _require_last(self) -> RequestOutput:
+        if self._last is None:
+            raise RuntimeError("no output was added")
+        return self._last

@@ -1,0 +1,470 @@
+"""The OpenAI-compatible HTTP server: a Quart-Trio app served by Hypercorn's trio worker.
+
+    trio-llm serve --model tiny --port 8000
+
+Lifetimes nest: the engine's nursery (Engine.open) holds the server's, which
+holds Hypercorn's. A streamed response is an async generator that owns its
+engine request: however it ends (finished, client gone, shutdown), the
+request's output stream is closed in a shielded, time-bounded ``finally`` and
+the engine aborts it within one step.
+
+Shutdown: SIGINT or SIGTERM drains the engine (new requests get 503, /health
+turns 503), asks Hypercorn to stop accepting, lets open requests finish up to
+``--shutdown-grace-seconds``, then cancels what is left. A second signal stops
+at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+import logging
+import signal
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from functools import partial
+from typing import TYPE_CHECKING, Annotated, Any
+
+import msgspec
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve as hypercorn_serve
+from quart import Response, request
+from quart_trio import QuartTrio
+from werkzeug.exceptions import HTTPException
+
+from trio_llm.actors.errors import EngineDead, EngineError, QueueFull, RequestRejected
+from trio_llm.actors.messages import RequestOutput
+from trio_llm.api import protocol
+from trio_llm.api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from trio_llm.api.metrics import RequestTimer, ServerMetrics
+
+if TYPE_CHECKING:
+    from trio_llm.api.engine import Engine
+
+logger = logging.getLogger(__name__)
+
+# Request bodies are small JSON; 8 MiB leaves room for a long prompt of token ids.
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+# A client gets this long to send its request body (HTTP 408 after that).
+BODY_TIMEOUT_SECONDS = 60.0
+# Closing a request's output stream only sends an Abort to the engine; bound it
+# anyway, since it runs shielded.
+CLOSE_TIMEOUT_SECONDS = 5.0
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+SSE_DONE = b"data: [DONE]\n\n"
+JSON_CONTENT_TYPE = "application/json"
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    408: "invalid_request_error",
+    413: "invalid_request_error",
+    500: "server_error",
+    503: "service_unavailable",
+}
+
+
+class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """How the HTTP server listens and guards itself. ``port`` 0 picks a free port.
+
+    ``served_model_name`` None serves the engine's model name.
+    """
+
+    host: str = "127.0.0.1"
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    max_body_bytes: Annotated[int, msgspec.Meta(ge=1)] = DEFAULT_MAX_BODY_BYTES
+    shutdown_grace_seconds: Annotated[float, msgspec.Meta(ge=0.0)] = 5.0
+    retry_after_seconds: Annotated[int, msgspec.Meta(ge=0)] = 1
+
+
+# -- the app ------------------------------------------------------------------------
+
+
+def create_app(engine: Engine, config: ServerConfig) -> QuartTrio:
+    """The Quart-Trio app over a running engine."""
+    app = QuartTrio(__name__)
+    # Streams last as long as generation does: no response timeout. A client
+    # that goes away ends its request through the disconnect, not a timer.
+    app.config.update(RESPONSE_TIMEOUT=None, BODY_TIMEOUT=BODY_TIMEOUT_SECONDS,
+                      MAX_CONTENT_LENGTH=config.max_body_bytes)
+    api = OpenAIServer(engine, config)
+    app.extensions["trio_llm"] = api
+    routes: list[tuple[str, Callable[[], Awaitable[Response]], str]] = [
+        ("/v1/completions", api.completions, "POST"),
+        ("/v1/chat/completions", api.chat_completions, "POST"),
+        ("/v1/models", api.models, "GET"),
+        ("/health", api.health, "GET"),
+        ("/metrics", api.metrics_text, "GET"),
+        ("/tokenize", api.tokenize, "POST"),
+        ("/detokenize", api.detokenize, "POST"),
+    ]
+    for path, view, method in routes:
+        app.add_url_rule(path, view_func=view, methods=[method])
+    app.before_request(api.check_api_key)
+    app.register_error_handler(EngineError, api.engine_error)
+    app.register_error_handler(HTTPException, api.http_error)
+    app.register_error_handler(Exception, api.internal_error)
+    return app
+
+
+class OpenAIServer:
+    """The handlers of one app, and what they share: engine, config, metrics."""
+
+    def __init__(self, engine: Engine, config: ServerConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.model_name = config.served_model_name or engine.model_name
+        self.accepted_model_names = {self.model_name, engine.model_name, engine.config.model}
+        self.metrics = ServerMetrics(engine, self.model_name)
+        self.created = int(time.time())
+        self._api_key = None if config.api_key is None else f"Bearer {config.api_key}".encode()
+
+    # -- generation ---------------------------------------------------------------
+
+    async def completions(self) -> Response:
+        body = protocol.decode_request(await request.get_data(), protocol.CompletionRequest)
+        self._check_model(body.model)
+        prompt = protocol.completion_prompt(body)
+        params = protocol.completion_sampling_params(body)
+        builder = protocol.CompletionBuilder(response_id=f"cmpl-{uuid.uuid4().hex}",
+                                             model=self.model_name, token_text=self._token_text)
+        outputs = self.engine.generate(prompt, params, priority=body.priority,
+                                       request_id=builder.response_id)
+        return await self._respond(outputs, builder, body)
+
+    async def chat_completions(self) -> Response:
+        body = protocol.decode_request(await request.get_data(), protocol.ChatCompletionRequest)
+        self._check_model(body.model)
+        messages = protocol.chat_messages(body.messages)
+        params = protocol.chat_sampling_params(body, self.engine.max_model_len)
+        builder = protocol.ChatBuilder(response_id=f"chatcmpl-{uuid.uuid4().hex}",
+                                       model=self.model_name, token_text=self._token_text)
+        outputs = self.engine.chat(messages, params, priority=body.priority,
+                                   request_id=builder.response_id)
+        return await self._respond(outputs, builder, body)
+
+    async def _respond(self, outputs: AsyncIterator[RequestOutput],
+                       builder: protocol.CompletionBuilder | protocol.ChatBuilder,
+                       body: protocol.CompletionRequest | protocol.ChatCompletionRequest,
+                       ) -> Response:
+        timer = self.metrics.timer(trio.current_time())
+        if not body.stream:
+            async with closing(outputs):
+                async for output in outputs:
+                    _observe(timer, output)
+                    builder.add(output)
+            return self._json(builder.response())
+        # Wait for the first output before answering, so that a request the
+        # engine rejects gets its 4xx status instead of an error inside a 200.
+        async with closing_on_error(outputs):
+            first = await anext(outputs)
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        events = self._events(outputs, first, builder, timer, include_usage=include_usage)
+        return Response(events, content_type="text/event-stream",
+                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _events(self, outputs: AsyncIterator[RequestOutput], first: RequestOutput,
+                      builder: protocol.CompletionBuilder | protocol.ChatBuilder,
+                      timer: RequestTimer, *, include_usage: bool) -> AsyncIterator[bytes]:
+        """The SSE body: one event per output, as soon as it is produced.
+
+        If the client goes away, Quart closes this generator (GeneratorExit at a
+        yield) or cancels it (Cancelled while waiting for output); either way
+        ``closing`` ends the engine request.
+        """
+        async with closing(outputs):
+            output = first
+            try:
+                while True:
+                    _observe(timer, output)
+                    chunk = builder.chunk(output)
+                    if chunk is not None:
+                        yield _sse_event(chunk)
+                    if output.finished:
+                        break
+                    output = await anext(outputs)
+            except StopAsyncIteration:
+                pass
+            except EngineError as error:
+                status, message, param = _error_info(error)
+                yield _sse_event(protocol.error_response(message, error_type=ERROR_TYPES[status],
+                                                         status=status, param=param))
+                yield SSE_DONE
+                return
+            if include_usage:
+                yield _sse_event(builder.usage_chunk())
+            yield SSE_DONE
+
+    def _token_text(self, token_id: int) -> str:
+        return self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.accepted_model_names:
+            raise RequestRejected(f"the model {model!r} is not served here; "
+                                  f"this server serves {self.model_name!r}", param="model")
+
+    # -- the rest of the API ------------------------------------------------------
+
+    async def models(self) -> Response:
+        card = protocol.ModelCard(id=self.model_name, created=self.created,
+                                  root=self.engine.config.model,
+                                  max_model_len=self.engine.max_model_len,
+                                  vocab_size=self.engine.tokenizer.vocab_size)
+        return self._json(protocol.ModelList(data=[card]))
+
+    async def health(self) -> Response:
+        if self.engine.is_healthy:
+            return Response(b"", status=200)
+        return self._error(503, "the engine is shutting down or dead")
+
+    async def metrics_text(self) -> Response:
+        return Response(self.metrics.render(), content_type=METRICS_CONTENT_TYPE)
+
+    async def tokenize(self) -> Response:
+        body = protocol.decode_request(await request.get_data(), protocol.TokenizeRequest)
+        self._check_model(body.model)
+        tokenizer = self.engine.tokenizer
+        token_ids = tokenizer.encode(self._tokenize_text(body),
+                                     add_special_tokens=body.add_special_tokens)
+        token_strs = [self._token_text(token_id) for token_id in token_ids]
+        return self._json(protocol.TokenizeResponse(
+            count=len(token_ids), max_model_len=self.engine.max_model_len, tokens=token_ids,
+            token_strs=token_strs if body.return_token_strs else None))
+
+    def _tokenize_text(self, body: protocol.TokenizeRequest) -> str:
+        if (body.prompt is None) == (body.messages is None):
+            raise RequestRejected("give exactly one of prompt and messages", param="prompt")
+        if body.prompt is not None:
+            return body.prompt
+        assert body.messages is not None
+        return self.engine.tokenizer.apply_chat_template(protocol.chat_messages(body.messages))
+
+    async def detokenize(self) -> Response:
+        body = protocol.decode_request(await request.get_data(), protocol.DetokenizeRequest)
+        self._check_model(body.model)
+        tokenizer = self.engine.tokenizer
+        if any(token_id >= tokenizer.vocab_size for token_id in body.tokens):
+            raise RequestRejected(f"token ids must be below {tokenizer.vocab_size}",
+                                  param="tokens")
+        text = tokenizer.decode(body.tokens, skip_special_tokens=False)
+        return self._json(protocol.DetokenizeResponse(prompt=text))
+
+    # -- guards and errors --------------------------------------------------------
+
+    async def check_api_key(self) -> Response | None:
+        """401 unless the request carries the API key (when one is set).
+
+        /health and /metrics stay open for probes and scrapers.
+        """
+        if self._api_key is None or request.path in OPEN_PATHS:
+            return None
+        given = request.headers.get("Authorization", "").encode()
+        if hmac.compare_digest(given, self._api_key):
+            return None
+        return self._error(401, "missing or wrong API key (Authorization: Bearer <key>)")
+
+    async def engine_error(self, error: EngineError) -> Response:
+        status, message, param = _error_info(error)
+        return self._error(status, message, param=param)
+
+    async def http_error(self, error: HTTPException) -> Response:
+        status = error.code or 500
+        response = self._error(status, error.description or error.name)
+        if status == 405 and error.get_headers():
+            response.headers.update({k: v for k, v in error.get_headers() if k == "Allow"})
+        return response
+
+    async def internal_error(self, error: Exception) -> Response:
+        logger.exception("internal error while serving %s %s", request.method, request.path,
+                         exc_info=error)
+        return self._error(500, "internal server error")
+
+    def _error(self, status: int, message: str, *, param: str | None = None) -> Response:
+        body = protocol.error_response(message, error_type=ERROR_TYPES.get(status,
+                                       "invalid_request_error"), status=status, param=param)
+        response = self._json(body, status=status)
+        if status == 503:
+            response.headers["Retry-After"] = str(self.config.retry_after_seconds)
+        return response
+
+    def _json(self, body: msgspec.Struct, *, status: int = 200) -> Response:
+        return Response(msgspec.json.encode(body), status=status, content_type=JSON_CONTENT_TYPE)
+
+
+def _error_info(error: EngineError) -> tuple[int, str, str | None]:
+    """HTTP status, message and param of an engine error."""
+    match error:
+        case QueueFull():
+            return 503, error.message, None
+        case RequestRejected():
+            return 400, error.message, error.param
+        case _:
+            return 503, str(error) or type(error).__name__, None
+
+
+def _observe(timer: RequestTimer, output: RequestOutput) -> None:
+    now = trio.current_time()
+    timer.on_output(now, num_new_tokens=len(output.token_ids), queue_time=output.queue_time)
+    if output.finished:
+        timer.on_finish(now, output.finish_reason)
+
+
+def _sse_event(body: msgspec.Struct) -> bytes:
+    return b"data: " + msgspec.json.encode(body) + b"\n\n"
+
+
+@asynccontextmanager
+async def closing(outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[None]:
+    """Close ``outputs`` on the way out, even when cancelled: the engine aborts
+    the request unless it had finished."""
+    try:
+        yield
+    finally:
+        await _close(outputs)
+
+
+@asynccontextmanager
+async def closing_on_error(outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[None]:
+    """Close ``outputs`` if the block raises (or is cancelled); else hand it on."""
+    try:
+        yield
+    except BaseException:
+        await _close(outputs)
+        raise
+
+
+async def _close(outputs: AsyncIterator[RequestOutput]) -> None:
+    aclose = getattr(outputs, "aclose", None)
+    if aclose is not None:
+        with trio.move_on_after(CLOSE_TIMEOUT_SECONDS, shield=True):
+            await aclose()
+
+
+# -- serving ------------------------------------------------------------------------
+
+
+def hypercorn_config(config: ServerConfig) -> HypercornConfig:
+    hyper = HypercornConfig()
+    host = f"[{config.host}]" if ":" in config.host else config.host
+    hyper.bind = [f"{host}:{config.port}"]
+    hyper.graceful_timeout = config.shutdown_grace_seconds
+    hyper.accesslog = None
+    return hyper
+
+
+async def serve_app(engine: Engine, config: ServerConfig, *,
+                    shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
+                    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
+    """Serve the app over ``engine`` until cancelled, or until ``shutdown_trigger``
+    returns and open requests have finished (or the grace period ran out).
+
+    Reports the bound URL (``http://host:port``) through ``task_status`` once
+    the socket listens.
+    """
+    app = create_app(engine, config)
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(partial(hypercorn_serve, app, hypercorn_config(config),
+                                            shutdown_trigger=shutdown_trigger))
+        url = binds[0]
+        logger.info("trio-llm serving %r at %s", app.extensions["trio_llm"].model_name, url)
+        task_status.started(url)
+
+
+async def serve(engine_config: Any, config: ServerConfig, *,
+                task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
+    """Open the engine and serve it until SIGINT/SIGTERM (graceful) or the engine dies.
+
+    Raises EngineDead if the engine died.
+    """
+    from trio_llm.api.engine import Engine
+
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with Engine.open(engine_config) as engine:
+            stop = trio.Event()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_stop_on_signals, signals, engine, stop, nursery.cancel_scope)
+                nursery.start_soon(_stop_when_dead, engine, stop)
+                url = await nursery.start(_serve_then_stop_watchers, engine, config, stop,
+                                          nursery.cancel_scope)
+                task_status.started(url)
+
+
+async def _serve_then_stop_watchers(engine: Engine, config: ServerConfig, stop: trio.Event,
+                                    watchers: trio.CancelScope, *,
+                                    task_status: trio.TaskStatus[str]) -> None:
+    await serve_app(engine, config, shutdown_trigger=stop.wait, task_status=task_status)
+    watchers.cancel()
+
+
+async def _stop_on_signals(signals: Any, engine: Engine, stop: trio.Event,
+                           force_scope: trio.CancelScope) -> None:
+    async for signal_number in signals:
+        name = signal.Signals(signal_number).name
+        if stop.is_set():
+            logger.warning("second %s: stopping now", name)
+            force_scope.cancel()
+            return
+        logger.info("%s: draining for up to %.1f s, then stopping", name,
+                    engine.config.shutdown_grace_seconds)
+        engine.begin_drain()
+        stop.set()
+
+
+async def _stop_when_dead(engine: Engine, stop: trio.Event) -> None:
+    await engine.wait_dead()
+    logger.error("the engine died: stopping the server")
+    stop.set()
+
+
+# -- the command line -----------------------------------------------------------------
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the server's flags to `trio-llm serve` (the engine's are added separately)."""
+    group = parser.add_argument_group("server")
+    flags: list[tuple[str, dict[str, Any]]] = [
+        ("--host", dict(default="127.0.0.1", help="address to listen on")),
+        ("--port", dict(type=int, default=8000, help="port to listen on (0: any free port)")),
+        ("--api-key", dict(default=None, help="require 'Authorization: Bearer KEY'")),
+        ("--served-model-name", dict(default=None, help="model name reported by the API")),
+        ("--max-body-bytes", dict(type=int, default=DEFAULT_MAX_BODY_BYTES,
+                                  help="largest request body accepted (HTTP 413 above)")),
+        ("--shutdown-grace-seconds", dict(type=float, default=None,
+                                          help="how long open requests may finish on SIGTERM")),
+    ]
+    for flag, options in flags:
+        try:
+            group.add_argument(flag, **options)
+        except argparse.ArgumentError:
+            pass  # the engine's flags already define it (--served-model-name)
+
+
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    given = {name: getattr(args, name, None) for name in
+             ("host", "port", "api_key", "served_model_name", "max_body_bytes",
+              "shutdown_grace_seconds")}
+    try:
+        return msgspec.convert({k: v for k, v in given.items() if v is not None}, ServerConfig)
+    except msgspec.ValidationError as error:
+        raise SystemExit(f"trio-llm serve: invalid server option: {error}") from None
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """`trio-llm serve`: 0 after a graceful stop, 1 if the engine died."""
+    from trio_llm.api.cli import engine_config_from_args
+
+    engine_config = engine_config_from_args(args)
+    config = server_config_from_args(args)
+    try:
+        trio.run(serve, engine_config, config)
+    except EngineDead as error:
+        logger.error("the engine died: %s", error)
+        return 1
+    return 0
