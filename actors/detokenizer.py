@@ -1,0 +1,383 @@
+"""The detokenizer actor: token ids in, text deltas out, stop strings found.
+
+Decoding is incremental and never emits half a character: with a byte-level
+BPE tokenizer every token is a fixed byte string and an incremental UTF-8
+decoder holds back an incomplete character until its last byte arrives; with
+any other tokenizer (sentencepiece-style "▁" pieces, byte fallback) each step
+decodes a short window of previous tokens (the prompt's tail first) and emits
+what the new token adds, unless it ends in U+FFFD.
+
+Stop strings are held back: text that could still become a stop string is not
+streamed until the following text shows it is not one.
+"""
+
+from __future__ import annotations
+
+import codecs
+from typing import Protocol
+
+import tokenizers
+import trio
+from tokenizers import decoders
+
+from trio_llm.actors.messages import (
+    DetokenizerInbox,
+    Request,
+    RequestOutput,
+    SchedulerInbox,
+    StopStringHit,
+    TokenBatch,
+    TokenDelta,
+    TokenLogprobs,
+    Track,
+)
+from trio_llm.actors.streams import RequestStreams
+from trio_llm.actors.tokenizer import Tokenizer
+
+# Prompt tokens decoded ahead of the output by the window decoder, so the
+# first output token gets the spacing it has in context.
+NUM_PROMPT_CONTEXT_TOKENS = 5
+
+REPLACEMENT_CHARACTER = "\ufffd"
+
+
+# -- decoding token ids to text, one token at a time --------------------------
+
+
+class _TextDecoder(Protocol):
+    def step(self, token_id: int) -> str:
+        """The text this token completes; "" while a character is incomplete."""
+        ...
+
+    def flush(self) -> str:
+        """Whatever is still held back, incomplete characters as U+FFFD."""
+        ...
+
+
+class _ByteLevelDecoder:
+    """Byte-level BPE: a token's text is its bytes, so decoding is a byte stream
+    through an incremental UTF-8 decoder. Equals the tokenizer's batch decode."""
+
+    __slots__ = ("_token_bytes", "_utf8")
+
+    def __init__(self, token_bytes: list[bytes]) -> None:
+        self._token_bytes = token_bytes
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def step(self, token_id: int) -> str:
+        if token_id >= len(self._token_bytes):
+            return ""  # an id the tokenizer does not know decodes to nothing
+        return self._utf8.decode(self._token_bytes[token_id])
+
+    def flush(self) -> str:
+        return self._utf8.decode(b"", final=True)
+
+
+class _WindowDecoder:
+    """Any tokenizer: decode a window of recent tokens and emit what the newest
+    ones add to the text of the window without them. The window is the tokens
+    emitted last time plus those held since; it restarts after every emission."""
+
+    __slots__ = ("_backend", "_skip_special_tokens", "_token_ids", "_num_read", "_read_text")
+
+    def __init__(self, backend: tokenizers.Tokenizer, context_token_ids: list[int],
+                 skip_special_tokens: bool) -> None:
+        self._backend = backend
+        self._skip_special_tokens = skip_special_tokens
+        self._token_ids = list(context_token_ids)
+        self._read_text = self._decode(self._token_ids)
+        if self._read_text.endswith(REPLACEMENT_CHARACTER):
+            # The context ends inside a character: it cannot anchor the output.
+            self._token_ids, self._read_text = [], ""
+        self._num_read = len(self._token_ids)
+
+    def step(self, token_id: int) -> str:
+        self._token_ids.append(token_id)
+        text = self._decode(self._token_ids)
+        if len(text) <= len(self._read_text) or text.endswith(REPLACEMENT_CHARACTER):
+            return ""
+        new_text = text[len(self._read_text):]
+        self._token_ids = self._token_ids[self._num_read:]
+        self._num_read = len(self._token_ids)
+        self._read_text = self._decode(self._token_ids)
+        return new_text
+
+    def flush(self) -> str:
+        if len(self._token_ids) == self._num_read:
+            return ""
+        text = self._decode(self._token_ids)
+        self._token_ids = self._token_ids[self._num_read:]
+        return text[len(self._read_text):]
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self._backend.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """The printable character byte-level BPE writes for each byte value."""
+    byte_values = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                   *range(ord("®"), ord("ÿ") + 1)]
+    characters = list(byte_values)
+    num_remapped = 0
+    for byte_value in range(256):
+        if byte_value not in byte_values:
+            byte_values.append(byte_value)
+            characters.append(256 + num_remapped)
+            num_remapped += 1
+    return {chr(character): byte_value for byte_value, character in zip(byte_values, characters,
+                                                                        strict=True)}
+
+
+def _token_bytes_tables(backend: tokenizers.Tokenizer,
+                        vocab_size: int) -> tuple[list[bytes], list[bytes]]:
+    """Each token's bytes, as the byte-level decoder writes them: a token whose
+    characters are all in the byte alphabet maps through it; any other (an
+    added token such as "<|im_end|>" with a space in it) is its own UTF-8.
+    Returns the table with special tokens, and the one with them as b""."""
+    alphabet = _byte_level_alphabet()
+    alphabet_characters = frozenset(alphabet)
+    translation = {ord(character): byte_value for character, byte_value in alphabet.items()}
+    with_special = [b""] * vocab_size
+    for token, token_id in backend.get_vocab(with_added_tokens=True).items():
+        if alphabet_characters.issuperset(token):
+            with_special[token_id] = token.translate(translation).encode("latin-1")
+        else:
+            with_special[token_id] = token.encode("utf-8")
+    without_special = list(with_special)
+    for token_id, added in backend.get_added_tokens_decoder().items():
+        if added.special:
+            without_special[token_id] = b""
+    return with_special, without_special
+
+
+# -- stop strings ---------------------------------------------------------------
+
+
+class StopStrings:
+    """A request's stop strings: where one first appears, and how much text
+    at the end could still be the start of one (and must be held back)."""
+
+    __slots__ = ("stops", "_proper_prefixes", "_max_prefix_length")
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = stops
+        self._proper_prefixes = {stop[:length] for stop in stops for length in range(1, len(stop))}
+        self._max_prefix_length = max(len(stop) for stop in stops) - 1
+
+    def find(self, text: str, num_old_chars: int) -> tuple[int, str] | None:
+        """The earliest stop string in ``text`` that ends after its first
+        ``num_old_chars`` characters (older text was searched already), as
+        (start index, stop string). On a tie the longer stop string wins."""
+        best: tuple[int, str] | None = None
+        for stop in self.stops:
+            start = text.find(stop, max(0, num_old_chars - len(stop) + 1))
+            if start == -1:
+                continue
+            if best is None or start < best[0] or (start == best[0] and len(stop) > len(best[1])):
+                best = (start, stop)
+        return best
+
+    def num_held_chars(self, text: str) -> int:
+        """Length of the longest end of ``text`` that begins some stop string."""
+        for length in range(min(self._max_prefix_length, len(text)), 0, -1):
+            if text[-length:] in self._proper_prefixes:
+                return length
+        return 0
+
+
+# -- per-request state ------------------------------------------------------------
+
+
+class _DecodingRequest:
+    """One running request's decoding state. ``pending_text`` is decoded text
+    not streamed yet: held back because it could begin a stop string."""
+
+    __slots__ = ("request_id", "decoder", "stop_strings", "include_stop_str_in_output",
+                 "min_tokens", "wants_logprobs", "num_prompt_tokens", "num_output_tokens",
+                 "pending_text", "queue_time")
+
+    def __init__(self, request: Request, decoder: _TextDecoder, queue_time: float) -> None:
+        params = request.params
+        self.request_id = request.request_id
+        self.decoder = decoder
+        self.stop_strings = StopStrings(params.stop) if params.stop else None
+        self.include_stop_str_in_output = params.include_stop_str_in_output
+        self.min_tokens = params.min_tokens
+        self.wants_logprobs = params.logprobs is not None
+        self.num_prompt_tokens = len(request.prompt_token_ids)
+        self.num_output_tokens = 0
+        self.pending_text = ""
+        self.queue_time: float | None = queue_time
+
+    def decode(self, token_ids: list[int]) -> tuple[int, str | None]:
+        """Decode tokens until a stop string appears. Returns how many tokens
+        were consumed (up to and including the one completing the stop
+        string) and the stop string, if one appeared."""
+        for index, token_id in enumerate(token_ids):
+            self.num_output_tokens += 1
+            text = self.decoder.step(token_id)
+            if text:
+                stop = self._append_text(text)
+                if stop is not None:
+                    return index + 1, stop
+        return len(token_ids), None
+
+    def _append_text(self, text: str) -> str | None:
+        """Add decoded text; on a stop string, cut the text there and return it.
+        Stop strings count only once more than min_tokens tokens were produced."""
+        num_old_chars = len(self.pending_text)
+        self.pending_text += text
+        if self.stop_strings is None or self.num_output_tokens <= self.min_tokens:
+            return None
+        found = self.stop_strings.find(self.pending_text, num_old_chars)
+        if found is None:
+            return None
+        start, stop = found
+        end = start + len(stop) if self.include_stop_str_in_output else start
+        self.pending_text = self.pending_text[:end]
+        return stop
+
+    def take_text(self, finished: bool) -> str:
+        """The text that can be streamed now; all of it once finished."""
+        held = 0
+        if not finished and self.stop_strings is not None:
+            held = self.stop_strings.num_held_chars(self.pending_text)
+        cut = len(self.pending_text) - held
+        text, self.pending_text = self.pending_text[:cut], self.pending_text[cut:]
+        return text
+
+    def take_queue_time(self) -> float | None:
+        queue_time, self.queue_time = self.queue_time, None
+        return queue_time
+
+
+# -- the policy ---------------------------------------------------------------------
+
+
+class Detokenizer:
+    """Incremental decoding and stop strings for every running request.
+
+    Finishing follows vLLM: a stop token (EOS or stop_token_ids, finish_reason
+    "stop" from the scheduler) is in ``token_ids`` but its text is not in
+    ``text`` unless include_stop_str_in_output. A stop string cuts the text
+    before it (or after it with include_stop_str_in_output); ``token_ids``
+    ends with the token that completed the stop string: it was generated, so
+    it is reported, but tokens decoded after it in the same delta are not
+    (their text lies beyond the stop). Stop strings count only once more than
+    min_tokens tokens were produced; one may begin in earlier text.
+
+    A request's state is dropped when it finishes; tokens that arrive for it
+    later (computed while the stop string was found, depth-2 pipelining) are
+    dropped too, as are deltas for a request never tracked.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._backend = tokenizer.backend
+        self._byte_tables: tuple[list[bytes], list[bytes]] | None = None
+        if isinstance(self._backend.decoder, decoders.ByteLevel):
+            self._byte_tables = _token_bytes_tables(self._backend, tokenizer.vocab_size)
+        self._requests: dict[str, _DecodingRequest] = {}
+
+    @property
+    def num_tracked(self) -> int:
+        """Requests being decoded now."""
+        return len(self._requests)
+
+    def track(self, request: Request, now: float) -> None:
+        """Start decoding a request; ``now`` on the clock of ``request.arrival_time``.
+
+        Tracking a request already tracked (it is recomputed after a preemption)
+        keeps its state: its output so far was streamed already.
+        """
+        if request.request_id in self._requests:
+            return
+        decoder = self._new_decoder(request)
+        queue_time = max(0.0, now - request.arrival_time)
+        self._requests[request.request_id] = _DecodingRequest(request, decoder, queue_time)
+
+    def process(self, batch: TokenBatch) -> tuple[list[RequestOutput], list[str]]:
+        """Decode one step's tokens. Returns the outputs to publish and the ids
+        of requests a stop string finished while the scheduler still runs them."""
+        outputs: list[RequestOutput] = []
+        stopped_request_ids: list[str] = []
+        for delta in batch.deltas:
+            state = self._requests.get(delta.request_id)
+            if state is None:
+                continue
+            output = self._advance(state, delta)
+            if output.finished:
+                del self._requests[delta.request_id]
+                if delta.finish_reason is None:
+                    stopped_request_ids.append(delta.request_id)
+            if output.finished or output.token_ids or output.text:
+                outputs.append(output)
+        return outputs, stopped_request_ids
+
+    def _new_decoder(self, request: Request) -> _TextDecoder:
+        skip_special_tokens = request.params.skip_special_tokens
+        if self._byte_tables is not None:
+            with_special, without_special = self._byte_tables
+            return _ByteLevelDecoder(without_special if skip_special_tokens else with_special)
+        context = request.prompt_token_ids[-NUM_PROMPT_CONTEXT_TOKENS:]
+        return _WindowDecoder(self._backend, context, skip_special_tokens)
+
+    def _advance(self, state: _DecodingRequest, delta: TokenDelta) -> RequestOutput:
+        token_ids = delta.token_ids
+        # A stop token's text is left out unless asked for; the id is reported.
+        skips_stop_token = (delta.finish_reason == "stop" and bool(token_ids)
+                            and not state.include_stop_str_in_output)
+        num_decoded = len(token_ids) - 1 if skips_stop_token else len(token_ids)
+        num_kept, stop = state.decode(token_ids[:num_decoded])
+        if stop is None and skips_stop_token:
+            state.num_output_tokens += 1
+            num_kept += 1
+        finished = stop is not None or delta.finish_reason is not None
+        if finished and stop is None:
+            state.pending_text += state.decoder.flush()
+        return RequestOutput(
+            request_id=state.request_id,
+            token_ids=token_ids[:num_kept],
+            text=state.take_text(finished),
+            logprobs=_kept_logprobs(state, delta, num_kept),
+            finished=finished,
+            finish_reason="stop" if stop is not None else delta.finish_reason,
+            stop_reason=stop if stop is not None else delta.stop_reason,
+            num_prompt_tokens=state.num_prompt_tokens,
+            num_output_tokens=state.num_output_tokens,
+            queue_time=state.take_queue_time(),
+        )
+
+
+def _kept_logprobs(state: _DecodingRequest, delta: TokenDelta,
+                   num_kept: int) -> list[TokenLogprobs | None] | None:
+    if not state.wants_logprobs or delta.logprobs is None:
+        return None
+    return delta.logprobs[:num_kept]
+
+
+async def run_detokenizer(
+    inbox: trio.MemoryReceiveChannel[DetokenizerInbox],
+    scheduler_outbox: trio.MemorySendChannel[SchedulerInbox],
+    streams: RequestStreams,
+    detokenizer: Detokenizer,
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Consume Track and TokenBatch; publish RequestOutput deltas to the
+    request streams (never blocks) and send StopStringHit to the scheduler for
+    each request a stop string finished. Closes the scheduler outbox when the
+    inbox closes. Queue time is measured on trio's clock (``trio.current_time``),
+    which request arrival times must use too."""
+    task_status.started()
+    async with scheduler_outbox:
+        async for message in inbox:
+            match message:
+                case Track(request=request):
+                    detokenizer.track(request, trio.current_time())
+                case TokenBatch():
+                    outputs, stopped_request_ids = detokenizer.process(message)
+                    for output in outputs:
+                        streams.publish(output)
+                    for request_id in stopped_request_ids:
+                        await scheduler_outbox.send(StopStringHit(request_id=request_id))

@@ -1,0 +1,273 @@
+"""The intake actor: the engine's front door.
+
+Every Submit is validated, tokenized (chat messages through the model's chat
+template) and resolved into a Request: stop token ids with EOS, a seed for
+every request, sampling options for the runner. A request that could never be
+served is refused here with a RequestRejected naming the field at fault, so
+nothing waits in the queue forever. Only known bad input is a rejection: a bug
+raises and takes the engine down loudly (the supervisor fails every request).
+"""
+
+from __future__ import annotations
+
+import msgspec
+import trio
+
+from trio_llm.actors.config import EngineConfig
+from trio_llm.actors.errors import RequestRejected
+from trio_llm.actors.messages import (
+    Abort,
+    Admit,
+    IntakeInbox,
+    QueueInbox,
+    Request,
+    SamplingOptions,
+    SamplingParams,
+    Submit,
+)
+from trio_llm.actors.streams import RequestStreams
+from trio_llm.actors.tokenizer import Tokenizer
+
+MAX_SEED = 2**63 - 1
+MIN_SEED = -(2**63)
+_MASK_64 = 2**64 - 1
+_GOLDEN_GAMMA = 0x9E3779B97F4A7C15
+
+
+def derive_seed(engine_seed: int, arrival_index: int) -> int:
+    """A 63-bit seed for a request that brought none: a SplitMix64 mix of the
+    engine's seed and the request's arrival index, so a rerun of the same
+    requests in the same order samples the same tokens."""
+    mixed = (engine_seed + (arrival_index + 1) * _GOLDEN_GAMMA) & _MASK_64
+    mixed = ((mixed ^ (mixed >> 30)) * 0xBF58476D1CE4E5B9) & _MASK_64
+    mixed = ((mixed ^ (mixed >> 27)) * 0x94D049BB133111EB) & _MASK_64
+    return (mixed ^ (mixed >> 31)) >> 1
+
+
+class Intake:
+    """Turns a Submit into a Request, or refuses it with RequestRejected.
+
+    ``num_kv_tokens`` is the whole KV cache in tokens: a request whose prompt
+    plus max_tokens exceeds it could never be scheduled. Owns the arrival
+    counter (one per admitted request).
+    """
+
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer, *, max_model_len: int,
+                 num_kv_tokens: int, vocab_size: int) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.num_kv_tokens = num_kv_tokens
+        self.vocab_size = vocab_size
+        self.num_admitted = 0
+
+    def admit(self, submit: Submit) -> Request:
+        """Validate and tokenize one request. Raises RequestRejected(message, param=...)."""
+        params = self._validated_params(submit.params)
+        prompt_token_ids = self._prompt_token_ids(submit)
+        self._check_lengths(len(prompt_token_ids), params, _prompt_param(submit))
+        stop_token_ids = self._stop_token_ids(params)
+        arrival_index = self.num_admitted
+        self.num_admitted += 1
+        return Request(
+            request_id=submit.request_id,
+            prompt_token_ids=prompt_token_ids,
+            params=params,
+            sampling=self._sampling_options(params, stop_token_ids, arrival_index),
+            stop_token_ids=stop_token_ids,
+            max_tokens=params.max_tokens,
+            # Under fcfs a priority is accepted and ignored: normalised so that
+            # nothing downstream orders by it by mistake.
+            priority=submit.priority if self.config.scheduling_policy == "priority" else 0,
+            arrival_index=arrival_index,
+            arrival_time=submit.arrival_time,
+        )
+
+    # -- sampling parameters --------------------------------------------------
+
+    def _validated_params(self, params: SamplingParams) -> SamplingParams:
+        """Check every field against its msgspec constraints (a Struct's
+        constructor does not), then the rules that span fields."""
+        fields = msgspec.structs.asdict(params)
+        if isinstance(fields["stop"], str):
+            fields["stop"] = [fields["stop"]]  # vLLM accepts a single stop string
+        try:
+            checked = msgspec.convert(fields, SamplingParams)
+        except msgspec.ValidationError as error:
+            raise _rejection_from(error, fields) from None
+        self._check_sampling_rules(checked)
+        if checked.top_k == -1:
+            checked = msgspec.structs.replace(checked, top_k=0)  # -1 and 0 both mean off
+        return checked
+
+    def _check_sampling_rules(self, params: SamplingParams) -> None:
+        if params.min_tokens > params.max_tokens:
+            raise RequestRejected(
+                f"min_tokens ({params.min_tokens}) must not exceed max_tokens "
+                f"({params.max_tokens})", param="min_tokens")
+        if params.seed is not None and not MIN_SEED <= params.seed <= MAX_SEED:
+            raise RequestRejected(f"seed {params.seed} does not fit in a signed 64-bit integer",
+                                  param="seed")
+        if any(not stop for stop in params.stop):
+            raise RequestRejected("stop strings must not be empty", param="stop")
+        bad_ids = [token_id for token_id in params.stop_token_ids
+                   if not 0 <= token_id < self.vocab_size]
+        if bad_ids:
+            raise RequestRejected(
+                f"stop_token_ids {bad_ids} are outside the vocabulary "
+                f"(ids 0 to {self.vocab_size - 1})", param="stop_token_ids")
+
+    # -- the prompt -------------------------------------------------------------
+
+    def _prompt_token_ids(self, submit: Submit) -> list[int]:
+        given = [name for name in ("prompt", "prompt_token_ids", "messages")
+                 if getattr(submit, name) is not None]
+        if len(given) != 1:
+            raise RequestRejected(
+                "give exactly one of prompt, prompt_token_ids, messages "
+                f"(got {', '.join(given) or 'none'})", param="prompt")
+        if submit.messages is not None:
+            return self._chat_token_ids(submit.messages)
+        if submit.prompt_token_ids is not None:
+            return self._checked_token_ids(submit.prompt_token_ids)
+        assert submit.prompt is not None
+        return self._text_token_ids(submit.prompt)
+
+    def _text_token_ids(self, prompt: str) -> list[int]:
+        if not isinstance(prompt, str):
+            raise RequestRejected(f"the prompt must be a string, not {type(prompt).__name__}",
+                                  param="prompt")
+        token_ids = self.tokenizer.encode(prompt, add_special_tokens=True) if prompt else []
+        if not token_ids:
+            raise RequestRejected("the prompt is empty", param="prompt")
+        return token_ids
+
+    def _checked_token_ids(self, token_ids: list[int]) -> list[int]:
+        if not token_ids:
+            raise RequestRejected("the prompt is empty: no token ids", param="prompt")
+        bad_ids = [token_id for token_id in token_ids
+                   if not isinstance(token_id, int) or not 0 <= token_id < self.vocab_size]
+        if bad_ids:
+            raise RequestRejected(
+                f"prompt token ids {bad_ids[:8]} are outside the vocabulary "
+                f"(ids 0 to {self.vocab_size - 1})", param="prompt")
+        return list(token_ids)
+
+    def _chat_token_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        if not messages:
+            raise RequestRejected("the conversation is empty: no messages", param="messages")
+        for index, message in enumerate(messages):
+            if not _is_chat_message(message):
+                raise RequestRejected(
+                    f"message {index} must have a string 'role' and a string 'content'",
+                    param="messages")
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        # The template already wrote every special token the model expects.
+        token_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if not token_ids:
+            raise RequestRejected("the chat template rendered an empty prompt", param="messages")
+        return token_ids
+
+    # -- lengths ----------------------------------------------------------------
+
+    def _check_lengths(self, num_prompt_tokens: int, params: SamplingParams,
+                       prompt_param: str) -> None:
+        """Refuse what could never finish: over the context window, or over
+        the whole KV cache (it would wait in the queue forever)."""
+        limit = self.max_model_len
+        if num_prompt_tokens > limit:
+            raise RequestRejected(
+                f"This model's maximum context length is {limit} tokens, but the prompt has "
+                f"{num_prompt_tokens} tokens", param=prompt_param)
+        num_total_tokens = num_prompt_tokens + params.max_tokens
+        if num_total_tokens > limit:
+            raise RequestRejected(
+                f"This model's maximum context length is {limit} tokens, but {num_total_tokens}"
+                f" were requested ({num_prompt_tokens} in the prompt, max_tokens "
+                f"{params.max_tokens}); lower max_tokens to at most {limit - num_prompt_tokens}",
+                param="max_tokens")
+        if num_total_tokens > self.num_kv_tokens:
+            param = prompt_param if num_prompt_tokens > self.num_kv_tokens else "max_tokens"
+            raise RequestRejected(
+                f"the KV cache holds {self.num_kv_tokens} tokens in all, but this request "
+                f"needs {num_total_tokens} ({num_prompt_tokens} in the prompt, max_tokens "
+                f"{params.max_tokens}): it could never be scheduled", param=param)
+
+    # -- resolution ---------------------------------------------------------------
+
+    def _stop_token_ids(self, params: SamplingParams) -> list[int]:
+        token_ids = list(params.stop_token_ids)
+        if not params.ignore_eos:
+            token_ids += self.tokenizer.eos_token_ids
+        return list(dict.fromkeys(token_ids))
+
+    def _sampling_options(self, params: SamplingParams, stop_token_ids: list[int],
+                          arrival_index: int) -> SamplingOptions:
+        seed = params.seed
+        if seed is None:
+            seed = derive_seed(self.config.seed, arrival_index)
+        return SamplingOptions(
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            min_p=params.min_p,
+            seed=seed,
+            num_logprobs=params.logprobs,
+            min_tokens=params.min_tokens,
+            # Below min_tokens no stop token may be sampled (vLLM's semantics).
+            banned_token_ids=stop_token_ids if params.min_tokens > 0 else [],
+        )
+
+
+def _prompt_param(submit: Submit) -> str:
+    """The request field a prompt-length error points at."""
+    return "messages" if submit.messages is not None else "prompt"
+
+
+def _is_chat_message(message: object) -> bool:
+    return (isinstance(message, dict) and isinstance(message.get("role"), str)
+            and isinstance(message.get("content"), str))
+
+
+def _rejection_from(error: msgspec.ValidationError, fields: dict[str, object]) -> RequestRejected:
+    """'Expected `int` >= 1 - at `$.max_tokens`' -> a rejection naming max_tokens and its value."""
+    message = str(error)
+    expected, _, location = message.rpartition(" - at ")
+    field = location.strip("`").removeprefix("$.").split("[")[0].split(".")[0]
+    if not expected or field not in fields:
+        return RequestRejected(f"invalid sampling parameters: {message}")
+    expected = expected.replace("`", "")
+    return RequestRejected(f"invalid {field}={fields[field]!r}: {expected}", param=field)
+
+
+async def run_intake(
+    inbox: trio.MemoryReceiveChannel[IntakeInbox],
+    queue_outbox: trio.MemorySendChannel[QueueInbox],
+    streams: RequestStreams,
+    intake: Intake,
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Consume Submit and Abort; emit Admit (and forward Abort) to the queue.
+
+    A rejected request fails its stream at once and never reaches the queue.
+    Closes the queue outbox when the inbox closes.
+    """
+    task_status.started()
+    async with queue_outbox:
+        async for message in inbox:
+            match message:
+                case Submit():
+                    await _submit(message, queue_outbox, streams, intake)
+                case Abort():
+                    await queue_outbox.send(message)
+
+
+async def _submit(submit: Submit, queue_outbox: trio.MemorySendChannel[QueueInbox],
+                  streams: RequestStreams, intake: Intake) -> None:
+    try:
+        request = intake.admit(submit)
+    except RequestRejected as rejection:
+        streams.fail(submit.request_id, rejection)
+        return
+    await queue_outbox.send(Admit(request=request))
