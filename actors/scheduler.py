@@ -1,0 +1,525 @@
+"""The scheduler actor: the one place that decides what runs in each engine step.
+
+Policy (``Scheduler``, synchronous): continuous batching with chunked prefill
+under a token budget, paged KV blocks, preemption by recompute, policies fcfs
+and priority (with optional priority preemption), and depth-2 pipelining.
+
+One step is planned in three phases:
+
+1. ``_admit_by_priority``: with priority preemption configured, a pulled
+   request that beats a running one by the threshold evicts it when seats or
+   blocks are short, and is scheduled first.
+2. ``_schedule_running``: running requests, best first; a decode takes one
+   token, an unfinished prefill a chunk of what is left of the budget. A
+   request that cannot get a KV block preempts the worst running request
+   (possibly itself).
+3. ``_admit_waiting``: pulled requests, in order, while budget, seats and
+   blocks allow; the rest go back to the queue.
+
+Depth 2: the next batch is planned while the previous one runs. A decoding
+request whose last token was sampled in the batch in flight takes it as input
+straight from the runner (``input_from_previous_step``); the scheduler counts
+that token as a placeholder and reconciles when the StepResult arrives.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from typing import Any
+
+import msgspec
+import trio
+from trio_llm.actors.config import EngineConfig
+from trio_llm.actors.kv_blocks import BlockManager
+from trio_llm.actors.messages import (
+    Abort,
+    AbortOutcome,
+    DetokenizerInbox,
+    FinishReason,
+    NewRequestData,
+    Pull,
+    Pulled,
+    QueueInbox,
+    Requeue,
+    ScheduledBatch,
+    ScheduledRequest,
+    SchedulerInbox,
+    StepResult,
+    StopStringHit,
+    TokenBatch,
+    TokenDelta,
+    Track,
+    WaitingRequest,
+)
+
+
+class SchedulerStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    """A snapshot of the scheduler's counters (running totals since start)."""
+
+    num_running: int
+    num_free_blocks: int
+    num_total_blocks: int
+    num_preemptions: int
+    num_steps: int
+    num_prompt_tokens: int
+    num_generation_tokens: int
+
+
+class RunningRequest:
+    """A request holding a seat and KV blocks.
+
+    Its token sequence is prompt + ``output_token_ids`` + placeholders (tokens
+    sampled in a batch still in flight). A request that was preempted restarts
+    with a prefill over prompt + the output it had then.
+    """
+
+    __slots__ = ("request", "request_id", "sort_key", "stop_token_ids", "max_tokens",
+                 "min_tokens", "output_token_ids", "num_preemptions", "prefill_token_ids",
+                 "num_computed_tokens", "num_placeholders", "block_ids", "start_step_id",
+                 "scheduled_step_id")
+
+    def __init__(self, waiting: WaitingRequest, sort_key: tuple[int, ...], step_id: int) -> None:
+        request = waiting.request
+        self.request = request
+        self.request_id = request.request_id
+        self.sort_key = sort_key
+        self.stop_token_ids = frozenset(request.stop_token_ids)
+        self.max_tokens = request.max_tokens
+        self.min_tokens = request.sampling.min_tokens
+        self.output_token_ids = list(waiting.output_token_ids)
+        self.num_preemptions = waiting.num_preemptions
+        self.prefill_token_ids = request.prompt_token_ids + self.output_token_ids
+        self.num_computed_tokens = 0
+        self.num_placeholders = 0
+        self.block_ids: list[int] = []
+        # Results of steps before this one belong to an earlier life of the request.
+        self.start_step_id = step_id
+        self.scheduled_step_id: int | None = None
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed_tokens < len(self.prefill_token_ids)
+
+    def num_tokens_wanted(self, budget: int) -> int:
+        """How many tokens this request would compute in a step with ``budget`` left."""
+        if self.is_prefilling:
+            return min(len(self.prefill_token_ids) - self.num_computed_tokens, budget)
+        num_outputs_planned = len(self.output_token_ids) + self.num_placeholders
+        return 1 if num_outputs_planned < self.max_tokens and budget > 0 else 0
+
+    def schedule(self, num_tokens: int, new_block_ids: list[int], step_id: int) -> ScheduledRequest:
+        """Record that ``num_tokens`` more tokens are computed in step ``step_id``."""
+        self.block_ids.extend(new_block_ids)
+        start = self.num_computed_tokens
+        input_from_previous_step = False
+        if self.is_prefilling:
+            token_ids = self.prefill_token_ids[start:start + num_tokens]
+            sample = start + num_tokens == len(self.prefill_token_ids)
+        else:
+            input_from_previous_step = self.num_placeholders > 0
+            token_ids = [] if input_from_previous_step else [self.output_token_ids[-1]]
+            sample = True
+        output_index = len(self.output_token_ids) + self.num_placeholders
+        self.num_computed_tokens = start + num_tokens
+        self.num_placeholders += sample
+        self.scheduled_step_id = step_id
+        return ScheduledRequest(
+            request_id=self.request_id, token_ids=token_ids,
+            input_from_previous_step=input_from_previous_step, num_computed_tokens=start,
+            new_block_ids=new_block_ids, sample=sample, output_index=output_index,
+        )
+
+    def accept_token(self, token_id: int) -> tuple[FinishReason | None, int | None]:
+        """Take the token sampled for the oldest placeholder; return
+        (finish reason, stop token id) if it ends the request."""
+        assert self.num_placeholders > 0, f"{self.request_id!r} got a token it did not ask for"
+        self.num_placeholders -= 1
+        self.output_token_ids.append(token_id)
+        num_outputs = len(self.output_token_ids)
+        # A stop token only counts from output index min_tokens on: the
+        # runner masks it before that, this keeps the rule in one place too.
+        if token_id in self.stop_token_ids and num_outputs > self.min_tokens:
+            return "stop", token_id
+        if num_outputs >= self.max_tokens:
+            return "length", None
+        return None, None
+
+    def to_waiting(self) -> WaitingRequest:
+        """What goes back to the queue on preemption: confirmed output only;
+        placeholders are recomputed (sampling is keyed by output index)."""
+        return WaitingRequest(request=self.request, output_token_ids=self.output_token_ids,
+                              num_preemptions=self.num_preemptions + 1)
+
+
+class StepPlan(msgspec.Struct, frozen=True, kw_only=True):
+    """What one call to ``Scheduler.schedule`` asks the shell to send."""
+
+    tracks: list[Track]
+    requeue: Requeue | None
+    batch: ScheduledBatch | None
+
+
+class _StepBuilder:
+    """The batch being planned, and what is left of its token budget."""
+
+    def __init__(self, step_id: int, budget: int) -> None:
+        self.step_id = step_id
+        self.budget = budget
+        self.requests: list[ScheduledRequest] = []
+        self.new_requests: list[NewRequestData] = []
+        self.tracks: list[Track] = []
+        self.num_tokens = 0
+        self.num_prompt_tokens = 0
+
+    def add(self, running: RunningRequest, num_tokens: int, new_block_ids: list[int]) -> None:
+        if running.is_prefilling:
+            self.num_prompt_tokens += num_tokens
+        self.requests.append(running.schedule(num_tokens, new_block_ids, self.step_id))
+        self.budget -= num_tokens
+        self.num_tokens += num_tokens
+
+
+class Scheduler:
+    """Decides every step: which requests run, how many tokens each computes,
+    which KV blocks they get, who is preempted. Driven by ``run_scheduler``
+    (and directly by tests); it never waits and never sends anything itself."""
+
+    def __init__(self, config: EngineConfig, num_kv_blocks: int) -> None:
+        self.config = config
+        self.block_manager = BlockManager(num_kv_blocks, config.block_size)
+        self.pipeline_depth = 2 if config.async_scheduling else 1
+        self._orders_by_priority = config.scheduling_policy == "priority"
+        self._preemption_threshold = (config.priority_preemption_threshold
+                                      if self._orders_by_priority else None)
+        # Best first: (priority, arrival_index) or (arrival_index,); the worst
+        # is at the end, which is where preemption takes its victims.
+        self._running: list[RunningRequest] = []
+        self._running_by_id: dict[str, RunningRequest] = {}
+        self._in_flight_step_ids: deque[int] = deque()
+        self._stopped_request_ids: list[str] = []
+        self._preempted: list[WaitingRequest] = []
+        self._next_step_id = 0
+        self.num_preemptions = 0
+        self.num_steps = 0
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+
+    def statistics(self) -> SchedulerStatistics:
+        return SchedulerStatistics(
+            num_running=len(self._running),
+            num_free_blocks=self.block_manager.num_free_blocks,
+            num_total_blocks=self.block_manager.num_total_blocks,
+            num_preemptions=self.num_preemptions,
+            num_steps=self.num_steps,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generation_tokens=self.num_generation_tokens,
+        )
+
+    # -- what the shell asks ------------------------------------------------------
+
+    @property
+    def is_idle(self) -> bool:
+        return not self._running and not self._in_flight_step_ids
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight_step_ids)
+
+    def can_plan_step(self) -> bool:
+        return len(self._in_flight_step_ids) < self.pipeline_depth
+
+    def is_running(self, request_id: str) -> bool:
+        return request_id in self._running_by_id
+
+    def next_pull(self) -> Pull | None:
+        """The Pull to send before planning, or None when nothing could be admitted.
+
+        Asks for no more requests than could possibly start: each needs a
+        seat, a KV block and a token of budget left after the running ones.
+        """
+        num_admissible = min(
+            self.config.max_num_seqs - len(self._running),
+            self.block_manager.num_free_blocks,
+            self.config.max_num_batched_tokens - len(self._running),
+        )
+        if self._preemption_threshold is not None or self.is_idle:
+            num_admissible = max(num_admissible, 1)
+        if num_admissible <= 0:
+            return None
+        return Pull(max_requests=num_admissible, wait=self.is_idle)
+
+    def schedule(self, pulled: list[WaitingRequest]) -> StepPlan:
+        """Plan the next step from the running requests and the ``pulled`` ones."""
+        assert self.can_plan_step()
+        step = _StepBuilder(self._next_step_id, self.config.max_num_batched_tokens)
+        waiting = deque(pulled)
+        if self._preemption_threshold is not None:
+            self._admit_by_priority(waiting, step)
+        self._schedule_running(step)
+        self._admit_waiting(waiting, step)
+        requeued = self._preempted + list(waiting)
+        self._preempted = []
+        batch = self._finish_batch(step) if step.requests else None
+        assert batch is not None or self._in_flight_step_ids or not self._running, \
+            "running requests but nothing to run"
+        return StepPlan(tracks=step.tracks, requeue=Requeue(requests=requeued) if requeued else None,
+                        batch=batch)
+
+    def on_step_result(self, result: StepResult) -> TokenBatch | None:
+        """Reconcile the placeholders of one finished step; the tokens to emit."""
+        expected_step_id = self._in_flight_step_ids.popleft()
+        assert result.step_id == expected_step_id, "step results arrive in order"
+        deltas = []
+        for index, request_id in enumerate(result.request_ids):
+            running = self._running_by_id.get(request_id)
+            if running is None or running.start_step_id > result.step_id:
+                continue  # finished, aborted or preempted since: its token is dropped
+            token_id = result.sampled_token_ids[index]
+            finish_reason, stop_reason = running.accept_token(token_id)
+            logprobs = None if result.logprobs is None else [result.logprobs[index]]
+            deltas.append(TokenDelta(request_id=request_id, token_ids=[token_id],
+                                     logprobs=logprobs, finish_reason=finish_reason,
+                                     stop_reason=stop_reason))
+            if finish_reason is not None:
+                self._stop(running)
+        self.num_generation_tokens += len(deltas)
+        return TokenBatch(deltas=deltas) if deltas else None
+
+    def abort(self, request_id: str) -> TokenBatch | None:
+        """Stop a running request; its final (empty) delta, or None if it is not running."""
+        running = self._running_by_id.get(request_id)
+        if running is None:
+            return None
+        self._stop(running)
+        return TokenBatch(deltas=[TokenDelta(request_id=request_id, token_ids=[], logprobs=None,
+                                             finish_reason="abort")])
+
+    def on_stop_string_hit(self, request_id: str) -> None:
+        """The detokenizer already finished the request: just free it."""
+        running = self._running_by_id.get(request_id)
+        if running is not None:
+            self._stop(running)
+
+    # -- the three phases ---------------------------------------------------------
+
+    def _admit_by_priority(self, waiting: deque[WaitingRequest], step: _StepBuilder) -> None:
+        """Admit pulled requests that evict running ones at least the threshold worse."""
+        while waiting:
+            num_tokens = min(len(_prefill_token_ids(waiting[0])), step.budget)
+            victims = self._victims_for(waiting[0], num_tokens, step.step_id)
+            if not victims:
+                return  # it fits without evicting anyone, or it may evict no one
+            for victim in victims:
+                self._preempt(victim)
+            admitted = self._try_admit(waiting[0], step)
+            assert admitted, "the evicted requests made room"
+            waiting.popleft()
+
+    def _schedule_running(self, step: _StepBuilder) -> None:
+        """Give every running request its next tokens, best first."""
+        index = 0
+        # Victims are taken from the end, never before ``index``: the requests
+        # already scheduled in this step never move.
+        while index < len(self._running) and step.budget > 0:
+            running = self._running[index]
+            if running.scheduled_step_id != step.step_id and not self._schedule_one(running, step):
+                continue  # it preempted itself: the next one took its place
+            index += 1
+
+    def _schedule_one(self, running: RunningRequest, step: _StepBuilder) -> bool:
+        """Schedule a running request's next tokens; False if it was preempted."""
+        num_tokens = running.num_tokens_wanted(step.budget)
+        if num_tokens == 0:
+            return True
+        num_blocks = self.block_manager.blocks_needed(
+            running.num_computed_tokens + num_tokens, len(running.block_ids))
+        if not self._make_room(running, num_blocks, step.step_id):
+            return False
+        step.add(running, num_tokens, self.block_manager.allocate(num_blocks))
+        return True
+
+    def _admit_waiting(self, waiting: deque[WaitingRequest], step: _StepBuilder) -> None:
+        """Start pulled requests in order while budget, seats and blocks allow."""
+        while waiting and step.budget > 0 and len(self._running) < self.config.max_num_seqs:
+            if not self._try_admit(waiting[0], step):
+                return  # keep the order: nothing overtakes the request that did not fit
+            waiting.popleft()
+
+    # -- helpers ------------------------------------------------------------------
+
+    def _try_admit(self, waiting: WaitingRequest, step: _StepBuilder) -> bool:
+        num_tokens = min(len(_prefill_token_ids(waiting)), step.budget)
+        num_blocks = self.block_manager.blocks_needed(num_tokens, 0)
+        if num_tokens == 0 or not self.block_manager.can_allocate(num_blocks):
+            return False
+        running = RunningRequest(waiting, self._sort_key(waiting), step.step_id)
+        bisect.insort(self._running, running, key=_sort_key_of)
+        self._running_by_id[running.request_id] = running
+        step.new_requests.append(NewRequestData(request_id=running.request_id,
+                                                sampling=running.request.sampling))
+        if waiting.num_preemptions == 0:
+            step.tracks.append(Track(request=running.request))
+        step.add(running, num_tokens, self.block_manager.allocate(num_blocks))
+        return True
+
+    def _make_room(self, running: RunningRequest, num_blocks: int, step_id: int) -> bool:
+        """Preempt the worst requests not yet scheduled in this step until
+        ``num_blocks`` are free; False if ``running`` itself had to go."""
+        while not self.block_manager.can_allocate(num_blocks):
+            victim = self._worst_unscheduled(step_id)
+            assert victim is not None
+            self._preempt(victim)
+            if victim is running:
+                return False
+        return True
+
+    def _victims_for(self, waiting: WaitingRequest, num_tokens: int,
+                     step_id: int) -> list[RunningRequest]:
+        """The running requests ``waiting`` must evict to start now, worst first:
+        empty if it fits anyway, or if the requests it may evict do not make room."""
+        assert self._preemption_threshold is not None
+        num_blocks = self.block_manager.blocks_needed(num_tokens, 0)
+        num_free_blocks = self.block_manager.num_free_blocks
+        num_free_seats = self.config.max_num_seqs - len(self._running)
+        victims: list[RunningRequest] = []
+        for running in reversed(self._running):
+            if num_free_blocks >= num_blocks and num_free_seats >= 1:
+                break
+            if running.scheduled_step_id == step_id:
+                continue
+            if running.request.priority - waiting.request.priority < self._preemption_threshold:
+                return []  # the rest rank higher still
+            victims.append(running)
+            num_free_blocks += len(running.block_ids)
+            num_free_seats += 1
+        if num_tokens == 0 or num_free_blocks < num_blocks or num_free_seats < 1:
+            return []
+        return victims
+
+    def _worst_unscheduled(self, step_id: int) -> RunningRequest | None:
+        for running in reversed(self._running):
+            if running.scheduled_step_id != step_id:
+                return running
+        return None
+
+    def _preempt(self, running: RunningRequest) -> None:
+        self._stop(running)
+        self._preempted.append(running.to_waiting())
+        self.num_preemptions += 1
+
+    def _stop(self, running: RunningRequest) -> None:
+        """It leaves the running set (finished, aborted, preempted): free its
+        blocks now, and tell the runner in the next batch."""
+        self.block_manager.free(running.block_ids)
+        index = bisect.bisect_left(self._running, running.sort_key, key=_sort_key_of)
+        assert self._running[index] is running
+        del self._running[index]
+        del self._running_by_id[running.request_id]
+        self._stopped_request_ids.append(running.request_id)
+
+    def _finish_batch(self, step: _StepBuilder) -> ScheduledBatch:
+        batch = ScheduledBatch(step_id=step.step_id, new_requests=step.new_requests,
+                               requests=step.requests,
+                               finished_request_ids=self._stopped_request_ids,
+                               num_tokens=step.num_tokens)
+        self._stopped_request_ids = []
+        self._in_flight_step_ids.append(step.step_id)
+        self._next_step_id += 1
+        self.num_steps += 1
+        self.num_prompt_tokens += step.num_prompt_tokens
+        return batch
+
+    def _sort_key(self, waiting: WaitingRequest) -> tuple[int, ...]:
+        request = waiting.request
+        if self._orders_by_priority:
+            return (request.priority, request.arrival_index)
+        return (request.arrival_index,)
+
+
+def _sort_key_of(running: RunningRequest) -> tuple[int, ...]:
+    return running.sort_key
+
+
+def _prefill_token_ids(waiting: WaitingRequest) -> list[int]:
+    return waiting.request.prompt_token_ids + waiting.output_token_ids
+
+
+# -- the actor ------------------------------------------------------------------
+
+
+class _Outboxes:
+    def __init__(self, queue: trio.MemorySendChannel[Any], runner: trio.MemorySendChannel[Any],
+                 detokenizer: trio.MemorySendChannel[Any]) -> None:
+        self.queue = queue
+        self.runner = runner
+        self.detokenizer = detokenizer
+
+
+async def run_scheduler(
+    inbox: trio.MemoryReceiveChannel[SchedulerInbox],
+    queue_outbox: trio.MemorySendChannel[QueueInbox],
+    runner_outbox: trio.MemorySendChannel[ScheduledBatch],
+    detokenizer_outbox: trio.MemorySendChannel[DetokenizerInbox],
+    scheduler: Scheduler,
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Consume Pulled, StepResult, Abort and StopStringHit; emit Pull, Requeue
+    and AbortOutcome to the queue, ScheduledBatch to the runner, Track and
+    TokenBatch to the detokenizer.
+
+    Plans a step whenever fewer than the pipeline depth are in flight; waits
+    on its inbox otherwise. Runs until cancelled; closes its outboxes then.
+    """
+    task_status.started()
+    async with queue_outbox, runner_outbox, detokenizer_outbox:
+        outboxes = _Outboxes(queue_outbox, runner_outbox, detokenizer_outbox)
+        while True:
+            if scheduler.can_plan_step():
+                pulled = await _pull(inbox, scheduler, outboxes)
+                plan = scheduler.schedule(pulled)
+                await _send_plan(plan, outboxes)
+                if plan.batch is not None:
+                    continue
+            await _handle(await inbox.receive(), scheduler, outboxes)
+
+
+async def _pull(inbox: trio.MemoryReceiveChannel[SchedulerInbox], scheduler: Scheduler,
+                outboxes: _Outboxes) -> list[WaitingRequest]:
+    """Ask the queue for requests; handle what else arrives meanwhile."""
+    pull = scheduler.next_pull()
+    if pull is None:
+        return []
+    await outboxes.queue.send(pull)
+    while True:
+        message = await inbox.receive()
+        if isinstance(message, Pulled):
+            return message.requests
+        await _handle(message, scheduler, outboxes)
+
+
+async def _send_plan(plan: StepPlan, outboxes: _Outboxes) -> None:
+    for track in plan.tracks:
+        await outboxes.detokenizer.send(track)
+    if plan.requeue is not None:
+        await outboxes.queue.send(plan.requeue)
+    if plan.batch is not None:
+        await outboxes.runner.send(plan.batch)
+
+
+async def _handle(message: SchedulerInbox, scheduler: Scheduler, outboxes: _Outboxes) -> None:
+    match message:
+        case StepResult():
+            tokens = scheduler.on_step_result(message)
+            if tokens is not None:
+                await outboxes.detokenizer.send(tokens)
+        case Abort(request_id=request_id):
+            aborted = scheduler.abort(request_id)
+            if aborted is not None:
+                await outboxes.detokenizer.send(aborted)
+            await outboxes.queue.send(AbortOutcome(request_id=request_id))
+        case StopStringHit(request_id=request_id):
+            scheduler.on_stop_string_hit(request_id)
+        case Pulled():
+            raise AssertionError("Pulled without an outstanding Pull")
