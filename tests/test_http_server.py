@@ -1,0 +1,331 @@
+"""The HTTP server over a scripted engine, through real loopback sockets:
+response shapes, streaming, errors, authentication, draining."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from test_http_support import FakeEngine, running_server, sse_events, sse_json
+
+TIMEOUT = 10
+
+
+async def post(url: str, path: str, body: Any, **kwargs: Any) -> httpx.Response:
+    async with httpx.AsyncClient(base_url=url) as client:
+        return await client.post(path, json=body, **kwargs)
+
+
+async def get(url: str, path: str, **kwargs: Any) -> httpx.Response:
+    async with httpx.AsyncClient(base_url=url) as client:
+        return await client.get(path, **kwargs)
+
+
+def error_of(response: httpx.Response) -> dict[str, Any]:
+    body = response.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["code"] == response.status_code
+    return dict(body["error"])
+
+
+# -- completions ----------------------------------------------------------------------
+
+
+async def test_completion_returns_text_and_usage() -> None:
+    engine = FakeEngine()
+    with trio.fail_after(TIMEOUT):
+        async with running_server(engine) as url:
+            response = await post(url, "/v1/completions",
+                                  {"model": "fake-model", "prompt": "hello", "max_tokens": 3})
+    assert response.status_code == 200
+    body = response.json()
+    assert body["object"] == "text_completion"
+    assert body["id"].startswith("cmpl-")
+    assert body["choices"] == [{"index": 0, "text": "abc", "logprobs": None,
+                                "finish_reason": "length", "stop_reason": None}]
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+    assert engine.finished == [body["id"]]
+
+
+async def test_completion_passes_sampling_fields_to_the_engine() -> None:
+    engine = FakeEngine()
+    request = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0.5, "top_p": 0.9,
+               "top_k": 7, "min_p": 0.1, "seed": 3, "stop": "zz", "stop_token_ids": [9],
+               "ignore_eos": True, "min_tokens": 2, "priority": 4, "user": "u", "n": 1}
+    with trio.fail_after(TIMEOUT):
+        async with running_server(engine) as url:
+            response = await post(url, "/v1/completions", request)
+    assert response.status_code == 200
+    [submitted] = engine.submitted
+    params = submitted["params"]
+    assert submitted["prompt"] == [5, 6, 7]
+    assert submitted["priority"] == 4
+    assert (params.max_tokens, params.temperature, params.top_p, params.top_k) == (4, 0.5, 0.9, 7)
+    assert (params.min_p, params.seed, params.stop, params.stop_token_ids) == (0.1, 3, ["zz"], [9])
+    assert (params.ignore_eos, params.min_tokens) == (True, 2)
+
+
+async def test_completion_logprobs_in_the_legacy_shape() -> None:
+    engine = FakeEngine()
+    with trio.fail_after(TIMEOUT):
+        async with running_server(engine) as url:
+            response = await post(url, "/v1/completions",
+                                  {"prompt": "x", "max_tokens": 2, "logprobs": 1})
+    logprobs = response.json()["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == ["a", "b"]
+    assert logprobs["token_logprobs"] == [-0.25, -0.25]
+    assert logprobs["top_logprobs"] == [{"a": -0.25}, {"b": -0.25}]
+    assert logprobs["text_offset"] == [0, 1]
+    assert engine.submitted[0]["params"].logprobs == 1
+
+
+async def test_streamed_completion_sends_chunks_usage_and_done() -> None:
+    engine = FakeEngine()
+    request = {"prompt": "hi", "max_tokens": 3, "stream": True,
+               "stream_options": {"include_usage": True}}
+    with trio.fail_after(TIMEOUT):
+        async with running_server(engine) as url:
+            response = await post(url, "/v1/completions", request)
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/event-stream")
+    assert sse_events(response.text)[-1] == "[DONE]"
+    chunks = sse_json(response.text)
+    assert [chunk["choices"][0]["text"] for chunk in chunks[:-1]] == ["a", "b", "c"]
+    assert [chunk["choices"][0]["finish_reason"] for chunk in chunks[:-1]] == [None, None,
+                                                                               "length"]
+    assert all(chunk["usage"] is None for chunk in chunks[:-1])
+    assert chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
+    assert len({chunk["id"] for chunk in chunks}) == 1
+
+
+async def test_streamed_completion_without_usage_ends_with_the_last_token() -> None:
+    engine = FakeEngine()
+    with trio.fail_after(TIMEOUT):
+        async with running_server(engine) as url:
+            response = await post(url, "/v1/completions",
+                                  {"prompt": "hi", "max_tokens": 2, "stream": True})
+    chunks = sse_json(response.text)
+    assert [chunk["choices"][0]["text"] for chunk in chunks] == ["a", "b"]
+
+
+# -- chat -----------------------------------------------------------------------------
+
+
+async def test_chat_completion_applies_the_chat_template() -> None:
+    engine = FakeEngine()
+    request = {"messages": [{"role": "system", "content": "be brief"},
+                            {"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+               "max_completion_tokens": 2, "logprobs": True, "top_logprobs": 2}
+    with trio.fail_after(TIMEOUT):
+        async with running_server(engine) as url:
+            response = await post(url, "/v1/chat/completions", request)
+    assert response.status_code == 200
+    body = response.json()
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "ab"}
+    assert engine.submitted[0]["prompt"] == "<system>be brief<user>hi<assistant>"
+    content = body["choices"][0]["logprobs"]["content"]
+    assert [entry["token"] for entry in content] == ["a", "b"]
+    assert [top["token"] for top in content[0]["top_logprobs"]] == ["a", "b"]
+    assert engine.submitted[0]["params"].logprobs == 2
+
+
+async def test_chat_without_a_limit_may_fill_the_context() -> None:
+    engine = FakeEngine(max_model_len=40)
+    with trio.fail_after(TIMEOUT):
+        async with running_server(engine) as url:
+            await post(url, "/v1/chat/completions",
+                       {"messages": [{"role": "user", "content": "hi"}]})
+    assert engine.submitted[0]["params"].max_tokens == 40
+
+
+async def test_streamed_chat_starts_with_the_role() -> None:
+    engine = FakeEngine()
+    request = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True,
+               "stream_options": {"include_usage": True}}
+    with trio.fail_after(TIMEOUT):
+        async with running_server(engine) as url:
+            response = await post(url, "/v1/chat/completions", request)
+    chunks = sse_json(response.text)
+    assert chunks[0]["object"] == "chat.completion.chunk"
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": "a"}
+    assert chunks[1]["choices"][0]["delta"] == {"content": "b"}
+    assert chunks[1]["choices"][0]["finish_reason"] == "length"
+    assert chunks[2]["usage"]["completion_tokens"] == 2
+    assert sse_events(response.text)[-1] == "[DONE]"
+
+
+# -- models, health, tokenize -----------------------------------------------------------
+
+
+async def test_models_health_tokenize_detokenize() -> None:
+    engine = FakeEngine()
+    with trio.fail_after(TIMEOUT):
+        async with running_server(engine, served_model_name="served") as url:
+            models = (await get(url, "/v1/models")).json()
+            health = await get(url, "/health")
+            tokens = (await post(url, "/tokenize",
+                                 {"prompt": "ab", "return_token_strs": True})).json()
+            chat_tokens = (await post(url, "/tokenize",
+                                      {"messages": [{"role": "user", "content": "x"}]})).json()
+            text = (await post(url, "/detokenize", {"tokens": [104, 105]})).json()
+            by_served_name = await post(url, "/v1/completions",
+                                        {"model": "served", "prompt": "x", "max_tokens": 1})
+    assert models["object"] == "list"
+    assert [card["id"] for card in models["data"]] == ["served"]
+    assert models["data"][0]["max_model_len"] == 64
+    assert models["data"][0]["vocab_size"] == 256
+    assert health.status_code == 200
+    assert tokens == {"count": 2, "max_model_len": 64, "tokens": [97, 98], "token_strs": ["a", "b"]}
+    assert chat_tokens["tokens"] == FakeEngine().tokenizer.encode("<user>x<assistant>")
+    assert text == {"prompt": "hi"}
+    assert by_served_name.json()["model"] == "served"
+
+
+# -- errors -------------------------------------------------------------------------------
+
+BAD_REQUESTS = [
+    ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature"),
+    ("/v1/completions", {"prompt": "x", "top_p": 1.5}, "top_p"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"max_tokens": 3}, "prompt"),
+    ("/v1/completions", {"prompt": {"text": "x"}}, "prompt"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
+    ("/v1/completions", {"prompt": "x", "n": 2}, "n"),
+    ("/v1/completions", {"prompt": "x", "echo": True}, "echo"),
+    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}},
+     "stream_options"),
+    ("/v1/completions", {"prompt": "x", "min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+    ("/v1/completions", {"prompt": "x", "model": "other"}, "model"),
+    ("/v1/completions", {"prompt": "x" * 100}, "prompt"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, "messages[0].role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function"}]}, "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user",
+                                            "content": [{"type": "image_url"}]}]},
+     "messages[0].content"),
+    ("/tokenize", {"prompt": "x", "messages": []}, "prompt"),
+    ("/detokenize", {"tokens": [-1]}, "tokens[0]"),
+    ("/detokenize", {"tokens": [999]}, "tokens"),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_bad_requests_get_400_naming_the_field(stream: bool) -> None:
+    engine = FakeEngine()
+    with trio.fail_after(TIMEOUT):
+        async with running_server(engine) as url:
+            for path, body, param in BAD_REQUESTS:
+                if stream and path.startswith("/v1") and "stream_options" not in body:
+                    body = {**body, "stream": True}
+                response = await post(url, path, body)
+                assert response.status_code == 400, (body, response.text)
+                error = error_of(response)
+                assert (error["param"], error["type"]) == (param, "invalid_request_error"), body
+            # Bad input disturbed nothing: the next good request is served.
+            good = await post(url, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+    assert good.json()["choices"][0]["text"] == "ab"
+    assert engine.running == set()
+
+
+async def test_malformed_json_is_a_400() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with running_server(FakeEngine()) as url:
+            async with httpx.AsyncClient(base_url=url) as client:
+                response = await client.post("/v1/completions", content=b"{not json",
+                                             headers={"Content-Type": "application/json"})
+    assert response.status_code == 400
+    assert "JSON" in error_of(response)["message"]
+
+
+async def test_unknown_route_wrong_method_and_large_body() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with running_server(FakeEngine(), max_body_bytes=1000) as url:
+            missing = await get(url, "/v1/nothing")
+            wrong_method = await get(url, "/v1/completions")
+            too_large = await post(url, "/v1/completions", {"prompt": "x" * 2000})
+    assert missing.status_code == 404
+    assert error_of(missing)["type"] == "not_found_error"
+    assert wrong_method.status_code == 405
+    assert "POST" in wrong_method.headers["Allow"]
+    error_of(wrong_method)
+    assert too_large.status_code == 413
+    error_of(too_large)
+
+
+async def test_api_key_guards_everything_but_health_and_metrics() -> None:
+    engine = FakeEngine()
+    body = {"prompt": "x", "max_tokens": 1}
+    with trio.fail_after(TIMEOUT):
+        async with running_server(engine, api_key="sesame") as url:
+            missing = await post(url, "/v1/completions", body)
+            wrong = await post(url, "/v1/completions", body,
+                               headers={"Authorization": "Bearer sesame2"})
+            models = await get(url, "/v1/models")
+            right = await post(url, "/v1/completions", body,
+                               headers={"Authorization": "Bearer sesame"})
+            health = await get(url, "/health")
+            metrics = await get(url, "/metrics")
+    for response in (missing, wrong, models):
+        assert response.status_code == 401
+        assert error_of(response)["type"] == "authentication_error"
+    assert right.status_code == 200
+    assert (health.status_code, metrics.status_code) == (200, 200)
+    assert len(engine.submitted) == 1
+
+
+async def test_queue_full_is_a_503_with_retry_after() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with running_server(FakeEngine(queue_full=True)) as url:
+            plain = await post(url, "/v1/completions", {"prompt": "x"})
+            streamed = await post(url, "/v1/completions", {"prompt": "x", "stream": True})
+    for response in (plain, streamed):
+        assert response.status_code == 503
+        assert response.headers["Retry-After"] == "1"
+        assert "queue" in error_of(response)["message"]
+
+
+async def test_draining_engine_answers_503_and_health_turns_503() -> None:
+    engine = FakeEngine()
+    with trio.fail_after(TIMEOUT):
+        async with running_server(engine) as url:
+            engine.begin_drain()
+            health = await get(url, "/health")
+            response = await post(url, "/v1/chat/completions",
+                                  {"messages": [{"role": "user", "content": "x"}]})
+    assert health.status_code == 503
+    assert response.status_code == 503
+    assert response.headers["Retry-After"] == "1"
+
+
+async def test_failure_after_the_stream_started_sends_an_error_event_then_done() -> None:
+    engine = FakeEngine(fail_after_tokens=2)
+    with trio.fail_after(TIMEOUT):
+        async with running_server(engine) as url:
+            response = await post(url, "/v1/completions",
+                                  {"prompt": "x", "max_tokens": 5, "stream": True})
+    assert response.status_code == 200
+    events = sse_events(response.text)
+    chunks = sse_json(response.text)
+    assert [chunk["choices"][0]["text"] for chunk in chunks[:2]] == ["a", "b"]
+    assert chunks[2]["error"]["code"] == 503
+    assert "died" in chunks[2]["error"]["message"]
+    assert events[-1] == "[DONE]"
+
+
+async def test_failure_of_a_plain_request_is_a_503() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with running_server(FakeEngine(fail_after_tokens=1)) as url:
+            response = await post(url, "/v1/completions", {"prompt": "x", "max_tokens": 5})
+    assert response.status_code == 503
+    error_of(response)

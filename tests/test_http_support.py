@@ -1,0 +1,244 @@
+"""Shared helpers of the HTTP tests (no tests here): a scripted engine, a server
+on a free loopback port, a raw socket client and SSE parsing.
+
+The fake engine has the Engine facade's interface and generates "abcd..." one
+letter per step. With ``gated=True`` every step waits for ``allow_steps``, so
+a test decides exactly how far generation has gone.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from functools import partial
+from typing import Any
+
+import msgspec
+import trio
+from trio.testing import wait_all_tasks_blocked
+
+from trio_llm.actors.config import EngineConfig
+from trio_llm.actors.errors import EngineDead, QueueFull, RequestRejected
+from trio_llm.actors.messages import RequestOutput, SamplingParams, TokenLogprobs
+from trio_llm.api.server import ServerConfig, serve_app
+
+NUM_FAKE_BLOCKS = 64
+BLOCKS_PER_REQUEST = 2
+
+
+class FakeTokenizer:
+    """One token per character (code point modulo 256)."""
+
+    vocab_size = 256
+    eos_token_ids = [0]
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return [ord(char) % 256 for char in text]
+
+    def decode(self, token_ids: list[int], *, skip_special_tokens: bool = True) -> str:
+        return "".join(chr(token_id) for token_id in token_ids)
+
+    def apply_chat_template(self, messages: list[dict[str, str]], *,
+                            add_generation_prompt: bool = True) -> str:
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+
+class FakeStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    num_preemptions: int
+    num_steps: int
+    num_prompt_tokens: int
+    num_generation_tokens: int
+
+
+class FakeEngine:
+    """The Engine facade's interface over a script (see the module docstring).
+
+    ``fail_after_tokens`` makes a request fail with EngineDead after that many
+    tokens; ``queue_full`` rejects every request as the queue would.
+    """
+
+    def __init__(self, *, max_model_len: int = 64, gated: bool = False,
+                 fail_after_tokens: int | None = None, queue_full: bool = False) -> None:
+        self.config = EngineConfig(model="fake-model", shutdown_grace_seconds=1.0)
+        self.model_name = "fake-model"
+        self.max_model_len = max_model_len
+        self.tokenizer = FakeTokenizer()
+        self.running: set[str] = set()
+        self.finished: list[str] = []
+        self.aborted: list[str] = []
+        self.submitted: list[dict[str, Any]] = []
+        self.num_generated = 0
+        self.fail_after_tokens = fail_after_tokens
+        self.queue_full = queue_full
+        self._num_steps_allowed: int | None = 0 if gated else None
+        self._step_lot = trio.lowlevel.ParkingLot()
+        self._draining = False
+        self._num_prompt_tokens = 0
+
+    # -- test controls ----------------------------------------------------------------
+
+    def allow_steps(self, num_steps: int) -> None:
+        assert self._num_steps_allowed is not None, "only a gated engine counts steps"
+        self._num_steps_allowed += num_steps
+        self._step_lot.unpark_all()
+
+    def ungate(self) -> None:
+        self._num_steps_allowed = None
+        self._step_lot.unpark_all()
+
+    # -- the facade's interface -------------------------------------------------------
+
+    def generate(self, prompt: str | list[int], params: SamplingParams | None = None, *,
+                 priority: int = 0, request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        request_id = request_id or f"fake-{len(self.submitted)}"
+        self.submitted.append({"prompt": prompt, "params": params or SamplingParams(),
+                               "priority": priority, "request_id": request_id})
+        return self._run(request_id, token_ids, params or SamplingParams())
+
+    def chat(self, messages: list[dict[str, str]], params: SamplingParams | None = None, *,
+             priority: int = 0, request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        return self.generate(self.tokenizer.apply_chat_template(messages), params,
+                             priority=priority, request_id=request_id)
+
+    async def _run(self, request_id: str, prompt_ids: list[int],
+                   params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        self._check_admissible(prompt_ids)
+        num_tokens = min(params.max_tokens, self.max_model_len - len(prompt_ids))
+        self.running.add(request_id)
+        self._num_prompt_tokens += len(prompt_ids)
+        finished = False
+        try:
+            for index in range(num_tokens):
+                await self._wait_step()
+                if index == self.fail_after_tokens:
+                    finished = True
+                    raise EngineDead("the engine died")
+                finished = index == num_tokens - 1
+                yield self._output(request_id, index, len(prompt_ids), params, finished=finished)
+        finally:
+            self.running.discard(request_id)
+            (self.finished if finished else self.aborted).append(request_id)
+
+    def _check_admissible(self, prompt_ids: list[int]) -> None:
+        if self._draining:
+            raise EngineDead("the engine is shutting down")
+        if len(prompt_ids) >= self.max_model_len:
+            raise RequestRejected(f"the prompt has {len(prompt_ids)} tokens, over "
+                                  f"max_model_len {self.max_model_len}", param="prompt")
+        if self.queue_full:
+            raise QueueFull("the waiting queue is full")
+
+    async def _wait_step(self) -> None:
+        while self._num_steps_allowed is not None and self._num_steps_allowed <= 0:
+            await self._step_lot.park()
+        if self._num_steps_allowed is not None:
+            self._num_steps_allowed -= 1
+        await trio.lowlevel.checkpoint()
+
+    def _output(self, request_id: str, index: int, num_prompt_tokens: int,
+                params: SamplingParams, *, finished: bool) -> RequestOutput:
+        self.num_generated += 1
+        token_id = ord("a") + index % 26
+        logprobs = None
+        if params.logprobs is not None:
+            top_ids = [token_id, token_id + 1][: params.logprobs]
+            logprobs = [TokenLogprobs(logprob=-0.25, top_token_ids=top_ids,
+                                      top_logprobs=[-0.25, -2.0][: len(top_ids)])]
+        return RequestOutput(
+            request_id=request_id, token_ids=[token_id], text=chr(token_id), logprobs=logprobs,
+            finished=finished, finish_reason="length" if finished else None,
+            num_prompt_tokens=num_prompt_tokens, num_output_tokens=index + 1,
+            queue_time=0.0 if index == 0 else None,
+        )
+
+    async def abort(self, request_id: str) -> None:
+        raise NotImplementedError
+
+    def statistics(self) -> FakeStatistics:
+        return FakeStatistics(
+            num_running=len(self.running), num_waiting=0,
+            num_free_blocks=NUM_FAKE_BLOCKS - BLOCKS_PER_REQUEST * len(self.running),
+            num_total_blocks=NUM_FAKE_BLOCKS, num_preemptions=0, num_steps=self.num_generated,
+            num_prompt_tokens=self._num_prompt_tokens, num_generation_tokens=self.num_generated,
+        )
+
+    @property
+    def num_open_requests(self) -> int:
+        return len(self.running)
+
+    @property
+    def is_healthy(self) -> bool:
+        return not self._draining
+
+    def begin_drain(self) -> None:
+        self._draining = True
+
+    async def wait_dead(self) -> None:
+        await trio.sleep_forever()
+
+
+# -- a server on a free loopback port -------------------------------------------------
+
+
+@asynccontextmanager
+async def running_server(engine: Any, **config: Any) -> AsyncIterator[str]:
+    """Serve ``engine`` on 127.0.0.1 (a free port) for the block; yields the base URL."""
+    async with trio.open_nursery() as nursery:
+        server_config = ServerConfig(host="127.0.0.1", port=0, **config)
+        url = await nursery.start(partial(serve_app, engine, server_config))
+        yield url
+        nursery.cancel_scope.cancel()
+
+
+async def wait_until(predicate: Callable[[], bool], *, max_rounds: int = 1000) -> None:
+    """Let every task run until ``predicate`` holds (no wall-clock sleeps)."""
+    for _ in range(max_rounds):
+        if predicate():
+            return
+        await wait_all_tasks_blocked()
+    raise AssertionError("the condition never held")
+
+
+# -- a raw socket client --------------------------------------------------------------
+
+
+def host_port(url: str) -> tuple[str, int]:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    return host, int(port)
+
+
+async def open_raw_request(url: str, path: str, body: dict[str, Any]) -> trio.SocketStream:
+    """Send one POST over a fresh TCP connection and return the connection."""
+    host, port = host_port(url)
+    stream = await trio.open_tcp_stream(host, port)
+    payload = json.dumps(body).encode()
+    head = (f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(payload)}\r\n\r\n").encode()
+    await stream.send_all(head + payload)
+    return stream
+
+
+async def receive_until(stream: trio.SocketStream, marker: bytes) -> bytes:
+    """Read from ``stream`` until ``marker`` has arrived; everything read so far."""
+    received = b""
+    while marker not in received:
+        data = await stream.receive_some(65536)
+        assert data, f"the server closed the connection before {marker!r}"
+        received += data
+    return received
+
+
+def sse_events(text: str) -> list[str]:
+    """The data of every SSE event in a complete response body."""
+    return [line.removeprefix("data: ") for line in text.splitlines() if line.startswith("data: ")]
+
+
+def sse_json(text: str) -> list[dict[str, Any]]:
+    """Every event but [DONE], decoded."""
+    return [json.loads(data) for data in sse_events(text) if data != "[DONE]"]
