@@ -85,9 +85,11 @@ class _WindowDecoder:
         self._skip_special_tokens = skip_special_tokens
         self._token_ids = list(context_token_ids)
         self._read_text = self._decode(self._token_ids)
-        if self._read_text.endswith(REPLACEMENT_CHARACTER):
-            # The context ends inside a character: it cannot anchor the output.
-            self._token_ids, self._read_text = [], ""
+        while self._read_text.endswith(REPLACEMENT_CHARACTER):
+            # The context ends inside a character, which cannot anchor the
+            # output: anchor on the complete text before it.
+            self._token_ids.pop()
+            self._read_text = self._decode(self._token_ids)
         self._num_read = len(self._token_ids)
 
     def step(self, token_id: int) -> str:
