@@ -139,47 +139,57 @@ def time_kv_write(num_tokens=8192, num_kv_heads=8):
 
 
 def check_cupy_interop() -> dict:
-    """Attention on a CuPy stream through torch, captured as a graph, read back via pinned memory."""
+    """Attention on a torch-owned side stream driven through CuPy: captured as a graph,
+    replayed, ordered by CuPy events, read back into pinned memory on a copy stream.
+
+    torch owns the streams (CuPy wraps them as external streams): a tensor freed
+    after a CuPy-owned stream was destroyed crashes torch's allocator.
+    """
     import cupy
 
-    compute = cupy.cuda.Stream(non_blocking=True)
-    copy = cupy.cuda.Stream(non_blocking=True)
+    compute_stream, copy_stream = torch.cuda.Stream(), torch.cuda.Stream()
+    compute = cupy.cuda.ExternalStream(compute_stream.cuda_stream)
+    copy = cupy.cuda.ExternalStream(copy_stream.cuda_stream)
     inputs = paged_inputs(4, 200, 1, 16, 8)
     expected = triton_attention.paged_attention(*inputs, 0.1)
     torch.cuda.synchronize()
-    torch_stream = torch.cuda.ExternalStream(compute.ptr)
-    with torch.cuda.stream(torch_stream):
-        eager = triton_attention.paged_attention(*inputs, 0.1)  # compiles outside the capture
+    with torch.cuda.stream(compute_stream):
+        eager = triton_attention.paged_attention(*inputs, 0.1)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=torch_stream):
+        with torch.cuda.graph(graph, stream=compute_stream):
             captured = triton_attention.paged_attention(*inputs, 0.1)
         graph.replay()
     done = cupy.cuda.Event(disable_timing=True)
     done.record(compute)
     copy.wait_event(done)
     pinned = torch.empty(captured.shape, dtype=captured.dtype, pin_memory=True)
-    with torch.cuda.stream(torch.cuda.ExternalStream(copy.ptr)):
+    with torch.cuda.stream(copy_stream):
         pinned.copy_(captured, non_blocking=True)
     copied = cupy.cuda.Event(disable_timing=True)
     copied.record(copy)
     copied.synchronize()
-    return {"graph_replay_matches_eager": bool(torch.equal(pinned, eager.cpu())),
-            "eager_matches_default_stream": bool(torch.equal(eager, expected))}
+    result = {"graph_replay_matches_eager": bool(torch.equal(pinned, eager.cpu())),
+              "eager_matches_default_stream": bool(torch.equal(eager, expected))}
+    del graph, captured, eager
+    torch.cuda.synchronize()
+    return result
 
 
 def main() -> None:
     out_dir = Path(os.environ.get("OUT", "."))
     results: dict = {"environment": environment(), "copy_bandwidth_gbps": copy_bandwidth_gbps()}
     results["kv_write"] = time_kv_write()
+    print(json.dumps(results, indent=1))
     results["cases"] = []
     for model in MODELS:
         for num_seqs, context_len in DECODE_CASES:
             results["cases"].append(time_case("decode", model, num_seqs, context_len, 1))
         for num_seqs, prompt_len in PREFILL_CASES:
             results["cases"].append(time_case("prefill", model, num_seqs, prompt_len, prompt_len))
+        (out_dir / "kernels.json").write_text(json.dumps(results, indent=2))
     results["cupy_interop"] = check_cupy_interop()
     (out_dir / "kernels.json").write_text(json.dumps(results, indent=2))
-    print(json.dumps({k: v for k, v in results.items() if k != "cases"}, indent=1))
+    print(json.dumps(results["cupy_interop"]))
     print(f"{'kind':8} {'model':11} {'seqs':>5} {'ctx':>5} {'err':>8} {'triton us':>10} "
           f"{'sdpa us':>9} {'GB/s':>7}")
     for case in results["cases"]:
