@@ -137,7 +137,7 @@ class OpenAIServer:
                                              model=self.model_name, token_text=self._token_text)
         outputs = self.engine.generate(prompt, params, priority=body.priority,
                                        request_id=builder.response_id)
-        return await self._respond(outputs, builder, body)
+        return await self.respond(outputs, builder, body)
 
     async def chat_completions(self) -> Response:
         body = protocol.decode_request(await request.get_data(), protocol.ChatCompletionRequest)
@@ -148,12 +148,14 @@ class OpenAIServer:
                                        model=self.model_name, token_text=self._token_text)
         outputs = self.engine.chat(messages, params, priority=body.priority,
                                    request_id=builder.response_id)
-        return await self._respond(outputs, builder, body)
+        return await self.respond(outputs, builder, body)
 
-    async def _respond(self, outputs: AsyncIterator[RequestOutput],
-                       builder: protocol.CompletionBuilder | protocol.ChatBuilder,
-                       body: protocol.CompletionRequest | protocol.ChatCompletionRequest,
-                       ) -> Response:
+    async def respond(self, outputs: AsyncIterator[RequestOutput],
+                      builder: protocol.CompletionBuilder | protocol.ChatBuilder,
+                      body: protocol.CompletionRequest | protocol.ChatCompletionRequest,
+                      ) -> Response:
+        """The response to a generation request: one JSON body, or an SSE stream
+        that owns ``outputs`` from here on (closing the body ends the request)."""
         timer = self.metrics.timer(trio.current_time())
         if not body.stream:
             async with closing(outputs):

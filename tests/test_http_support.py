@@ -106,24 +106,9 @@ class FakeEngine:
         return self.generate(self.tokenizer.apply_chat_template(messages), params,
                              priority=priority, request_id=request_id)
 
-    async def _run(self, request_id: str, prompt_ids: list[int],
-                   params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        self._check_admissible(prompt_ids)
-        num_tokens = min(params.max_tokens, self.max_model_len - len(prompt_ids))
-        self.running.add(request_id)
-        self._num_prompt_tokens += len(prompt_ids)
-        finished = False
-        try:
-            for index in range(num_tokens):
-                await self._wait_step()
-                if index == self.fail_after_tokens:
-                    finished = True
-                    raise EngineDead("the engine died")
-                finished = index == num_tokens - 1
-                yield self._output(request_id, index, len(prompt_ids), params, finished=finished)
-        finally:
-            self.running.discard(request_id)
-            (self.finished if finished else self.aborted).append(request_id)
+    def _run(self, request_id: str, prompt_ids: list[int],
+             params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        return FakeRequest(self, request_id, prompt_ids, params)
 
     def _check_admissible(self, prompt_ids: list[int]) -> None:
         if self._draining:
@@ -181,6 +166,60 @@ class FakeEngine:
 
     async def wait_dead(self) -> None:
         await trio.sleep_forever()
+
+
+class FakeRequest:
+    """One request's output stream. Like the facade's, it aborts the request when
+    closed early or cancelled; unlike an async generator, garbage collection
+    never closes it, so a server that forgets to close a stream leaves the
+    request running and the test sees it."""
+
+    def __init__(self, engine: FakeEngine, request_id: str, prompt_ids: list[int],
+                 params: SamplingParams) -> None:
+        self._engine = engine
+        self._request_id = request_id
+        self._prompt_ids = prompt_ids
+        self._params = params
+        self._num_tokens = min(params.max_tokens, engine.max_model_len - len(prompt_ids))
+        self._index = -1
+        self._ended = False
+
+    def __aiter__(self) -> FakeRequest:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        engine = self._engine
+        if self._ended:
+            raise StopAsyncIteration
+        if self._index < 0:
+            engine._check_admissible(self._prompt_ids)
+            engine.running.add(self._request_id)
+            engine._num_prompt_tokens += len(self._prompt_ids)
+            self._index = 0
+        try:
+            await engine._wait_step()
+            if self._index == engine.fail_after_tokens:
+                raise EngineDead("the engine died")
+        except BaseException as error:
+            self._end(finished=isinstance(error, EngineDead))
+            raise
+        finished = self._index == self._num_tokens - 1
+        output = engine._output(self._request_id, self._index, len(self._prompt_ids),
+                                self._params, finished=finished)
+        self._index += 1
+        if finished:
+            self._end(finished=True)
+        return output
+
+    async def aclose(self) -> None:
+        if not self._ended and self._index >= 0:
+            self._end(finished=False)
+        self._ended = True
+
+    def _end(self, *, finished: bool) -> None:
+        self._ended = True
+        self._engine.running.discard(self._request_id)
+        (self._engine.finished if finished else self._engine.aborted).append(self._request_id)
 
 
 # -- a server on a free loopback port -------------------------------------------------
