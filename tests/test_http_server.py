@@ -8,7 +8,6 @@ from typing import Any
 import httpx
 import pytest
 import trio
-
 from test_http_support import FakeEngine, running_server, sse_events, sse_json
 
 TIMEOUT = 10

@@ -8,7 +8,6 @@ import re
 import httpx
 import msgspec
 import trio
-
 from test_http_support import (
     FakeEngine,
     open_raw_request,
@@ -16,6 +15,7 @@ from test_http_support import (
     running_server,
     wait_until,
 )
+
 from trio_llm.actors.messages import SamplingParams
 from trio_llm.api import protocol
 from trio_llm.api.server import OpenAIServer, ServerConfig
