@@ -27,7 +27,6 @@ from trio_llm.actors.messages import (
     StopStringHit,
     TokenBatch,
     TokenDelta,
-    TokenLogprobs,
     Track,
 )
 from trio_llm.actors.streams import RequestStreams
@@ -53,23 +52,51 @@ class _TextDecoder(Protocol):
         ...
 
 
-class _ByteLevelDecoder:
-    """Byte-level BPE: a token's text is its bytes, so decoding is a byte stream
-    through an incremental UTF-8 decoder. Equals the tokenizer's batch decode."""
+class _ByteTable:
+    """Every token's bytes under byte-level BPE, and its text where those bytes
+    are whole UTF-8 characters on their own (most tokens): a fast path."""
 
-    __slots__ = ("_token_bytes", "_utf8")
+    __slots__ = ("token_bytes", "token_texts")
 
     def __init__(self, token_bytes: list[bytes]) -> None:
-        self._token_bytes = token_bytes
-        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.token_bytes = token_bytes
+        self.token_texts = [_whole_text(data) for data in token_bytes]
+
+
+def _whole_text(data: bytes) -> str | None:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+class _ByteLevelDecoder:
+    """Byte-level BPE: a token's text is its bytes, so decoding is a byte stream
+    through an incremental UTF-8 decoder that holds back the bytes of an
+    incomplete character. Equals the tokenizer's batch decode."""
+
+    __slots__ = ("_table", "_held_bytes")
+
+    def __init__(self, table: _ByteTable) -> None:
+        self._table = table
+        self._held_bytes = b""
 
     def step(self, token_id: int) -> str:
-        if token_id >= len(self._token_bytes):
+        if token_id >= len(self._table.token_bytes):
             return ""  # an id the tokenizer does not know decodes to nothing
-        return self._utf8.decode(self._token_bytes[token_id])
+        if not self._held_bytes:
+            text = self._table.token_texts[token_id]
+            if text is not None:
+                return text
+        data = self._held_bytes + self._table.token_bytes[token_id]
+        text, num_consumed = codecs.utf_8_decode(data, "replace", False)
+        self._held_bytes = data[num_consumed:]
+        return text
 
     def flush(self) -> str:
-        return self._utf8.decode(b"", final=True)
+        text, _ = codecs.utf_8_decode(self._held_bytes, "replace", True)
+        self._held_bytes = b""
+        return text
 
 
 class _WindowDecoder:
@@ -129,8 +156,7 @@ def _byte_level_alphabet() -> dict[str, int]:
                                                                         strict=True)}
 
 
-def _token_bytes_tables(backend: tokenizers.Tokenizer,
-                        vocab_size: int) -> tuple[list[bytes], list[bytes]]:
+def _byte_tables(backend: tokenizers.Tokenizer, vocab_size: int) -> tuple[_ByteTable, _ByteTable]:
     """Each token's bytes, as the byte-level decoder writes them: a token whose
     characters are all in the byte alphabet maps through it; any other (an
     added token such as "<|im_end|>" with a space in it) is its own UTF-8.
@@ -148,7 +174,7 @@ def _token_bytes_tables(backend: tokenizers.Tokenizer,
     for token_id, added in backend.get_added_tokens_decoder().items():
         if added.special:
             without_special[token_id] = b""
-    return with_special, without_special
+    return _ByteTable(with_special), _ByteTable(without_special)
 
 
 # -- stop strings ---------------------------------------------------------------
@@ -158,11 +184,12 @@ class StopStrings:
     """A request's stop strings: where one first appears, and how much text
     at the end could still be the start of one (and must be held back)."""
 
-    __slots__ = ("stops", "_proper_prefixes", "_max_prefix_length")
+    __slots__ = ("stops", "_proper_prefixes", "_first_characters", "_max_prefix_length")
 
     def __init__(self, stops: list[str]) -> None:
         self.stops = stops
         self._proper_prefixes = {stop[:length] for stop in stops for length in range(1, len(stop))}
+        self._first_characters = {prefix[0] for prefix in self._proper_prefixes}
         self._max_prefix_length = max(len(stop) for stop in stops) - 1
 
     def find(self, text: str, num_old_chars: int) -> tuple[int, str] | None:
@@ -180,9 +207,9 @@ class StopStrings:
 
     def num_held_chars(self, text: str) -> int:
         """Length of the longest end of ``text`` that begins some stop string."""
-        for length in range(min(self._max_prefix_length, len(text)), 0, -1):
-            if text[-length:] in self._proper_prefixes:
-                return length
+        for start in range(max(0, len(text) - self._max_prefix_length), len(text)):
+            if text[start] in self._first_characters and text[start:] in self._proper_prefixes:
+                return len(text) - start
         return 0
 
 
@@ -210,25 +237,42 @@ class _DecodingRequest:
         self.pending_text = ""
         self.queue_time: float | None = queue_time
 
-    def decode(self, token_ids: list[int]) -> tuple[int, str | None]:
+    def advance(self, delta: TokenDelta) -> RequestOutput:
+        """Decode one delta of tokens into the output to publish."""
+        if delta.finish_reason is None and self.stop_strings is None:
+            return self._output(delta, delta.token_ids, "".join(map(self.decoder.step,
+                                                                    delta.token_ids)))
+        token_ids = delta.token_ids
+        # A stop token's text is left out unless asked for; the id is reported.
+        skips_stop_token = (delta.finish_reason == "stop" and bool(token_ids)
+                            and not self.include_stop_str_in_output)
+        num_decoded = len(token_ids) - 1 if skips_stop_token else len(token_ids)
+        num_kept, stop = self._decode(token_ids[:num_decoded])
+        if stop is not None:
+            return self._output(delta, token_ids[:num_kept], self._take_text(finished=True),
+                                stop_reason=stop)
+        if delta.finish_reason is not None:
+            self.pending_text += self.decoder.flush()
+        return self._output(delta, token_ids, self._take_text(delta.finish_reason is not None))
+
+    def _decode(self, token_ids: list[int]) -> tuple[int, str | None]:
         """Decode tokens until a stop string appears. Returns how many tokens
         were consumed (up to and including the one completing the stop
         string) and the stop string, if one appeared."""
         for index, token_id in enumerate(token_ids):
-            self.num_output_tokens += 1
             text = self.decoder.step(token_id)
             if text:
-                stop = self._append_text(text)
+                stop = self._append_text(text, num_output_tokens=self.num_output_tokens + index + 1)
                 if stop is not None:
                     return index + 1, stop
         return len(token_ids), None
 
-    def _append_text(self, text: str) -> str | None:
+    def _append_text(self, text: str, *, num_output_tokens: int) -> str | None:
         """Add decoded text; on a stop string, cut the text there and return it.
         Stop strings count only once more than min_tokens tokens were produced."""
         num_old_chars = len(self.pending_text)
         self.pending_text += text
-        if self.stop_strings is None or self.num_output_tokens <= self.min_tokens:
+        if self.stop_strings is None or num_output_tokens <= self.min_tokens:
             return None
         found = self.stop_strings.find(self.pending_text, num_old_chars)
         if found is None:
@@ -238,7 +282,7 @@ class _DecodingRequest:
         self.pending_text = self.pending_text[:end]
         return stop
 
-    def take_text(self, finished: bool) -> str:
+    def _take_text(self, finished: bool) -> str:
         """The text that can be streamed now; all of it once finished."""
         held = 0
         if not finished and self.stop_strings is not None:
@@ -247,9 +291,25 @@ class _DecodingRequest:
         text, self.pending_text = self.pending_text[:cut], self.pending_text[cut:]
         return text
 
-    def take_queue_time(self) -> float | None:
+    def _output(self, delta: TokenDelta, token_ids: list[int], text: str, *,
+                stop_reason: str | None = None) -> RequestOutput:
+        self.num_output_tokens += len(token_ids)
+        logprobs = None
+        if self.wants_logprobs and delta.logprobs is not None:
+            logprobs = delta.logprobs[:len(token_ids)]
         queue_time, self.queue_time = self.queue_time, None
-        return queue_time
+        return RequestOutput(
+            request_id=self.request_id,
+            token_ids=token_ids,
+            text=text,
+            logprobs=logprobs,
+            finished=stop_reason is not None or delta.finish_reason is not None,
+            finish_reason="stop" if stop_reason is not None else delta.finish_reason,
+            stop_reason=stop_reason if stop_reason is not None else delta.stop_reason,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_output_tokens=self.num_output_tokens,
+            queue_time=queue_time,
+        )
 
 
 # -- the policy ---------------------------------------------------------------------
@@ -275,9 +335,9 @@ class Detokenizer:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self._backend = tokenizer.backend
-        self._byte_tables: tuple[list[bytes], list[bytes]] | None = None
+        self._byte_tables: tuple[_ByteTable, _ByteTable] | None = None
         if isinstance(self._backend.decoder, decoders.ByteLevel):
-            self._byte_tables = _token_bytes_tables(self._backend, tokenizer.vocab_size)
+            self._byte_tables = _byte_tables(self._backend, tokenizer.vocab_size)
         self._requests: dict[str, _DecodingRequest] = {}
 
     @property
@@ -306,7 +366,7 @@ class Detokenizer:
             state = self._requests.get(delta.request_id)
             if state is None:
                 continue
-            output = self._advance(state, delta)
+            output = state.advance(delta)
             if output.finished:
                 del self._requests[delta.request_id]
                 if delta.finish_reason is None:
@@ -322,40 +382,6 @@ class Detokenizer:
             return _ByteLevelDecoder(without_special if skip_special_tokens else with_special)
         context = request.prompt_token_ids[-NUM_PROMPT_CONTEXT_TOKENS:]
         return _WindowDecoder(self._backend, context, skip_special_tokens)
-
-    def _advance(self, state: _DecodingRequest, delta: TokenDelta) -> RequestOutput:
-        token_ids = delta.token_ids
-        # A stop token's text is left out unless asked for; the id is reported.
-        skips_stop_token = (delta.finish_reason == "stop" and bool(token_ids)
-                            and not state.include_stop_str_in_output)
-        num_decoded = len(token_ids) - 1 if skips_stop_token else len(token_ids)
-        num_kept, stop = state.decode(token_ids[:num_decoded])
-        if stop is None and skips_stop_token:
-            state.num_output_tokens += 1
-            num_kept += 1
-        finished = stop is not None or delta.finish_reason is not None
-        if finished and stop is None:
-            state.pending_text += state.decoder.flush()
-        return RequestOutput(
-            request_id=state.request_id,
-            token_ids=token_ids[:num_kept],
-            text=state.take_text(finished),
-            logprobs=_kept_logprobs(state, delta, num_kept),
-            finished=finished,
-            finish_reason="stop" if stop is not None else delta.finish_reason,
-            stop_reason=stop if stop is not None else delta.stop_reason,
-            num_prompt_tokens=state.num_prompt_tokens,
-            num_output_tokens=state.num_output_tokens,
-            queue_time=state.take_queue_time(),
-        )
-
-
-def _kept_logprobs(state: _DecodingRequest, delta: TokenDelta,
-                   num_kept: int) -> list[TokenLogprobs | None] | None:
-    if not state.wants_logprobs or delta.logprobs is None:
-        return None
-    return delta.logprobs[:num_kept]
-
 
 async def run_detokenizer(
     inbox: trio.MemoryReceiveChannel[DetokenizerInbox],
