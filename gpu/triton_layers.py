@@ -1,0 +1,253 @@
+"""Fused Triton kernels for the decoder's small operations (the CUDA path).
+
+A decode step of a small model is bound by kernel launches, not bytes: plain
+torch spends about fifty kernels per layer on norms, rotary embeddings and
+activations. These kernels do the same arithmetic in three:
+
+- ``add_rms_norm``: residual add and RMSNorm in one pass;
+- ``qk_norm_rope_write_kv``: Qwen3's q/k RMSNorm, the rotary embedding, and
+  the store of keys and values into the paged cache, straight from the fused
+  qkv projection's output;
+- ``silu_and_mul``: SwiGLU.
+
+Each kernel rounds where the torch model rounds (to the activation dtype after
+the norm, after the weight, after each rotary product), so the fused model
+computes the same function up to the order of float32 sums.
+
+``fuse_model(model)`` makes a loaded CausalLM run its forward through these
+kernels (and the Triton attention backend), keeping its weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from trio_llm.gpu import triton_attention
+from trio_llm.gpu.attention import AttentionBackend
+from trio_llm.gpu.model import AttentionMetadata, CausalLM, KVCache
+
+SILU_BLOCK = 1024
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, eps,
+                     x_row_stride, residual_row_stride, HIDDEN: tl.constexpr,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    columns = tl.arange(0, BLOCK)
+    mask = columns < HIDDEN
+    x = tl.load(x_ptr + row * x_row_stride + columns, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + row * residual_row_stride + columns, mask=mask,
+                           other=0.0)
+        x = (x.to(tl.float32) + residual.to(tl.float32)).to(residual_out_ptr.dtype.element_ty)
+        tl.store(residual_out_ptr + row * HIDDEN + columns, x, mask=mask)
+    x32 = x.to(tl.float32)
+    variance = tl.sum(x32 * x32, 0) / HIDDEN
+    normed = (x32 * tl.rsqrt(variance + eps)).to(x.dtype)
+    weight = tl.load(weight_ptr + columns, mask=mask, other=0.0)
+    out = (weight.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * HIDDEN + columns, out, mask=mask)
+
+
+@triton.jit
+def _silu_and_mul_kernel(gate_up_ptr, out_ptr, row_stride, INTERMEDIATE: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    columns = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = columns < INTERMEDIATE
+    gate = tl.load(gate_up_ptr + row * row_stride + columns, mask=mask, other=0.0)
+    up = tl.load(gate_up_ptr + row * row_stride + INTERMEDIATE + columns, mask=mask, other=0.0)
+    gate32 = gate.to(tl.float32)
+    activated = (gate32 * tl.sigmoid(gate32)).to(gate.dtype)
+    out = (activated.to(tl.float32) * up.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * INTERMEDIATE + columns, out, mask=mask)
+
+
+@triton.jit
+def _rms_norm_heads(first, second, weight_ptr, half_dims, eps, HEAD_DIM: tl.constexpr):
+    """RMSNorm of one head given as its two halves; rounds as the torch model does."""
+    first32 = first.to(tl.float32)
+    second32 = second.to(tl.float32)
+    variance = (tl.sum(first32 * first32, 0) + tl.sum(second32 * second32, 0)) / HEAD_DIM
+    inverse = tl.rsqrt(variance + eps)
+    weight_first = tl.load(weight_ptr + half_dims).to(tl.float32)
+    weight_second = tl.load(weight_ptr + HEAD_DIM // 2 + half_dims).to(tl.float32)
+    first = (weight_first * (first32 * inverse).to(first.dtype).to(tl.float32)).to(first.dtype)
+    second = (weight_second * (second32 * inverse).to(second.dtype).to(tl.float32)).to(
+        second.dtype)
+    return first, second
+
+
+@triton.jit
+def _rotate(first, second, cos, sin):
+    """Rotate-half RoPE: (a, b) -> (a cos - b sin, b cos + a sin), rounding each product."""
+    dtype = first.dtype
+    first32 = first.to(tl.float32)
+    second32 = second.to(tl.float32)
+    new_first = ((first32 * cos).to(dtype).to(tl.float32)
+                 + (-second32 * sin).to(dtype).to(tl.float32)).to(dtype)
+    new_second = ((second32 * cos).to(dtype).to(tl.float32)
+                  + (first32 * sin).to(dtype).to(tl.float32)).to(dtype)
+    return new_first, new_second
+
+
+@triton.jit
+def _qk_norm_rope_write_kv_kernel(
+    qkv_ptr, positions_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, eps,
+    query_out_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, qkv_row_stride,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HAS_QK_NORM: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    half_dims = tl.arange(0, HEAD_DIM // 2)
+    is_query = head < NUM_HEADS
+    # Query heads come first in the fused projection, then key heads, then value heads.
+    source = qkv_ptr + token * qkv_row_stride + head * HEAD_DIM
+    first = tl.load(source + half_dims)
+    second = tl.load(source + HEAD_DIM // 2 + half_dims)
+    if HAS_QK_NORM:
+        norm_ptr = k_norm_ptr
+        if is_query:
+            norm_ptr = q_norm_ptr
+        first, second = _rms_norm_heads(first, second, norm_ptr, half_dims, eps, HEAD_DIM)
+    position = tl.load(positions_ptr + token).to(tl.int64)
+    # The table repeats its HEAD_DIM // 2 angles: both halves use the first.
+    cos = tl.load(cos_ptr + position * HEAD_DIM + half_dims).to(first.dtype).to(tl.float32)
+    sin = tl.load(sin_ptr + position * HEAD_DIM + half_dims).to(first.dtype).to(tl.float32)
+    first, second = _rotate(first, second, cos, sin)
+    if is_query:
+        target = query_out_ptr + (token * NUM_HEADS + head) * HEAD_DIM
+        tl.store(target + half_dims, first.to(query_out_ptr.dtype.element_ty))
+        tl.store(target + HEAD_DIM // 2 + half_dims, second.to(query_out_ptr.dtype.element_ty))
+    else:
+        slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+        if slot >= 0:
+            kv_head = head - NUM_HEADS
+            offset = (slot * NUM_KV_HEADS + kv_head) * HEAD_DIM
+            tl.store(k_cache_ptr + offset + half_dims, first.to(k_cache_ptr.dtype.element_ty))
+            tl.store(k_cache_ptr + offset + HEAD_DIM // 2 + half_dims,
+                     second.to(k_cache_ptr.dtype.element_ty))
+            value_source = source + NUM_KV_HEADS * HEAD_DIM
+            dims = tl.arange(0, HEAD_DIM)
+            tl.store(v_cache_ptr + offset + dims, tl.load(value_source + dims))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension of a 2-D ``x``."""
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _launch_rms_norm(x, None, weight, eps, out, None)
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(norm(x + residual), x + residual)``, the sum rounded to the activation dtype."""
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    new_residual = torch.empty(x.shape, dtype=residual.dtype, device=x.device)
+    _launch_rms_norm(x, residual, weight, eps, out, new_residual)
+    return out, new_residual
+
+
+def _launch_rms_norm(x, residual, weight, eps, out, new_residual):
+    num_rows, hidden = x.shape
+    if num_rows == 0:
+        return
+    assert x.stride(1) == 1 and (residual is None or residual.stride(1) == 1)
+    _rms_norm_kernel[(num_rows,)](
+        x, residual if residual is not None else x, weight, out,
+        new_residual if new_residual is not None else out, eps,
+        x.stride(0), residual.stride(0) if residual is not None else 0,
+        HIDDEN=hidden, HAS_RESIDUAL=residual is not None,
+        BLOCK=triton.next_power_of_2(hidden), num_warps=4 if hidden <= 2048 else 8,
+    )
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of [num_rows, 2 * intermediate] -> [num_rows, intermediate]."""
+    num_rows, width = gate_up.shape
+    intermediate = width // 2
+    out = torch.empty((num_rows, intermediate), dtype=gate_up.dtype, device=gate_up.device)
+    if num_rows:
+        assert gate_up.stride(1) == 1
+        block = min(SILU_BLOCK, triton.next_power_of_2(intermediate))
+        _silu_and_mul_kernel[(num_rows, triton.cdiv(intermediate, block))](
+            gate_up, out, gate_up.stride(0), INTERMEDIATE=intermediate, BLOCK=block)
+    return out
+
+
+def qk_norm_rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                          sin: torch.Tensor, q_norm: torch.Tensor | None,
+                          k_norm: torch.Tensor | None, eps: float, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
+                          num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """From the fused qkv output [num_tokens, (heads + 2 kv_heads) * head_dim]: normed,
+    rotated queries [num_tokens, num_heads, head_dim]; keys and values go to the cache."""
+    num_tokens = qkv.shape[0]
+    query = torch.empty((num_tokens, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    if num_tokens == 0:
+        return query
+    assert qkv.stride(1) == 1 and cos.is_contiguous() and k_cache.is_contiguous()
+    assert head_dim % 2 == 0 and triton.next_power_of_2(head_dim) == head_dim
+    has_qk_norm = q_norm is not None and k_norm is not None
+    _qk_norm_rope_write_kv_kernel[(num_tokens, num_heads + num_kv_heads)](
+        qkv, positions, cos, sin, q_norm if has_qk_norm else cos,
+        k_norm if has_qk_norm else cos, eps, query, k_cache, v_cache, slot_mapping,
+        qkv.stride(0), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        HAS_QK_NORM=has_qk_norm, num_warps=1,
+    )
+    return query
+
+
+class FusedCausalLM(CausalLM):
+    """A CausalLM whose forward runs through the fused kernels; see ``fuse_model``."""
+
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[KVCache], metadata: AttentionMetadata) -> torch.Tensor:
+        hidden = F.embedding(token_ids, self.embed_tokens)
+        residual: torch.Tensor | None = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            norm = layer.input_layernorm
+            if residual is None:
+                residual = hidden
+                normed = rms_norm(hidden, norm.weight, norm.eps)
+            else:
+                normed, residual = add_rms_norm(hidden, residual, norm.weight, norm.eps)
+            hidden = self._attention(layer.self_attn, normed, positions, kv_cache, metadata)
+            norm = layer.post_attention_layernorm
+            normed, residual = add_rms_norm(hidden, residual, norm.weight, norm.eps)
+            mlp = layer.mlp
+            hidden = mlp.down_proj(silu_and_mul(mlp.gate_up_proj(normed)))
+        if residual is None:
+            return rms_norm(hidden, self.norm.weight, self.norm.eps)
+        return add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)[0]
+
+    def _attention(self, attention, hidden, positions, kv_cache, metadata):
+        k_cache, v_cache = kv_cache
+        q_norm, k_norm = attention.q_norm, attention.k_norm
+        query = qk_norm_rope_write_kv(
+            attention.qkv_proj(hidden), positions, self.rotary.cos, self.rotary.sin,
+            q_norm.weight if q_norm is not None else None,
+            k_norm.weight if k_norm is not None else None,
+            q_norm.eps if q_norm is not None else 0.0, k_cache, v_cache,
+            metadata.slot_mapping, num_heads=attention.num_heads,
+            num_kv_heads=attention.num_kv_heads, head_dim=attention.head_dim)
+        attended = self.attention_backend.paged_attention(
+            query, k_cache, v_cache, metadata.block_tables, metadata.context_lens,
+            metadata.query_start_loc, attention.scale)
+        return attention.o_proj(attended.view(hidden.shape[0], attention.q_size))
+
+
+def fuse_model(model: CausalLM) -> CausalLM:
+    """Run ``model`` through the fused kernels and Triton attention, in place; returns it.
+
+    Its weights, caches layout and outputs stay as they were: only the forward
+    changes. Batch-invariant (row-chunked) linears are left as configured.
+    """
+    model.__class__ = FusedCausalLM
+    model.attention_backend = AttentionBackend(
+        "triton", triton_attention.write_kv_cache, triton_attention.paged_attention)
+    return model
