@@ -1,0 +1,231 @@
+"""The model executor: the one synchronous object the runner actor drives.
+
+It owns the model, the paged KV cache and the state each running request needs
+between steps (its block table, its sampling options, the token it sampled
+last). ``execute`` runs one ScheduledBatch exactly as the scheduler built it:
+
+1. forget ``finished_request_ids``; register ``new_requests``;
+2. extend each request's block table with its ``new_block_ids``;
+3. flatten every request's input tokens into one varlen forward (a request with
+   ``input_from_previous_step`` takes the token sampled for it last step);
+4. sample the rows that have ``sample`` set, keyed by their ``output_index``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from trio_llm.actors.config import EngineConfig
+from trio_llm.actors.messages import (
+    SamplingOptions,
+    ScheduledBatch,
+    ScheduledRequest,
+    StepResult,
+)
+from trio_llm.gpu.builtin import is_dummy_only, resolve_model
+from trio_llm.gpu.config import ModelConfig, ModelLoadError
+from trio_llm.gpu.loader import load_model, resolve_device, resolve_dtype
+from trio_llm.gpu.model import AttentionMetadata, CausalLM
+from trio_llm.gpu.sampler import SamplingRow, sample
+
+GIB = 2**30
+
+
+@dataclass(frozen=True, slots=True)
+class ModelDescription:
+    """What an engine needs to know of a model before loading its weights."""
+
+    model_path: Path
+    model_config: ModelConfig
+    vocab_size: int
+    max_model_len: int
+
+
+@dataclass(slots=True)
+class RequestState:
+    """What the executor remembers of one running request between steps."""
+
+    sampling: SamplingOptions
+    block_ids: list[int] = field(default_factory=list)
+    last_sampled_token_id: int | None = None
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """One step's flattened inputs, on the host."""
+
+    token_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slot_mapping: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)
+    context_lens: list[int] = field(default_factory=list)
+    query_start_loc: list[int] = field(default_factory=lambda: [0])
+    logits_indices: list[int] = field(default_factory=list)
+    sampling_rows: list[SamplingRow] = field(default_factory=list)
+    sampled_request_ids: list[str] = field(default_factory=list)
+
+
+class ModelExecutor:
+    """Runs ScheduledBatches on one model and its paged KV cache."""
+
+    def __init__(self, model: CausalLM, *, model_path: Path, num_kv_blocks: int,
+                 block_size: int, max_model_len: int) -> None:
+        self.model = model
+        self.model_path = model_path
+        self.device = model.device
+        self.dtype = model.dtype
+        self.vocab_size = model.config.vocab_size
+        self.num_kv_blocks = num_kv_blocks
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.kv_caches = model.allocate_kv_caches(num_kv_blocks, block_size)
+        self.requests: dict[str, RequestState] = {}
+
+    @classmethod
+    def describe(cls, config: EngineConfig) -> ModelDescription:
+        """Resolve the model and read its config.json; loads no weights."""
+        model_path = resolve_model(config.model)
+        model_config = ModelConfig.from_dir(model_path)
+        max_model_len = config.max_model_len or model_config.max_position_embeddings
+        return ModelDescription(model_path=model_path, model_config=model_config,
+                                vocab_size=model_config.vocab_size, max_model_len=max_model_len)
+
+    @classmethod
+    def create(cls, config: EngineConfig) -> ModelExecutor:
+        """Resolve and load the model, then size and allocate the KV cache."""
+        description = cls.describe(config)
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, device)
+        torch.manual_seed(config.seed)
+        model = load_model(description.model_path, dtype=dtype, device=device,
+                           load_format=_load_format(config),
+                           max_positions=max(description.max_model_len,
+                                             description.model_config.max_position_embeddings))
+        num_kv_blocks = config.num_kv_blocks or _num_kv_blocks_for_memory(model, config)
+        return cls(model, model_path=description.model_path, num_kv_blocks=num_kv_blocks,
+                   block_size=config.block_size, max_model_len=description.max_model_len)
+
+    # -- one step ----------------------------------------------------------------------
+
+    def execute(self, batch: ScheduledBatch) -> StepResult:
+        """Run one step; the result lists the sampled requests in batch order."""
+        self._update_states(batch)
+        inputs = self._build_inputs(batch.requests)
+        if not inputs.token_ids:
+            return StepResult(step_id=batch.step_id, request_ids=[], sampled_token_ids=[])
+        with torch.inference_mode():
+            logits = self._forward(inputs)
+            output = sample(logits, inputs.sampling_rows)
+        token_ids = output.token_ids.tolist()
+        for request_id, token_id in zip(inputs.sampled_request_ids, token_ids, strict=True):
+            self.requests[request_id].last_sampled_token_id = token_id
+        return StepResult(step_id=batch.step_id, request_ids=inputs.sampled_request_ids,
+                          sampled_token_ids=token_ids, logprobs=output.logprobs)
+
+    def _update_states(self, batch: ScheduledBatch) -> None:
+        for request_id in batch.finished_request_ids:
+            self.requests.pop(request_id, None)
+        for new_request in batch.new_requests:
+            self.requests[new_request.request_id] = RequestState(sampling=new_request.sampling)
+        for scheduled in batch.requests:
+            self._state(scheduled.request_id).block_ids.extend(scheduled.new_block_ids)
+
+    def _state(self, request_id: str) -> RequestState:
+        state = self.requests.get(request_id)
+        if state is None:
+            raise ValueError(f"request {request_id!r} was scheduled but never registered "
+                             f"in new_requests (or already finished)")
+        return state
+
+    def _build_inputs(self, requests: Sequence[ScheduledRequest]) -> StepInputs:
+        inputs = StepInputs()
+        for scheduled in requests:
+            self._add_request(inputs, scheduled)
+        return inputs
+
+    def _add_request(self, inputs: StepInputs, scheduled: ScheduledRequest) -> None:
+        state = self._state(scheduled.request_id)
+        token_ids = self._input_token_ids(scheduled, state)
+        start = scheduled.num_computed_tokens
+        context_len = start + len(token_ids)
+        self._check_capacity(scheduled.request_id, state, context_len)
+        positions = range(start, context_len)
+        inputs.token_ids += token_ids
+        inputs.positions += positions
+        inputs.slot_mapping += [state.block_ids[position // self.block_size] * self.block_size
+                                + position % self.block_size for position in positions]
+        inputs.block_tables.append(state.block_ids)
+        inputs.context_lens.append(context_len)
+        inputs.query_start_loc.append(len(inputs.token_ids))
+        if scheduled.sample:
+            inputs.logits_indices.append(len(inputs.token_ids) - 1)
+            inputs.sampling_rows.append(SamplingRow(state.sampling, scheduled.output_index))
+            inputs.sampled_request_ids.append(scheduled.request_id)
+
+    @staticmethod
+    def _input_token_ids(scheduled: ScheduledRequest, state: RequestState) -> list[int]:
+        if not scheduled.input_from_previous_step:
+            return scheduled.token_ids
+        if state.last_sampled_token_id is None:
+            raise ValueError(f"request {scheduled.request_id!r} takes its input from the "
+                             f"previous step, but nothing was sampled for it")
+        return [state.last_sampled_token_id]
+
+    def _check_capacity(self, request_id: str, state: RequestState, context_len: int) -> None:
+        if context_len > len(state.block_ids) * self.block_size:
+            raise ValueError(f"request {request_id!r} needs {context_len} slots but has "
+                             f"{len(state.block_ids)} blocks of {self.block_size}")
+        if context_len > self.model.rotary.max_positions:
+            raise ValueError(f"request {request_id!r} reaches position {context_len - 1}, "
+                             f"beyond the model's {self.model.rotary.max_positions} positions")
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        device = self.device
+
+        def tensor(values: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        max_blocks = max(len(row) for row in inputs.block_tables)
+        padded_tables = [row + [0] * (max_blocks - len(row)) for row in inputs.block_tables]
+        metadata = AttentionMetadata(
+            slot_mapping=tensor(inputs.slot_mapping),
+            block_tables=tensor(padded_tables, torch.int32),
+            context_lens=tensor(inputs.context_lens, torch.int32),
+            query_start_loc=tensor(inputs.query_start_loc, torch.int32),
+        )
+        hidden = self.model(tensor(inputs.token_ids), tensor(inputs.positions),
+                            self.kv_caches, metadata)
+        return self.model.compute_logits(hidden[tensor(inputs.logits_indices)])
+
+
+def _load_format(config: EngineConfig) -> str:
+    """Built-in names without weights on disk load dummy weights unless told otherwise."""
+    if config.load_format == "auto" and is_dummy_only(config.model):
+        return "dummy"
+    if config.load_format != "dummy" and is_dummy_only(config.model):
+        raise ModelLoadError(f"built-in model {config.model!r} has no weights on disk; "
+                             f"it loads with load_format='dummy' only")
+    return config.load_format
+
+
+def _num_kv_blocks_for_memory(model: CausalLM, config: EngineConfig) -> int:
+    """As many blocks as the memory budget holds: ``cpu_kv_cache_gib`` on the CPU, the
+    free share of ``gpu_memory_utilization`` on CUDA."""
+    model_config = model.config
+    bytes_per_block = (2 * model_config.num_layers * config.block_size
+                       * model_config.num_kv_heads * model_config.head_dim
+                       * model.dtype.itemsize)
+    if model.device.type == "cuda":
+        free_bytes, total_bytes = torch.cuda.mem_get_info(model.device)
+        budget = free_bytes - (1.0 - config.gpu_memory_utilization) * total_bytes
+    else:
+        budget = config.cpu_kv_cache_gib * GIB
+    num_blocks = int(budget // bytes_per_block)
+    if num_blocks < 1:
+        raise ModelLoadError(f"no memory left for the KV cache ({budget / GIB:.2f} GiB budget, "
+                             f"{bytes_per_block} bytes per block)")
+    return num_blocks

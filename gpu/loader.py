@@ -1,0 +1,214 @@
+"""Loading a model from a local Hugging Face directory (never the network).
+
+Reads config.json and the weights in ``*.safetensors`` (one file, or shards
+listed by model.safetensors.index.json), maps checkpoint tensor names onto the
+model's fused parameters, and checks every shape before copying. Any problem is
+one ModelLoadError naming the file and what is wrong; a model is returned only
+once every parameter was filled.
+
+``load_format="dummy"`` fills the same architecture with seeded random weights
+from config.json alone, for benchmarks.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from trio_llm.gpu.config import ModelConfig, ModelLoadError
+from trio_llm.gpu.model import CausalLM
+
+__all__ = ["ModelLoadError", "load_model", "resolve_device", "resolve_dtype"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+DUMMY_SEED = 0
+DUMMY_STD = 0.02
+
+
+def resolve_device(name: str) -> torch.device:
+    """"auto" is CUDA where available, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """"auto" is float32 on the CPU and bfloat16 on CUDA."""
+    if name == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if name not in DTYPES:
+        raise ModelLoadError(f"unsupported dtype {name!r}; supported: {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def load_model(directory: Path, *, dtype: torch.dtype, device: torch.device,
+               load_format: str = "auto", max_positions: int | None = None) -> CausalLM:
+    """Build the model described by ``directory``/config.json and fill its weights."""
+    config = ModelConfig.from_dir(directory)
+    with torch.no_grad():
+        model = CausalLM(config, dtype=dtype, device=device, max_positions=max_positions)
+        if load_format == "dummy":
+            fill_dummy_weights(model)
+        elif load_format in ("auto", "safetensors"):
+            _load_safetensors(model, directory)
+        else:
+            raise ModelLoadError(f"unsupported load_format {load_format!r}")
+    return model.eval()
+
+
+# -- checkpoint names -> parameters --------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """Where one checkpoint tensor goes: rows ``[row_start, row_start + num_rows)`` of a
+    model parameter (a fused parameter holds several checkpoint tensors)."""
+
+    parameter_name: str
+    row_start: int
+    num_rows: int
+    shape: tuple[int, ...]
+
+
+def checkpoint_targets(model: CausalLM) -> dict[str, Target]:
+    """Every checkpoint tensor name the model needs, and where it goes."""
+    config = model.config
+    parameters = dict(model.named_parameters(remove_duplicate=False))
+    targets: dict[str, Target] = {}
+
+    def whole(checkpoint_name: str, parameter_name: str) -> None:
+        shape = tuple(parameters[parameter_name].shape)
+        targets[checkpoint_name] = Target(parameter_name, 0, shape[0], shape)
+
+    def fused(prefix: str, parameter_name: str, parts: list[tuple[str, int]], suffix: str) -> None:
+        parameter_shape = tuple(parameters[parameter_name].shape)
+        row_start = 0
+        for part_name, num_rows in parts:
+            shape = (num_rows, *parameter_shape[1:])
+            targets[f"{prefix}{part_name}.{suffix}"] = Target(parameter_name, row_start,
+                                                              num_rows, shape)
+            row_start += num_rows
+
+    whole("model.embed_tokens.weight", "embed_tokens")
+    whole("model.norm.weight", "norm.weight")
+    if not config.tie_word_embeddings:
+        whole("lm_head.weight", "lm_head.weight")
+    qkv_parts = [("q_proj", config.q_size), ("k_proj", config.kv_size), ("v_proj", config.kv_size)]
+    gate_up_parts = [("gate_proj", config.intermediate_size), ("up_proj", config.intermediate_size)]
+    for index in range(config.num_layers):
+        ours, theirs = f"layers.{index}.", f"model.layers.{index}."
+        for suffix in ("weight", "bias") if config.qkv_bias else ("weight",):
+            fused(theirs + "self_attn.", ours + f"self_attn.qkv_proj.{suffix}", qkv_parts, suffix)
+        for suffix in ("weight", "bias") if config.mlp_bias else ("weight",):
+            fused(theirs + "mlp.", ours + f"mlp.gate_up_proj.{suffix}", gate_up_parts, suffix)
+        same_names = ["input_layernorm.weight", "post_attention_layernorm.weight",
+                      "self_attn.o_proj.weight", "mlp.down_proj.weight"]
+        same_names += ["self_attn.o_proj.bias"] if config.o_proj_bias else []
+        same_names += ["mlp.down_proj.bias"] if config.mlp_bias else []
+        same_names += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"] if config.qk_norm else []
+        for name in same_names:
+            whole(theirs + name, ours + name)
+    return targets
+
+
+# -- safetensors ---------------------------------------------------------------------
+
+
+def checkpoint_files(directory: Path) -> dict[Path, list[str] | None]:
+    """The safetensors files to read, each with the tensor names the index assigns it
+    (None: read whatever the file holds)."""
+    index_path = directory / INDEX_FILE
+    if index_path.is_file():
+        return _indexed_files(index_path)
+    single = directory / SINGLE_FILE
+    if single.is_file():
+        return {single: None}
+    found = sorted(directory.glob("*.safetensors"))
+    if not found:
+        raise ModelLoadError(
+            f"{directory}: missing file: no {SINGLE_FILE}, {INDEX_FILE} or other *.safetensors "
+            f"(use load_format='dummy' for random weights)")
+    return dict.fromkeys(found)
+
+
+def _indexed_files(index_path: Path) -> dict[Path, list[str] | None]:
+    try:
+        weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
+    except (ValueError, KeyError, TypeError) as error:
+        raise ModelLoadError(f"{index_path}: malformed index ({error!r})") from error
+    names_by_file: dict[Path, list[str] | None] = defaultdict(list)
+    for tensor_name, file_name in weight_map.items():
+        names = names_by_file[index_path.parent / file_name]
+        assert names is not None
+        names.append(tensor_name)
+    for path in names_by_file:
+        if not path.is_file():
+            raise ModelLoadError(f"{path}: missing file (listed in {index_path.name})")
+    return dict(names_by_file)
+
+
+def _load_safetensors(model: CausalLM, directory: Path) -> None:
+    targets = checkpoint_targets(model)
+    parameters = dict(model.named_parameters(remove_duplicate=False))
+    loaded: set[str] = set()
+    for _, tensor_name, tensor in _read_tensors(directory, targets):
+        target = targets[tensor_name]
+        destination = parameters[target.parameter_name]
+        destination[target.row_start:target.row_start + target.num_rows].copy_(tensor)
+        loaded.add(tensor_name)
+    missing = [name for name in targets if name not in loaded]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ModelLoadError(f"{directory}: missing tensor(s) in the checkpoint: {shown}")
+
+
+def _read_tensors(directory: Path, targets: dict[str, Target]
+                  ) -> Iterator[tuple[Path, str, torch.Tensor]]:
+    """Yield every needed tensor, checking its shape before reading its data."""
+    for path, indexed_names in checkpoint_files(directory).items():
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as file:
+                names = indexed_names if indexed_names is not None else list(file.keys())
+                for name in names:
+                    if name not in targets:
+                        continue  # e.g. rotary inv_freq buffers, or lm_head when tied
+                    if name not in file.keys():
+                        raise ModelLoadError(f"{path}: missing tensor {name} "
+                                             f"(the index says it is in this file)")
+                    _check_shape(path, name, file.get_slice(name).get_shape(), targets[name])
+                    yield path, name, file.get_tensor(name)
+        except ModelLoadError:
+            raise
+        except Exception as error:  # safetensors raises its own types for corrupt files
+            raise ModelLoadError(f"{path}: cannot read safetensors file ({error})") from error
+
+
+def _check_shape(path: Path, name: str, shape: list[int], target: Target) -> None:
+    if tuple(shape) != target.shape:
+        raise ModelLoadError(f"{path}: shape mismatch for tensor {name}: "
+                             f"expected {list(target.shape)}, found {list(shape)}")
+
+
+# -- dummy weights -------------------------------------------------------------------
+
+
+def fill_dummy_weights(model: CausalLM, *, seed: int = DUMMY_SEED, std: float = DUMMY_STD) -> None:
+    """Seeded random weights: norms at one, everything else normal with a small std."""
+    generator = torch.Generator(device=model.device).manual_seed(seed)
+    for name, parameter in model.named_parameters():
+        if name.endswith("norm.weight"):
+            parameter.fill_(1.0)
+        elif name.endswith(".bias"):
+            parameter.zero_()
+        else:
+            noise = torch.randn(parameter.shape, generator=generator, device=model.device,
+                                dtype=torch.float32)
+            parameter.copy_(noise.mul_(std))

@@ -1,0 +1,185 @@
+"""Choosing the next token of each row: greedy, or sampled with per-request randomness.
+
+A sampled row draws by the exponential race (the Gumbel-max trick): the token
+maximising ``logit / temperature - log(E)``, where ``E`` is exponential noise
+built from a counter-based hash of (seed, output position, token id). The noise
+is integer arithmetic in int64 torch ops, so the CPU and CUDA draw the same
+noise, and a row's draw never depends on the other rows of the batch nor on
+anything drawn before: the same seed gives the same tokens in any batch.
+
+Filters, in this order: banned ids (while the output is shorter than
+``min_tokens``), temperature, top-k, top-p, min-p. Logprobs are those of the raw
+model distribution (before temperature and filters).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from trio_llm.actors.messages import SamplingOptions, TokenLogprobs
+
+MASK_32 = 0xFFFFFFFF
+MASK_16 = 0xFFFF
+# The two multipliers of MurmurHash3's 32-bit finaliser.
+MIX_MULTIPLIER_1 = 0x85EBCA6B
+MIX_MULTIPLIER_2 = 0xC2B2AE35
+# Distinguishes the two row keys fed to the per-token mix.
+ROW_KEY_SALT = 0x9E3779B9
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingRow:
+    """One row of logits to sample: its request's options and its output position."""
+
+    options: SamplingOptions
+    output_index: int
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    """``token_ids`` [num_rows] int64 on the logits' device; logprobs only where asked."""
+
+    token_ids: torch.Tensor
+    logprobs: list[TokenLogprobs | None] | None
+
+
+def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+    """Pick one token for each row of ``logits`` [num_rows, vocab_size] (float32)."""
+    masked = _mask_banned_ids(logits, rows)
+    token_ids = masked.argmax(dim=-1)
+    sampled = [index for index, row in enumerate(rows) if row.options.temperature > 0]
+    if sampled:
+        index = torch.tensor(sampled, device=logits.device)
+        token_ids[index] = _sample_rows(masked[index], [rows[i] for i in sampled])
+    return SamplerOutput(token_ids=token_ids, logprobs=_logprobs(logits, token_ids, rows))
+
+
+def _mask_banned_ids(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    row_indices: list[int] = []
+    token_ids: list[int] = []
+    for index, row in enumerate(rows):
+        if row.output_index < row.options.min_tokens:
+            row_indices += [index] * len(row.options.banned_token_ids)
+            token_ids += row.options.banned_token_ids
+    if not row_indices:
+        return logits
+    masked = logits.clone()
+    masked[torch.tensor(row_indices, device=logits.device),
+           torch.tensor(token_ids, device=logits.device)] = float("-inf")
+    return masked
+
+
+def _sample_rows(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    def column(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=logits.device).unsqueeze(1)
+
+    vocab_size = logits.shape[1]
+    scaled = logits / column([row.options.temperature for row in rows])
+    top_ks = [row.options.top_k if row.options.top_k > 0 else vocab_size for row in rows]
+    top_ps = [row.options.top_p for row in rows]
+    if any(top_k < vocab_size for top_k in top_ks) or any(top_p < 1.0 for top_p in top_ps):
+        scaled = _apply_top_k_top_p(scaled, column(top_ks).to(torch.long), column(top_ps))
+    min_ps = [row.options.min_p for row in rows]
+    if any(min_p > 0.0 for min_p in min_ps):
+        scaled = _apply_min_p(scaled, column(min_ps))
+    noise = exponential_noise(rows, vocab_size, device=logits.device)
+    return (scaled.to(torch.float64) - noise.log()).argmax(dim=-1)
+
+
+def _apply_top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor,
+                       top_p: torch.Tensor) -> torch.Tensor:
+    """Keep each row's ``top_k`` best tokens (ties with the k-th kept), then the smallest
+    prefix of those, best first, whose probability reaches ``top_p``."""
+    sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True, stable=True)
+    kth_best = sorted_logits.gather(1, top_k - 1)
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth_best, float("-inf"))
+    sorted_probs = sorted_logits.softmax(dim=-1)
+    probability_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    sorted_logits = sorted_logits.masked_fill(probability_before >= top_p, float("-inf"))
+    return torch.full_like(scaled, float("-inf")).scatter(1, sorted_ids, sorted_logits)
+
+
+def _apply_min_p(scaled: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens less likely than ``min_p`` times the row's most likely token."""
+    probs = scaled.softmax(dim=-1)
+    threshold = probs.max(dim=-1, keepdim=True).values * min_p
+    return scaled.masked_fill(probs < threshold, float("-inf"))
+
+
+# -- counter-based noise -------------------------------------------------------------
+
+
+def exponential_noise(rows: Sequence[SamplingRow], vocab_size: int, *,
+                      device: torch.device) -> torch.Tensor:
+    """Exp(1) noise [num_rows, vocab_size] (float64), a pure function of
+    (seed, output_index, token id) per element."""
+    first_keys, second_keys = zip(*(row_keys(row.options.seed, row.output_index) for row in rows),
+                                  strict=True)
+    first = torch.tensor(first_keys, dtype=torch.int64, device=device).unsqueeze(1)
+    second = torch.tensor(second_keys, dtype=torch.int64, device=device).unsqueeze(1)
+    token_ids = torch.arange(vocab_size, dtype=torch.int64, device=device).unsqueeze(0)
+    bits = mix32(mix32((token_ids + first) & MASK_32) ^ second)
+    uniform = (bits.to(torch.float64) + 0.5) / 2.0**32  # in (0, 1), never 0 or 1
+    return -uniform.log()
+
+
+def row_keys(seed: int, output_index: int) -> tuple[int, int]:
+    """Two 32-bit keys for one (seed, output position), computed on the host."""
+    seed %= 2**64
+    key = mix32_int((seed & MASK_32) ^ mix32_int(seed >> 32))
+    key = mix32_int(key ^ (output_index & MASK_32))
+    return key, mix32_int(key ^ ROW_KEY_SALT)
+
+
+def mix32_int(value: int) -> int:
+    """MurmurHash3's finaliser on a Python int (the host twin of ``mix32``)."""
+    value &= MASK_32
+    value ^= value >> 16
+    value = (value * MIX_MULTIPLIER_1) & MASK_32
+    value ^= value >> 13
+    value = (value * MIX_MULTIPLIER_2) & MASK_32
+    return value ^ (value >> 16)
+
+
+def mix32(values: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's finaliser on int64 tensors holding values in [0, 2**32)."""
+    values = values ^ (values >> 16)
+    values = _multiply_mod_2_32(values, MIX_MULTIPLIER_1)
+    values = values ^ (values >> 13)
+    values = _multiply_mod_2_32(values, MIX_MULTIPLIER_2)
+    return values ^ (values >> 16)
+
+
+def _multiply_mod_2_32(values: torch.Tensor, multiplier: int) -> torch.Tensor:
+    """``values * multiplier mod 2**32`` without overflowing int64: the multiplier is
+    split in 16-bit halves so every intermediate product stays below 2**48."""
+    low = values * (multiplier & MASK_16)
+    high = ((values * (multiplier >> 16)) & MASK_16) << 16
+    return (low + high) & MASK_32
+
+
+# -- logprobs --------------------------------------------------------------------------
+
+
+def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
+              rows: Sequence[SamplingRow]) -> list[TokenLogprobs | None] | None:
+    wanted = [index for index, row in enumerate(rows) if row.options.num_logprobs is not None]
+    if not wanted:
+        return None
+    index = torch.tensor(wanted, device=logits.device)
+    logprobs = logits[index].log_softmax(dim=-1)
+    chosen = logprobs.gather(1, token_ids[index].unsqueeze(1)).squeeze(1).tolist()
+    max_top = max(rows[i].options.num_logprobs or 0 for i in wanted)
+    top = logprobs.topk(max_top, dim=-1) if max_top else None
+    top_values = top.values.tolist() if top is not None else [[] for _ in wanted]
+    top_ids = top.indices.tolist() if top is not None else [[] for _ in wanted]
+    result: list[TokenLogprobs | None] = [None] * len(rows)
+    for position, row_index in enumerate(wanted):
+        num_top = rows[row_index].options.num_logprobs or 0
+        result[row_index] = TokenLogprobs(logprob=chosen[position],
+                                          top_token_ids=top_ids[position][:num_top],
+                                          top_logprobs=top_values[position][:num_top])
+    return result
