@@ -73,6 +73,7 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.submitted: list[dict[str, Any]] = []
         self.num_generated = 0
+        self.max_num_running = 0
         self.fail_after_tokens = fail_after_tokens
         self.queue_full = queue_full
         self._num_steps_allowed: int | None = 0 if gated else None
@@ -194,6 +195,7 @@ class FakeRequest:
         if self._index < 0:
             engine._check_admissible(self._prompt_ids)
             engine.running.add(self._request_id)
+            engine.max_num_running = max(engine.max_num_running, len(engine.running))
             engine._num_prompt_tokens += len(self._prompt_ids)
             self._index = 0
         try:

@@ -1,0 +1,412 @@
+"""`trio-llm bench serve`: load a running server over HTTP and measure latencies.
+
+    trio-llm bench serve --base-url http://127.0.0.1:8000 --num-prompts 200 \\
+        --random-input-len 512 --random-output-len 128 --request-rate 8
+
+The workload is random token ids drawn from a seed (the same on every
+machine), sent as /v1/completions prompts with ignore_eos so every request
+produces exactly its output length. Requests start at the times of a Poisson
+process (``--request-rate``; inf sends them all at once), at most
+``--max-concurrency`` at a time. Reported: TTFT, TPOT (per request, excluding
+the first token), ITL (between streamed chunks) and end-to-end latency (mean,
+median, p99, in ms), request and token throughput.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import random
+import statistics
+import sys
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import trio
+
+from trio_llm.api.client import CompletionClient, CompletionError
+
+logger = logging.getLogger(__name__)
+
+PERCENTILES = (50, 99)
+
+
+class BenchServeOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything one run depends on; ``vocab_size`` None asks the server."""
+
+    base_url: str
+    model: str | None = None
+    api_key: str | None = None
+    num_prompts: int = 100
+    random_input_len: int = 1024
+    random_output_len: int = 128
+    random_range_ratio: float = 0.0
+    request_rate: float = math.inf
+    max_concurrency: int | None = None
+    seed: int = 0
+    ignore_eos: bool = True
+    vocab_size: int | None = None
+    show_progress: bool = True
+
+
+class BenchRequest(msgspec.Struct, frozen=True):
+    prompt_token_ids: list[int]
+    max_tokens: int
+
+
+class RequestResult(msgspec.Struct, kw_only=True):
+    """One request as the client saw it; times in seconds."""
+
+    success: bool
+    error: str = ""
+    prompt_len: int = 0
+    output_len: int = 0
+    ttft: float = 0.0
+    itl: list[float] = []
+    latency: float = 0.0
+
+
+class LatencyStats(msgspec.Struct, frozen=True, kw_only=True):
+    """Milliseconds."""
+
+    mean: float
+    median: float
+    p99: float
+
+
+class BenchServeReport(msgspec.Struct, frozen=True, kw_only=True):
+    num_completed: int
+    num_failed: int
+    duration: float
+    total_input_tokens: int
+    total_output_tokens: int
+    request_throughput: float
+    output_throughput: float
+    total_token_throughput: float
+    max_concurrency: int | None
+    request_rate: float
+    ttft_ms: LatencyStats
+    tpot_ms: LatencyStats
+    itl_ms: LatencyStats
+    e2e_latency_ms: LatencyStats
+
+
+# -- the workload ------------------------------------------------------------------------
+
+
+def random_requests(*, seed: int, num_prompts: int, input_len: int, output_len: int,
+                    range_ratio: float, vocab_size: int) -> list[BenchRequest]:
+    """Random prompts from a seed. Lengths are uniform in
+    [len * (1 - range_ratio), len * (1 + range_ratio)], at least 1."""
+    rng = random.Random(seed)
+    requests = []
+    for _ in range(num_prompts):
+        num_prompt_tokens = _random_length(rng, input_len, range_ratio)
+        requests.append(BenchRequest(
+            prompt_token_ids=[rng.randrange(vocab_size) for _ in range(num_prompt_tokens)],
+            max_tokens=_random_length(rng, output_len, range_ratio),
+        ))
+    return requests
+
+
+def _random_length(rng: random.Random, length: int, range_ratio: float) -> int:
+    low = max(1, math.floor(length * (1 - range_ratio)))
+    high = max(low, math.ceil(length * (1 + range_ratio)))
+    return rng.randint(low, high)
+
+
+def arrival_offsets(*, seed: int, num_requests: int, request_rate: float) -> list[float]:
+    """Start times (seconds from the start) of a Poisson process of ``request_rate``
+    requests per second; all zero when the rate is infinite."""
+    if math.isinf(request_rate):
+        return [0.0] * num_requests
+    rng = random.Random(seed + 1)
+    offsets, now = [], 0.0
+    for _ in range(num_requests):
+        offsets.append(now)
+        now += rng.expovariate(request_rate)
+    return offsets
+
+
+# -- measuring -------------------------------------------------------------------------
+
+
+async def timed_request(client: CompletionClient, request: BenchRequest, *,
+                        model: str | None, ignore_eos: bool) -> RequestResult:
+    """Stream one request; never raises for a failed request (the result says so)."""
+    body: dict[str, Any] = {"prompt": request.prompt_token_ids, "max_tokens": request.max_tokens,
+                            "ignore_eos": ignore_eos, "temperature": 0.0,
+                            "stream_options": {"include_usage": True}}
+    if model is not None:
+        body["model"] = model
+    start = trio.current_time()
+    arrivals: list[float] = []
+    num_output_tokens = None
+    try:
+        async with client.stream(body) as chunks:
+            async for chunk in chunks:
+                if chunk.text:
+                    arrivals.append(chunk.arrival_time)
+                if chunk.usage is not None:
+                    num_output_tokens = chunk.usage.completion_tokens
+    except (CompletionError, httpx.HTTPError) as error:
+        return RequestResult(success=False, error=str(error),
+                             prompt_len=len(request.prompt_token_ids))
+    return _result(request, start, trio.current_time(), arrivals, num_output_tokens)
+
+
+def _result(request: BenchRequest, start: float, end: float, arrivals: list[float],
+            num_output_tokens: int | None) -> RequestResult:
+    if not arrivals:
+        return RequestResult(success=False, error="no output",
+                             prompt_len=len(request.prompt_token_ids))
+    return RequestResult(
+        success=True, prompt_len=len(request.prompt_token_ids),
+        output_len=num_output_tokens if num_output_tokens is not None else len(arrivals),
+        ttft=arrivals[0] - start,
+        itl=[later - earlier for earlier, later in zip(arrivals, arrivals[1:], strict=False)],
+        latency=end - start,
+    )
+
+
+async def run_benchmark(options: BenchServeOptions, *,
+                        progress: Any = None) -> tuple[BenchServeReport, list[RequestResult]]:
+    """Run the workload against ``options.base_url``; the report and every result."""
+    async with CompletionClient(options.base_url, api_key=options.api_key) as client:
+        model, vocab_size = await _served_model(client, options)
+        requests = random_requests(
+            seed=options.seed, num_prompts=options.num_prompts,
+            input_len=options.random_input_len, output_len=options.random_output_len,
+            range_ratio=options.random_range_ratio, vocab_size=vocab_size)
+        offsets = arrival_offsets(seed=options.seed, num_requests=len(requests),
+                                  request_rate=options.request_rate)
+        results: list[RequestResult] = [RequestResult(success=False)] * len(requests)
+        seats = trio.Semaphore(options.max_concurrency or max(1, len(requests)))
+        start = trio.current_time()
+
+        async def run_one(index: int) -> None:
+            await trio.sleep_until(start + offsets[index])
+            async with seats:
+                results[index] = await timed_request(client, requests[index], model=model,
+                                                     ignore_eos=options.ignore_eos)
+            if progress is not None:
+                progress.update(1)
+
+        async with trio.open_nursery() as nursery:
+            for index in range(len(requests)):
+                nursery.start_soon(run_one, index)
+        duration = trio.current_time() - start
+    return summarize(results, duration, options), results
+
+
+async def _served_model(client: CompletionClient,
+                        options: BenchServeOptions) -> tuple[str | None, int]:
+    """The model to ask for and the vocabulary to draw prompt ids from."""
+    cards = await client.models()
+    card = next((c for c in cards if c.get("id") == options.model), cards[0] if cards else {})
+    vocab_size = options.vocab_size or card.get("vocab_size")
+    if not vocab_size:
+        raise CompletionError("the server does not report vocab_size; pass --vocab-size")
+    return options.model or card.get("id"), int(vocab_size)
+
+
+# -- reporting -------------------------------------------------------------------------
+
+
+def summarize(results: list[RequestResult], duration: float,
+              options: BenchServeOptions) -> BenchServeReport:
+    done = [result for result in results if result.success]
+    total_input = sum(result.prompt_len for result in done)
+    total_output = sum(result.output_len for result in done)
+    tpots = [(r.latency - r.ttft) / (r.output_len - 1) for r in done if r.output_len > 1]
+    safe_duration = max(duration, 1e-9)
+    return BenchServeReport(
+        num_completed=len(done), num_failed=len(results) - len(done), duration=duration,
+        total_input_tokens=total_input, total_output_tokens=total_output,
+        request_throughput=len(done) / safe_duration,
+        output_throughput=total_output / safe_duration,
+        total_token_throughput=(total_input + total_output) / safe_duration,
+        max_concurrency=options.max_concurrency, request_rate=options.request_rate,
+        ttft_ms=latency_stats([r.ttft for r in done]),
+        tpot_ms=latency_stats(tpots),
+        itl_ms=latency_stats([itl for r in done for itl in r.itl]),
+        e2e_latency_ms=latency_stats([r.latency for r in done]),
+    )
+
+
+def latency_stats(seconds: list[float]) -> LatencyStats:
+    """Mean, median and p99 in milliseconds (zeros for no samples)."""
+    if not seconds:
+        return LatencyStats(mean=0.0, median=0.0, p99=0.0)
+    millis = sorted(value * 1000 for value in seconds)
+    return LatencyStats(mean=statistics.fmean(millis), median=statistics.median(millis),
+                        p99=percentile(millis, 99))
+
+
+def percentile(sorted_values: list[float], percent: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    position = (len(sorted_values) - 1) * percent / 100
+    lower = math.floor(position)
+    upper = min(lower + 1, len(sorted_values) - 1)
+    fraction = position - lower
+    return sorted_values[lower] * (1 - fraction) + sorted_values[upper] * fraction
+
+
+def format_report(report: BenchServeReport) -> str:
+    rows = [
+        ("Successful requests", f"{report.num_completed}"),
+        ("Failed requests", f"{report.num_failed}"),
+        ("Maximum request concurrency", f"{report.max_concurrency or 'unlimited'}"),
+        ("Request rate (req/s)", f"{report.request_rate}"),
+        ("Benchmark duration (s)", f"{report.duration:.2f}"),
+        ("Total input tokens", f"{report.total_input_tokens}"),
+        ("Total generated tokens", f"{report.total_output_tokens}"),
+        ("Request throughput (req/s)", f"{report.request_throughput:.2f}"),
+        ("Output token throughput (tok/s)", f"{report.output_throughput:.2f}"),
+        ("Total token throughput (tok/s)", f"{report.total_token_throughput:.2f}"),
+    ]
+    lines = ["{s:=^60}".format(s=" Serving Benchmark Result ")]
+    lines += [f"{name:<44}{value:>16}" for name, value in rows]
+    for title, stats in (("Time to First Token", report.ttft_ms),
+                         ("Time per Output Token (excl. 1st token)", report.tpot_ms),
+                         ("Inter-token Latency", report.itl_ms),
+                         ("End-to-end Latency", report.e2e_latency_ms)):
+        short = {"Time to First Token": "TTFT", "Inter-token Latency": "ITL",
+                 "End-to-end Latency": "E2E"}.get(title, "TPOT")
+        lines.append("{s:-^60}".format(s=f" {title} "))
+        lines += [f"{f'Mean {short} (ms)':<44}{stats.mean:>16.2f}",
+                  f"{f'Median {short} (ms)':<44}{stats.median:>16.2f}",
+                  f"{f'P99 {short} (ms)':<44}{stats.p99:>16.2f}"]
+    lines.append("=" * 60)
+    return "\n".join(lines)
+
+
+def write_json(path: Path, options: BenchServeOptions, report: BenchServeReport,
+               results: list[RequestResult]) -> None:
+    """The report, the options and every request's measurements."""
+    document = {
+        "options": msgspec.to_builtins(options),
+        "report": msgspec.to_builtins(report),
+        "requests": msgspec.to_builtins(results),
+    }
+    path.write_text(json.dumps(document, indent=2, default=str) + "\n", encoding="utf-8")
+
+
+class PlotUnavailable(RuntimeError):
+    """--plot needs matplotlib, which is not a dependency of trio-llm."""
+
+
+def plot_latencies(path: Path, results: list[RequestResult]) -> None:
+    """Histograms of TTFT, TPOT, ITL and end-to-end latency, as one PNG."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as pyplot
+    except ImportError as error:
+        raise PlotUnavailable("--plot needs matplotlib, which is not installed: "
+                              "pip install matplotlib") from error
+    done = [result for result in results if result.success]
+    series = {
+        "TTFT (ms)": [r.ttft * 1000 for r in done],
+        "TPOT (ms)": [(r.latency - r.ttft) * 1000 / (r.output_len - 1)
+                      for r in done if r.output_len > 1],
+        "ITL (ms)": [itl * 1000 for r in done for itl in r.itl],
+        "E2E latency (ms)": [r.latency * 1000 for r in done],
+    }
+    figure, axes = pyplot.subplots(2, 2, figsize=(10, 7))
+    for axis, (title, values) in zip(axes.flat, series.items(), strict=True):
+        axis.hist(values or [0.0], bins=40)
+        axis.set_title(title)
+        axis.set_ylabel("requests" if "ITL" not in title else "chunks")
+    figure.suptitle(f"trio-llm bench serve: {len(done)} requests")
+    figure.tight_layout()
+    figure.savefig(path)
+    pyplot.close(figure)
+
+
+# -- the command line -----------------------------------------------------------------
+
+
+def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of `trio-llm bench serve`, named as `vllm bench serve` names them."""
+    target = parser.add_argument_group("target")
+    target.add_argument("--base-url", default=None,
+                        help="server URL (default: http://HOST:PORT)")
+    target.add_argument("--host", default="127.0.0.1")
+    target.add_argument("--port", type=int, default=8000)
+    target.add_argument("--model", default=None, help="model name (default: the served one)")
+    target.add_argument("--api-key", default=None)
+    workload = parser.add_argument_group("workload")
+    workload.add_argument("--dataset-name", choices=["random"], default="random")
+    workload.add_argument("--num-prompts", type=int, default=100)
+    workload.add_argument("--random-input-len", type=int, default=1024)
+    workload.add_argument("--random-output-len", type=int, default=128)
+    workload.add_argument("--random-range-ratio", type=float, default=0.0,
+                          help="lengths uniform in len*(1-r) .. len*(1+r)")
+    workload.add_argument("--request-rate", type=float, default=math.inf,
+                          help="Poisson arrivals per second (default inf: all at once)")
+    workload.add_argument("--max-concurrency", type=int, default=None)
+    workload.add_argument("--seed", type=int, default=0)
+    workload.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
+    workload.add_argument("--vocab-size", type=int, default=None,
+                          help="draw prompt ids below this (default: the server's)")
+    output = parser.add_argument_group("output")
+    output.add_argument("--json", type=Path, default=None, metavar="PATH")
+    output.add_argument("--plot", type=Path, default=None, metavar="PATH.png")
+    output.add_argument("--disable-tqdm", action="store_true")
+
+
+def options_from_args(args: argparse.Namespace) -> BenchServeOptions:
+    base_url = args.base_url or f"http://{args.host}:{args.port}"
+    try:
+        return msgspec.convert({
+            "base_url": base_url, "model": args.model, "api_key": args.api_key,
+            "num_prompts": args.num_prompts, "random_input_len": args.random_input_len,
+            "random_output_len": args.random_output_len,
+            "random_range_ratio": args.random_range_ratio, "request_rate": args.request_rate,
+            "max_concurrency": args.max_concurrency, "seed": args.seed,
+            "ignore_eos": args.ignore_eos, "vocab_size": args.vocab_size,
+            "show_progress": not args.disable_tqdm,
+        }, BenchServeOptions)
+    except msgspec.ValidationError as error:
+        raise SystemExit(f"trio-llm bench serve: {error}") from None
+
+
+def run_bench_serve(args: argparse.Namespace) -> int:
+    """`trio-llm bench serve`: 0 if every request succeeded, 1 otherwise."""
+    from tqdm import tqdm
+
+    options = options_from_args(args)
+    if args.plot is not None:
+        _check_plot_available()
+    with tqdm(total=options.num_prompts, disable=not options.show_progress,
+              file=sys.stderr) as progress:
+        try:
+            report, results = trio.run(partial(run_benchmark, options, progress=progress))
+        except (CompletionError, httpx.HTTPError) as error:
+            print(f"trio-llm bench serve: cannot reach {options.base_url}: {error}",
+                  file=sys.stderr)
+            return 1
+    print(format_report(report))
+    if args.json is not None:
+        write_json(args.json, options, report, results)
+    if args.plot is not None:
+        plot_latencies(args.plot, results)
+    for failed in [r for r in results if not r.success][:5]:
+        logger.warning("a request failed: %s", failed.error)
+    return 0 if report.num_failed == 0 else 1
+
+
+def _check_plot_available() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise SystemExit("trio-llm bench serve: --plot needs matplotlib, which is not "
+                         "installed (pip install matplotlib); rerun without --plot or "
+                         "install it") from None

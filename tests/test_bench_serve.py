@@ -1,0 +1,180 @@
+"""`trio-llm bench serve`: the seeded workload, Poisson arrivals, statistics, and
+whole runs against a server on a loopback port."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import queue
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from test_http_support import FakeEngine, running_server
+
+from trio_llm.api.bench_serve import (
+    BenchServeOptions,
+    PlotUnavailable,
+    RequestResult,
+    add_bench_serve_arguments,
+    arrival_offsets,
+    latency_stats,
+    percentile,
+    plot_latencies,
+    random_requests,
+    run_bench_serve,
+    run_benchmark,
+)
+
+TIMEOUT = 20
+
+
+def test_random_requests_come_from_the_seed_alone() -> None:
+    make = dict(num_prompts=50, input_len=20, output_len=10, range_ratio=0.5, vocab_size=100)
+    first = random_requests(seed=3, **make)  # type: ignore[arg-type]
+    assert first == random_requests(seed=3, **make)  # type: ignore[arg-type]
+    assert first != random_requests(seed=4, **make)  # type: ignore[arg-type]
+    assert all(10 <= len(r.prompt_token_ids) <= 30 for r in first)
+    assert all(5 <= r.max_tokens <= 15 for r in first)
+    assert all(0 <= token_id < 100 for r in first for token_id in r.prompt_token_ids)
+    assert len({len(r.prompt_token_ids) for r in first}) > 1
+
+
+def test_fixed_lengths_without_a_range_ratio() -> None:
+    requests = random_requests(seed=0, num_prompts=5, input_len=7, output_len=3,
+                               range_ratio=0.0, vocab_size=10)
+    assert {(len(r.prompt_token_ids), r.max_tokens) for r in requests} == {(7, 3)}
+
+
+def test_arrivals_are_a_poisson_process_of_the_rate() -> None:
+    assert arrival_offsets(seed=0, num_requests=3, request_rate=math.inf) == [0.0] * 3
+    offsets = arrival_offsets(seed=0, num_requests=4000, request_rate=20.0)
+    gaps = [later - earlier for earlier, later in zip(offsets, offsets[1:], strict=False)]
+    assert offsets[0] == 0.0 and min(gaps) >= 0.0
+    mean_gap = sum(gaps) / len(gaps)
+    assert 0.045 < mean_gap < 0.055
+    # Exponential gaps: the standard deviation equals the mean.
+    std = math.sqrt(sum((gap - mean_gap) ** 2 for gap in gaps) / len(gaps))
+    assert 0.9 < std / mean_gap < 1.1
+
+
+def test_latency_statistics_in_milliseconds() -> None:
+    assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 50) == 3.0
+    assert percentile([0.0, 10.0], 99) == pytest.approx(9.9)
+    stats = latency_stats([0.001 * value for value in range(1, 101)])
+    assert stats.mean == pytest.approx(50.5)
+    assert stats.median == pytest.approx(50.5)
+    assert stats.p99 == pytest.approx(99.01)
+    assert latency_stats([]).p99 == 0.0
+
+
+async def test_a_run_respects_max_concurrency_and_counts_tokens() -> None:
+    engine = FakeEngine()
+    with trio.fail_after(TIMEOUT):
+        async with running_server(engine) as url:
+            options = BenchServeOptions(base_url=url, num_prompts=12, random_input_len=6,
+                                        random_output_len=4, random_range_ratio=0.5,
+                                        max_concurrency=3, seed=1)
+            report, results = await run_benchmark(options)
+    expected = random_requests(seed=1, num_prompts=12, input_len=6, output_len=4,
+                               range_ratio=0.5, vocab_size=256)
+    assert (report.num_completed, report.num_failed) == (12, 0)
+    assert report.total_output_tokens == sum(r.max_tokens for r in expected)
+    assert report.total_input_tokens == sum(len(r.prompt_token_ids) for r in expected)
+    assert [r.prompt_len for r in results] == [len(r.prompt_token_ids) for r in expected]
+    assert 1 <= engine.max_num_running <= 3
+    assert [s["prompt"] for s in engine.submitted] != []
+    assert all(s["params"].ignore_eos for s in engine.submitted)
+    assert all(len(r.itl) == r.output_len - 1 for r in results)
+    assert report.ttft_ms.mean > 0 and report.e2e_latency_ms.p99 >= report.ttft_ms.p99
+
+
+async def test_failed_requests_are_counted_not_raised() -> None:
+    engine = FakeEngine(max_model_len=8)
+    with trio.fail_after(TIMEOUT):
+        async with running_server(engine) as url:
+            options = BenchServeOptions(base_url=url, num_prompts=4, random_input_len=20,
+                                        random_output_len=2)
+            report, results = await run_benchmark(options)
+    assert (report.num_completed, report.num_failed) == (0, 4)
+    assert "400" in results[0].error
+
+
+def test_plot_without_matplotlib_says_so(monkeypatch: pytest.MonkeyPatch,
+                                         tmp_path: Path) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(PlotUnavailable, match="matplotlib"):
+        plot_latencies(tmp_path / "plot.png", [])
+    args = _parse(["--base-url", "http://127.0.0.1:9", "--plot", str(tmp_path / "p.png")])
+    with pytest.raises(SystemExit, match="matplotlib, which is not installed"):
+        run_bench_serve(args)
+
+
+def test_plot_draws_a_png(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    result = RequestResult(success=True, prompt_len=3, output_len=3, ttft=0.1,
+                           itl=[0.01, 0.02], latency=0.2)
+    plot_latencies(tmp_path / "plot.png", [result, result])
+    assert (tmp_path / "plot.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_the_command_prints_the_report_and_writes_json(tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str],
+                                                       ) -> None:
+    with _server_in_a_thread(FakeEngine()) as url:
+        args = _parse(["--base-url", url, "--num-prompts", "5", "--random-input-len", "4",
+                       "--random-output-len", "3", "--request-rate", "500",
+                       "--json", str(tmp_path / "bench.json"), "--disable-tqdm"])
+        assert run_bench_serve(args) == 0
+    printed = capsys.readouterr().out
+    for label in ("Mean TTFT (ms)", "Median TPOT (ms)", "P99 ITL (ms)", "Mean E2E (ms)",
+                  "Request throughput (req/s)", "Output token throughput (tok/s)"):
+        assert label in printed
+    document = json.loads((tmp_path / "bench.json").read_text())
+    assert document["report"]["num_completed"] == 5
+    assert document["report"]["total_output_tokens"] == 15
+    assert document["options"]["request_rate"] == 500
+    assert len(document["requests"]) == 5
+
+
+def test_an_unreachable_server_is_a_clear_failure(capsys: pytest.CaptureFixture[str]) -> None:
+    args = _parse(["--host", "127.0.0.1", "--port", "9", "--disable-tqdm"])
+    assert run_bench_serve(args) == 1
+    assert "cannot reach http://127.0.0.1:9" in capsys.readouterr().err
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_bench_serve_arguments(parser)
+    return parser.parse_args(argv)
+
+
+class _server_in_a_thread:
+    """A server in its own thread and trio run, for code that calls trio.run itself."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+        self._started: queue.Queue[tuple[str, trio.lowlevel.TrioToken, trio.Event]] = (
+            queue.Queue())
+        self._thread = threading.Thread(target=trio.run, args=(self._serve,), daemon=True)
+
+    async def _serve(self) -> None:
+        stop = trio.Event()
+        with trio.fail_after(TIMEOUT):
+            async with running_server(self._engine) as url:
+                self._started.put((url, trio.lowlevel.current_trio_token(), stop))
+                await stop.wait()
+
+    def __enter__(self) -> str:
+        self._thread.start()
+        url, self._token, self._stop = self._started.get(timeout=TIMEOUT)
+        return url
+
+    def __exit__(self, *exc_info: object) -> None:
+        trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
+        self._thread.join(TIMEOUT)
+        assert not self._thread.is_alive()
