@@ -35,6 +35,7 @@ from trio_llm.actors.tokenizer import Tokenizer
 # Prompt tokens decoded ahead of the output by the window decoder, so the
 # first output token gets the spacing it has in context.
 NUM_PROMPT_CONTEXT_TOKENS = 5
+MAX_BYTES_PER_CHARACTER = 4
 
 REPLACEMENT_CHARACTER = "\ufffd"
 
@@ -106,18 +107,36 @@ class _WindowDecoder:
 
     __slots__ = ("_backend", "_skip_special_tokens", "_token_ids", "_num_read", "_read_text")
 
-    def __init__(self, backend: tokenizers.Tokenizer, context_token_ids: list[int],
-                 skip_special_tokens: bool) -> None:
+    def __init__(self, backend: tokenizers.Tokenizer, prompt_token_ids: list[int], *,
+                 skipped_token_ids: frozenset[int]) -> None:
         self._backend = backend
-        self._skip_special_tokens = skip_special_tokens
-        self._token_ids = list(context_token_ids)
+        self._skip_special_tokens = bool(skipped_token_ids)
+        self._token_ids = self._prompt_context(prompt_token_ids, skipped_token_ids)
         self._read_text = self._decode(self._token_ids)
         while self._read_text.endswith(REPLACEMENT_CHARACTER):
-            # The context ends inside a character, which cannot anchor the
+            # The prompt ends inside a character, which cannot anchor the
             # output: anchor on the complete text before it.
             self._token_ids.pop()
             self._read_text = self._decode(self._token_ids)
         self._num_read = len(self._token_ids)
+
+    def _prompt_context(self, prompt_token_ids: list[int],
+                        skipped_token_ids: frozenset[int]) -> list[int]:
+        """The prompt's last few tokens that decode to text, starting on a
+        character boundary: a window that begins inside a byte-fallback
+        character decodes to U+FFFD and spoils the bytes that follow it."""
+        num_wanted = NUM_PROMPT_CONTEXT_TOKENS + MAX_BYTES_PER_CHARACTER - 1
+        candidates: list[int] = []
+        for token_id in reversed(prompt_token_ids):
+            if token_id not in skipped_token_ids:
+                candidates.append(token_id)
+                if len(candidates) == num_wanted:
+                    break
+        candidates.reverse()
+        start = max(0, len(candidates) - NUM_PROMPT_CONTEXT_TOKENS)
+        while start > 0 and self._decode(candidates[start:]).startswith(REPLACEMENT_CHARACTER):
+            start -= 1
+        return candidates[start:]
 
     def step(self, token_id: int) -> str:
         self._token_ids.append(token_id)
@@ -335,6 +354,9 @@ class Detokenizer:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self._backend = tokenizer.backend
+        self._special_token_ids = frozenset(
+            token_id for token_id, added in self._backend.get_added_tokens_decoder().items()
+            if added.special)
         self._byte_tables: tuple[_ByteTable, _ByteTable] | None = None
         if isinstance(self._backend.decoder, decoders.ByteLevel):
             self._byte_tables = _byte_tables(self._backend, tokenizer.vocab_size)
@@ -380,8 +402,9 @@ class Detokenizer:
         if self._byte_tables is not None:
             with_special, without_special = self._byte_tables
             return _ByteLevelDecoder(without_special if skip_special_tokens else with_special)
-        context = request.prompt_token_ids[-NUM_PROMPT_CONTEXT_TOKENS:]
-        return _WindowDecoder(self._backend, context, skip_special_tokens)
+        skipped_token_ids = self._special_token_ids if skip_special_tokens else frozenset()
+        return _WindowDecoder(self._backend, request.prompt_token_ids,
+                              skipped_token_ids=skipped_token_ids)
 
 async def run_detokenizer(
     inbox: trio.MemoryReceiveChannel[DetokenizerInbox],
