@@ -62,6 +62,9 @@ class Intake:
 
     def admit(self, submit: Submit) -> Request:
         """Validate and tokenize one request. Raises RequestRejected(message, param=...)."""
+        if not isinstance(submit.priority, int):
+            raise RequestRejected(f"priority must be an integer, not {submit.priority!r}",
+                                  param="priority")
         params = self._validated_params(submit.params)
         prompt_token_ids = self._prompt_token_ids(submit)
         self._check_lengths(len(prompt_token_ids), params, _prompt_param(submit))
@@ -87,6 +90,9 @@ class Intake:
     def _validated_params(self, params: SamplingParams) -> SamplingParams:
         """Check every field against its msgspec constraints (a Struct's
         constructor does not), then the rules that span fields."""
+        if not isinstance(params, SamplingParams):
+            raise RequestRejected(f"sampling parameters must be a SamplingParams, not "
+                                  f"{type(params).__name__}")
         fields = msgspec.structs.asdict(params)
         if isinstance(fields["stop"], str):
             fields["stop"] = [fields["stop"]]  # vLLM accepts a single stop string

@@ -112,6 +112,16 @@ def test_a_prompt_over_the_whole_kv_cache_points_at_the_prompt() -> None:
     assert "the KV cache holds 32 tokens" in error.message
 
 
+def test_a_priority_that_is_not_an_integer_is_rejected() -> None:
+    error = rejection(make_intake(scheduling_policy="priority"), submit(priority="high"))
+    assert (error.param, "priority must be an integer" in error.message) == ("priority", True)
+
+
+def test_params_that_are_not_sampling_params_are_rejected() -> None:
+    error = rejection(make_intake(), submit(params={"max_tokens": 3}))
+    assert "must be a SamplingParams, not dict" in error.message
+
+
 def test_exactly_one_prompt_form_is_required() -> None:
     both = Submit(request_id="r", prompt="hi", prompt_token_ids=[1], params=SamplingParams(),
                   arrival_time=0.0)
