@@ -340,14 +340,18 @@ def completion_sampling_params(request: CompletionRequest) -> SamplingParams:
                             num_logprobs=request.logprobs)
 
 
-def chat_sampling_params(request: ChatCompletionRequest, max_model_len: int) -> SamplingParams:
-    """SamplingParams of a chat request. Without a limit the output may fill the
-    context: the engine caps max_tokens at max_model_len minus the prompt."""
+def requested_max_tokens(request: ChatCompletionRequest) -> int | None:
+    """The chat request's output limit, if it sets one (max_completion_tokens wins)."""
+    return request.max_completion_tokens or request.max_tokens
+
+
+def chat_sampling_params(request: ChatCompletionRequest, *, max_tokens: int) -> SamplingParams:
+    """SamplingParams of a chat request; ``max_tokens`` is resolved by the caller
+    (the request's limit, else what is left of the context after the prompt)."""
     _reject_unsupported(request)
     _reject_chat_unsupported(request)
     if request.top_logprobs is not None and not request.logprobs:
         raise RequestRejected("top_logprobs needs logprobs set to true", param="top_logprobs")
-    max_tokens = request.max_completion_tokens or request.max_tokens or max_model_len
     num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
     return _sampling_params(request, max_tokens=max_tokens, num_logprobs=num_logprobs)
 

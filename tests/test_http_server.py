@@ -140,7 +140,8 @@ async def test_chat_without_a_limit_may_fill_the_context() -> None:
         async with running_server(engine) as url:
             await post(url, "/v1/chat/completions",
                        {"messages": [{"role": "user", "content": "hi"}]})
-    assert engine.submitted[0]["params"].max_tokens == 40
+    prompt_ids = engine.tokenizer.encode("<user>hi<assistant>")
+    assert engine.submitted[0]["params"].max_tokens == 40 - len(prompt_ids)
 
 
 async def test_streamed_chat_starts_with_the_role() -> None:

@@ -1,0 +1,164 @@
+"""The server over the real engine and the built-in tiny model, through the
+official `openai` client (async, and sync in a worker thread for streams), raw sockets for
+disconnects, and the serving benchmark."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import openai
+import trio
+from test_http_support import open_raw_request, receive_until, running_server, wait_until
+
+from trio_llm.actors.config import EngineConfig
+from trio_llm.actors.messages import SamplingParams
+from trio_llm.api.bench_serve import BenchServeOptions, run_benchmark
+from trio_llm.api.engine import Engine
+
+CONFIG = EngineConfig(model="tiny", num_kv_blocks=64, block_size=16, max_num_seqs=8,
+                      max_num_batched_tokens=256, max_model_len=256)
+TIMEOUT = 120
+PROMPT = "Once upon a time"
+MESSAGES = [{"role": "user", "content": "Tell me a story."}]
+
+
+@asynccontextmanager
+async def served_engine(**server_options: Any) -> AsyncIterator[tuple[Engine, str]]:
+    async with Engine.open(CONFIG) as engine, running_server(engine, **server_options) as url:
+        yield engine, url
+
+
+async def in_process_text(outputs: AsyncIterator[Any]) -> str:
+    return "".join([output.text async for output in outputs])
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+async def test_openai_client_gets_what_the_engine_generates_in_process() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with served_engine(api_key="secret") as (engine, url):
+            expected = await in_process_text(engine.generate(PROMPT, greedy(8)))
+            expected_chat = await in_process_text(engine.chat(MESSAGES, greedy(6)))
+            # Streams are read by the sync client in a worker thread: the async
+            # client stops reading at [DONE] and leaves httpx's async generators
+            # for the garbage collector, which trio reports as ResourceWarnings.
+            client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="secret", max_retries=0)
+            sync_client = openai.OpenAI(base_url=f"{url}/v1", api_key="secret", max_retries=0)
+            fields: dict[str, Any] = {"model": "tiny", "temperature": 0.0,
+                                      "extra_body": {"ignore_eos": True}}
+
+            def stream_completion() -> list[Any]:
+                with sync_client.completions.create(
+                        prompt=PROMPT, max_tokens=8, stream=True,
+                        stream_options={"include_usage": True}, **fields) as stream:
+                    return list(stream)
+
+            def stream_chat() -> list[Any]:
+                with sync_client.chat.completions.create(
+                        messages=MESSAGES, max_tokens=6, stream=True,  # type: ignore[arg-type]
+                        **fields) as stream:
+                    return list(stream)
+
+            try:
+                completion = await client.completions.create(prompt=PROMPT, max_tokens=8,
+                                                             **fields)
+                chunks = await trio.to_thread.run_sync(stream_completion)
+                chat = await client.chat.completions.create(
+                    messages=MESSAGES, max_completion_tokens=6, **fields)  # type: ignore[arg-type]
+                chat_chunks = await trio.to_thread.run_sync(stream_chat)
+                models = await client.models.list()
+            finally:
+                await client.close()
+                sync_client.close()
+    assert completion.choices[0].text == expected
+    assert completion.usage is not None and completion.usage.completion_tokens == 8
+    assert "".join(chunk.choices[0].text for chunk in chunks if chunk.choices) == expected
+    assert len([chunk for chunk in chunks if chunk.choices]) > 1
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8
+    assert chat.choices[0].message.content == expected_chat
+    assert chat.choices[0].finish_reason == "length"
+    streamed_chat = "".join(chunk.choices[0].delta.content or "" for chunk in chat_chunks)
+    assert streamed_chat == expected_chat
+    assert [model.id for model in models.data] == ["tiny"]
+
+
+async def test_openai_client_sees_errors_as_exceptions() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with served_engine() as (_, url):
+            client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+            try:
+                too_long = await _error_of(client.completions.create(
+                    model="tiny", prompt=[7] * 300, max_tokens=4))
+                no_room = await _error_of(client.completions.create(
+                    model="tiny", prompt=[7] * 250, max_tokens=10))
+                wrong_model = await _error_of(client.completions.create(
+                    model="gpt-4", prompt="x", max_tokens=4))
+                # The server is undisturbed.
+                fine = await client.completions.create(model="tiny", prompt="x", max_tokens=2)
+            finally:
+                await client.close()
+    assert isinstance(too_long, openai.BadRequestError)
+    assert too_long.body["param"] == "prompt"  # type: ignore[index]
+    assert "maximum context length" in too_long.body["message"]  # type: ignore[index]
+    assert no_room.body["param"] == "max_tokens"  # type: ignore[index]
+    assert wrong_model.body["param"] == "model"  # type: ignore[index]
+    assert fine.usage is not None and fine.usage.completion_tokens == 2
+
+
+async def _error_of(call: Any) -> openai.APIStatusError:
+    try:
+        await call
+    except openai.APIStatusError as error:
+        return error
+    raise AssertionError("the request succeeded")
+
+
+async def test_a_dropped_stream_frees_its_kv_blocks() -> None:
+    request = {"model": "tiny", "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True,
+               "stream": True}
+    with trio.fail_after(TIMEOUT):
+        async with served_engine() as (engine, url):
+            connection = await open_raw_request(url, "/v1/completions", request)
+            await receive_until(connection, b'"text"')
+            assert engine.statistics().num_running == 1
+            await connection.aclose()
+            await wait_until(lambda: engine.num_open_requests == 0, max_rounds=100_000)
+            # Channels are FIFO: once a later request finished, the abort was handled.
+            await in_process_text(engine.generate([5, 6, 7], greedy(2)))
+            stats = engine.statistics()
+            async with httpx.AsyncClient(base_url=url) as client:
+                metrics = (await client.get("/metrics")).text
+    assert stats.num_running == 0
+    assert stats.num_free_blocks == stats.num_total_blocks
+    assert stats.num_generation_tokens < 200
+    assert _metric(metrics, "trio_llm:num_requests_running") == 0.0
+    assert _metric(metrics, "trio_llm:kv_cache_usage_perc") == 0.0
+    assert _metric(metrics, "trio_llm:generation_tokens_total") == stats.num_generation_tokens
+    assert _metric(metrics, "trio_llm:time_to_first_token_seconds_count") == 1.0
+
+
+async def test_the_serving_benchmark_against_the_tiny_model() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with served_engine() as (engine, url):
+            options = BenchServeOptions(base_url=url, num_prompts=6, random_input_len=16,
+                                        random_output_len=8, max_concurrency=3,
+                                        request_rate=200.0)
+            report, _ = await run_benchmark(options)
+            stats = engine.statistics()
+    assert (report.num_completed, report.num_failed) == (6, 0)
+    assert report.total_output_tokens == 48
+    assert report.total_input_tokens == 96
+    assert stats.num_prompt_tokens >= 96
+    assert report.ttft_ms.median > 0 and report.tpot_ms.median > 0
+
+
+def _metric(text: str, name: str) -> float:
+    match = re.search(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", text, re.MULTILINE)
+    assert match, f"{name} is not in /metrics"
+    return float(match.group(2))
