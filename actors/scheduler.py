@@ -190,8 +190,12 @@ class Scheduler:
         self.block_manager = BlockManager(num_kv_blocks, config.block_size)
         self.pipeline_depth = 2 if config.async_scheduling else 1
         self._orders_by_priority = config.scheduling_policy == "priority"
-        self._preemption_threshold = (config.priority_preemption_threshold
-                                      if self._orders_by_priority else None)
+        # A waiting request evicts only a strictly worse one: with equals
+        # allowed (threshold 0), two requests could evict each other forever.
+        self._preemption_threshold = (max(config.priority_preemption_threshold, 1)
+                                      if self._orders_by_priority
+                                      and config.priority_preemption_threshold is not None
+                                      else None)
         # Best first: (priority, arrival_index) or (arrival_index,); the worst
         # is at the end, which is where preemption takes its victims.
         self._running: list[RunningRequest] = []
