@@ -29,7 +29,7 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
 from trio_llm.gpu.tiny_corpus import TINY_CORPUS
 
 # Bump when anything below changes what a built-in directory contains.
-BUILTIN_VERSION = 1
+BUILTIN_VERSION = 2
 MARKER_FILE = "trio-llm-builtin.json"
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -41,7 +41,7 @@ TINY_EMBEDDING_STD = 0.6
 # Layers write into the residual stream this many times louder than a plain
 # 1/sqrt(fan_in) init would: otherwise the last token's embedding dominates and
 # greedy output repeats one token forever.
-TINY_RESIDUAL_GAIN = 4.0
+TINY_RESIDUAL_GAIN = 8.0
 
 CHATML_TEMPLATE = (
     "{%- for message in messages %}\n"

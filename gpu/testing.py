@@ -1,0 +1,153 @@
+"""A scheduler stand-in that drives a ModelExecutor directly, for tests and experiments.
+
+It builds ScheduledBatch messages by hand: every running request takes part in
+every step (prefill chunks and decodes mixed), prompts are split into chunks by
+a per-request plan, block ids come from a shuffled free list, and requests can
+arrive late or be preempted and recomputed. Nothing here is the engine's real
+scheduling policy.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from trio_llm.actors.messages import (
+    NewRequestData,
+    SamplingOptions,
+    ScheduledBatch,
+    ScheduledRequest,
+    StepResult,
+    TokenLogprobs,
+)
+from trio_llm.gpu.executor import ModelExecutor
+
+GREEDY = SamplingOptions(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=0,
+                         num_logprobs=None, min_tokens=0, banned_token_ids=[])
+
+DecodeInput = Literal["explicit", "previous_step"]
+
+
+@dataclass(slots=True)
+class DriverRequest:
+    """One request as the driver tracks it. ``chunk_sizes`` is the prefill plan: the
+    sizes of successive chunks (the last one repeats); decodes are one token."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    sampling: SamplingOptions = GREEDY
+    chunk_sizes: list[int] = field(default_factory=lambda: [1 << 30])
+    arrival_step: int = 0
+    preempt_at_steps: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    num_chunks: int = 0
+    is_registered: bool = False
+    sampled_last_step: bool = False
+
+    @property
+    def known_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return len(self.output_token_ids) >= self.max_tokens
+
+
+class ExecutorDriver:
+    """Runs requests to completion on an executor, one ScheduledBatch per step."""
+
+    def __init__(self, executor: ModelExecutor, *, seed: int = 0,
+                 decode_input: DecodeInput = "explicit") -> None:
+        self.executor = executor
+        self.decode_input = decode_input
+        self.free_block_ids = list(range(executor.num_kv_blocks))
+        random.Random(seed).shuffle(self.free_block_ids)
+        self.step_id = 0
+        self.finished_request_ids: list[str] = []
+        self.results: list[StepResult] = []
+
+    def run(self, requests: Sequence[DriverRequest]) -> list[DriverRequest]:
+        """Step until every request finished; returns them with their outputs filled."""
+        while not all(request.is_finished for request in requests):
+            self.step(requests)
+        return list(requests)
+
+    def step(self, requests: Sequence[DriverRequest]) -> StepResult:
+        for request in requests:
+            if self.step_id in request.preempt_at_steps and request.is_registered:
+                self._release(request)
+                request.num_computed_tokens = 0
+        active = [request for request in requests
+                  if request.arrival_step <= self.step_id and not request.is_finished]
+        new_requests = [NewRequestData(request_id=request.request_id, sampling=request.sampling)
+                        for request in active if not request.is_registered]
+        scheduled = [self._schedule(request) for request in active]
+        batch = ScheduledBatch(step_id=self.step_id, new_requests=new_requests,
+                               requests=scheduled, finished_request_ids=self.finished_request_ids,
+                               num_tokens=sum(len(item.token_ids) or 1 for item in scheduled))
+        self.finished_request_ids = []
+        result = self.executor.execute(batch)
+        self._apply(active, scheduled, result)
+        self.step_id += 1
+        self.results.append(result)
+        return result
+
+    def _schedule(self, request: DriverRequest) -> ScheduledRequest:
+        request.is_registered = True
+        known = request.known_token_ids
+        start = request.num_computed_tokens
+        is_decode = start == len(known) - 1 and bool(request.output_token_ids)
+        chunk_size = 1 if is_decode else self._next_chunk_size(request)
+        token_ids = known[start:start + chunk_size]
+        end = start + len(token_ids)
+        from_previous_step = (is_decode and request.sampled_last_step
+                              and self.decode_input == "previous_step")
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=[] if from_previous_step else token_ids,
+            input_from_previous_step=from_previous_step,
+            num_computed_tokens=start,
+            new_block_ids=self._allocate(request, end),
+            sample=end == len(known),
+            output_index=len(request.output_token_ids),
+        )
+
+    @staticmethod
+    def _next_chunk_size(request: DriverRequest) -> int:
+        plan = request.chunk_sizes
+        size = plan[min(request.num_chunks, len(plan) - 1)]
+        request.num_chunks += 1
+        return size
+
+    def _allocate(self, request: DriverRequest, num_tokens: int) -> list[int]:
+        block_size = self.executor.block_size
+        num_needed = -(-num_tokens // block_size) - len(request.block_ids)
+        new_block_ids = [self.free_block_ids.pop() for _ in range(num_needed)]
+        request.block_ids += new_block_ids
+        return new_block_ids
+
+    def _release(self, request: DriverRequest) -> None:
+        self.free_block_ids += request.block_ids
+        request.block_ids = []
+        request.is_registered = False
+        request.num_chunks = 0
+        self.finished_request_ids.append(request.request_id)
+
+    def _apply(self, active: list[DriverRequest], scheduled: list[ScheduledRequest],
+               result: StepResult) -> None:
+        sampled = dict(zip(result.request_ids, result.sampled_token_ids, strict=True))
+        logprobs = dict(zip(result.request_ids, result.logprobs or [], strict=False))
+        for request, item in zip(active, scheduled, strict=True):
+            request.num_computed_tokens += len(item.token_ids) or 1
+            request.sampled_last_step = item.request_id in sampled
+            if item.request_id in sampled:
+                request.output_token_ids.append(sampled[item.request_id])
+                request.logprobs.append(logprobs.get(item.request_id))
+            if request.is_finished:
+                self._release(request)
