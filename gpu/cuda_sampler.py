@@ -1,0 +1,143 @@
+"""Sampling with every per-row option already on the device (the pipelined executor).
+
+The same function as trio_llm.gpu.sampler.sample (same filters, in the same
+order, the same counter-based noise, so the same tokens), but its inputs are
+device tensors the executor uploaded asynchronously: nothing here copies from
+the host or waits for the device, so the step can be enqueued while the
+previous one still computes. Which filters run at all is decided on the host,
+from the rows, exactly as the reference decides it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from trio_llm.actors.messages import TokenLogprobs
+from trio_llm.gpu.sampler import (
+    MASK_32,
+    SamplingRow,
+    _apply_min_p,
+    _apply_top_k_top_p,
+    mix32,
+    row_keys,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingPlan:
+    """What the host decided for one step's rows: which filters run, and the
+    per-row values to upload (temperature 0 rows get neutral values)."""
+
+    any_sampled: bool
+    any_top_k_top_p: bool
+    any_min_p: bool
+    temperatures: list[float]
+    top_ps: list[float]
+    min_ps: list[float]
+    top_ks: list[int]
+    first_keys: list[int]
+    second_keys: list[int]
+    banned_rows: list[int]
+    banned_token_ids: list[int]
+    num_logprobs: list[int | None]
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[SamplingRow], vocab_size: int) -> SamplingPlan:
+        sampled = [row for row in rows if row.options.temperature > 0]
+        keys = [row_keys(row.options.seed, row.output_index) if row.options.temperature > 0
+                else (0, 0) for row in rows]
+        banned_rows: list[int] = []
+        banned_token_ids: list[int] = []
+        for index, row in enumerate(rows):
+            if row.output_index < row.options.min_tokens:
+                banned_rows += [index] * len(row.options.banned_token_ids)
+                banned_token_ids += row.options.banned_token_ids
+        return cls(
+            any_sampled=bool(sampled),
+            any_top_k_top_p=any(0 < row.options.top_k < vocab_size or row.options.top_p < 1.0
+                                for row in sampled),
+            any_min_p=any(row.options.min_p > 0.0 for row in sampled),
+            temperatures=[row.options.temperature for row in rows],
+            top_ps=[row.options.top_p if row.options.temperature > 0 else 1.0 for row in rows],
+            min_ps=[row.options.min_p if row.options.temperature > 0 else 0.0 for row in rows],
+            top_ks=[row.options.top_k if 0 < row.options.top_k and row.options.temperature > 0
+                    else vocab_size for row in rows],
+            first_keys=[first for first, _ in keys],
+            second_keys=[second for _, second in keys],
+            banned_rows=banned_rows,
+            banned_token_ids=banned_token_ids,
+            num_logprobs=[row.options.num_logprobs for row in rows],
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceSamplingInputs:
+    """The plan's per-row values as device tensors (views into the step's upload)."""
+
+    temperatures: torch.Tensor  # [num_rows] float32
+    top_ps: torch.Tensor  # [num_rows] float32
+    min_ps: torch.Tensor  # [num_rows] float32
+    top_ks: torch.Tensor  # [num_rows] int64
+    first_keys: torch.Tensor  # [num_rows] int64
+    second_keys: torch.Tensor  # [num_rows] int64
+    banned_rows: torch.Tensor  # [num_banned] int64
+    banned_token_ids: torch.Tensor  # [num_banned] int64
+
+
+def sample_on_device(logits: torch.Tensor, plan: SamplingPlan,
+                     inputs: DeviceSamplingInputs) -> torch.Tensor:
+    """Token ids [num_rows] int64 for ``logits`` [num_rows, vocab_size] float32."""
+    masked = logits
+    if plan.banned_rows:
+        masked = logits.clone()
+        masked[inputs.banned_rows, inputs.banned_token_ids] = float("-inf")
+    greedy = masked.argmax(dim=-1)
+    if not plan.any_sampled:
+        return greedy
+    is_sampled = inputs.temperatures > 0
+    temperatures = torch.where(is_sampled, inputs.temperatures, 1.0).unsqueeze(1)
+    scaled = masked / temperatures
+    if plan.any_top_k_top_p:
+        scaled = _apply_top_k_top_p(scaled, inputs.top_ks.unsqueeze(1), inputs.top_ps.unsqueeze(1))
+    if plan.any_min_p:
+        scaled = _apply_min_p(scaled, inputs.min_ps.unsqueeze(1))
+    noise_log = exponential_noise_log(inputs.first_keys, inputs.second_keys, logits.shape[1])
+    sampled = (scaled.to(torch.float64) - noise_log).argmax(dim=-1)
+    return torch.where(is_sampled, sampled, greedy)
+
+
+def exponential_noise_log(first_keys: torch.Tensor, second_keys: torch.Tensor,
+                          vocab_size: int) -> torch.Tensor:
+    """``log`` of the reference's Exp(1) noise, from row keys already on the device."""
+    token_ids = torch.arange(vocab_size, dtype=torch.int64, device=first_keys.device)
+    bits = mix32(mix32((token_ids.unsqueeze(0) + first_keys.unsqueeze(1)) & MASK_32)
+                 ^ second_keys.unsqueeze(1))
+    uniform = (bits.to(torch.float64) + 0.5) / 2.0**32
+    return (-uniform.log()).log()
+
+
+def logprobs_on_host(logits: torch.Tensor, token_ids: torch.Tensor,
+                     num_logprobs: Sequence[int | None]) -> list[TokenLogprobs | None] | None:
+    """Logprobs of the raw distribution for the rows that asked; reads the device (call it
+    once the step is done)."""
+    wanted = [index for index, count in enumerate(num_logprobs) if count is not None]
+    if not wanted:
+        return None
+    index = torch.tensor(wanted, device=logits.device)
+    logprobs = logits[index].log_softmax(dim=-1)
+    chosen = logprobs.gather(1, token_ids[index].unsqueeze(1)).squeeze(1).tolist()
+    max_top = max(num_logprobs[i] or 0 for i in wanted)
+    top_values: list[list[float]] = [[] for _ in wanted]
+    top_ids: list[list[int]] = [[] for _ in wanted]
+    if max_top:
+        top = logprobs.topk(max_top, dim=-1)
+        top_values, top_ids = top.values.tolist(), top.indices.tolist()
+    result: list[TokenLogprobs | None] = [None] * len(num_logprobs)
+    for position, row_index in enumerate(wanted):
+        count = num_logprobs[row_index] or 0
+        result[row_index] = TokenLogprobs(logprob=chosen[position],
+                                          top_token_ids=top_ids[position][:count],
+                                          top_logprobs=top_values[position][:count])
+    return result

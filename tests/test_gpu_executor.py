@@ -1,0 +1,240 @@
+"""The pipelined executor (gpu/cuda_executor.py).
+
+On the CPU its streams and events are no-ops, so its bookkeeping runs in CI:
+launched two steps deep, with tokens fed from the previous step on the device,
+it must give the plain ModelExecutor's tokens exactly. On CUDA (marked gpu)
+depth 2 with graphs and fused kernels must match depth 1, and the greedy output
+is compared with the CPU float32 path (match rate reported).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from trio_llm.actors.messages import (  # noqa: E402
+    NewRequestData,
+    SamplingOptions,
+    ScheduledBatch,
+    ScheduledRequest,
+)
+from trio_llm.gpu.builtin import resolve_model  # noqa: E402
+from trio_llm.gpu.cuda_executor import CudaExecutorOptions, CudaModelExecutor  # noqa: E402
+from trio_llm.gpu.executor import ModelExecutor  # noqa: E402
+from trio_llm.gpu.loader import load_model  # noqa: E402
+
+BLOCK_SIZE = 4
+NUM_KV_BLOCKS = 64
+
+
+def options(temperature: float, *, seed: int = 0, top_k: int = 0, num_logprobs=None,
+            min_tokens: int = 0, banned_token_ids=()) -> SamplingOptions:
+    return SamplingOptions(temperature=temperature, top_p=1.0, top_k=top_k, min_p=0.0,
+                           seed=seed, num_logprobs=num_logprobs, min_tokens=min_tokens,
+                           banned_token_ids=list(banned_token_ids))
+
+
+def scheduled(request_id, token_ids, *, computed, blocks=(), sample=True, output_index=0):
+    """A request's share of a step; ``token_ids`` None takes last step's sampled token."""
+    return ScheduledRequest(request_id=request_id, token_ids=token_ids or [],
+                            input_from_previous_step=token_ids is None,
+                            num_computed_tokens=computed, new_block_ids=list(blocks),
+                            sample=sample, output_index=output_index)
+
+
+def scripted_batches() -> list[ScheduledBatch]:
+    """Prefill, a chunked prompt, decodes fed from the previous step, a late mixed-in
+    request with logprobs, a finish, and sampling with top-k and banned ids."""
+    a, b, c = "a", "b", "c"
+    return [
+        ScheduledBatch(step_id=0, new_requests=[
+            NewRequestData(request_id=a, sampling=options(0.0)),
+            NewRequestData(request_id=b, sampling=options(0.8, seed=5, top_k=50,
+                                                          min_tokens=2, banned_token_ids=[2]))],
+            requests=[scheduled(a, [5, 9, 14, 200, 31, 7], computed=0, blocks=[0, 1]),
+                      scheduled(b, [40, 41, 42], computed=0, blocks=[2], sample=False)],
+            finished_request_ids=[], num_tokens=9),
+        ScheduledBatch(step_id=1, new_requests=[], requests=[
+            scheduled(a, None, computed=6, output_index=1),
+            scheduled(b, [43, 44, 45, 46], computed=3, blocks=[3])],
+            finished_request_ids=[], num_tokens=5),
+        ScheduledBatch(step_id=2, new_requests=[], requests=[
+            scheduled(a, None, computed=7, output_index=2),
+            scheduled(b, None, computed=7, output_index=1)],
+            finished_request_ids=[], num_tokens=2),
+        ScheduledBatch(step_id=3, new_requests=[
+            NewRequestData(request_id=c, sampling=options(0.0, num_logprobs=2))], requests=[
+            scheduled(a, None, computed=8, blocks=[4], output_index=3),
+            scheduled(b, None, computed=8, blocks=[5], output_index=2),
+            scheduled(c, [3, 1, 4, 1, 5], computed=0, blocks=[6, 7])],
+            finished_request_ids=[], num_tokens=7),
+        ScheduledBatch(step_id=4, new_requests=[], requests=[
+            scheduled(b, None, computed=9, output_index=3),
+            scheduled(c, None, computed=5, output_index=1)],
+            finished_request_ids=["a"], num_tokens=2),
+        ScheduledBatch(step_id=5, new_requests=[], requests=[
+            scheduled(b, None, computed=10, output_index=4),
+            scheduled(c, None, computed=6, output_index=2)],
+            finished_request_ids=[], num_tokens=2),
+    ]
+
+
+def build(executor_class, device, **start_options):
+    model = load_model(resolve_model("tiny"), dtype=torch.float32, device=device)
+    executor = executor_class(model, model_path=resolve_model("tiny"),
+                              num_kv_blocks=NUM_KV_BLOCKS, block_size=BLOCK_SIZE,
+                              max_model_len=256)
+    if start_options:
+        executor.start(CudaExecutorOptions(max_num_seqs=4, **start_options))
+    return executor
+
+
+def run_depth_1(executor, batches):
+    return [executor.execute(batch) for batch in batches]
+
+
+def run_depth_2(executor, batches):
+    """Launch each step before collecting the previous one, as the runner does at depth 2."""
+    results, pending = [], None
+    for batch in batches:
+        launched = executor.launch(batch)
+        if pending is not None:
+            results.append(executor.collect(pending))
+        pending = launched
+    results.append(executor.collect(pending))
+    return results
+
+
+def assert_same_results(results, expected):
+    for result, reference in zip(results, expected, strict=True):
+        assert result.step_id == reference.step_id
+        assert result.request_ids == reference.request_ids
+        assert result.sampled_token_ids == reference.sampled_token_ids
+        if reference.logprobs is None:
+            assert result.logprobs is None
+            continue
+        for ours, theirs in zip(result.logprobs, reference.logprobs, strict=True):
+            assert (ours is None) == (theirs is None)
+            if theirs is not None:
+                assert ours.top_token_ids == theirs.top_token_ids
+                assert ours.logprob == pytest.approx(theirs.logprob, abs=1e-4)
+
+
+def test_depth_2_on_the_cpu_gives_the_plain_executors_tokens():
+    cpu = torch.device("cpu")
+    expected = run_depth_1(build(ModelExecutor, cpu), scripted_batches())
+    pipelined = build(CudaModelExecutor, cpu, use_cuda_graphs=False, use_fused_kernels=False)
+    results = run_depth_2(pipelined, scripted_batches())
+    assert_same_results(results, expected)
+    assert [len(r.sampled_token_ids) for r in results] == [1, 2, 2, 3, 2, 2]
+    assert "a" not in pipelined.requests  # finished requests are forgotten
+
+
+def test_a_third_launch_without_a_collect_is_refused():
+    executor = build(CudaModelExecutor, torch.device("cpu"), use_cuda_graphs=False,
+                     use_fused_kernels=False)
+    batches = scripted_batches()
+    executor.launch(batches[0])
+    executor.launch(batches[1])
+    with pytest.raises(AssertionError):
+        executor.launch(batches[2])
+
+
+def test_the_block_table_grows_past_its_rows():
+    executor = build(CudaModelExecutor, torch.device("cpu"), use_cuda_graphs=False,
+                     use_fused_kernels=False)
+    num_rows = executor.block_table.shape[0]
+    new_requests = [NewRequestData(request_id=f"r{i}", sampling=options(0.0))
+                    for i in range(num_rows + 1)]
+    requests = [scheduled(f"r{i}", [7], computed=0, blocks=[i % NUM_KV_BLOCKS])
+                for i in range(num_rows + 1)]
+    result = executor.execute(ScheduledBatch(step_id=0, new_requests=new_requests,
+                                             requests=requests, finished_request_ids=[],
+                                             num_tokens=len(requests)))
+    assert len(result.sampled_token_ids) == num_rows + 1
+    assert executor.block_table.shape[0] > num_rows
+    assert len(set(result.sampled_token_ids)) == 1  # same prompt, same greedy token
+
+
+# -- CUDA -----------------------------------------------------------------------------------
+
+gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_depth_2_with_graphs_matches_depth_1():
+    cuda = torch.device("cuda")
+    depth_1 = run_depth_1(build(CudaModelExecutor, cuda, use_cuda_graphs=True,
+                                use_fused_kernels=True), scripted_batches())
+    executor = build(CudaModelExecutor, cuda, use_cuda_graphs=True, use_fused_kernels=True)
+    assert executor.graphs  # decode steps replay graphs
+    assert_same_results(run_depth_2(executor, scripted_batches()), depth_1)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_graphs_match_eager_steps():
+    cuda = torch.device("cuda")
+    eager = run_depth_1(build(CudaModelExecutor, cuda, use_cuda_graphs=False,
+                              use_fused_kernels=True), scripted_batches())
+    graphs = run_depth_1(build(CudaModelExecutor, cuda, use_cuda_graphs=True,
+                               use_fused_kernels=True), scripted_batches())
+    assert_same_results(graphs, eager)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_greedy_match_rate_against_the_cpu_float32_path():
+    """Greedy decoding of the tiny model, float32 on the CPU vs float32 on CUDA (fused
+    kernels, graphs). Reported: the share of tokens that match, and the first divergence."""
+    num_steps, num_requests = 48, 4
+    prompts = [[(17 * r + 5 * i) % 2000 + 3 for i in range(6 + 3 * r)] for r in range(num_requests)]
+    outputs = {}
+    for name, executor in (("cpu", build(ModelExecutor, torch.device("cpu"))),
+                           ("cuda", build(CudaModelExecutor, torch.device("cuda"),
+                                          use_cuda_graphs=True, use_fused_kernels=True))):
+        outputs[name] = greedy_generate(executor, prompts, num_steps)
+    matches = total = 0
+    first_divergence = None
+    for r in range(num_requests):
+        for i, (ours, theirs) in enumerate(zip(outputs["cuda"][r], outputs["cpu"][r],
+                                               strict=True)):
+            total += 1
+            if ours == theirs:
+                matches += 1
+            elif first_divergence is None or i < first_divergence[1]:
+                first_divergence = (r, i)
+    print(f"\ngreedy match rate cuda vs cpu float32: {matches}/{total} = {matches / total:.3f}; "
+          f"first divergence (request, output index): {first_divergence}")
+    assert matches / total > 0.5
+
+
+def greedy_generate(executor, prompts, num_steps):
+    """Prefill every prompt in one step, then decode ``num_steps`` tokens, depth 1."""
+    outputs = [[] for _ in prompts]
+    blocks_per_request = -(-(max(map(len, prompts)) + num_steps + 1) // BLOCK_SIZE)
+    block_ids = [list(range(r * blocks_per_request, (r + 1) * blocks_per_request))
+                 for r in range(len(prompts))]
+    new_requests = [NewRequestData(request_id=str(r), sampling=options(0.0))
+                    for r in range(len(prompts))]
+    requests = [scheduled(str(r), prompt, computed=0, blocks=block_ids[r])
+                for r, prompt in enumerate(prompts)]
+    result = executor.execute(ScheduledBatch(step_id=0, new_requests=new_requests,
+                                             requests=requests, finished_request_ids=[],
+                                             num_tokens=sum(map(len, prompts))))
+    for step in range(1, num_steps + 1):
+        for r, token_id in enumerate(result.sampled_token_ids):
+            outputs[r].append(token_id)
+        requests = [scheduled(str(r), None, computed=len(prompt) + step - 1, output_index=step)
+                    for r, prompt in enumerate(prompts)]
+        result = executor.execute(ScheduledBatch(step_id=step, new_requests=[],
+                                                 requests=requests, finished_request_ids=[],
+                                                 num_tokens=len(prompts)))
+    return outputs
