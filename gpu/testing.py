@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+import torch
+
 from trio_llm.actors.messages import (
     NewRequestData,
     SamplingOptions,
@@ -151,3 +153,25 @@ class ExecutorDriver:
                 request.logprobs.append(logprobs.get(item.request_id))
             if request.is_finished:
                 self._release(request)
+
+
+def record_logits(executor: ModelExecutor) -> dict[tuple[str, int], torch.Tensor]:
+    """From now on, keep the logits of every sampled row of ``executor``, keyed by
+    (request id, output index). Wraps the instance's methods; nothing else changes."""
+    recorded: dict[tuple[str, int], torch.Tensor] = {}
+    execute, compute_logits = executor.execute, executor.model.compute_logits
+    sampled_now: list[ScheduledRequest] = []
+
+    def recording_execute(batch: ScheduledBatch) -> StepResult:
+        sampled_now[:] = [request for request in batch.requests if request.sample]
+        return execute(batch)
+
+    def recording_compute_logits(hidden: torch.Tensor) -> torch.Tensor:
+        logits = compute_logits(hidden)
+        for request, row in zip(sampled_now, logits, strict=True):
+            recorded[(request.request_id, request.output_index)] = row.clone()
+        return logits
+
+    executor.execute = recording_execute  # type: ignore[method-assign]
+    executor.model.compute_logits = recording_compute_logits  # type: ignore[method-assign]
+    return recorded

@@ -14,10 +14,9 @@ import torch
 
 from trio_llm.actors.config import EngineConfig
 from trio_llm.actors.tokenizer import Tokenizer
-from trio_llm.gpu import executor as executor_module
 from trio_llm.gpu.builtin import resolve_model
 from trio_llm.gpu.executor import ModelExecutor
-from trio_llm.gpu.testing import DriverRequest, ExecutorDriver
+from trio_llm.gpu.testing import DriverRequest, ExecutorDriver, record_logits
 
 transformers = pytest.importorskip("transformers")
 
@@ -88,32 +87,11 @@ def _reference(model, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
     return tokens, torch.cat(output.logits)
 
 
-def _record_logits(executor, monkeypatch) -> dict[tuple[str, int], torch.Tensor]:
-    """Keep the logits of every sampled row, keyed by (request id, output index)."""
-    recorded: dict[tuple[str, int], torch.Tensor] = {}
-    sample = executor_module.sample
-    execute = executor.execute
-    current: list = []
-
-    def recording_execute(batch):
-        current[:] = [request for request in batch.requests if request.sample]
-        return execute(batch)
-
-    def recording_sample(logits, rows):
-        for request, row_logits in zip(current, logits, strict=True):
-            recorded[(request.request_id, request.output_index)] = row_logits.clone()
-        return sample(logits, rows)
-
-    monkeypatch.setattr(executor, "execute", recording_execute)
-    monkeypatch.setattr(executor_module, "sample", recording_sample)
-    return recorded
-
-
-def _run_executor(directory, prompts, *, block_size, monkeypatch):
+def _run_executor(directory, prompts, *, block_size):
     executor = ModelExecutor.create(EngineConfig(model=str(directory), block_size=block_size,
                                                  num_kv_blocks=512, device="cpu",
                                                  dtype="float32"))
-    recorded = _record_logits(executor, monkeypatch)
+    recorded = record_logits(executor)
     requests = [DriverRequest(request_id=f"r{index}", prompt_token_ids=prompt,
                               max_tokens=NUM_NEW_TOKENS, chunk_sizes=CHUNK_PLANS[index],
                               arrival_step=ARRIVAL_STEPS[index])
@@ -123,10 +101,9 @@ def _run_executor(directory, prompts, *, block_size, monkeypatch):
 
 
 @pytest.mark.parametrize("block_size", [1, 16])
-def test_greedy_generation_matches_transformers(checkpoint, prompts, block_size, monkeypatch):
+def test_greedy_generation_matches_transformers(checkpoint, prompts, block_size):
     directory, model = checkpoint
-    requests, recorded = _run_executor(directory, prompts, block_size=block_size,
-                                       monkeypatch=monkeypatch)
+    requests, recorded = _run_executor(directory, prompts, block_size=block_size)
     for request, prompt in zip(requests, prompts, strict=True):
         expected_tokens, expected_logits = _reference(model, prompt)
         assert request.output_token_ids == expected_tokens
