@@ -8,7 +8,7 @@ the inbox until this one is done.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import trio
 
@@ -34,6 +34,43 @@ async def run_runner(
     """
     task_status.started()
     async with scheduler_outbox:
+        if hasattr(executor, "launch"):
+            await _run_pipelined(inbox, scheduler_outbox, executor)
+            return
         async for batch in inbox:
             result = await trio.to_thread.run_sync(executor.execute, batch)
             await scheduler_outbox.send(result)
+
+
+# Steps an executor with launch/collect (gpu/cuda_executor.py) may have in flight.
+MAX_STEPS_IN_FLIGHT = 2
+
+
+async def _run_pipelined(inbox: trio.MemoryReceiveChannel[ScheduledBatch],
+                         scheduler_outbox: trio.MemorySendChannel[SchedulerInbox],
+                         executor: Any) -> None:
+    """Launch each batch as soon as it arrives (while the previous step still runs on
+    the device), and collect the steps in order in a second task."""
+    send_pending, receive_pending = trio.open_memory_channel[Any](MAX_STEPS_IN_FLIGHT)
+    free_slots = trio.Semaphore(MAX_STEPS_IN_FLIGHT)
+
+    async def launch_each() -> None:
+        async with send_pending:
+            async for batch in inbox:
+                await free_slots.acquire()
+                pending = await trio.to_thread.run_sync(executor.launch, batch)
+                await send_pending.send(pending)
+
+    def wait_and_collect(pending: Any) -> StepResult:
+        pending.wait()
+        return executor.collect(pending)  # type: ignore[no-any-return]
+
+    async def collect_each() -> None:
+        async for pending in receive_pending:
+            result = await trio.to_thread.run_sync(wait_and_collect, pending)
+            free_slots.release()
+            await scheduler_outbox.send(result)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(launch_each)
+        nursery.start_soon(collect_each)

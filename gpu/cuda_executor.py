@@ -32,6 +32,7 @@ which is how its bookkeeping is tested without a GPU.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
+
 from trio_llm.actors.config import EngineConfig
 from trio_llm.actors.messages import ScheduledBatch, ScheduledRequest, StepResult
 from trio_llm.gpu.cuda_sampler import (
@@ -240,6 +242,9 @@ class CudaModelExecutor(ModelExecutor):
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.graphs: dict[int, CapturedGraph] = {}
         self._started = False
+        # launch and collect may run in two worker threads at once (the runner's
+        # launcher and collector); they share the request states
+        self._lock = threading.Lock()
 
     @classmethod
     def create(cls, config: EngineConfig) -> CudaModelExecutor:
@@ -284,6 +289,10 @@ class CudaModelExecutor(ModelExecutor):
 
     def launch(self, batch: ScheduledBatch) -> PendingStep:
         """Enqueue one step and return at once; at most two steps may be outstanding."""
+        with self._lock:
+            return self._launch(batch)
+
+    def _launch(self, batch: ScheduledBatch) -> PendingStep:
         assert self._started, "call start() (or build with create()) first"
         assert self._num_outstanding < NUM_SLOTS, "collect a step before launching a third"
         updates = self._update_states_and_table(batch)
@@ -302,6 +311,11 @@ class CudaModelExecutor(ModelExecutor):
         if pending.slot is None:
             return StepResult(step_id=pending.step_id, request_ids=[], sampled_token_ids=[])
         pending.wait()
+        with self._lock:
+            return self._collect(pending)
+
+    def _collect(self, pending: PendingStep) -> StepResult:
+        assert pending.slot is not None
         self._num_outstanding -= 1
         token_ids = pending.slot.host_sampled[:len(pending.request_ids)].tolist()
         for request_id, token_id in zip(pending.request_ids, token_ids, strict=True):

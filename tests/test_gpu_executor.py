@@ -238,3 +238,39 @@ def greedy_generate(executor, prompts, num_steps):
                                                  requests=requests, finished_request_ids=[],
                                                  num_tokens=len(prompts)))
     return outputs
+
+
+async def test_the_engine_pipelines_the_executor_on_the_cpu():
+    """Through the whole engine (scheduler at depth 2, the runner's launch/collect loop),
+    the pipelined executor gives the plain executor's greedy and seeded tokens."""
+    import trio
+
+    from trio_llm.actors.config import EngineConfig
+    from trio_llm.actors.messages import SamplingParams
+    from trio_llm.api.engine import Engine
+
+    config = EngineConfig(model="tiny", device="cpu", num_kv_blocks=64, max_num_seqs=4)
+    prompts = ["Hello there", "The quick brown fox", "trio actors", "one two three four"]
+    params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=9, temperature=0.9, seed=3, ignore_eos=True)]
+
+    async def generate_all(executor):
+        outputs = {}
+
+        async def one(index, prompt):
+            tokens = []
+            async for output in engine.generate(prompt, params[index % 2]):
+                tokens += output.token_ids
+            outputs[index] = tokens
+
+        async with Engine.open(config, executor=executor) as engine:
+            async with trio.open_nursery() as nursery:
+                for index, prompt in enumerate(prompts):
+                    nursery.start_soon(one, index, prompt)
+        return outputs
+
+    with trio.fail_after(60):
+        expected = await generate_all(ModelExecutor.create(config))
+        pipelined = CudaModelExecutor.create(config)
+        assert not pipelined.options.use_cuda_graphs
+        assert await generate_all(pipelined) == expected
