@@ -186,7 +186,8 @@ class ModelExecutor:
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         device = self.device
 
-        def tensor(values: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        def tensor(values: list[int] | list[list[int]],
+                   dtype: torch.dtype = torch.int64) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=device)
 
         max_blocks = max(len(row) for row in inputs.block_tables)
