@@ -8,10 +8,10 @@ engine request: however it ends (finished, client gone, shutdown), the
 request's output stream is closed in a shielded, time-bounded ``finally`` and
 the engine aborts it within one step.
 
-Shutdown: SIGINT or SIGTERM drains the engine (new requests get 503, /health
-turns 503), asks Hypercorn to stop accepting, lets open requests finish up to
-``--shutdown-grace-seconds``, then cancels what is left. A second signal stops
-at once.
+Shutdown: SIGINT or SIGTERM drains the engine (new requests get 503 with
+Retry-After, /health turns 503, the socket still answers), lets open requests
+finish for up to ``--shutdown-grace-seconds``, then stops Hypercorn, which
+cancels what is left. A second signal stops at once.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import logging
 import signal
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import aclosing, asynccontextmanager, contextmanager
 from functools import partial
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -53,6 +53,8 @@ BODY_TIMEOUT_SECONDS = 60.0
 # Closing a request's output stream only sends an Abort to the engine; bound it
 # anyway, since it runs shielded.
 CLOSE_TIMEOUT_SECONDS = 5.0
+# After the drain, Hypercorn lets responses being written go out for this long.
+STRAGGLER_SECONDS = 1.0
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 SSE_DONE = b"data: [DONE]\n\n"
 JSON_CONTENT_TYPE = "application/json"
@@ -123,6 +125,7 @@ class OpenAIServer:
         self.model_name = config.served_model_name or engine.model_name
         self.accepted_model_names = {self.model_name, engine.model_name, engine.config.model}
         self.metrics = ServerMetrics(engine, self.model_name)
+        self.open_requests = OpenRequests()
         self.created = int(time.time())
         self._api_key = None if config.api_key is None else f"Bearer {config.api_key}".encode()
 
@@ -159,51 +162,53 @@ class OpenAIServer:
         that owns ``outputs`` from here on (closing the body ends the request)."""
         timer = self.metrics.timer(trio.current_time())
         if not body.stream:
-            async with closing(outputs):
-                async for output in outputs:
-                    _observe(timer, output)
-                    builder.add(output)
+            with self.open_requests.track():
+                async with closing(outputs):
+                    async for output in outputs:
+                        _observe(timer, output)
+                        builder.add(output)
             return self._json(builder.response())
-        # Wait for the first output before answering, so that a request the
-        # engine rejects gets its 4xx status instead of an error inside a 200.
-        async with closing_on_error(outputs):
-            first = await anext(outputs)
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        events = self._events(outputs, first, builder, timer, include_usage=include_usage)
-        return Response(events, content_type="text/event-stream",
+        events = self._events(outputs, builder, timer, include_usage=include_usage)
+        # Run the body to its first event before answering, so that a request
+        # the engine refuses gets its 4xx/503 status rather than an error event
+        # inside a 200. Once started, the generator's cleanup runs however it
+        # ends, even if the response is dropped before Quart sends it.
+        first_event = await anext(events)
+        return Response(_resumed(first_event, events), content_type="text/event-stream",
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    async def _events(self, outputs: AsyncIterator[RequestOutput], first: RequestOutput,
+    async def _events(self, outputs: AsyncIterator[RequestOutput],
                       builder: protocol.CompletionBuilder | protocol.ChatBuilder,
-                      timer: RequestTimer, *, include_usage: bool) -> AsyncIterator[bytes]:
+                      timer: RequestTimer, *, include_usage: bool) -> AsyncGenerator[bytes, None]:
         """The SSE body: one event per output, as soon as it is produced.
 
-        If the client goes away, Quart closes this generator (GeneratorExit at a
-        yield) or cancels it (Cancelled while waiting for output); either way
-        ``closing`` ends the engine request.
+        An error before the first output is raised; after it, it is sent as an
+        error event followed by [DONE]. If the client goes away, Quart closes
+        this generator (GeneratorExit at a yield) or cancels it (Cancelled while
+        waiting for output); either way ``closing`` ends the engine request.
         """
-        async with closing(outputs):
-            output = first
-            try:
-                while True:
-                    _observe(timer, output)
-                    chunk = builder.chunk(output)
-                    if chunk is not None:
-                        yield _sse_event(chunk)
-                    if output.finished:
-                        break
-                    output = await anext(outputs)
-            except StopAsyncIteration:
-                pass
-            except EngineError as error:
-                status, message, param = _error_info(error)
-                yield _sse_event(protocol.error_response(message, error_type=ERROR_TYPES[status],
-                                                         status=status, param=param))
+        with self.open_requests.track():
+            async with closing(outputs):
+                output = await anext(outputs)
+                try:
+                    while True:
+                        _observe(timer, output)
+                        chunk = builder.chunk(output)
+                        if chunk is not None:
+                            yield _sse_event(chunk)
+                        if output.finished:
+                            break
+                        output = await anext(outputs)
+                except StopAsyncIteration:
+                    pass
+                except EngineError as error:
+                    yield _error_event(error)
+                    yield SSE_DONE
+                    return
+                if include_usage:
+                    yield _sse_event(builder.usage_chunk())
                 yield SSE_DONE
-                return
-            if include_usage:
-                yield _sse_event(builder.usage_chunk())
-            yield SSE_DONE
 
     def _context_left(self, messages: list[dict[str, str]]) -> int:
         """Room after the rendered conversation: a chat reply without a limit may
@@ -335,6 +340,42 @@ def _sse_event(body: msgspec.Struct) -> bytes:
     return b"data: " + msgspec.json.encode(body) + b"\n\n"
 
 
+def _error_event(error: EngineError) -> bytes:
+    status, message, param = _error_info(error)
+    return _sse_event(protocol.error_response(message, error_type=ERROR_TYPES[status],
+                                              status=status, param=param))
+
+
+async def _resumed(first_event: bytes, events: AsyncGenerator[bytes, None]) -> AsyncIterator[bytes]:
+    """``events`` again, from its first event that was already taken."""
+    async with aclosing(events):
+        yield first_event
+        async for event in events:
+            yield event
+
+
+class OpenRequests:
+    """Counts generation requests in flight, so that a drain can wait for them."""
+
+    def __init__(self) -> None:
+        self.num_open = 0
+        self._emptied = trio.lowlevel.ParkingLot()
+
+    @contextmanager
+    def track(self) -> Iterator[None]:
+        self.num_open += 1
+        try:
+            yield
+        finally:
+            self.num_open -= 1
+            if not self.num_open:
+                self._emptied.unpark_all()
+
+    async def wait_idle(self) -> None:
+        while self.num_open:
+            await self._emptied.park()
+
+
 @asynccontextmanager
 async def closing(outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[None]:
     """Close ``outputs`` on the way out, even when cancelled: the engine aborts
@@ -343,16 +384,6 @@ async def closing(outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[None]:
         yield
     finally:
         await _close(outputs)
-
-
-@asynccontextmanager
-async def closing_on_error(outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[None]:
-    """Close ``outputs`` if the block raises (or is cancelled); else hand it on."""
-    try:
-        yield
-    except BaseException:
-        await _close(outputs)
-        raise
 
 
 async def _close(outputs: AsyncIterator[RequestOutput]) -> None:
@@ -369,27 +400,50 @@ def hypercorn_config(config: ServerConfig) -> HypercornConfig:
     hyper = HypercornConfig()
     host = f"[{config.host}]" if ":" in config.host else config.host
     hyper.bind = [f"{host}:{config.port}"]
-    hyper.graceful_timeout = config.shutdown_grace_seconds
+    # The drain happens before Hypercorn is told to stop (see serve_app); this
+    # only lets responses being written at that moment go out.
+    hyper.graceful_timeout = STRAGGLER_SECONDS
     hyper.accesslog = None
+    hyper.errorlog = logging.getLogger("hypercorn.error")  # our handlers, not its own
     return hyper
 
 
 async def serve_app(engine: Engine, config: ServerConfig, *,
                     shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
                     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
-    """Serve the app over ``engine`` until cancelled, or until ``shutdown_trigger``
-    returns and open requests have finished (or the grace period ran out).
+    """Serve the app over ``engine`` until cancelled or until a graceful stop.
 
     Reports the bound URL (``http://host:port``) through ``task_status`` once
-    the socket listens.
+    the socket listens. When ``shutdown_trigger`` returns: the engine drains
+    (new requests get 503 + Retry-After, /health 503, the socket still
+    answers), open requests may finish for up to ``shutdown_grace_seconds``,
+    then Hypercorn stops and cancels what is left.
     """
     app = create_app(engine, config)
+    stop = trio.Event()
     async with trio.open_nursery() as nursery:
         binds = await nursery.start(partial(hypercorn_serve, app, hypercorn_config(config),
-                                            shutdown_trigger=shutdown_trigger))
+                                            shutdown_trigger=stop.wait))
         url = binds[0]
         logger.info("trio-llm serving %r at %s", app.extensions["trio_llm"].model_name, url)
+        if shutdown_trigger is not None:
+            nursery.start_soon(_drain_then_stop, engine, app.extensions["trio_llm"], config,
+                               shutdown_trigger, stop)
         task_status.started(url)
+
+
+async def _drain_then_stop(engine: Engine, api: OpenAIServer, config: ServerConfig,
+                           shutdown_trigger: Callable[[], Awaitable[None]],
+                           stop: trio.Event) -> None:
+    await shutdown_trigger()
+    engine.begin_drain()
+    logger.info("draining %d open requests for up to %.1f s", api.open_requests.num_open,
+                config.shutdown_grace_seconds)
+    with trio.move_on_after(config.shutdown_grace_seconds):
+        await api.open_requests.wait_idle()
+    if api.open_requests.num_open:
+        logger.warning("stopping with %d requests still open", api.open_requests.num_open)
+    stop.set()
 
 
 async def serve(engine_config: Any, config: ServerConfig, *,
@@ -404,7 +458,7 @@ async def serve(engine_config: Any, config: ServerConfig, *,
         async with Engine.open(engine_config) as engine:
             stop = trio.Event()
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(_stop_on_signals, signals, engine, stop, nursery.cancel_scope)
+                nursery.start_soon(_stop_on_signals, signals, stop, nursery.cancel_scope)
                 nursery.start_soon(_stop_when_dead, engine, stop)
                 url = await nursery.start(_serve_then_stop_watchers, engine, config, stop,
                                           nursery.cancel_scope)
@@ -418,7 +472,7 @@ async def _serve_then_stop_watchers(engine: Engine, config: ServerConfig, stop: 
     watchers.cancel()
 
 
-async def _stop_on_signals(signals: Any, engine: Engine, stop: trio.Event,
+async def _stop_on_signals(signals: Any, stop: trio.Event,
                            force_scope: trio.CancelScope) -> None:
     async for signal_number in signals:
         name = signal.Signals(signal_number).name
@@ -426,9 +480,7 @@ async def _stop_on_signals(signals: Any, engine: Engine, stop: trio.Event,
             logger.warning("second %s: stopping now", name)
             force_scope.cancel()
             return
-        logger.info("%s: draining for up to %.1f s, then stopping", name,
-                    engine.config.shutdown_grace_seconds)
-        engine.begin_drain()
+        logger.info("%s: stopping gracefully (again to stop at once)", name)
         stop.set()
 
 
