@@ -18,6 +18,7 @@ from collections import Counter
 
 import msgspec
 import trio
+
 from trio_llm.actors.config import EngineConfig
 from trio_llm.actors.errors import QueueFull
 from trio_llm.actors.messages import (

@@ -30,6 +30,7 @@ from typing import Any
 
 import msgspec
 import trio
+
 from trio_llm.actors.config import EngineConfig
 from trio_llm.actors.kv_blocks import BlockManager
 from trio_llm.actors.messages import (
@@ -76,8 +77,8 @@ class RunningRequest:
 
     __slots__ = ("request", "request_id", "sort_key", "stop_token_ids", "max_tokens",
                  "min_tokens", "output_token_ids", "num_preemptions", "prefill_token_ids",
-                 "num_computed_tokens", "num_placeholders", "block_ids", "start_step_id",
-                 "scheduled_step_id")
+                 "num_prefill_tokens", "num_computed_tokens", "num_placeholders", "block_ids",
+                 "start_step_id", "scheduled_step_id")
 
     def __init__(self, waiting: WaitingRequest, sort_key: tuple[int, ...], step_id: int) -> None:
         request = waiting.request
@@ -90,6 +91,7 @@ class RunningRequest:
         self.output_token_ids = list(waiting.output_token_ids)
         self.num_preemptions = waiting.num_preemptions
         self.prefill_token_ids = request.prompt_token_ids + self.output_token_ids
+        self.num_prefill_tokens = len(self.prefill_token_ids)
         self.num_computed_tokens = 0
         self.num_placeholders = 0
         self.block_ids: list[int] = []
@@ -99,51 +101,61 @@ class RunningRequest:
 
     @property
     def is_prefilling(self) -> bool:
-        return self.num_computed_tokens < len(self.prefill_token_ids)
+        return self.num_computed_tokens < self.num_prefill_tokens
 
-    def num_tokens_wanted(self, budget: int) -> int:
-        """How many tokens this request would compute in a step with ``budget`` left."""
-        if self.is_prefilling:
-            return min(len(self.prefill_token_ids) - self.num_computed_tokens, budget)
-        num_outputs_planned = len(self.output_token_ids) + self.num_placeholders
-        return 1 if num_outputs_planned < self.max_tokens and budget > 0 else 0
+    @property
+    def can_decode(self) -> bool:
+        """False while its last output token is still to come from a step in flight."""
+        return len(self.output_token_ids) + self.num_placeholders < self.max_tokens
 
-    def schedule(self, num_tokens: int, new_block_ids: list[int], step_id: int) -> ScheduledRequest:
-        """Record that ``num_tokens`` more tokens are computed in step ``step_id``."""
-        self.block_ids.extend(new_block_ids)
+    def schedule_prefill(self, num_tokens: int, new_block_ids: list[int],
+                         step_id: int) -> ScheduledRequest:
+        """The next ``num_tokens`` of its prefill run in step ``step_id``; the
+        last chunk samples its next output token."""
+        self.block_ids += new_block_ids
         start = self.num_computed_tokens
-        input_from_previous_step = False
-        if self.is_prefilling:
-            token_ids = self.prefill_token_ids[start:start + num_tokens]
-            sample = start + num_tokens == len(self.prefill_token_ids)
-        else:
-            input_from_previous_step = self.num_placeholders > 0
-            token_ids = [] if input_from_previous_step else [self.output_token_ids[-1]]
-            sample = True
-        output_index = len(self.output_token_ids) + self.num_placeholders
+        sample = start + num_tokens == self.num_prefill_tokens
         self.num_computed_tokens = start + num_tokens
         self.num_placeholders += sample
         self.scheduled_step_id = step_id
         return ScheduledRequest(
-            request_id=self.request_id, token_ids=token_ids,
-            input_from_previous_step=input_from_previous_step, num_computed_tokens=start,
-            new_block_ids=new_block_ids, sample=sample, output_index=output_index,
+            request_id=self.request_id, token_ids=self.prefill_token_ids[start:start + num_tokens],
+            input_from_previous_step=False, num_computed_tokens=start,
+            new_block_ids=new_block_ids, sample=sample, output_index=len(self.output_token_ids),
         )
 
-    def accept_token(self, token_id: int) -> tuple[FinishReason | None, int | None]:
-        """Take the token sampled for the oldest placeholder; return
-        (finish reason, stop token id) if it ends the request."""
-        assert self.num_placeholders > 0, f"{self.request_id!r} got a token it did not ask for"
+    def schedule_decode(self, new_block_ids: list[int], step_id: int) -> ScheduledRequest:
+        """Its last token runs in step ``step_id`` and samples the next one. The
+        last token is a placeholder when it comes from the step in flight."""
+        if new_block_ids:
+            self.block_ids += new_block_ids
+        num_computed_tokens = self.num_computed_tokens
+        num_placeholders = self.num_placeholders
+        self.num_computed_tokens = num_computed_tokens + 1
+        self.num_placeholders = num_placeholders + 1
+        self.scheduled_step_id = step_id
+        return ScheduledRequest(
+            request_id=self.request_id,
+            token_ids=[] if num_placeholders else [self.output_token_ids[-1]],
+            input_from_previous_step=num_placeholders > 0,
+            num_computed_tokens=num_computed_tokens, new_block_ids=new_block_ids, sample=True,
+            output_index=len(self.output_token_ids) + num_placeholders,
+        )
+
+    def accept_token(self, token_id: int) -> FinishReason | None:
+        """Take the token sampled for the oldest placeholder; the finish reason
+        if it ends the request ("stop": ``token_id`` is the stop reason)."""
+        assert self.num_placeholders > 0, "a token it did not ask for"
         self.num_placeholders -= 1
-        self.output_token_ids.append(token_id)
-        num_outputs = len(self.output_token_ids)
+        output_token_ids = self.output_token_ids
+        output_token_ids.append(token_id)
         # A stop token only counts from output index min_tokens on: the
-        # runner masks it before that, this keeps the rule in one place too.
-        if token_id in self.stop_token_ids and num_outputs > self.min_tokens:
-            return "stop", token_id
-        if num_outputs >= self.max_tokens:
-            return "length", None
-        return None, None
+        # runner masks it before that; the rule holds here too.
+        if token_id in self.stop_token_ids and len(output_token_ids) > self.min_tokens:
+            return "stop"
+        if len(output_token_ids) >= self.max_tokens:
+            return "length"
+        return None
 
     def to_waiting(self) -> WaitingRequest:
         """What goes back to the queue on preemption: confirmed output only;
@@ -172,12 +184,17 @@ class _StepBuilder:
         self.num_tokens = 0
         self.num_prompt_tokens = 0
 
-    def add(self, running: RunningRequest, num_tokens: int, new_block_ids: list[int]) -> None:
-        if running.is_prefilling:
-            self.num_prompt_tokens += num_tokens
-        self.requests.append(running.schedule(num_tokens, new_block_ids, self.step_id))
+    def add_prefill(self, running: RunningRequest, num_tokens: int,
+                    new_block_ids: list[int]) -> None:
+        self.requests.append(running.schedule_prefill(num_tokens, new_block_ids, self.step_id))
         self.budget -= num_tokens
         self.num_tokens += num_tokens
+        self.num_prompt_tokens += num_tokens
+
+    def add_decode(self, running: RunningRequest, new_block_ids: list[int]) -> None:
+        self.requests.append(running.schedule_decode(new_block_ids, self.step_id))
+        self.budget -= 1
+        self.num_tokens += 1
 
 
 class Scheduler:
@@ -233,9 +250,6 @@ class Scheduler:
     def can_plan_step(self) -> bool:
         return len(self._in_flight_step_ids) < self.pipeline_depth
 
-    def is_running(self, request_id: str) -> bool:
-        return request_id in self._running_by_id
-
     def next_pull(self) -> Pull | None:
         """The Pull to send before planning, or None when nothing could be admitted.
 
@@ -267,24 +281,27 @@ class Scheduler:
         batch = self._finish_batch(step) if step.requests else None
         assert batch is not None or self._in_flight_step_ids or not self._running, \
             "running requests but nothing to run"
-        return StepPlan(tracks=step.tracks, requeue=Requeue(requests=requeued) if requeued else None,
-                        batch=batch)
+        requeue = Requeue(requests=requeued) if requeued else None
+        return StepPlan(tracks=step.tracks, requeue=requeue, batch=batch)
 
     def on_step_result(self, result: StepResult) -> TokenBatch | None:
         """Reconcile the placeholders of one finished step; the tokens to emit."""
         expected_step_id = self._in_flight_step_ids.popleft()
         assert result.step_id == expected_step_id, "step results arrive in order"
+        running_by_id = self._running_by_id
+        all_logprobs = result.logprobs
         deltas = []
-        for index, request_id in enumerate(result.request_ids):
-            running = self._running_by_id.get(request_id)
-            if running is None or running.start_step_id > result.step_id:
+        sampled = zip(result.request_ids, result.sampled_token_ids, strict=True)
+        for index, (request_id, token_id) in enumerate(sampled):
+            running = running_by_id.get(request_id)
+            if running is None or running.start_step_id > expected_step_id:
                 continue  # finished, aborted or preempted since: its token is dropped
-            token_id = result.sampled_token_ids[index]
-            finish_reason, stop_reason = running.accept_token(token_id)
-            logprobs = None if result.logprobs is None else [result.logprobs[index]]
-            deltas.append(TokenDelta(request_id=request_id, token_ids=[token_id],
-                                     logprobs=logprobs, finish_reason=finish_reason,
-                                     stop_reason=stop_reason))
+            finish_reason = running.accept_token(token_id)
+            deltas.append(TokenDelta(
+                request_id=request_id, token_ids=[token_id],
+                logprobs=None if all_logprobs is None else [all_logprobs[index]],
+                finish_reason=finish_reason,
+                stop_reason=token_id if finish_reason == "stop" else None))
             if finish_reason is not None:
                 self._stop(running)
         self.num_generation_tokens += len(deltas)
@@ -310,7 +327,7 @@ class Scheduler:
     def _admit_by_priority(self, waiting: deque[WaitingRequest], step: _StepBuilder) -> None:
         """Admit pulled requests that evict running ones at least the threshold worse."""
         while waiting:
-            num_tokens = min(len(_prefill_token_ids(waiting[0])), step.budget)
+            num_tokens = min(_num_prefill_tokens(waiting[0]), step.budget)
             victims = self._victims_for(waiting[0], num_tokens, step.step_id)
             if not victims:
                 return  # it fits without evicting anyone, or it may evict no one
@@ -322,25 +339,53 @@ class Scheduler:
 
     def _schedule_running(self, step: _StepBuilder) -> None:
         """Give every running request its next tokens, best first."""
+        block_size = self.block_manager.block_size
+        step_id = step.step_id
         index = 0
         # Victims are taken from the end, never before ``index``: the requests
         # already scheduled in this step never move.
         while index < len(self._running) and step.budget > 0:
             running = self._running[index]
-            if running.scheduled_step_id != step.step_id and not self._schedule_one(running, step):
-                continue  # it preempted itself: the next one took its place
             index += 1
+            if running.scheduled_step_id == step_id:
+                continue  # admitted by priority in this step
+            num_computed_tokens = running.num_computed_tokens
+            is_decoding = num_computed_tokens >= running.num_prefill_tokens
+            if is_decoding and num_computed_tokens % block_size:
+                # The hot path: a decode whose token fits in its last block.
+                if running.can_decode:
+                    step.requests.append(running.schedule_decode([], step_id))
+                    step.budget -= 1
+                    step.num_tokens += 1
+                continue
+            if is_decoding:
+                scheduled = self._schedule_decode(running, step)
+            else:
+                scheduled = self._schedule_prefill_chunk(running, step)
+            if not scheduled:
+                index -= 1  # it preempted itself: the next one took its place
 
-    def _schedule_one(self, running: RunningRequest, step: _StepBuilder) -> bool:
-        """Schedule a running request's next tokens; False if it was preempted."""
-        num_tokens = running.num_tokens_wanted(step.budget)
-        if num_tokens == 0:
-            return True
+    def _schedule_prefill_chunk(self, running: RunningRequest, step: _StepBuilder) -> bool:
+        """Schedule as much of its prefill as the budget allows; False if it was preempted."""
+        num_tokens = min(running.num_prefill_tokens - running.num_computed_tokens, step.budget)
         num_blocks = self.block_manager.blocks_needed(
             running.num_computed_tokens + num_tokens, len(running.block_ids))
         if not self._make_room(running, num_blocks, step.step_id):
             return False
-        step.add(running, num_tokens, self.block_manager.allocate(num_blocks))
+        step.add_prefill(running, num_tokens, self.block_manager.allocate(num_blocks))
+        return True
+
+    def _schedule_decode(self, running: RunningRequest, step: _StepBuilder) -> bool:
+        """Schedule one decode token into a new block; False if it was preempted.
+
+        Blocks hold exactly the computed tokens, so a decode needs a new block
+        when its last block is full.
+        """
+        if not running.can_decode:
+            return True
+        if not self._make_room(running, 1, step.step_id):
+            return False
+        step.add_decode(running, self.block_manager.allocate(1))
         return True
 
     def _admit_waiting(self, waiting: deque[WaitingRequest], step: _StepBuilder) -> None:
@@ -353,7 +398,7 @@ class Scheduler:
     # -- helpers ------------------------------------------------------------------
 
     def _try_admit(self, waiting: WaitingRequest, step: _StepBuilder) -> bool:
-        num_tokens = min(len(_prefill_token_ids(waiting)), step.budget)
+        num_tokens = min(_num_prefill_tokens(waiting), step.budget)
         num_blocks = self.block_manager.blocks_needed(num_tokens, 0)
         if num_tokens == 0 or not self.block_manager.can_allocate(num_blocks):
             return False
@@ -364,7 +409,7 @@ class Scheduler:
                                                 sampling=running.request.sampling))
         if waiting.num_preemptions == 0:
             step.tracks.append(Track(request=running.request))
-        step.add(running, num_tokens, self.block_manager.allocate(num_blocks))
+        step.add_prefill(running, num_tokens, self.block_manager.allocate(num_blocks))
         return True
 
     def _make_room(self, running: RunningRequest, num_blocks: int, step_id: int) -> bool:
@@ -445,8 +490,8 @@ def _sort_key_of(running: RunningRequest) -> tuple[int, ...]:
     return running.sort_key
 
 
-def _prefill_token_ids(waiting: WaitingRequest) -> list[int]:
-    return waiting.request.prompt_token_ids + waiting.output_token_ids
+def _num_prefill_tokens(waiting: WaitingRequest) -> int:
+    return len(waiting.request.prompt_token_ids) + len(waiting.output_token_ids)
 
 
 # -- the actor ------------------------------------------------------------------

@@ -3,6 +3,7 @@
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
 from trio_llm.actors.kv_blocks import BlockManager
 
 

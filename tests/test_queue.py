@@ -5,6 +5,7 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
+
 from trio_llm.actors.config import EngineConfig
 from trio_llm.actors.errors import QueueFull
 from trio_llm.actors.messages import (

@@ -19,6 +19,7 @@ import trio
 import trio.testing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from trio_llm.actors.config import EngineConfig
 from trio_llm.actors.messages import (
     Abort,
@@ -652,7 +653,8 @@ def test_random_schedules_conserve_blocks_and_lose_no_request(
         if arrivals and rng.random() < 0.5:
             driver.submit(arrivals.popleft())
         for request_id in [rid for rid, when in abort_turns.items() if when == turn]:
-            if request_id not in driver.finishes and request_id not in [r.request_id for r in arrivals]:
+            arrived = request_id not in {request.request_id for request in arrivals}
+            if arrived and request_id not in driver.finishes:
                 driver.abort(request_id)
         statistics = driver.scheduler.statistics()
         held = sum(len(s.block_ids) for s in driver.scheduler._running)
