@@ -31,8 +31,9 @@ import msgspec
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
-from quart import Response, request
+from quart import request
 from quart_trio import QuartTrio
+from quart_trio.wrappers.response import TrioResponse as Response
 from werkzeug.exceptions import HTTPException
 
 from trio_llm.actors.errors import EngineDead, EngineError, QueueFull, RequestRejected
@@ -180,7 +181,8 @@ class OpenAIServer:
 
     async def _events(self, outputs: AsyncIterator[RequestOutput],
                       builder: protocol.CompletionBuilder | protocol.ChatBuilder,
-                      timer: RequestTimer, *, include_usage: bool) -> AsyncGenerator[bytes, None]:
+                      timer: RequestTimer, *,
+                      include_usage: bool) -> AsyncGenerator[bytes, None]:
         """The SSE body: one event per output, as soon as it is produced.
 
         An error before the first output is raised; after it, it is sent as an
@@ -307,8 +309,9 @@ class OpenAIServer:
         return self._error(500, "internal server error")
 
     def _error(self, status: int, message: str, *, param: str | None = None) -> Response:
-        body = protocol.error_response(message, error_type=ERROR_TYPES.get(status,
-                                       "invalid_request_error"), status=status, param=param)
+        error_type = ERROR_TYPES.get(status, "invalid_request_error")
+        body = protocol.error_response(message, error_type=error_type, status=status,
+                                       param=param)
         response = self._json(body, status=status)
         if status == 503:
             response.headers["Retry-After"] = str(self.config.retry_after_seconds)
@@ -346,7 +349,8 @@ def _error_event(error: EngineError) -> bytes:
                                               status=status, param=param))
 
 
-async def _resumed(first_event: bytes, events: AsyncGenerator[bytes, None]) -> AsyncIterator[bytes]:
+async def _resumed(first_event: bytes,
+                   events: AsyncGenerator[bytes, None]) -> AsyncIterator[bytes]:
     """``events`` again, from its first event that was already taken."""
     async with aclosing(events):
         yield first_event
