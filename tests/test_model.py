@@ -14,6 +14,7 @@ import torch
 
 from trio_llm.actors.config import EngineConfig
 from trio_llm.actors.tokenizer import Tokenizer
+from trio_llm.gpu.attention import get_attention_backend
 from trio_llm.gpu.builtin import resolve_model
 from trio_llm.gpu.executor import ModelExecutor
 from trio_llm.gpu.testing import DriverRequest, ExecutorDriver, record_logits
@@ -87,10 +88,12 @@ def _reference(model, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
     return tokens, torch.cat(output.logits)
 
 
-def _run_executor(directory, prompts, *, block_size):
+def _run_executor(directory, prompts, *, block_size, device="cpu", attention_backend=None):
     executor = ModelExecutor.create(EngineConfig(model=str(directory), block_size=block_size,
-                                                 num_kv_blocks=512, device="cpu",
+                                                 num_kv_blocks=512, device=device,
                                                  dtype="float32"))
+    if attention_backend is not None:
+        executor.model.attention_backend = get_attention_backend(attention_backend)
     recorded = record_logits(executor)
     requests = [DriverRequest(request_id=f"r{index}", prompt_token_ids=prompt,
                               max_tokens=NUM_NEW_TOKENS, chunk_sizes=CHUNK_PLANS[index],
@@ -112,12 +115,28 @@ def test_greedy_generation_matches_transformers(checkpoint, prompts, block_size)
         torch.testing.assert_close(ours, expected_logits, rtol=0, atol=1e-4)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("attention_backend", ["torch", "triton"])
+def test_cuda_greedy_generation_matches_transformers(checkpoint, prompts, attention_backend):
+    directory, model = checkpoint
+    requests, recorded = _run_executor(directory, prompts, block_size=16, device="cuda",
+                                       attention_backend=attention_backend)
+    for request, prompt in zip(requests, prompts, strict=True):
+        expected_tokens, expected_logits = _reference(model, prompt)
+        assert request.output_token_ids == expected_tokens
+        ours = torch.stack([recorded[(request.request_id, index)].cpu()
+                            for index in range(NUM_NEW_TOKENS)])
+        torch.testing.assert_close(ours, expected_logits, rtol=0, atol=1e-3)
+
+
 def test_tiny_builtin_matches_transformers(tmp_path, monkeypatch):
     monkeypatch.setenv("TRIO_LLM_CACHE", str(tmp_path))
     directory = resolve_model("tiny")
     model = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
     prompt = Tokenizer.from_dir(directory).encode("The cat sat by the fire and")
-    executor = ModelExecutor.create(EngineConfig(model="tiny", num_kv_blocks=64))
+    executor = ModelExecutor.create(EngineConfig(model="tiny", num_kv_blocks=64, device="cpu",
+                                                 dtype="float32"))
     request = DriverRequest(request_id="tiny", prompt_token_ids=prompt, max_tokens=12,
                             chunk_sizes=[5, 3])
     ExecutorDriver(executor).run([request])

@@ -35,7 +35,8 @@ def prompts():
 
 def _executor(tiny_path: str, block_size: int = 16) -> ModelExecutor:
     return ModelExecutor.create(EngineConfig(model=tiny_path, block_size=block_size,
-                                             num_kv_blocks=2048 // block_size * 4))
+                                             num_kv_blocks=2048 // block_size * 4,
+                                             device="cpu", dtype="float32"))
 
 
 def _requests(prompts, *, sampling=GREEDY, chunk_plans=None, arrivals=None, preemptions=None):
