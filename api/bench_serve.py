@@ -385,6 +385,8 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     options = options_from_args(args)
     if args.plot is not None:
         _check_plot_available()
+    # httpx logs every request at INFO: thousands of lines over the progress bar.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     with tqdm(total=options.num_prompts, disable=not options.show_progress,
               file=sys.stderr) as progress:
         try:
