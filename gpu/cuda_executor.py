@@ -79,6 +79,8 @@ class CudaExecutorOptions:
     use_cuda_graphs: bool = True
     use_fused_kernels: bool = True
     graph_capture_budget_seconds: float = 120.0
+    # time each step's compute with device events (for profiles; costs two events a step)
+    measure_device_time: bool = False
 
     @classmethod
     def from_config(cls, config: EngineConfig, device: torch.device) -> CudaExecutorOptions:
@@ -128,12 +130,18 @@ class Lane:
         """Make this the current torch stream (a no-op on the CPU)."""
         return torch.cuda.stream(self.torch_stream) if self.torch_stream else nullcontext()
 
-    def record(self) -> Event:
+    def record(self, *, timing: bool = False) -> Event:
         if self._cupy_stream is None:
             return DoneEvent()
-        event = self._cupy.cuda.Event(block=False, disable_timing=True)
+        event = self._cupy.cuda.Event(block=False, disable_timing=not timing)
         event.record(self._cupy_stream)
         return event  # type: ignore[no-any-return]
+
+    def elapsed_seconds(self, start: Event, end: Event) -> float:
+        """Device time between two timing events, both complete."""
+        if self._cupy_stream is None:
+            return 0.0
+        return float(self._cupy.cuda.get_elapsed_time(start, end)) / 1000.0
 
     def wait(self, event: Event | None) -> None:
         """Later work on this stream waits for ``event`` (without blocking the host)."""
@@ -143,6 +151,18 @@ class Lane:
 
 
 # -- one step ----------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class ExecutorStatistics:
+    """Counts and times since start: host seconds in launch and collect (the control
+    plane's share on this side), device compute seconds when measured."""
+
+    num_steps: int = 0
+    num_graph_steps: int = 0
+    launch_seconds: float = 0.0
+    collect_seconds: float = 0.0
+    device_compute_seconds: float = 0.0
 
 
 @dataclass(slots=True)
@@ -185,6 +205,8 @@ class PendingStep:
     logits: torch.Tensor | None = None
     sampled: torch.Tensor | None = None
     num_logprobs: list[int | None] = field(default_factory=list)
+    compute_started: Event | None = None
+    compute_done: Event | None = None
 
     def is_ready(self) -> bool:
         return bool(self.done.done)
@@ -275,7 +297,8 @@ class CudaModelExecutor(ModelExecutor):
         # request id -> (slot index, row, launch number) of its latest sampled token
         self._sampled_on_device: dict[str, tuple[int, int, int]] = {}
         self._num_launches = 0
-        self._num_outstanding = 0
+        self._outstanding: list[PendingStep] = []
+        self.stats = ExecutorStatistics()
         self._started = True
         self._report_kv_cache()
         if options.use_cuda_graphs:
@@ -289,21 +312,26 @@ class CudaModelExecutor(ModelExecutor):
 
     def launch(self, batch: ScheduledBatch) -> PendingStep:
         """Enqueue one step and return at once; at most two steps may be outstanding."""
+        started = time.perf_counter()
         with self._lock:
-            return self._launch(batch)
+            pending = self._launch(batch)
+            self.stats.launch_seconds += time.perf_counter() - started
+            return pending
 
     def _launch(self, batch: ScheduledBatch) -> PendingStep:
         assert self._started, "call start() (or build with create()) first"
-        assert self._num_outstanding < NUM_SLOTS, "collect a step before launching a third"
+        assert len(self._outstanding) < NUM_SLOTS, "collect a step before launching a third"
         updates = self._update_states_and_table(batch)
         step = self._plan(batch, updates)
         if step.num_tokens == 0:
             return PendingStep(step_id=batch.step_id, request_ids=[], done=DoneEvent())
         slot = self.slots[self._num_launches % NUM_SLOTS]
         pending = self._launch_on_device(step, slot)
+        self.stats.num_steps += 1
+        self.stats.num_graph_steps += step.graph_batch_size is not None
         self._remember_sampled(step, slot)
         self._num_launches += 1
-        self._num_outstanding += 1
+        self._outstanding.append(pending)
         return pending
 
     def collect(self, pending: PendingStep) -> StepResult:
@@ -311,12 +339,18 @@ class CudaModelExecutor(ModelExecutor):
         if pending.slot is None:
             return StepResult(step_id=pending.step_id, request_ids=[], sampled_token_ids=[])
         pending.wait()
+        started = time.perf_counter()
         with self._lock:
-            return self._collect(pending)
+            result = self._collect(pending)
+            self.stats.collect_seconds += time.perf_counter() - started
+            return result
 
     def _collect(self, pending: PendingStep) -> StepResult:
         assert pending.slot is not None
-        self._num_outstanding -= 1
+        self._outstanding.remove(pending)
+        if pending.compute_started is not None and pending.compute_done is not None:
+            self.stats.device_compute_seconds += self.compute.elapsed_seconds(
+                pending.compute_started, pending.compute_done)
         token_ids = pending.slot.host_sampled[:len(pending.request_ids)].tolist()
         for request_id, token_id in zip(pending.request_ids, token_ids, strict=True):
             state = self.requests.get(request_id)
@@ -327,6 +361,12 @@ class CudaModelExecutor(ModelExecutor):
             logprobs = logprobs_on_host(pending.logits, pending.sampled, pending.num_logprobs)
         return StepResult(step_id=pending.step_id, request_ids=pending.request_ids,
                           sampled_token_ids=token_ids, logprobs=logprobs)
+
+    def drain(self) -> None:
+        """Wait for the steps launched and never collected (a runner cancelled at
+        shutdown) and drop them, so that another engine can drive this executor."""
+        for pending in list(self._outstanding):
+            self.collect(pending)
 
     # -- host side: states, block table, inputs ------------------------------------------
 
@@ -468,13 +508,15 @@ class CudaModelExecutor(ModelExecutor):
         with self.compute.context(), torch.inference_mode():
             self.compute.wait(slot.upload_done)
             self.compute.wait(slot.download_done)  # device_sampled was copied out by then
+            compute_started = (self.compute.record(timing=True)
+                               if self.options.measure_device_time else None)
             ints = Segments(slot.device_ints, int_offsets)
             floats = Segments(slot.device_floats, float_offsets)
             logits = self._compute_logits(step, ints)
             sampled = sample_on_device(logits, plan, _sampling_inputs(ints, floats))
             num_rows = len(step.sampled_request_ids)
             self.device_sampled[slot.index, :num_rows].copy_(sampled)
-            slot.compute_done = self.compute.record()
+            slot.compute_done = self.compute.record(timing=compute_started is not None)
         with self.copy.context():
             self.copy.wait(slot.compute_done)
             slot.host_sampled[:num_rows].copy_(self.device_sampled[slot.index, :num_rows],
@@ -485,7 +527,8 @@ class CudaModelExecutor(ModelExecutor):
                            done=slot.download_done, slot=slot,
                            logits=logits if wants_logprobs else None,
                            sampled=sampled if wants_logprobs else None,
-                           num_logprobs=plan.num_logprobs)
+                           num_logprobs=plan.num_logprobs, compute_started=compute_started,
+                           compute_done=slot.compute_done)
 
     def _pack(self, step: HostStep, plan: SamplingPlan,
               slot: InputSlot) -> tuple[dict[str, tuple[int, int]], dict[str, tuple[int, int]]]:

@@ -1,0 +1,253 @@
+"""GPU benchmarks of the issue's workloads; each writes JSON under $OUT.
+
+    python3 benchmarks/gpu_bench.py decode --model qwen3-0.6b      # (b) and (c)
+    python3 benchmarks/gpu_bench.py throughput --model qwen3-0.6b  # (a), (c) and the profile
+    python3 benchmarks/gpu_bench.py transformers --model qwen3-0.6b --time-limit 150  # (e)
+
+decode: one request, a 128-token prompt, 256 new tokens (greedy, ignore_eos),
+through the whole engine at depth 1 and depth 2, and through the executor
+alone (its launch/collect loop, no scheduler): milliseconds per output token
+over the decode steps, prefill excluded. Also the device time of one decode
+step's graph replay alone (CUDA events, median), the floor of the other figures.
+
+throughput: the nano-vllm workload (256 requests, seed 0, prompt and output
+lengths uniform in [100, 1024], prompt ids in [0, 10000), ignore_eos,
+temperature 0.6) through the engine, depth 2 then depth 1; output tokens/s,
+with the share of wall time the device computes and the CPU time per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trio_llm.actors.config import EngineConfig
+from trio_llm.actors.messages import (
+    NewRequestData,
+    SamplingOptions,
+    SamplingParams,
+    ScheduledBatch,
+    ScheduledRequest,
+)
+from trio_llm.gpu.cuda_executor import CudaModelExecutor
+
+OUT = Path(os.environ.get("OUT", "."))
+PROMPT_LEN, NUM_NEW_TOKENS = 128, 256
+# BENCH_DEVICE=cpu runs the same code on the CPU (a smoke test of the script, not a figure)
+DEVICE = os.environ.get("BENCH_DEVICE", "cuda")
+DTYPE = "bfloat16" if DEVICE == "cuda" else "float32"
+
+
+def engine_config(model: str, *, depth: int, **overrides: Any) -> EngineConfig:
+    fields: dict[str, Any] = {"model": model, "load_format": "dummy", "dtype": DTYPE,
+                              "device": DEVICE, "async_scheduling": depth == 2}
+    fields.update(overrides)
+    return EngineConfig(**fields)
+
+
+def create_executor(config: EngineConfig, *, measure_device_time: bool = False
+                    ) -> CudaModelExecutor:
+    started = time.perf_counter()
+    executor = CudaModelExecutor.create(config)
+    if measure_device_time:
+        executor.options = dataclasses.replace(executor.options, measure_device_time=True)
+    print(f"executor for {config.model} ready in {time.perf_counter() - started:.1f} s",
+          flush=True)
+    return executor
+
+
+# -- (b) single-stream decode ----------------------------------------------------------
+
+
+async def engine_decode_ms_per_token(config: EngineConfig, executor: CudaModelExecutor) -> float:
+    """Wall time between the first and the last output token, over the tokens between."""
+    from trio_llm.api.engine import Engine
+
+    prompt = [(7 * i) % 9000 + 100 for i in range(PROMPT_LEN)]
+    params = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    executor.drain()
+    async with Engine.open(config, executor=executor) as engine:
+        for _ in range(2):  # the first run warms up; the second is timed
+            times, num_tokens = [], 0
+            async for output in engine.generate(prompt, params):
+                times.append(time.perf_counter())
+                num_tokens += len(output.token_ids)
+    assert num_tokens == NUM_NEW_TOKENS
+    return 1000 * (times[-1] - times[0]) / (num_tokens - 1)
+
+
+def executor_decode_ms_per_token(executor: CudaModelExecutor, *, depth: int,
+                                 request_id: str) -> float:
+    """The executor alone: a prefill, then decode steps launched ``depth`` deep."""
+    block_size = executor.block_size
+    num_blocks = -(-(PROMPT_LEN + NUM_NEW_TOKENS + 1) // block_size)
+    sampling = SamplingOptions(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=0,
+                               num_logprobs=None, min_tokens=0, banned_token_ids=[])
+    prefill = ScheduledBatch(
+        step_id=0, new_requests=[NewRequestData(request_id=request_id, sampling=sampling)],
+        requests=[ScheduledRequest(request_id=request_id, token_ids=list(range(PROMPT_LEN)),
+                                   input_from_previous_step=False, num_computed_tokens=0,
+                                   new_block_ids=list(range(num_blocks)), sample=True,
+                                   output_index=0)],
+        finished_request_ids=[], num_tokens=PROMPT_LEN)
+    executor.collect(executor.launch(prefill))
+
+    def decode(step: int) -> ScheduledBatch:
+        return ScheduledBatch(step_id=step, new_requests=[], requests=[ScheduledRequest(
+            request_id=request_id, token_ids=[], input_from_previous_step=True,
+            num_computed_tokens=PROMPT_LEN + step - 1, new_block_ids=[], sample=True,
+            output_index=step)], finished_request_ids=[], num_tokens=1)
+
+    started = time.perf_counter()
+    in_flight = []
+    for step in range(1, NUM_NEW_TOKENS):
+        in_flight.append(executor.launch(decode(step)))
+        if len(in_flight) == depth:
+            executor.collect(in_flight.pop(0))
+    for pending in in_flight:
+        executor.collect(pending)
+    elapsed = time.perf_counter() - started
+    finish = ScheduledBatch(step_id=NUM_NEW_TOKENS, new_requests=[], requests=[],
+                            finished_request_ids=[request_id], num_tokens=0)
+    executor.collect(executor.launch(finish))
+    return 1000 * elapsed / (NUM_NEW_TOKENS - 1)
+
+
+def graph_replay_ms(executor: CudaModelExecutor, batch_size: int = 1) -> float | None:
+    """Median device time of one captured decode step's replay (its inputs as they are)."""
+    captured = executor.graphs.get(batch_size)
+    stream = executor.compute.torch_stream
+    if captured is None or stream is None:
+        return None
+    times = []
+    with torch.cuda.stream(stream):
+        for _ in range(50):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            captured.graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+    return statistics.median(times[5:])
+
+
+def run_decode(args: argparse.Namespace) -> dict[str, Any]:
+    import trio
+
+    results: dict[str, Any] = {"model": args.model, "prompt_len": PROMPT_LEN,
+                               "num_new_tokens": NUM_NEW_TOKENS}
+    config = engine_config(args.model, depth=2, max_num_seqs=8, num_kv_blocks=1024,
+                           max_model_len=4096)
+    executor = create_executor(config)
+    results["graph_replay_ms_batch_1"] = graph_replay_ms(executor)
+    for depth in (1, 2):
+        results[f"executor_depth_{depth}_ms_per_token"] = executor_decode_ms_per_token(
+            executor, depth=depth, request_id=f"warm-{depth}")
+        results[f"executor_depth_{depth}_ms_per_token"] = executor_decode_ms_per_token(
+            executor, depth=depth, request_id=f"timed-{depth}")
+    for depth in (1, 2):
+        depth_config = engine_config(args.model, depth=depth, max_num_seqs=8, num_kv_blocks=1024,
+                                     max_model_len=4096)
+        results[f"engine_depth_{depth}_ms_per_token"] = trio.run(
+            engine_decode_ms_per_token, depth_config, executor)
+    return results
+
+
+# -- (a) throughput ------------------------------------------------------------------------
+
+
+def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
+    import trio
+
+    from trio_llm.api.bench import random_workload, run_engine_throughput
+
+    results: dict[str, Any] = {"model": args.model, "num_prompts": args.num_prompts}
+    executor = create_executor(engine_config(args.model, depth=2), measure_device_time=True)
+    workload = random_workload(seed=0, num_prompts=args.num_prompts, prompt_len=(100, 1024),
+                               output_len=(100, 1024),
+                               max_token_id=min(10000, executor.vocab_size))
+    for depth in args.depths:
+        config = engine_config(args.model, depth=depth)
+        executor.drain()
+        stats_before = _stats_snapshot(executor)
+        cpu_before = time.process_time()
+        result = trio.run(lambda config=config: run_engine_throughput(
+            config, executor, workload, temperature=0.6, executor_kind="model",
+            progress=False))
+        cpu_seconds = time.process_time() - cpu_before
+        stats = {key: value - stats_before[key] for key, value in
+                 _stats_snapshot(executor).items()}
+        result.update(_profile(result, stats, cpu_seconds))
+        results[f"depth_{depth}"] = result
+        print(json.dumps({f"depth_{depth}": result}, indent=1), flush=True)
+    return results
+
+
+def _stats_snapshot(executor: CudaModelExecutor) -> dict[str, float]:
+    stats = executor.stats
+    return {name: float(getattr(stats, name)) for name in stats.__slots__}
+
+
+def _profile(result: dict[str, Any], stats: dict[str, float],
+             cpu_seconds: float) -> dict[str, Any]:
+    num_steps = max(stats["num_steps"], 1)
+    return {
+        "executor_steps": stats["num_steps"],
+        "graph_steps": stats["num_graph_steps"],
+        "device_busy_share": stats["device_compute_seconds"] / result["elapsed_seconds"],
+        "device_ms_per_step": 1000 * stats["device_compute_seconds"] / num_steps,
+        "launch_host_ms_per_step": 1000 * stats["launch_seconds"] / num_steps,
+        "collect_host_ms_per_step": 1000 * stats["collect_seconds"] / num_steps,
+        "process_cpu_ms_per_step": 1000 * cpu_seconds / num_steps,
+    }
+
+
+# -- (e) transformers ----------------------------------------------------------------------
+
+
+def run_transformers(args: argparse.Namespace) -> dict[str, Any]:
+    from trio_llm.api.bench import random_workload
+    from trio_llm.gpu.cuda_hf_baseline import run_transformers_throughput
+
+    workload = random_workload(seed=0, num_prompts=args.num_prompts, prompt_len=(100, 1024),
+                               output_len=(100, 1024), max_token_id=10000)
+    return run_transformers_throughput(engine_config(args.model, depth=2), workload,
+                                       temperature=0.6, time_limit_seconds=args.time_limit)
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    for name, run in (("decode", run_decode), ("throughput", run_throughput),
+                      ("transformers", run_transformers)):
+        command = commands.add_parser(name)
+        command.add_argument("--model", default="qwen3-0.6b")
+        command.add_argument("--num-prompts", type=int, default=256)
+        command.add_argument("--depths", type=int, nargs="+", default=[2, 1])
+        command.add_argument("--time-limit", type=float, default=150.0)
+        command.set_defaults(run=run)
+    args = parser.parse_args()
+    started = time.perf_counter()
+    results = args.run(args)
+    results["date"] = time.strftime("%Y-%m-%d")
+    results["command"] = " ".join(["python3", *sys.argv])
+    results["device"] = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
+    results["wall_seconds"] = time.perf_counter() - started
+    path = OUT / f"{args.command}-{args.model}.json"
+    path.write_text(json.dumps(results, indent=2))
+    print(json.dumps(results, indent=1), flush=True)
+
+
+if __name__ == "__main__":
+    main()
