@@ -9,6 +9,10 @@ settles them with tombstones: an Abort for a request that is not waiting is
 forwarded to the scheduler and remembered; a Requeue of that request arriving
 before the scheduler's AbortOutcome drops it. Channels are FIFO, so any Requeue
 the scheduler sent before it saw the Abort arrives before the AbortOutcome.
+
+Who publishes the abort: the queue, for a request that never ran; the
+scheduler (through the detokenizer, which must forget the request too) for one
+that ran before, even when it waits here after a preemption.
 """
 
 from __future__ import annotations
@@ -86,15 +90,16 @@ class WaitingQueue:
         return True
 
     def requeue(self, requests: list[WaitingRequest]) -> list[str]:
-        """Take requests back from the scheduler; return the ids dropped because
-        an Abort for them is in flight (their callers get an abort output)."""
+        """Take requests back from the scheduler, dropping those an Abort is in
+        flight for; return the dropped ids that never ran (the queue publishes
+        their abort; the scheduler already finished the others)."""
         dropped_request_ids = []
         for waiting in requests:
             request_id = waiting.request.request_id
-            if request_id in self._aborts_in_flight:
-                dropped_request_ids.append(request_id)
-            else:
+            if request_id not in self._aborts_in_flight:
                 self._push(waiting)
+            elif waiting.num_preemptions == 0:
+                dropped_request_ids.append(request_id)
         return dropped_request_ids
 
     def pop_best(self, max_requests: int) -> list[WaitingRequest]:
@@ -118,12 +123,15 @@ class WaitingQueue:
     # -- aborts -----------------------------------------------------------------
 
     def abort(self, request_id: str) -> bool:
-        """True if the request was waiting and is now removed. Otherwise it is
-        running or travelling: remember the abort until ``forget_abort``, and
-        the caller forwards the Abort to the scheduler."""
-        if self._waiting.pop(request_id, None) is not None:
+        """True if the request was waiting and never ran: it is removed, and
+        the caller publishes its abort. Otherwise (running, travelling, or
+        waiting after a preemption, then removed too) remember the abort until
+        ``forget_abort``; the caller forwards the Abort to the scheduler."""
+        waiting = self._waiting.pop(request_id, None)
+        if waiting is not None:
             self._drop_stale_entries()
-            return True
+            if waiting.num_preemptions == 0:
+                return True
         self._aborts_in_flight[request_id] += 1
         return False
 

@@ -220,6 +220,9 @@ class Scheduler:
         self._in_flight_step_ids: deque[int] = deque()
         self._stopped_request_ids: list[str] = []
         self._preempted: list[WaitingRequest] = []
+        # Preempted and not running again yet: the detokenizer still tracks
+        # them, so an abort of one is finished here, not by the queue.
+        self._preempted_request_ids: set[str] = set()
         self._next_step_id = 0
         self.num_preemptions = 0
         self.num_steps = 0
@@ -308,11 +311,16 @@ class Scheduler:
         return TokenBatch(deltas=deltas) if deltas else None
 
     def abort(self, request_id: str) -> TokenBatch | None:
-        """Stop a running request; its final (empty) delta, or None if it is not running."""
+        """Stop a running request, or forget a preempted one; its final (empty)
+        delta, or None if the scheduler does not know it (it never ran, or it
+        finished)."""
         running = self._running_by_id.get(request_id)
-        if running is None:
+        if running is not None:
+            self._stop(running)
+        elif request_id in self._preempted_request_ids:
+            self._preempted_request_ids.remove(request_id)
+        else:
             return None
-        self._stop(running)
         return TokenBatch(deltas=[TokenDelta(request_id=request_id, token_ids=[], logprobs=None,
                                              finish_reason="abort")])
 
@@ -403,6 +411,7 @@ class Scheduler:
         if num_tokens == 0 or not self.block_manager.can_allocate(num_blocks):
             return False
         running = RunningRequest(waiting, self._sort_key(waiting), step.step_id)
+        self._preempted_request_ids.discard(running.request_id)
         bisect.insort(self._running, running, key=_sort_key_of)
         self._running_by_id[running.request_id] = running
         step.new_requests.append(NewRequestData(request_id=running.request_id,
@@ -455,6 +464,7 @@ class Scheduler:
     def _preempt(self, running: RunningRequest) -> None:
         self._stop(running)
         self._preempted.append(running.to_waiting())
+        self._preempted_request_ids.add(running.request_id)
         self.num_preemptions += 1
 
     def _stop(self, running: RunningRequest) -> None:

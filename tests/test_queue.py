@@ -88,6 +88,24 @@ def test_abort_of_a_waiting_request_removes_it():
     assert ids(queue.pop_best(10)) == ["b"]
 
 
+def test_abort_of_a_preempted_waiting_request_removes_it_and_leaves_the_finish_to_the_scheduler():
+    queue = WaitingQueue(EngineConfig())
+    queue.requeue([WaitingRequest(request=make_request("a"), output_token_ids=[3],
+                                  num_preemptions=1)])
+    assert not queue.abort("a")
+    assert "a" not in queue
+    queue.forget_abort("a")
+    assert not queue._aborts_in_flight
+
+
+def test_a_dropped_requeue_of_a_preempted_request_is_not_reported():
+    queue = WaitingQueue(EngineConfig())
+    queue.abort("a")
+    preempted = WaitingRequest(request=make_request("a"), num_preemptions=2)
+    assert queue.requeue([preempted]) == []
+    assert "a" not in queue
+
+
 def test_abort_of_a_request_not_waiting_drops_its_requeue_until_the_outcome():
     queue = WaitingQueue(EngineConfig())
     assert not queue.abort("a")
@@ -210,6 +228,20 @@ async def test_actor_forwards_other_aborts_and_drops_a_requeue_in_transit(harnes
         assert output.finish_reason == "abort"
         assert harness.queue.statistics().num_waiting == 0
         assert not harness.queue._aborts_in_flight
+
+
+async def test_actor_forwards_the_abort_of_a_preempted_request(harness, autojump_clock):
+    with trio.fail_after(5):
+        stream = harness.streams.open("a")
+        preempted = WaitingRequest(request=make_request("a"), output_token_ids=[4],
+                                   num_preemptions=1)
+        await harness.send(Requeue(requests=[preempted]))
+        await harness.send(Abort(request_id="a"))
+        assert harness.next_for_scheduler() == Abort(request_id="a")
+        assert harness.queue.statistics().num_waiting == 0
+        with trio.move_on_after(1):
+            await stream.receive()
+            raise AssertionError("the scheduler publishes this abort, not the queue")
 
 
 async def test_actor_closes_its_outbox_when_its_inbox_ends(harness):

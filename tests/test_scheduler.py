@@ -604,6 +604,20 @@ def test_abort_of_a_waiting_request_never_runs_it():
     assert "b" not in driver.first_step and driver.finishes["b"] == ("abort", None)
 
 
+def test_abort_of_a_preempted_request_is_finished_by_the_scheduler():
+    driver = Driver(config(async_scheduling=False), 4)
+    driver.submit(make_request("early", [1] * 4, max_tokens=8),
+                  make_request("late", [2] * 4, max_tokens=8, arrival_index=1))
+    while not driver.preempted:
+        driver.run_once()
+    assert "late" in driver.queue
+    driver.abort("late")  # the detokenizer tracks it: the abort goes through the scheduler
+    assert driver.finishes["late"] == ("abort", None)
+    assert "late" not in driver.queue
+    driver.run()
+    assert driver.finishes["early"][0] == "length"
+
+
 def test_abort_of_an_unknown_request_is_harmless():
     driver = Driver(config(), 16)
     assert driver.scheduler.abort("nobody") is None
@@ -711,10 +725,12 @@ async def run_fake_runner(inbox: trio.MemoryReceiveChannel[Any],
 
 async def run_fake_detokenizer(inbox: trio.MemoryReceiveChannel[Any],
                                scheduler_outbox: trio.MemorySendChannel[Any],
-                               streams: RequestStreams, stop_after: dict[str, int], *,
+                               streams: RequestStreams, stop_after: dict[str, int],
+                               unfinished: set[str], *,
                                task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
     """Publishes token deltas as outputs; plays a stop string after
-    ``stop_after[request_id]`` tokens. Checks Track comes first."""
+    ``stop_after[request_id]`` tokens. Checks Track comes first; keeps
+    ``unfinished``: the requests it tracks and saw no finish of."""
     tracked: dict[str, int] = {}
     finished: set[str] = set()
     task_status.started()
@@ -723,6 +739,7 @@ async def run_fake_detokenizer(inbox: trio.MemoryReceiveChannel[Any],
             if isinstance(message, Track):
                 assert message.request.request_id not in tracked
                 tracked[message.request.request_id] = 0
+                unfinished.add(message.request.request_id)
                 continue
             for delta in message.deltas:
                 request_id = delta.request_id
@@ -736,6 +753,7 @@ async def run_fake_detokenizer(inbox: trio.MemoryReceiveChannel[Any],
                     await scheduler_outbox.send(StopStringHit(request_id=request_id))
                 if finish_reason is not None:
                     finished.add(request_id)
+                    unfinished.discard(request_id)
                 streams.publish(RequestOutput(request_id=request_id, token_ids=delta.token_ids,
                                               text="", finished=finish_reason is not None,
                                               finish_reason=finish_reason))
@@ -754,6 +772,7 @@ class ActorHarness:
         self.gate = Gate()
         self.rng = random.Random(seed)
         self.stop_after = stop_after or {}
+        self.unfinished: set[str] = set()
         self.queue_inbox: trio.MemorySendChannel[Any]
 
     async def start(self, nursery: trio.Nursery) -> None:
@@ -764,7 +783,7 @@ class ActorHarness:
         await nursery.start(run_fake_runner, runner_receive, scheduler_send.clone(), self.model,
                             self.gate, self.rng)
         await nursery.start(run_fake_detokenizer, detokenizer_receive, scheduler_send.clone(),
-                            self.streams, self.stop_after)
+                            self.streams, self.stop_after, self.unfinished)
         await nursery.start(run_scheduler, scheduler_receive, queue_send.clone(), runner_send,
                             detokenizer_send, self.scheduler)
         await nursery.start(run_queue, queue_receive, scheduler_send, self.streams, self.config,
@@ -794,6 +813,8 @@ class ActorHarness:
         assert statistics.num_running == 0
         assert statistics.num_free_blocks == statistics.num_total_blocks
         assert len(self.queue) == 0 and not self.queue._aborts_in_flight
+        assert not self.unfinished, "the detokenizer would keep state for these"
+        assert not self.scheduler._preempted_request_ids
 
 
 async def run_all(engine: ActorHarness, requests: list[Request],
