@@ -27,6 +27,8 @@ PROMPT_LENGTHS = [5, 23, 41, 1]
 # Prefill chunk plans per prompt: odd boundaries, including single-token chunks.
 CHUNK_PLANS = [[2, 3], [7, 1, 5], [13, 11], [4]]
 ARRIVAL_STEPS = [0, 0, 2, 3]
+# The Triton kernels' float32 dot products run in TF32 (10-bit mantissa) on CUDA.
+CUDA_LOGITS_TOLERANCE = {"torch": 1e-3, "triton": 3e-2}
 
 
 def _family_config(family: str):
@@ -127,7 +129,8 @@ def test_cuda_greedy_generation_matches_transformers(checkpoint, prompts, attent
         assert request.output_token_ids == expected_tokens
         ours = torch.stack([recorded[(request.request_id, index)].cpu()
                             for index in range(NUM_NEW_TOKENS)])
-        torch.testing.assert_close(ours, expected_logits, rtol=0, atol=1e-3)
+        torch.testing.assert_close(ours, expected_logits, rtol=0,
+                                   atol=CUDA_LOGITS_TOLERANCE[attention_backend])
 
 
 def test_tiny_builtin_matches_transformers(tmp_path, monkeypatch):
