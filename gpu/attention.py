@@ -25,6 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
+# Long prefills are split into query tiles whose score matrix stays under this size.
+SCORES_BUDGET_BYTES = 256 * 2**20
+
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -73,11 +76,24 @@ def _paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         if end == start or context_len == 0:
             continue
         key, value = _gather_context(k_cache, v_cache, block_tables[seq_index], context_len)
-        output[start:end] = _causal_attention(
-            query[start:end].to(compute_dtype), key.to(compute_dtype), value.to(compute_dtype),
-            scale,
-        ).to(query.dtype)
+        key, value = key.to(compute_dtype), value.to(compute_dtype)
+        num_queries = end - start
+        tile_size = _query_tile_size(query.shape[1], context_len, compute_dtype)
+        for tile_start in range(0, num_queries, tile_size):
+            tile_end = min(tile_start + tile_size, num_queries)
+            # The tile's last query sits at this context length: later keys are all masked.
+            tile_context_len = context_len - (num_queries - tile_end)
+            output[start + tile_start:start + tile_end] = _causal_attention(
+                query[start + tile_start:start + tile_end].to(compute_dtype),
+                key[:tile_context_len], value[:tile_context_len], scale,
+            ).to(query.dtype)
     return output
+
+
+def _query_tile_size(num_heads: int, context_len: int, dtype: torch.dtype) -> int:
+    """Queries per tile so that one tile's attention scores fit SCORES_BUDGET_BYTES."""
+    bytes_per_query = num_heads * context_len * dtype.itemsize
+    return max(1, SCORES_BUDGET_BYTES // bytes_per_query)
 
 
 def _gather_context(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,

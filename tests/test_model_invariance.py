@@ -12,6 +12,7 @@ import torch
 
 from trio_llm.actors.config import EngineConfig
 from trio_llm.actors.messages import SamplingOptions
+from trio_llm.gpu import attention
 from trio_llm.gpu.builtin import resolve_model
 from trio_llm.gpu.executor import ModelExecutor
 from trio_llm.gpu.testing import GREEDY, DriverRequest, ExecutorDriver, record_logits
@@ -144,5 +145,14 @@ def test_many_decoding_rows(tiny_path):
     expected_outputs, expected_logits = _run_alone(tiny_path, prompts)
     arrivals = {index: index % 5 for index in range(len(prompts))}
     outputs, logits = _run_together(tiny_path, prompts, arrivals=arrivals)
+    assert outputs == expected_outputs
+    _assert_bitwise_equal(logits, expected_logits)
+
+
+def test_attention_query_tiles_do_not_change_logits(tiny_path, prompts, monkeypatch):
+    expected_outputs, expected_logits = _run_alone(tiny_path, prompts)
+    # About 8 queries per tile for the longest prompt: many tiles per prefill chunk.
+    monkeypatch.setattr(attention, "SCORES_BUDGET_BYTES", 8 * 4 * 140 * 8)
+    outputs, logits = _run_together(tiny_path, prompts, chunk_plans=ODD_CHUNKS)
     assert outputs == expected_outputs
     _assert_bitwise_equal(logits, expected_logits)
