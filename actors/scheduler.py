@@ -6,13 +6,15 @@ and priority (with optional priority preemption), and depth-2 pipelining.
 
 One step is planned in three phases:
 
-1. ``_admit_by_priority``: with priority preemption configured, a pulled
-   request that beats a running one by the threshold evicts it when seats or
-   blocks are short, and is scheduled first.
+1. ``_admit_by_priority``: with policy "priority" and a threshold set, a
+   pulled request whose priority value is lower than a running one's by at
+   least the threshold (and at least 1, so equals never evict each other)
+   evicts it when seats or blocks are short, and is scheduled first.
 2. ``_schedule_running``: running requests, best first; a decode takes one
    token, an unfinished prefill a chunk of what is left of the budget. A
    request that cannot get a KV block preempts the worst running request
-   (possibly itself).
+   not yet scheduled in this step (possibly itself). Running requests are
+   kept best first, so the victims always come from the end.
 3. ``_admit_waiting``: pulled requests, in order, while budget, seats and
    blocks allow; the rest go back to the queue.
 
