@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 
 import trio
 
@@ -68,11 +68,11 @@ class Engine:
         tokenizer = Tokenizer.from_dir(config.tokenizer or executor.model_path)
         streams = RequestStreams()
         async with trio.open_nursery() as nursery:
-            actors = await nursery.start(
+            actors = await nursery.start(partial(
                 run_supervisor, config, executor, tokenizer, streams,
                 max_model_len=executor.max_model_len, num_kv_blocks=executor.num_kv_blocks,
                 vocab_size=executor.vocab_size,
-            )
+            ))
             engine = cls(config, tokenizer, actors, streams, max_model_len=executor.max_model_len)
             try:
                 yield engine
@@ -90,7 +90,7 @@ class Engine:
         text, token_ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
         submit = Submit(request_id=request_id or self._new_request_id(), prompt=text,
                         prompt_token_ids=token_ids, params=params or SamplingParams(),
-                        priority=priority, arrival_time=time.monotonic())
+                        priority=priority, arrival_time=trio.current_time())
         return self._run(submit)
 
     def chat(self, messages: list[dict[str, str]], params: SamplingParams | None = None, *,
@@ -98,7 +98,7 @@ class Engine:
         """Like generate, for a conversation rendered with the model's chat template."""
         submit = Submit(request_id=request_id or self._new_request_id(), messages=messages,
                         params=params or SamplingParams(), priority=priority,
-                        arrival_time=time.monotonic())
+                        arrival_time=trio.current_time())
         return self._run(submit)
 
     async def abort(self, request_id: str) -> None:
