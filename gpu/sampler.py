@@ -26,6 +26,8 @@ MASK_16 = 0xFFFF
 # The two multipliers of MurmurHash3's 32-bit finaliser.
 MIX_MULTIPLIER_1 = 0x85EBCA6B
 MIX_MULTIPLIER_2 = 0xC2B2AE35
+# Below this temperature a row is greedy: dividing by it would overflow float32.
+MIN_SAMPLING_TEMPERATURE = 1e-5
 # Distinguishes the two row keys fed to the per-token mix.
 ROW_KEY_SALT = 0x9E3779B9
 
@@ -50,7 +52,8 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
     """Pick one token for each row of ``logits`` [num_rows, vocab_size] (float32)."""
     masked = _mask_banned_ids(logits, rows)
     token_ids = masked.argmax(dim=-1)
-    sampled = [index for index, row in enumerate(rows) if row.options.temperature > 0]
+    sampled = [index for index, row in enumerate(rows)
+               if row.options.temperature >= MIN_SAMPLING_TEMPERATURE]
     if sampled:
         index = torch.tensor(sampled, device=logits.device)
         token_ids[index] = _sample_rows(masked[index], [rows[i] for i in sampled])
@@ -58,12 +61,15 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
 
 
 def _mask_banned_ids(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    vocab_size = logits.shape[1]
     row_indices: list[int] = []
     token_ids: list[int] = []
     for index, row in enumerate(rows):
         if row.output_index < row.options.min_tokens:
-            row_indices += [index] * len(row.options.banned_token_ids)
-            token_ids += row.options.banned_token_ids
+            banned = [token_id for token_id in row.options.banned_token_ids
+                      if 0 <= token_id < vocab_size]
+            row_indices += [index] * len(banned)
+            token_ids += banned
     if not row_indices:
         return logits
     masked = logits.clone()
@@ -78,7 +84,8 @@ def _sample_rows(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Ten
 
     vocab_size = logits.shape[1]
     scaled = logits / column([row.options.temperature for row in rows])
-    top_ks = [row.options.top_k if row.options.top_k > 0 else vocab_size for row in rows]
+    top_ks = [row.options.top_k if 0 < row.options.top_k < vocab_size else vocab_size
+              for row in rows]
     top_ps = [row.options.top_p for row in rows]
     if any(top_k < vocab_size for top_k in top_ks) or any(top_p < 1.0 for top_p in top_ps):
         scaled = _apply_top_k_top_p(scaled, column(top_ks).to(torch.long), column(top_ps))

@@ -147,3 +147,15 @@ def test_cuda_draws_the_same_noise_and_tokens():
     logits = torch.randn(16, 4096, generator=torch.Generator().manual_seed(0)) * 4
     assert (sample(logits.cuda(), rows).token_ids.cpu().tolist()
             == sample(logits, rows).token_ids.tolist())
+
+
+def test_extreme_values_are_safe():
+    logits = _logits(3)
+    rows = [SamplingRow(_options(temperature=1e-30, seed=1), 0),
+            SamplingRow(_options(top_k=10 * VOCAB_SIZE, seed=2), 0),
+            SamplingRow(_options(temperature=0.0, min_tokens=1,
+                                 banned_token_ids=[VOCAB_SIZE + 5, -1]), 0)]
+    token_ids = sample(logits, rows).token_ids.tolist()
+    assert token_ids[0] == logits[0].argmax().item()
+    assert 0 <= token_ids[1] < VOCAB_SIZE
+    assert token_ids[2] == logits[2].argmax().item()
