@@ -53,6 +53,7 @@ class Tokenizer:
         backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
         config = _read_json(directory / "tokenizer_config.json")
         generation_config = _read_json(directory / "generation_config.json")
+        _add_missing_special_tokens(backend, config)
         return cls(
             backend,
             special_tokens=_special_tokens(config),
@@ -139,6 +140,19 @@ def _token_content(value: Any) -> str | None:
 def _special_tokens(config: dict[str, Any]) -> dict[str, str]:
     found = {key: _token_content(config.get(key)) for key in SPECIAL_TOKEN_KEYS}
     return {key: token for key, token in found.items() if token is not None}
+
+
+def _add_missing_special_tokens(backend: tokenizers.Tokenizer, config: dict[str, Any]) -> None:
+    """Special tokens tokenizer_config.json declares but tokenizer.json lacks, added where
+    they land on the id the config gives them (the end of the vocabulary)."""
+    declared = config.get("added_tokens_decoder") or {}
+    for token_id, entry in sorted(declared.items(), key=lambda item: int(item[0])):
+        content = _token_content(entry)
+        if content is None or backend.token_to_id(content) is not None:
+            continue
+        if int(token_id) == backend.get_vocab_size(with_added_tokens=True):
+            backend.add_special_tokens([tokenizers.AddedToken(content, special=True,
+                                                              normalized=False)])
 
 
 def _read_chat_template(directory: Path, config: dict[str, Any]) -> str | None:

@@ -136,3 +136,16 @@ def test_agrees_with_transformers(tiny_dir):
     assert tokenizer.encode(text) == reference.encode(text)
     assert tokenizer.apply_chat_template(CONVERSATION) == reference.apply_chat_template(
         CONVERSATION, tokenize=False, add_generation_prompt=True)
+
+
+def test_special_tokens_only_in_tokenizer_config(model_dir):
+    config_path = model_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["added_tokens_decoder"]["2048"] = {"content": "<|tool|>", "special": True}
+    config["added_tokens_decoder"]["4000"] = {"content": "<|far|>", "special": True}
+    config_path.write_text(json.dumps(config))
+    tokenizer = Tokenizer.from_dir(model_dir)
+    assert tokenizer.encode("<|tool|>") == [2048]
+    assert 2048 in tokenizer.all_special_ids
+    assert tokenizer.backend.token_to_id("<|far|>") is None  # its id would not match
+    assert tokenizer.vocab_size == 2049
