@@ -2,7 +2,6 @@
 and one clear ModelLoadError, naming the file and the problem, for each failure."""
 
 import json
-import shutil
 
 import pytest
 import torch
@@ -221,4 +220,3 @@ def test_llama_directory_from_transformers(tmp_path):
         "llama", True, False)
     model = _load(tmp_path)
     assert model.layers[0].mlp.gate_up_proj.bias is not None
-    shutil.rmtree(tmp_path)
