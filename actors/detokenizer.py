@@ -19,6 +19,7 @@ from typing import Protocol
 import tokenizers
 import trio
 from tokenizers import decoders
+
 from trio_llm.actors.messages import (
     DetokenizerInbox,
     Request,

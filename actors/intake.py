@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import msgspec
 import trio
+
 from trio_llm.actors.config import EngineConfig
 from trio_llm.actors.errors import RequestRejected
 from trio_llm.actors.messages import (

@@ -12,6 +12,7 @@ import trio
 import trio.testing
 from hypothesis import HealthCheck, given, settings
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
+
 from trio_llm.actors.detokenizer import Detokenizer, StopStrings, run_detokenizer
 from trio_llm.actors.messages import (
     Request,

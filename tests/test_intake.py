@@ -9,6 +9,7 @@ import pytest
 import trio
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
+
 from trio_llm.actors.config import EngineConfig
 from trio_llm.actors.errors import RequestRejected
 from trio_llm.actors.intake import Intake, derive_seed, run_intake
