@@ -22,8 +22,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import triton
-from trio_llm.gpu import triton_attention
 from triton.testing import do_bench
+
+from trio_llm.gpu import triton_attention
 
 BLOCK_SIZE = 16
 HEAD_DIM = 128

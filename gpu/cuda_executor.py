@@ -65,8 +65,8 @@ NUM_SLOTS = 2
 INT_SEGMENTS = ("token_ids", "positions", "slot_mapping", "context_lens", "query_start_loc",
                 "table_rows", "logits_indices", "previous_token_positions", "previous_slots",
                 "previous_rows",
-                "update_rows", "update_columns", "update_block_ids", "top_ks", "first_keys",
-                "second_keys", "banned_rows", "banned_token_ids")
+                "update_rows", "update_columns", "update_block_ids", "top_ks", "seed_keys",
+                "output_indices", "banned_rows", "banned_token_ids")
 FLOAT_SEGMENTS = ("temperatures", "top_ps", "min_ps")
 
 
@@ -496,7 +496,8 @@ class CudaModelExecutor(ModelExecutor):
     # -- device side -------------------------------------------------------------------
 
     def _launch_on_device(self, step: HostStep, slot: InputSlot) -> PendingStep:
-        plan = SamplingPlan.from_rows(step.sampling_rows, self.vocab_size)
+        plan = SamplingPlan.from_rows(step.sampling_rows, self.vocab_size,
+                                      can_fuse=self.options.use_fused_kernels)
         if slot.upload_done is not None:
             slot.upload_done.synchronize()  # its pinned inputs are free to rewrite
         int_offsets, float_offsets = self._pack(step, plan, slot)
@@ -534,7 +535,7 @@ class CudaModelExecutor(ModelExecutor):
               slot: InputSlot) -> tuple[dict[str, tuple[int, int]], dict[str, tuple[int, int]]]:
         ints = step.ints
         ints["top_ks"], ints["banned_rows"] = plan.top_ks, plan.banned_rows
-        ints["first_keys"], ints["second_keys"] = plan.first_keys, plan.second_keys
+        ints["seed_keys"], ints["output_indices"] = plan.seed_keys, plan.output_indices
         ints["banned_token_ids"] = plan.banned_token_ids
         floats = {"temperatures": plan.temperatures, "top_ps": plan.top_ps,
                   "min_ps": plan.min_ps}
@@ -711,7 +712,8 @@ def _upload(host: torch.Tensor, device: torch.Tensor, length: int) -> None:
 def _sampling_inputs(ints: Segments, floats: Segments) -> DeviceSamplingInputs:
     return DeviceSamplingInputs(
         temperatures=floats["temperatures"], top_ps=floats["top_ps"], min_ps=floats["min_ps"],
-        top_ks=ints["top_ks"], first_keys=ints["first_keys"], second_keys=ints["second_keys"],
+        top_ks=ints["top_ks"], seed_keys=ints["seed_keys"],
+        output_indices=ints["output_indices"],
         banned_rows=ints["banned_rows"], banned_token_ids=ints["banned_token_ids"])
 
 

@@ -10,25 +10,31 @@ from the rows, exactly as the reference decides it.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
 from trio_llm.actors.messages import TokenLogprobs
 from trio_llm.gpu.sampler import (
     MASK_32,
+    ROW_KEY_SALT,
     SamplingRow,
     _apply_min_p,
     _apply_top_k_top_p,
     mix32,
-    row_keys,
+    mix32_int,
 )
 
 
 @dataclass(frozen=True, slots=True)
 class SamplingPlan:
     """What the host decided for one step's rows: which filters run, and the
-    per-row values to upload (temperature 0 rows get neutral values)."""
+    per-row values to upload (temperature 0 rows get neutral values).
+
+    ``use_fused_kernel``: sample in one Triton pass (rows without filters only).
+    """
 
     any_sampled: bool
     any_top_k_top_p: bool
@@ -37,39 +43,50 @@ class SamplingPlan:
     top_ps: list[float]
     min_ps: list[float]
     top_ks: list[int]
-    first_keys: list[int]
-    second_keys: list[int]
+    seed_keys: list[int]
+    output_indices: list[int]
     banned_rows: list[int]
     banned_token_ids: list[int]
     num_logprobs: list[int | None]
+    use_fused_kernel: bool
 
     @classmethod
-    def from_rows(cls, rows: Sequence[SamplingRow], vocab_size: int) -> SamplingPlan:
+    def from_rows(cls, rows: Sequence[SamplingRow], vocab_size: int, *,
+                  can_fuse: bool) -> SamplingPlan:
+        """``can_fuse``: the Triton sampling kernel is available (CUDA)."""
         sampled = [row for row in rows if row.options.temperature > 0]
-        keys = [row_keys(row.options.seed, row.output_index) if row.options.temperature > 0
-                else (0, 0) for row in rows]
         banned_rows: list[int] = []
         banned_token_ids: list[int] = []
         for index, row in enumerate(rows):
             if row.output_index < row.options.min_tokens:
                 banned_rows += [index] * len(row.options.banned_token_ids)
                 banned_token_ids += row.options.banned_token_ids
+        any_top_k_top_p = any(0 < row.options.top_k < vocab_size or row.options.top_p < 1.0
+                              for row in sampled)
+        any_min_p = any(row.options.min_p > 0.0 for row in sampled)
         return cls(
             any_sampled=bool(sampled),
-            any_top_k_top_p=any(0 < row.options.top_k < vocab_size or row.options.top_p < 1.0
-                                for row in sampled),
-            any_min_p=any(row.options.min_p > 0.0 for row in sampled),
+            any_top_k_top_p=any_top_k_top_p,
+            any_min_p=any_min_p,
             temperatures=[row.options.temperature for row in rows],
             top_ps=[row.options.top_p if row.options.temperature > 0 else 1.0 for row in rows],
             min_ps=[row.options.min_p if row.options.temperature > 0 else 0.0 for row in rows],
             top_ks=[row.options.top_k if 0 < row.options.top_k and row.options.temperature > 0
                     else vocab_size for row in rows],
-            first_keys=[first for first, _ in keys],
-            second_keys=[second for _, second in keys],
+            seed_keys=[seed_key(row.options.seed) for row in rows],
+            output_indices=[row.output_index for row in rows],
             banned_rows=banned_rows,
             banned_token_ids=banned_token_ids,
             num_logprobs=[row.options.num_logprobs for row in rows],
+            use_fused_kernel=can_fuse and not any_top_k_top_p and not any_min_p,
         )
+
+
+@functools.lru_cache(maxsize=65536)
+def seed_key(seed: int) -> int:
+    """The part of sampler.row_keys that depends on the seed alone (cached per seed)."""
+    seed %= 2**64
+    return mix32_int((seed & MASK_32) ^ mix32_int(seed >> 32))
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,8 +97,8 @@ class DeviceSamplingInputs:
     top_ps: torch.Tensor  # [num_rows] float32
     min_ps: torch.Tensor  # [num_rows] float32
     top_ks: torch.Tensor  # [num_rows] int64
-    first_keys: torch.Tensor  # [num_rows] int64
-    second_keys: torch.Tensor  # [num_rows] int64
+    seed_keys: torch.Tensor  # [num_rows] int64
+    output_indices: torch.Tensor  # [num_rows] int64
     banned_rows: torch.Tensor  # [num_banned] int64
     banned_token_ids: torch.Tensor  # [num_banned] int64
 
@@ -93,6 +110,11 @@ def sample_on_device(logits: torch.Tensor, plan: SamplingPlan,
     if plan.banned_rows:
         masked = logits.clone()
         masked[inputs.banned_rows, inputs.banned_token_ids] = float("-inf")
+    if plan.use_fused_kernel and plan.any_sampled:
+        from trio_llm.gpu.triton_sampling import sample_without_filters
+
+        return sample_without_filters(masked, inputs.temperatures, inputs.seed_keys,
+                                      inputs.output_indices)
     greedy = masked.argmax(dim=-1)
     if not plan.any_sampled:
         return greedy
@@ -103,7 +125,9 @@ def sample_on_device(logits: torch.Tensor, plan: SamplingPlan,
         scaled = _apply_top_k_top_p(scaled, inputs.top_ks.unsqueeze(1), inputs.top_ps.unsqueeze(1))
     if plan.any_min_p:
         scaled = _apply_min_p(scaled, inputs.min_ps.unsqueeze(1))
-    noise_log = exponential_noise_log(inputs.first_keys, inputs.second_keys, logits.shape[1])
+    first_keys = mix32(inputs.seed_keys ^ (inputs.output_indices & MASK_32))
+    second_keys = mix32(first_keys ^ ROW_KEY_SALT)
+    noise_log = exponential_noise_log(first_keys, second_keys, logits.shape[1])
     sampled = (scaled.to(torch.float64) - noise_log).argmax(dim=-1)
     return torch.where(is_sampled, sampled, greedy)
 

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
 from trio_llm.gpu import triton_attention
 from trio_llm.gpu.attention import AttentionBackend
 from trio_llm.gpu.model import AttentionMetadata, CausalLM, KVCache
