@@ -143,9 +143,9 @@ def _run_throughput(args: argparse.Namespace) -> int:
         result = run_transformers_throughput(config, workload(args.max_token_id),
                                              temperature=args.temperature)
     else:
-        from trio_llm.gpu.executor import ModelExecutor
+        from trio_llm.gpu.cuda_executor import create_executor
 
-        model = ModelExecutor.create(config)
+        model = create_executor(config)
         items = workload(min(args.max_token_id, model.vocab_size))
         result = trio.run(lambda: run_engine_throughput(
             config, model, items, temperature=args.temperature, executor_kind=args.executor,

@@ -25,6 +25,7 @@ from trio_llm.actors.messages import Abort, RequestOutput, SamplingParams, Submi
 from trio_llm.actors.streams import RequestStreams
 from trio_llm.actors.supervisor import EngineActors, EngineStatistics, run_supervisor
 from trio_llm.actors.tokenizer import Tokenizer
+from trio_llm.gpu.cuda_executor import create_executor
 from trio_llm.gpu.executor import ModelExecutor
 
 logger = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ class Engine:
         """
         config = config or EngineConfig()
         if executor is None:
-            executor = await trio.to_thread.run_sync(ModelExecutor.create, config)
+            executor = await trio.to_thread.run_sync(create_executor, config)
         tokenizer = Tokenizer.from_dir(config.tokenizer or executor.model_path)
         streams = RequestStreams()
         async with trio.open_nursery() as nursery:

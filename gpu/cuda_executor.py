@@ -262,6 +262,7 @@ class CudaModelExecutor(ModelExecutor):
                          block_size=block_size, max_model_len=max_model_len)
         self.options = CudaExecutorOptions()
         self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self._max_positions = model.rotary.max_positions
         self.graphs: dict[int, CapturedGraph] = {}
         self._started = False
         # launch and collect may run in two worker threads at once (the runner's
@@ -367,6 +368,15 @@ class CudaModelExecutor(ModelExecutor):
         shutdown) and drop them, so that another engine can drive this executor."""
         for pending in list(self._outstanding):
             self.collect(pending)
+
+    def _check_capacity(self, request_id: str, state: RequestState, context_len: int) -> None:
+        # the base check, with the position limit read once (a module attribute costs)
+        if context_len > len(state.block_ids) * self.block_size:
+            raise ValueError(f"request {request_id!r} needs {context_len} slots but has "
+                             f"{len(state.block_ids)} blocks of {self.block_size}")
+        if context_len > self._max_positions:
+            raise ValueError(f"request {request_id!r} reaches position {context_len - 1}, "
+                             f"beyond the model's {self._max_positions} positions")
 
     # -- host side: states, block table, inputs ------------------------------------------
 
