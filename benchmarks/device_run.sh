@@ -12,6 +12,21 @@ run() {  # run NAME SECONDS COMMAND...
   timeout "$seconds" "$@" 2>&1 | tee -a "$log" | grep -vE '^(INFO|DEBUG)' | tail -n 40
   echo "=== $name: exit ${PIPESTATUS[0]}" | tee -a "$log"
 }
+serve_bench() {  # (d): the server in the background, `trio-llm bench serve` against it
+  local model=$1 port=8011
+  python3 -m trio_llm.api.cli serve --model "$model" --load-format dummy --port $port \
+    > "$OUT/server-$model.log" 2>&1 &
+  local pid=$!
+  for _ in $(seq 1 180); do
+    python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/health')" \
+      2>/dev/null && break
+    sleep 1
+  done
+  run "serve-$model" 300 python3 -m trio_llm.api.cli bench serve --port $port \
+    --num-prompts 512 --random-input-len 1024 --random-output-len 128 --max-concurrency 64 \
+    --json "$OUT/serve-$model.json" --disable-tqdm
+  kill $pid; wait $pid
+}
 for part in "$@"; do
   case $part in
     tests) run tests 300 python3 -m pytest -q -s -p no:cacheprovider -rs \
@@ -20,6 +35,7 @@ for part in "$@"; do
     throughput-*) run "$part" 300 python3 benchmarks/gpu_bench.py throughput --model "qwen3-${part#throughput-}" ;;
     transformers-*) run "$part" 240 python3 benchmarks/gpu_bench.py transformers --model "qwen3-${part#transformers-}" --time-limit 120 ;;
     kernels) run kernels 120 python3 benchmarks/kernel_bench.py ;;
+    serve-*) serve_bench "qwen3-${part#serve-}" ;;
     *) echo "unknown part $part" ;;
   esac
 done
