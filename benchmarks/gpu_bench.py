@@ -124,7 +124,8 @@ def executor_decode_ms_per_token(executor: CudaModelExecutor, *, depth: int,
 
 
 def graph_replay_ms(executor: CudaModelExecutor, batch_size: int = 1) -> float | None:
-    """Median device time of one captured decode step's replay (its inputs as they are)."""
+    """Median device time of one captured decode step's replay, logits included (its
+    inputs as they are)."""
     captured = executor.graphs.get(batch_size)
     stream = executor.compute.torch_stream
     if captured is None or stream is None:

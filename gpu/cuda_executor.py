@@ -245,8 +245,11 @@ class GraphInputs:
 
 @dataclass(slots=True)
 class CapturedGraph:
+    """A decode step's forward and logits, replayed as one graph: ``logits`` [batch, vocab]
+    float32 is its output buffer."""
+
     graph: Any
-    hidden: torch.Tensor
+    logits: torch.Tensor
 
 
 class CudaModelExecutor(ModelExecutor):
@@ -560,8 +563,7 @@ class CudaModelExecutor(ModelExecutor):
     def _compute_logits(self, step: HostStep, ints: Segments) -> torch.Tensor:
         self._apply_table_updates(ints)
         if step.graph_batch_size is not None:
-            hidden = self._replay_graph(step.graph_batch_size, ints)[:step.num_seqs]
-            return self.model.compute_logits(hidden)
+            return self._replay_graph(step.graph_batch_size, ints)[:step.num_seqs]
         token_ids = ints["token_ids"]
         self._gather_previous_tokens(token_ids, ints)
         metadata = AttentionMetadata(
@@ -592,7 +594,7 @@ class CudaModelExecutor(ModelExecutor):
         self._gather_previous_tokens(inputs.per_token[0], ints)
         captured = self.graphs[batch_size]
         captured.graph.replay()
-        return captured.hidden
+        return captured.logits
 
     # -- buffers -------------------------------------------------------------------------
 
@@ -679,7 +681,8 @@ class CudaModelExecutor(ModelExecutor):
                                      block_tables=inputs.block_tables[:batch_size],
                                      context_lens=context_lens,
                                      query_start_loc=inputs.query_start_loc[:batch_size + 1])
-        return self.model(token_ids, positions, self.kv_caches, metadata)
+        hidden = self.model(token_ids, positions, self.kv_caches, metadata)
+        return self.model.compute_logits(hidden)
 
     def _capture(self, batch_size: int, pool: Any) -> CapturedGraph:
         assert self.compute.torch_stream is not None
@@ -687,8 +690,8 @@ class CudaModelExecutor(ModelExecutor):
             self._graph_forward(batch_size)  # compiles the kernels outside the capture
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=self.compute.torch_stream):
-                hidden = self._graph_forward(batch_size)
-        return CapturedGraph(graph=graph, hidden=hidden)
+                logits = self._graph_forward(batch_size)
+        return CapturedGraph(graph=graph, logits=logits)
 
 
 # -- helpers -----------------------------------------------------------------------------

@@ -21,6 +21,8 @@ sequence with context length 0 produces zeros.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -31,6 +33,18 @@ DECODE_BLOCK_N = 64
 PREFILL_BLOCK_M = 64
 PREFILL_BLOCK_N = 64
 MAX_DECODE_SPLITS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeConfig:
+    """Tile and launch shape of the decode kernel (benchmarks/step_profile.py sweeps it)."""
+
+    block_n: int = DECODE_BLOCK_N
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+DECODE_CONFIG = DecodeConfig()
 
 
 @triton.jit
@@ -287,7 +301,8 @@ def _decode(query, k_cache, v_cache, block_tables, context_lens, scale, out, num
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP_SIZE=group_size,
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
         BLOCK_H=max(MIN_DOT_ROWS, triton.next_power_of_2(group_size)),
-        BLOCK_N=DECODE_BLOCK_N, BLOCK_D=block_d, num_warps=4,
+        BLOCK_N=DECODE_CONFIG.block_n, BLOCK_D=block_d, num_warps=DECODE_CONFIG.num_warps,
+        num_stages=DECODE_CONFIG.num_stages,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](
