@@ -6,15 +6,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import queue
 import sys
-import threading
 from pathlib import Path
-from typing import Any
 
 import pytest
 import trio
-from test_http_support import FakeEngine, running_server
+from test_http_support import FakeEngine, ServerInAThread, running_server
 
 from trio_llm.api.bench_serve import (
     BenchServeOptions,
@@ -125,7 +122,7 @@ def test_plot_draws_a_png(tmp_path: Path) -> None:
 def test_the_command_prints_the_report_and_writes_json(tmp_path: Path,
                                                        capsys: pytest.CaptureFixture[str],
                                                        ) -> None:
-    with _server_in_a_thread(FakeEngine()) as url:
+    with ServerInAThread(FakeEngine()) as url:
         args = _parse(["--base-url", url, "--num-prompts", "5", "--random-input-len", "4",
                        "--random-output-len", "3", "--request-rate", "500",
                        "--json", str(tmp_path / "bench.json"), "--disable-tqdm"])
@@ -151,30 +148,3 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     add_bench_serve_arguments(parser)
     return parser.parse_args(argv)
-
-
-class _server_in_a_thread:
-    """A server in its own thread and trio run, for code that calls trio.run itself."""
-
-    def __init__(self, engine: Any) -> None:
-        self._engine = engine
-        self._started: queue.Queue[tuple[str, trio.lowlevel.TrioToken, trio.Event]] = (
-            queue.Queue())
-        self._thread = threading.Thread(target=trio.run, args=(self._serve,), daemon=True)
-
-    async def _serve(self) -> None:
-        stop = trio.Event()
-        with trio.fail_after(TIMEOUT):
-            async with running_server(self._engine) as url:
-                self._started.put((url, trio.lowlevel.current_trio_token(), stop))
-                await stop.wait()
-
-    def __enter__(self) -> str:
-        self._thread.start()
-        url, self._token, self._stop = self._started.get(timeout=TIMEOUT)
-        return url
-
-    def __exit__(self, *exc_info: object) -> None:
-        trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
-        self._thread.join(TIMEOUT)
-        assert not self._thread.is_alive()

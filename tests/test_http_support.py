@@ -9,6 +9,8 @@ a test decides exactly how far generation has gone.
 from __future__ import annotations
 
 import json
+import queue
+import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from functools import partial
@@ -24,6 +26,7 @@ from trio_llm.actors.messages import RequestOutput, SamplingParams, TokenLogprob
 from trio_llm.api.server import ServerConfig, serve_app
 
 NUM_FAKE_BLOCKS = 64
+THREAD_SERVER_TIMEOUT = 60
 BLOCKS_PER_REQUEST = 2
 
 
@@ -244,6 +247,33 @@ async def wait_until(predicate: Callable[[], bool], *, max_rounds: int = 1000) -
             return
         await wait_all_tasks_blocked()
     raise AssertionError("the condition never held")
+
+
+class ServerInAThread:
+    """A server in its own thread and trio run, for code that calls trio.run itself."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+        self._started: queue.Queue[tuple[str, trio.lowlevel.TrioToken, trio.Event]] = (
+            queue.Queue())
+        self._thread = threading.Thread(target=trio.run, args=(self._serve,), daemon=True)
+
+    async def _serve(self) -> None:
+        stop = trio.Event()
+        with trio.fail_after(THREAD_SERVER_TIMEOUT):
+            async with running_server(self._engine) as url:
+                self._started.put((url, trio.lowlevel.current_trio_token(), stop))
+                await stop.wait()
+
+    def __enter__(self) -> str:
+        self._thread.start()
+        url, self._token, self._stop = self._started.get(timeout=THREAD_SERVER_TIMEOUT)
+        return url
+
+    def __exit__(self, *exc_info: object) -> None:
+        trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
+        self._thread.join(THREAD_SERVER_TIMEOUT)
+        assert not self._thread.is_alive()
 
 
 # -- a raw socket client --------------------------------------------------------------
