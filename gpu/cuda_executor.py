@@ -174,6 +174,7 @@ class HostStep:
                                                                 INT_SEGMENTS})
     num_tokens: int = 0
     num_seqs: int = 0
+    max_query_len: int = 0
     graph_batch_size: int | None = None
     sampling_rows: list[SamplingRow] = field(default_factory=list)
     sampled_request_ids: list[str] = field(default_factory=list)
@@ -268,8 +269,7 @@ class CudaModelExecutor(ModelExecutor):
         self._max_positions = model.rotary.max_positions
         self.graphs: dict[int, CapturedGraph] = {}
         self._started = False
-        # launch and collect may run in two worker threads at once (the runner's
-        # launcher and collector); they share the request states
+        # launches may come from several worker threads; collect runs beside them
         self._lock = threading.Lock()
 
     @classmethod
@@ -344,10 +344,11 @@ class CudaModelExecutor(ModelExecutor):
             return StepResult(step_id=pending.step_id, request_ids=[], sampled_token_ids=[])
         pending.wait()
         started = time.perf_counter()
-        with self._lock:
-            result = self._collect(pending)
-            self.stats.collect_seconds += time.perf_counter() - started
-            return result
+        # No lock: a launch running meanwhile reads a request's host-side token only for
+        # steps collected before it was launched (the device copy covers the others).
+        result = self._collect(pending)
+        self.stats.collect_seconds += time.perf_counter() - started
+        return result
 
     def _collect(self, pending: PendingStep) -> StepResult:
         assert pending.slot is not None
@@ -427,6 +428,7 @@ class CudaModelExecutor(ModelExecutor):
 
     def _plan(self, batch: ScheduledBatch, updates: list[tuple[int, int, int]]) -> HostStep:
         step = HostStep(step_id=batch.step_id)
+        step.ints["query_start_loc"].append(0)
         for scheduled in batch.requests:
             self._add_request(step, scheduled)
         step.num_seqs = len(batch.requests)
@@ -441,30 +443,38 @@ class CudaModelExecutor(ModelExecutor):
         return step
 
     def _add_request(self, step: HostStep, scheduled: ScheduledRequest) -> None:
-        state = self._state(scheduled.request_id)
+        # the hot loop of a decode step (hundreds of requests): plain lists, few lookups
+        request_id = scheduled.request_id
+        state = self._state(request_id)
         ints = step.ints
+        token_ids = ints["token_ids"]
         start = scheduled.num_computed_tokens
         if scheduled.input_from_previous_step:
-            self._add_previous_token(step, scheduled.request_id, state)
+            self._add_previous_token(step, request_id, state)
             num_tokens = 1
         else:
-            ints["token_ids"] += scheduled.token_ids
+            token_ids += scheduled.token_ids
             num_tokens = len(scheduled.token_ids)
         context_len = start + num_tokens
-        self._check_capacity(scheduled.request_id, state, context_len)
-        ints["positions"] += range(start, context_len)
+        self._check_capacity(request_id, state, context_len)
+        step.max_query_len = max(step.max_query_len, num_tokens)
         blocks, block_size = state.block_ids, self.block_size
-        ints["slot_mapping"] += [blocks[position // block_size] * block_size
-                                 + position % block_size for position in range(start, context_len)]
+        if num_tokens == 1:
+            ints["positions"].append(start)
+            ints["slot_mapping"].append(blocks[start // block_size] * block_size
+                                        + start % block_size)
+        else:
+            ints["positions"] += range(start, context_len)
+            ints["slot_mapping"] += [blocks[position // block_size] * block_size
+                                     + position % block_size
+                                     for position in range(start, context_len)]
         ints["context_lens"].append(context_len)
-        if not ints["query_start_loc"]:
-            ints["query_start_loc"].append(0)
-        ints["query_start_loc"].append(len(ints["token_ids"]))
-        ints["table_rows"].append(self._table_rows[scheduled.request_id])
+        ints["query_start_loc"].append(len(token_ids))
+        ints["table_rows"].append(self._table_rows[request_id])
         if scheduled.sample:
-            ints["logits_indices"].append(len(ints["token_ids"]) - 1)
+            ints["logits_indices"].append(len(token_ids) - 1)
             step.sampling_rows.append(SamplingRow(state.sampling, scheduled.output_index))
-            step.sampled_request_ids.append(scheduled.request_id)
+            step.sampled_request_ids.append(request_id)
 
     def _add_previous_token(self, step: HostStep, request_id: str, state: RequestState) -> None:
         """The token sampled for this request last step: from device memory while that
@@ -572,6 +582,8 @@ class CudaModelExecutor(ModelExecutor):
             context_lens=ints["context_lens"].to(torch.int32),
             query_start_loc=ints["query_start_loc"].to(torch.int32),
         )
+        if self.options.use_fused_kernels:
+            self.model.max_query_len = step.max_query_len  # trims the prefill kernel's grid
         hidden = self.model(token_ids, ints["positions"], self.kv_caches, metadata)
         return self.model.compute_logits(hidden.index_select(0, ints["logits_indices"]))
 

@@ -29,7 +29,8 @@ import triton.language as tl
 
 # tl.dot needs at least 16 rows: GQA groups are padded up to this.
 MIN_DOT_ROWS = 16
-DECODE_BLOCK_N = 64
+# measured best of a sweep on an H200 (benchmarks/step_profile.py, 2026-11-30)
+DECODE_BLOCK_N = 128
 PREFILL_BLOCK_M = 64
 PREFILL_BLOCK_N = 64
 MAX_DECODE_SPLITS = 16

@@ -122,7 +122,8 @@ def assert_same_results(results, expected):
         for ours, theirs in zip(result.logprobs, reference.logprobs, strict=True):
             assert (ours is None) == (theirs is None)
             if theirs is not None:
-                assert ours.top_token_ids == theirs.top_token_ids
+                # values, not ids: GEMMs of another shape may swap two near-tied tokens
+                assert ours.top_logprobs == pytest.approx(theirs.top_logprobs, abs=1e-4)
                 assert ours.logprob == pytest.approx(theirs.logprob, abs=1e-4)
 
 
