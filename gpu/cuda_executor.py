@@ -1,4 +1,4 @@
-"""The pipelined executor: double-buffered steps on a compute and a copy stream.
+"""The pipelined executor: double-buffered steps on a compute stream and copy streams.
 
 ``CudaModelExecutor`` runs the same model and the same ScheduledBatch contract
 as ModelExecutor, split so the runner can overlap the host with the device:
@@ -16,8 +16,9 @@ One step, on the device:
    previous step straight from device memory (``input_from_previous_step``),
    runs the model (a CUDA graph replay for decode-only steps of a captured
    batch size, eagerly otherwise) and samples;
-3. the copy stream waits for the compute and copies the sampled ids into pinned
-   host memory; an event marks the step done.
+3. a second copy stream waits for the compute and copies the sampled ids into
+   pinned host memory; an event marks the step done. (Downloads have their own
+   stream so that the next step's upload never queues behind them.)
 
 Events order the slots' reuse: a slot's device inputs are rewritten only after
 the compute that read them, its pinned inputs only after their upload. torch
@@ -287,7 +288,10 @@ class CudaModelExecutor(ModelExecutor):
 
             fuse_model(self.model)
         self.compute = Lane(self.device)
+        # Uploads and downloads get a copy stream each: on one, the next step's upload
+        # would queue behind this step's download, which waits for this step's compute.
         self.copy = Lane(self.device)
+        self.download = Lane(self.device)
         self.slots = [self._new_slot(index, 1024, 64, options.max_num_seqs)
                       for index in range(NUM_SLOTS)]
         # [slot, row]: the ids each slot's step sampled, where the next step reads them
@@ -541,11 +545,11 @@ class CudaModelExecutor(ModelExecutor):
             num_rows = len(step.sampled_request_ids)
             self.device_sampled[slot.index, :num_rows].copy_(sampled)
             slot.compute_done = self.compute.record(timing=compute_started is not None)
-        with self.copy.context():
-            self.copy.wait(slot.compute_done)
+        with self.download.context():
+            self.download.wait(slot.compute_done)
             slot.host_sampled[:num_rows].copy_(self.device_sampled[slot.index, :num_rows],
                                                non_blocking=True)
-            slot.download_done = self.copy.record()
+            slot.download_done = self.download.record()
         wants_logprobs = any(count is not None for count in plan.num_logprobs)
         return PendingStep(step_id=step.step_id, request_ids=step.sampled_request_ids,
                            done=slot.download_done, slot=slot,
