@@ -544,16 +544,18 @@ class CudaModelExecutor(ModelExecutor):
             sampled = sample_on_device(logits, plan, _sampling_inputs(ints, floats))
             num_rows = len(step.sampled_request_ids)
             self.device_sampled[slot.index, :num_rows].copy_(sampled)
+            wants_logprobs = any(count is not None for count in plan.num_logprobs)
+            # a graph's logits buffer is rewritten by its next replay, which may come
+            # before this step is collected
+            kept_logits = logits.clone() if wants_logprobs else None
             slot.compute_done = self.compute.record(timing=compute_started is not None)
         with self.download.context():
             self.download.wait(slot.compute_done)
             slot.host_sampled[:num_rows].copy_(self.device_sampled[slot.index, :num_rows],
                                                non_blocking=True)
             slot.download_done = self.download.record()
-        wants_logprobs = any(count is not None for count in plan.num_logprobs)
         return PendingStep(step_id=step.step_id, request_ids=step.sampled_request_ids,
-                           done=slot.download_done, slot=slot,
-                           logits=logits if wants_logprobs else None,
+                           done=slot.download_done, slot=slot, logits=kept_logits,
                            sampled=sampled if wants_logprobs else None,
                            num_logprobs=plan.num_logprobs, compute_started=compute_started,
                            compute_done=slot.compute_done)
