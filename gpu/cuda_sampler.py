@@ -19,6 +19,7 @@ import torch
 from trio_llm.actors.messages import TokenLogprobs
 from trio_llm.gpu.sampler import (
     MASK_32,
+    MIN_SAMPLING_TEMPERATURE,
     ROW_KEY_SALT,
     SamplingRow,
     _apply_min_p,
@@ -54,13 +55,21 @@ class SamplingPlan:
     def from_rows(cls, rows: Sequence[SamplingRow], vocab_size: int, *,
                   can_fuse: bool) -> SamplingPlan:
         """``can_fuse``: the Triton sampling kernel is available (CUDA)."""
-        sampled = [row for row in rows if row.options.temperature > 0]
+        # as the reference decides: below MIN_SAMPLING_TEMPERATURE a row is greedy, and
+        # greedy rows upload temperature 0
+        temperatures = [row.options.temperature
+                        if row.options.temperature >= MIN_SAMPLING_TEMPERATURE else 0.0
+                        for row in rows]
+        sampled = [row for row, temperature in zip(rows, temperatures, strict=True)
+                   if temperature > 0]
         banned_rows: list[int] = []
         banned_token_ids: list[int] = []
         for index, row in enumerate(rows):
             if row.output_index < row.options.min_tokens:
-                banned_rows += [index] * len(row.options.banned_token_ids)
-                banned_token_ids += row.options.banned_token_ids
+                banned = [token_id for token_id in row.options.banned_token_ids
+                          if 0 <= token_id < vocab_size]
+                banned_rows += [index] * len(banned)
+                banned_token_ids += banned
         any_top_k_top_p = any(0 < row.options.top_k < vocab_size or row.options.top_p < 1.0
                               for row in sampled)
         any_min_p = any(row.options.min_p > 0.0 for row in sampled)
@@ -68,11 +77,14 @@ class SamplingPlan:
             any_sampled=bool(sampled),
             any_top_k_top_p=any_top_k_top_p,
             any_min_p=any_min_p,
-            temperatures=[row.options.temperature for row in rows],
-            top_ps=[row.options.top_p if row.options.temperature > 0 else 1.0 for row in rows],
-            min_ps=[row.options.min_p if row.options.temperature > 0 else 0.0 for row in rows],
-            top_ks=[row.options.top_k if 0 < row.options.top_k and row.options.temperature > 0
-                    else vocab_size for row in rows],
+            temperatures=temperatures,
+            top_ps=[row.options.top_p if temperature > 0 else 1.0
+                    for row, temperature in zip(rows, temperatures, strict=True)],
+            min_ps=[row.options.min_p if temperature > 0 else 0.0
+                    for row, temperature in zip(rows, temperatures, strict=True)],
+            top_ks=[row.options.top_k if 0 < row.options.top_k < vocab_size and temperature > 0
+                    else vocab_size
+                    for row, temperature in zip(rows, temperatures, strict=True)],
             seed_keys=[seed_key(row.options.seed) for row in rows],
             output_indices=[row.output_index for row in rows],
             banned_rows=banned_rows,
