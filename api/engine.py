@@ -11,6 +11,7 @@ engine step.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 from collections.abc import AsyncIterator
@@ -75,6 +76,10 @@ class Engine:
                 vocab_size=executor.vocab_size,
             ))
             engine = cls(config, tokenizer, actors, streams, max_model_len=executor.max_model_len)
+            # Everything allocated so far lives as long as the engine: keep it
+            # out of the collector's generations, so full collections stay short.
+            gc.collect()
+            gc.freeze()
             try:
                 yield engine
             finally:
