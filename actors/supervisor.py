@@ -23,7 +23,7 @@ from trio_llm.actors.intake import Intake, run_intake
 from trio_llm.actors.messages import IntakeInbox
 from trio_llm.actors.queue import WaitingQueue, run_queue
 from trio_llm.actors.runner import Executor, run_runner
-from trio_llm.actors.scheduler import Scheduler, run_scheduler
+from trio_llm.actors.scheduler import Scheduler, SchedulerStatistics, run_scheduler
 from trio_llm.actors.streams import RequestStreams
 from trio_llm.actors.tokenizer import Tokenizer
 
@@ -35,17 +35,10 @@ DETOKENIZER_BUFFER = 8
 RUNNER_BUFFER = 2  # the pipeline depth at most: the scheduler never has more in flight
 
 
-class EngineStatistics(msgspec.Struct, frozen=True, kw_only=True):
-    """A snapshot of the engine's counters, read from the actors' policy objects."""
+class EngineStatistics(SchedulerStatistics, frozen=True, kw_only=True):
+    """A snapshot of the engine's counters: the scheduler's, and the queue's length."""
 
-    num_running: int
     num_waiting: int
-    num_free_blocks: int
-    num_total_blocks: int
-    num_preemptions: int
-    num_steps: int
-    num_prompt_tokens: int
-    num_generation_tokens: int
 
     @property
     def kv_cache_usage(self) -> float:
@@ -66,17 +59,8 @@ class EngineActors:
         self.dead = trio.Event()
 
     def statistics(self) -> EngineStatistics:
-        scheduler = self.scheduler.statistics()
-        return EngineStatistics(
-            num_running=scheduler.num_running,
-            num_waiting=self.queue.statistics().num_waiting,
-            num_free_blocks=scheduler.num_free_blocks,
-            num_total_blocks=scheduler.num_total_blocks,
-            num_preemptions=scheduler.num_preemptions,
-            num_steps=scheduler.num_steps,
-            num_prompt_tokens=scheduler.num_prompt_tokens,
-            num_generation_tokens=scheduler.num_generation_tokens,
-        )
+        return EngineStatistics(**msgspec.structs.asdict(self.scheduler.statistics()),
+                                num_waiting=self.queue.statistics().num_waiting)
 
 
 async def run_supervisor(
