@@ -35,8 +35,9 @@ DETOKENIZER_BUFFER = 8
 RUNNER_BUFFER = 2  # the pipeline depth at most: the scheduler never has more in flight
 
 
-class EngineStatistics(SchedulerStatistics, frozen=True, kw_only=True):
-    """A snapshot of the engine's counters: the scheduler's, and the queue's length."""
+class EngineStatistics(SchedulerStatistics):
+    """A snapshot of the engine's counters: the scheduler's, and the queue's length
+    (frozen and keyword-only, as its base)."""
 
     num_waiting: int
 
