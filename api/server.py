@@ -60,17 +60,6 @@ OPEN_PATHS = frozenset({"/health", "/metrics"})
 SSE_DONE = b"data: [DONE]\n\n"
 JSON_CONTENT_TYPE = "application/json"
 
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    408: "invalid_request_error",
-    413: "invalid_request_error",
-    500: "server_error",
-    503: "service_unavailable",
-}
-
 
 class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     """How the HTTP server listens and guards itself. ``port`` 0 picks a free port.
@@ -309,16 +298,27 @@ class OpenAIServer:
         return self._error(500, "internal server error")
 
     def _error(self, status: int, message: str, *, param: str | None = None) -> Response:
-        error_type = ERROR_TYPES.get(status, "invalid_request_error")
-        body = protocol.error_response(message, error_type=error_type, status=status,
-                                       param=param)
-        response = self._json(body, status=status)
+        response = self._json(_error_body(status, message, param), status=status)
         if status == 503:
             response.headers["Retry-After"] = str(self.config.retry_after_seconds)
         return response
 
     def _json(self, body: msgspec.Struct, *, status: int = 200) -> Response:
         return Response(msgspec.json.encode(body), status=status, content_type=JSON_CONTENT_TYPE)
+
+
+# -- error mapping --------------------------------------------------------------------
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    408: "invalid_request_error",
+    413: "invalid_request_error",
+    500: "server_error",
+    503: "service_unavailable",
+}
 
 
 def _error_info(error: EngineError) -> tuple[int, str, str | None]:
@@ -330,6 +330,14 @@ def _error_info(error: EngineError) -> tuple[int, str, str | None]:
             return 400, error.message, error.param
         case _:
             return 503, str(error) or type(error).__name__, None
+
+
+def _error_body(status: int, message: str, param: str | None) -> protocol.ErrorResponse:
+    error_type = ERROR_TYPES.get(status, "invalid_request_error")
+    return protocol.error_response(message, error_type=error_type, status=status, param=param)
+
+
+# -- streaming and request tracking ---------------------------------------------------
 
 
 def _observe(timer: RequestTimer, output: RequestOutput) -> None:
@@ -344,9 +352,7 @@ def _sse_event(body: msgspec.Struct) -> bytes:
 
 
 def _error_event(error: EngineError) -> bytes:
-    status, message, param = _error_info(error)
-    return _sse_event(protocol.error_response(message, error_type=ERROR_TYPES[status],
-                                              status=status, param=param))
+    return _sse_event(_error_body(*_error_info(error)))
 
 
 async def _resumed(first_event: bytes,
@@ -387,14 +393,10 @@ async def closing(outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[None]:
     try:
         yield
     finally:
-        await _close(outputs)
-
-
-async def _close(outputs: AsyncIterator[RequestOutput]) -> None:
-    aclose = getattr(outputs, "aclose", None)
-    if aclose is not None:
-        with trio.move_on_after(CLOSE_TIMEOUT_SECONDS, shield=True):
-            await aclose()
+        aclose = getattr(outputs, "aclose", None)
+        if aclose is not None:
+            with trio.move_on_after(CLOSE_TIMEOUT_SECONDS, shield=True):
+                await aclose()
 
 
 # -- serving ------------------------------------------------------------------------
@@ -499,28 +501,22 @@ async def _stop_when_dead(engine: Engine, stop: trio.Event) -> None:
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the server's flags to `trio-llm serve` (the engine's are added separately)."""
+    # --served-model-name is one of the engine's flags; ServerConfig reads it too.
     group = parser.add_argument_group("server")
-    flags: list[tuple[str, dict[str, Any]]] = [
-        ("--host", dict(default="127.0.0.1", help="address to listen on")),
-        ("--port", dict(type=int, default=8000, help="port to listen on (0: any free port)")),
-        ("--api-key", dict(default=None, help="require 'Authorization: Bearer KEY'")),
-        ("--served-model-name", dict(default=None, help="model name reported by the API")),
-        ("--max-body-bytes", dict(type=int, default=DEFAULT_MAX_BODY_BYTES,
-                                  help="largest request body accepted (HTTP 413 above)")),
-        ("--shutdown-grace-seconds", dict(type=float, default=None,
-                                          help="how long open requests may finish on SIGTERM")),
-    ]
-    for flag, options in flags:
-        try:
-            group.add_argument(flag, **options)
-        except argparse.ArgumentError:
-            pass  # the engine's flags already define it (--served-model-name)
+    group.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    group.add_argument("--port", type=int, default=8000,
+                       help="port to listen on (0: any free port)")
+    group.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    group.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                       help="largest request body accepted (HTTP 413 above)")
+    group.add_argument("--shutdown-grace-seconds", type=float, default=None,
+                       help="how long open requests may finish on SIGTERM")
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
-    given = {name: getattr(args, name, None) for name in
-             ("host", "port", "api_key", "served_model_name", "max_body_bytes",
-              "shutdown_grace_seconds")}
+    """ServerConfig from parsed flags; raises SystemExit with the field at fault."""
+    given = {field.name: getattr(args, field.name, None)
+             for field in msgspec.structs.fields(ServerConfig)}
     try:
         return msgspec.convert({k: v for k, v in given.items() if v is not None}, ServerConfig)
     except msgspec.ValidationError as error:

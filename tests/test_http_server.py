@@ -329,3 +329,21 @@ async def test_failure_of_a_plain_request_is_a_503() -> None:
             response = await post(url, "/v1/completions", {"prompt": "x", "max_tokens": 5})
     assert response.status_code == 503
     error_of(response)
+
+
+# -- the command line -----------------------------------------------------------------
+
+
+def test_serve_flags_fill_the_server_config() -> None:
+    from trio_llm.api.cli import _build_parser
+    from trio_llm.api.server import ServerConfig, server_config_from_args
+
+    parser = _build_parser()
+    assert server_config_from_args(parser.parse_args(["serve"])) == ServerConfig()
+    args = parser.parse_args(["serve", "--served-model-name", "named", "--port", "0",
+                              "--api-key", "k", "--shutdown-grace-seconds", "2"])
+    config = server_config_from_args(args)
+    assert (config.served_model_name, config.port, config.api_key) == ("named", 0, "k")
+    assert config.shutdown_grace_seconds == 2.0
+    with pytest.raises(SystemExit, match="port"):
+        server_config_from_args(parser.parse_args(["serve", "--port", "70000"]))
