@@ -70,6 +70,9 @@ def _paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                      query_start_loc: torch.Tensor, scale: float,
                      compute_dtype: torch.dtype) -> torch.Tensor:
     output = torch.zeros_like(query)
+    # Converted once per call, not once per sequence: this loop runs per layer and step.
+    wide_query = query.to(compute_dtype)
+    block_tables = block_tables.to(torch.long)
     starts = query_start_loc.tolist()
     for seq_index, context_len in enumerate(context_lens.tolist()):
         start, end = starts[seq_index], starts[seq_index + 1]
@@ -84,9 +87,9 @@ def _paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
             # The tile's last query sits at this context length: later keys are all masked.
             tile_context_len = context_len - (num_queries - tile_end)
             output[start + tile_start:start + tile_end] = _causal_attention(
-                query[start + tile_start:start + tile_end].to(compute_dtype),
+                wide_query[start + tile_start:start + tile_end],
                 key[:tile_context_len], value[:tile_context_len], scale,
-            ).to(query.dtype)
+            )
     return output
 
 
@@ -98,10 +101,13 @@ def _query_tile_size(num_heads: int, context_len: int, dtype: torch.dtype) -> in
 
 def _gather_context(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                     context_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence's keys and values, in position order: [context_len, num_kv_heads, head_dim]."""
+    """One sequence's keys and values, in position order: [context_len, num_kv_heads, head_dim].
+
+    ``block_table`` is an int64 row: indexing with it needs no conversion.
+    """
     block_size = k_cache.shape[1]
     num_blocks = -(-context_len // block_size)
-    block_ids = block_table[:num_blocks].to(torch.long)
+    block_ids = block_table[:num_blocks]
     key = k_cache[block_ids].flatten(0, 1)[:context_len]
     value = v_cache[block_ids].flatten(0, 1)[:context_len]
     return key, value
@@ -117,15 +123,26 @@ def _causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     grouped = query.view(num_queries, num_kv_heads, group_size, head_dim)
     grouped = grouped.permute(1, 2, 0, 3).reshape(num_kv_heads, group_size * num_queries, head_dim)
     scores = torch.matmul(grouped, key.permute(1, 2, 0)) * scale
-    query_positions = torch.arange(context_len - num_queries, context_len, device=query.device)
-    key_positions = torch.arange(context_len, device=query.device)
-    is_future = key_positions[None, :] > query_positions[:, None]
-    scores = scores.view(num_kv_heads, group_size, num_queries, context_len)
-    scores = scores.masked_fill(is_future, float("-inf")).view(num_kv_heads, -1, context_len)
+    if num_queries > 1:  # a lone query is the last position: it sees every key
+        scores = _mask_future(scores, num_queries)
     weights = torch.softmax(scores, dim=-1)
     attended = torch.matmul(weights, value.permute(1, 0, 2))
     attended = attended.view(num_kv_heads, group_size, num_queries, head_dim)
     return attended.permute(2, 0, 1, 3).reshape(num_queries, num_heads, head_dim)
+
+
+def _mask_future(scores: torch.Tensor, num_queries: int) -> torch.Tensor:
+    """-inf where a query would see a key after its own position.
+
+    ``scores`` is [num_kv_heads, group_size * num_queries, context_len], the queries
+    being the context's last ``num_queries`` positions.
+    """
+    num_kv_heads, _, context_len = scores.shape
+    query_positions = torch.arange(context_len - num_queries, context_len, device=scores.device)
+    key_positions = torch.arange(context_len, device=scores.device)
+    is_future = key_positions[None, :] > query_positions[:, None]
+    scores = scores.view(num_kv_heads, -1, num_queries, context_len)
+    return scores.masked_fill(is_future, float("-inf")).view(num_kv_heads, -1, context_len)
 
 
 # -- backends ------------------------------------------------------------------------
