@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
@@ -424,29 +425,42 @@ def error_response(message: str, *, error_type: str, status: int,
                                          code=status))
 
 
-class CompletionBuilder:
-    """Turns one request's outputs into /v1/completions chunks or one response.
+def _now() -> int:
+    return int(time.time())
+
+
+@dataclass(kw_only=True)
+class _OutputBuilder:
+    """What both builders share: the response's identity, the text so far (for
+    a non-streamed response) and the last output (for its finish and usage).
 
     ``token_text`` renders a token id for logprobs; it is only called when the
     request asked for logprobs.
     """
 
-    def __init__(self, *, response_id: str, model: str, token_text: TokenText,
-                 created: int | None = None) -> None:
-        self.response_id = response_id
-        self.model = model
-        self.created = int(time.time()) if created is None else created
-        self._token_text = token_text
-        self._text_parts: list[str] = []
-        self._num_chars = 0
-        self._logprobs: CompletionLogprobs | None = None
-        self._last: RequestOutput | None = None
+    response_id: str
+    model: str
+    token_text: TokenText
+    created: int = field(default_factory=_now)
+    _text_parts: list[str] = field(default_factory=list, init=False)
+    _last: RequestOutput | None = field(default=None, init=False)
+
+    def _require_last(self) -> RequestOutput:
+        if self._last is None:
+            raise RuntimeError("no output was added")
+        return self._last
+
+
+@dataclass(kw_only=True)
+class CompletionBuilder(_OutputBuilder):
+    """Turns one request's outputs into /v1/completions chunks or one response."""
+
+    _num_chars: int = field(default=0, init=False)
+    _logprobs: CompletionLogprobs | None = field(default=None, init=False)
 
     def chunk(self, output: RequestOutput) -> CompletionResponse | None:
         """The chunk to stream for ``output``; None when it carries nothing to send."""
-        self._last = output
-        logprobs = self._delta_logprobs(output)
-        self._num_chars += len(output.text)
+        logprobs = self._take(output)
         if not (output.text or output.finished or logprobs):
             return None
         choice = CompletionChoice(index=0, text=output.text, logprobs=logprobs,
@@ -456,12 +470,17 @@ class CompletionBuilder:
 
     def add(self, output: RequestOutput) -> None:
         """Accumulate ``output`` for a non-streamed response."""
-        self._last = output
-        logprobs = self._delta_logprobs(output)
-        self._num_chars += len(output.text)
+        logprobs = self._take(output)
         self._text_parts.append(output.text)
         if logprobs is not None:
             self._logprobs = _extend_completion_logprobs(self._logprobs, logprobs)
+
+    def _take(self, output: RequestOutput) -> CompletionLogprobs | None:
+        """Record ``output``; its logprobs, offset by the text before it."""
+        self._last = output
+        logprobs = self._delta_logprobs(output)
+        self._num_chars += len(output.text)
+        return logprobs
 
     def response(self) -> CompletionResponse:
         last = self._require_last()
@@ -485,7 +504,7 @@ class CompletionBuilder:
         logprobs = CompletionLogprobs()
         offset = self._num_chars
         for token_id, entry in zip(output.token_ids, output.logprobs, strict=False):
-            token = self._token_text(token_id)
+            token = self.token_text(token_id)
             logprobs.tokens.append(token)
             logprobs.token_logprobs.append(None if entry is None else entry.logprob)
             logprobs.top_logprobs.append(self._top_dict(token, entry))
@@ -496,15 +515,10 @@ class CompletionBuilder:
     def _top_dict(self, token: str, entry: TokenLogprobs | None) -> dict[str, float] | None:
         if entry is None:
             return None
-        top = {self._token_text(token_id): logprob
+        top = {self.token_text(token_id): logprob
                for token_id, logprob in zip(entry.top_token_ids, entry.top_logprobs, strict=False)}
         top.setdefault(token, entry.logprob)
         return top
-
-    def _require_last(self) -> RequestOutput:
-        if self._last is None:
-            raise RuntimeError("no output was added")
-        return self._last
 
 
 def _extend_completion_logprobs(total: CompletionLogprobs | None,
@@ -518,22 +532,15 @@ def _extend_completion_logprobs(total: CompletionLogprobs | None,
     return total
 
 
-class ChatBuilder:
+@dataclass(kw_only=True)
+class ChatBuilder(_OutputBuilder):
     """Turns one request's outputs into /v1/chat/completions chunks or one response.
 
     The first chunk carries the role, as OpenAI's streams do.
     """
 
-    def __init__(self, *, response_id: str, model: str, token_text: TokenText,
-                 created: int | None = None) -> None:
-        self.response_id = response_id
-        self.model = model
-        self.created = int(time.time()) if created is None else created
-        self._token_text = token_text
-        self._text_parts: list[str] = []
-        self._logprobs: ChatLogprobs | None = None
-        self._last: RequestOutput | None = None
-        self._sent_role = False
+    _logprobs: ChatLogprobs | None = field(default=None, init=False)
+    _sent_role: bool = field(default=False, init=False)
 
     def chunk(self, output: RequestOutput) -> ChatCompletionChunk | None:
         """The chunk to stream for ``output``; None when it carries nothing to send."""
@@ -584,14 +591,9 @@ class ChatBuilder:
         return ChatLogprobs(content=content)
 
     def _token_logprob(self, token_id: int, entry: TokenLogprobs) -> ChatTokenLogprob:
-        token = self._token_text(token_id)
-        top = [TopLogprob(token=(text := self._token_text(top_id)), logprob=logprob,
+        token = self.token_text(token_id)
+        top = [TopLogprob(token=(text := self.token_text(top_id)), logprob=logprob,
                           bytes=list(text.encode()))
                for top_id, logprob in zip(entry.top_token_ids, entry.top_logprobs, strict=False)]
         return ChatTokenLogprob(token=token, logprob=entry.logprob, bytes=list(token.encode()),
                                 top_logprobs=top)
-
-    def _require_last(self) -> RequestOutput:
-        if self._last is None:
-            raise RuntimeError("no output was added")
-        return self._last
