@@ -84,6 +84,8 @@ class ModelExecutor:
         self.max_model_len = max_model_len
         self.kv_caches = model.allocate_kv_caches(num_kv_blocks, block_size)
         self.requests: dict[str, RequestState] = {}
+        # Read once: a submodule's attribute costs a Module.__getattr__ on every request.
+        self._max_positions = model.rotary.max_positions
 
     @classmethod
     def describe(cls, config: EngineConfig) -> ModelDescription:
@@ -179,9 +181,9 @@ class ModelExecutor:
         if context_len > len(state.block_ids) * self.block_size:
             raise ValueError(f"request {request_id!r} needs {context_len} slots but has "
                              f"{len(state.block_ids)} blocks of {self.block_size}")
-        if context_len > self.model.rotary.max_positions:
+        if context_len > self._max_positions:
             raise ValueError(f"request {request_id!r} reaches position {context_len - 1}, "
-                             f"beyond the model's {self.model.rotary.max_positions} positions")
+                             f"beyond the model's {self._max_positions} positions")
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         device = self.device
@@ -204,13 +206,13 @@ class ModelExecutor:
 
 
 def _load_format(config: EngineConfig) -> str:
-    """Built-in names without weights on disk load dummy weights unless told otherwise."""
-    if config.load_format == "auto" and is_dummy_only(config.model):
-        return "dummy"
-    if config.load_format != "dummy" and is_dummy_only(config.model):
+    """Built-in names without weights on disk load dummy weights, and only those."""
+    if not is_dummy_only(config.model):
+        return config.load_format
+    if config.load_format not in ("auto", "dummy"):
         raise ModelLoadError(f"built-in model {config.model!r} has no weights on disk; "
                              f"it loads with load_format='dummy' only")
-    return config.load_format
+    return "dummy"
 
 
 def _num_kv_blocks_for_memory(model: CausalLM, config: EngineConfig) -> int:
