@@ -103,17 +103,20 @@ def checkpoint_targets(model: CausalLM) -> dict[str, Target]:
         whole("lm_head.weight", "lm_head.weight")
     qkv_parts = [("q_proj", config.q_size), ("k_proj", config.kv_size), ("v_proj", config.kv_size)]
     gate_up_parts = [("gate_proj", config.intermediate_size), ("up_proj", config.intermediate_size)]
+    qkv_suffixes = ("weight", "bias") if config.qkv_bias else ("weight",)
+    mlp_suffixes = ("weight", "bias") if config.mlp_bias else ("weight",)
+    # Per-layer tensors that keep their checkpoint name, less the "model." prefix.
+    same_names = ["input_layernorm.weight", "post_attention_layernorm.weight",
+                  "self_attn.o_proj.weight", "mlp.down_proj.weight"]
+    same_names += ["self_attn.o_proj.bias"] if config.o_proj_bias else []
+    same_names += ["mlp.down_proj.bias"] if config.mlp_bias else []
+    same_names += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"] if config.qk_norm else []
     for index in range(config.num_layers):
         ours, theirs = f"layers.{index}.", f"model.layers.{index}."
-        for suffix in ("weight", "bias") if config.qkv_bias else ("weight",):
+        for suffix in qkv_suffixes:
             fused(theirs + "self_attn.", ours + f"self_attn.qkv_proj.{suffix}", qkv_parts, suffix)
-        for suffix in ("weight", "bias") if config.mlp_bias else ("weight",):
+        for suffix in mlp_suffixes:
             fused(theirs + "mlp.", ours + f"mlp.gate_up_proj.{suffix}", gate_up_parts, suffix)
-        same_names = ["input_layernorm.weight", "post_attention_layernorm.weight",
-                      "self_attn.o_proj.weight", "mlp.down_proj.weight"]
-        same_names += ["self_attn.o_proj.bias"] if config.o_proj_bias else []
-        same_names += ["mlp.down_proj.bias"] if config.mlp_bias else []
-        same_names += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"] if config.qk_norm else []
         for name in same_names:
             whole(theirs + name, ours + name)
     return targets
@@ -144,11 +147,9 @@ def _indexed_files(index_path: Path) -> dict[Path, list[str] | None]:
         weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
     except (ValueError, KeyError, TypeError) as error:
         raise ModelLoadError(f"{index_path}: malformed index ({error!r})") from error
-    names_by_file: dict[Path, list[str] | None] = defaultdict(list)
+    names_by_file: defaultdict[Path, list[str]] = defaultdict(list)
     for tensor_name, file_name in weight_map.items():
-        names = names_by_file[index_path.parent / file_name]
-        assert names is not None
-        names.append(tensor_name)
+        names_by_file[index_path.parent / file_name].append(tensor_name)
     for path in names_by_file:
         if not path.is_file():
             raise ModelLoadError(f"{path}: missing file (listed in {index_path.name})")
@@ -159,7 +160,7 @@ def _load_safetensors(model: CausalLM, directory: Path) -> None:
     targets = checkpoint_targets(model)
     parameters = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
-    for _, tensor_name, tensor in _read_tensors(directory, targets):
+    for tensor_name, tensor in _read_tensors(directory, targets):
         target = targets[tensor_name]
         destination = parameters[target.parameter_name]
         destination[target.row_start:target.row_start + target.num_rows].copy_(tensor)
@@ -171,8 +172,8 @@ def _load_safetensors(model: CausalLM, directory: Path) -> None:
 
 
 def _read_tensors(directory: Path, targets: dict[str, Target]
-                  ) -> Iterator[tuple[Path, str, torch.Tensor]]:
-    """Yield every needed tensor, checking its shape before reading its data."""
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield every needed tensor with its name, checking its shape before reading its data."""
     for path, indexed_names in checkpoint_files(directory).items():
         try:
             with safe_open(str(path), framework="pt", device="cpu") as file:
@@ -184,7 +185,7 @@ def _read_tensors(directory: Path, targets: dict[str, Target]
                         raise ModelLoadError(f"{path}: missing tensor {name} "
                                              f"(the index says it is in this file)")
                     _check_shape(path, name, file.get_slice(name).get_shape(), targets[name])
-                    yield path, name, file.get_tensor(name)
+                    yield name, file.get_tensor(name)
         except ModelLoadError:
             raise
         except Exception as error:  # safetensors raises its own types for corrupt files
