@@ -69,26 +69,23 @@ class EngineCollector:
 
     def collect(self) -> Iterator[Metric]:
         stats = self._engine.statistics()
-        yield self._gauge("num_requests_running", "Requests running in the engine.",
-                          stats.num_running)
-        yield self._gauge("num_requests_waiting", "Requests waiting to run.",
-                          stats.num_waiting)
-        yield self._gauge("kv_cache_usage_perc", "Share of KV cache blocks in use, 0 to 1.",
-                          kv_cache_usage(stats))
-        yield self._counter("num_preemptions", "Preemptions since start.",
-                            stats.num_preemptions)
-        yield self._counter("prompt_tokens", "Prompt tokens prefilled since start.",
-                            stats.num_prompt_tokens)
-        yield self._counter("generation_tokens", "Tokens generated since start.",
-                            stats.num_generation_tokens)
+        gauge, counter = GaugeMetricFamily, CounterMetricFamily
+        yield self._family(gauge, "num_requests_running", "Requests running in the engine.",
+                           stats.num_running)
+        yield self._family(gauge, "num_requests_waiting", "Requests waiting to run.",
+                           stats.num_waiting)
+        yield self._family(gauge, "kv_cache_usage_perc",
+                           "Share of KV cache blocks in use, 0 to 1.", kv_cache_usage(stats))
+        yield self._family(counter, "num_preemptions", "Preemptions since start.",
+                           stats.num_preemptions)
+        yield self._family(counter, "prompt_tokens", "Prompt tokens prefilled since start.",
+                           stats.num_prompt_tokens)
+        yield self._family(counter, "generation_tokens", "Tokens generated since start.",
+                           stats.num_generation_tokens)
 
-    def _gauge(self, name: str, documentation: str, value: float) -> GaugeMetricFamily:
-        family = GaugeMetricFamily(f"trio_llm:{name}", documentation, labels=["model_name"])
-        family.add_metric([self._model_name], value)
-        return family
-
-    def _counter(self, name: str, documentation: str, value: float) -> CounterMetricFamily:
-        family = CounterMetricFamily(f"trio_llm:{name}", documentation, labels=["model_name"])
+    def _family(self, kind: type[GaugeMetricFamily] | type[CounterMetricFamily], name: str,
+                documentation: str, value: float) -> Metric:
+        family = kind(f"trio_llm:{name}", documentation, labels=["model_name"])
         family.add_metric([self._model_name], value)
         return family
 
@@ -107,27 +104,28 @@ class ServerMetrics:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         self.registry.register(EngineCollector(engine, model_name))
-        labels = ["model_name"]
-        self.time_to_first_token = Histogram(
-            "trio_llm:time_to_first_token_seconds", "Time from request arrival to first token.",
-            labels, registry=self.registry, buckets=TIME_TO_FIRST_TOKEN_BUCKETS,
-        ).labels(model_name)
-        self.inter_token_latency = Histogram(
-            "trio_llm:inter_token_latency_seconds", "Time between consecutive output tokens.",
-            labels, registry=self.registry, buckets=INTER_TOKEN_LATENCY_BUCKETS,
-        ).labels(model_name)
-        self.e2e_request_latency = Histogram(
-            "trio_llm:e2e_request_latency_seconds", "Time from request arrival to its end.",
-            labels, registry=self.registry, buckets=REQUEST_LATENCY_BUCKETS,
-        ).labels(model_name)
-        self.request_queue_time = Histogram(
-            "trio_llm:request_queue_time_seconds", "Time a request waited before first running.",
-            labels, registry=self.registry, buckets=REQUEST_LATENCY_BUCKETS,
-        ).labels(model_name)
+        self.time_to_first_token = self._histogram(
+            "time_to_first_token_seconds", "Time from request arrival to first token.",
+            TIME_TO_FIRST_TOKEN_BUCKETS)
+        self.inter_token_latency = self._histogram(
+            "inter_token_latency_seconds", "Time between consecutive output tokens.",
+            INTER_TOKEN_LATENCY_BUCKETS)
+        self.e2e_request_latency = self._histogram(
+            "e2e_request_latency_seconds", "Time from request arrival to its end.",
+            REQUEST_LATENCY_BUCKETS)
+        self.request_queue_time = self._histogram(
+            "request_queue_time_seconds", "Time a request waited before first running.",
+            REQUEST_LATENCY_BUCKETS)
         self._request_success = Counter(
             "trio_llm:request_success", "Requests that finished, by finish reason.",
             ["model_name", "finished_reason"], registry=self.registry,
         )
+
+    def _histogram(self, name: str, documentation: str, buckets: tuple[float, ...]) -> Histogram:
+        """This server's child of a new ``trio_llm:`` histogram labelled by model."""
+        histogram = Histogram(f"trio_llm:{name}", documentation, ["model_name"],
+                              registry=self.registry, buckets=buckets)
+        return histogram.labels(self.model_name)
 
     def count_finished(self, finish_reason: str) -> None:
         self._request_success.labels(self.model_name, finish_reason).inc()
@@ -160,8 +158,7 @@ class RequestTimer:
             return
         if self._last_token_time is None:
             self._metrics.time_to_first_token.observe(now - self._arrival_time)
-            num_new_tokens -= 1
-        elif num_new_tokens:
+        else:
             interval = (now - self._last_token_time) / num_new_tokens
             for _ in range(num_new_tokens):
                 self._metrics.inter_token_latency.observe(interval)

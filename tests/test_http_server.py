@@ -347,3 +347,27 @@ def test_serve_flags_fill_the_server_config() -> None:
     assert config.shutdown_grace_seconds == 2.0
     with pytest.raises(SystemExit, match="port"):
         server_config_from_args(parser.parse_args(["serve", "--port", "70000"]))
+
+
+# -- metrics --------------------------------------------------------------------------
+
+
+def test_request_timer_spreads_a_coalesced_output_over_its_tokens() -> None:
+    from trio_llm.api.metrics import ServerMetrics
+
+    metrics = ServerMetrics(FakeEngine(), "fake-model")
+    timer = metrics.timer(10.0)
+    timer.on_output(10.5, num_new_tokens=0, queue_time=0.25)
+    timer.on_output(11.0, num_new_tokens=1, queue_time=None)
+    timer.on_output(13.0, num_new_tokens=4, queue_time=None)
+    timer.on_finish(13.0, "length")
+
+    def sample(name: str, **labels: str) -> float | None:
+        return metrics.registry.get_sample_value(name, {"model_name": "fake-model", **labels})
+
+    assert sample("trio_llm:request_queue_time_seconds_sum") == 0.25
+    assert sample("trio_llm:time_to_first_token_seconds_sum") == 1.0
+    assert sample("trio_llm:inter_token_latency_seconds_count") == 4
+    assert sample("trio_llm:inter_token_latency_seconds_sum") == 2.0
+    assert sample("trio_llm:e2e_request_latency_seconds_sum") == 3.0
+    assert sample("trio_llm:request_success_total", finished_reason="length") == 1
