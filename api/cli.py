@@ -8,7 +8,8 @@ import sys
 
 from trio_llm.actors.config import EngineConfig
 
-# Engine flags, named as `vllm serve` names them: (flag, EngineConfig field, type, help).
+# Engine flags, named as `vllm serve` names them: (flag, type, help). Each flag's
+# EngineConfig field is its name in snake case, as argparse stores it.
 _ENGINE_FLAGS: list[tuple[str, type, str]] = [
     ("--model", str, "model directory or built-in name (tiny, qwen3-0.6b, qwen3-8b)"),
     ("--tokenizer", str, "tokenizer directory (default: the model's)"),
@@ -69,10 +70,11 @@ def _run_generate(args: argparse.Namespace) -> int:
 
     async def generate() -> None:
         async with Engine.open(config) as engine:
-            stream = engine.chat([{"role": "user", "content": args.prompt}], params) if args.chat else (
-                engine.generate(args.prompt, params)
-            )
-            async for output in stream:
+            if args.chat:
+                outputs = engine.chat([{"role": "user", "content": args.prompt}], params)
+            else:
+                outputs = engine.generate(args.prompt, params)
+            async for output in outputs:
                 sys.stdout.write(output.text)
                 sys.stdout.flush()
             sys.stdout.write("\n")
