@@ -33,8 +33,6 @@ from trio_llm.api.client import CompletionClient, CompletionError
 
 logger = logging.getLogger(__name__)
 
-PERCENTILES = (50, 99)
-
 
 class BenchServeOptions(msgspec.Struct, frozen=True, kw_only=True):
     """Everything one run depends on; ``vocab_size`` None asks the server."""
@@ -223,7 +221,6 @@ def summarize(results: list[RequestResult], duration: float,
     done = [result for result in results if result.success]
     total_input = sum(result.prompt_len for result in done)
     total_output = sum(result.output_len for result in done)
-    tpots = [(r.latency - r.ttft) / (r.output_len - 1) for r in done if r.output_len > 1]
     safe_duration = max(duration, 1e-9)
     return BenchServeReport(
         num_completed=len(done), num_failed=len(results) - len(done), duration=duration,
@@ -233,10 +230,15 @@ def summarize(results: list[RequestResult], duration: float,
         total_token_throughput=(total_input + total_output) / safe_duration,
         max_concurrency=options.max_concurrency, request_rate=options.request_rate,
         ttft_ms=latency_stats([r.ttft for r in done]),
-        tpot_ms=latency_stats(tpots),
+        tpot_ms=latency_stats(time_per_output_token(done)),
         itl_ms=latency_stats([itl for r in done for itl in r.itl]),
         e2e_latency_ms=latency_stats([r.latency for r in done]),
     )
+
+
+def time_per_output_token(results: list[RequestResult]) -> list[float]:
+    """Seconds per output token after the first, of each request with more than one."""
+    return [(r.latency - r.ttft) / (r.output_len - 1) for r in results if r.output_len > 1]
 
 
 def latency_stats(seconds: list[float]) -> LatencyStats:
@@ -272,12 +274,11 @@ def format_report(report: BenchServeReport) -> str:
     ]
     lines = ["{s:=^60}".format(s=" Serving Benchmark Result ")]
     lines += [f"{name:<44}{value:>16}" for name, value in rows]
-    for title, stats in (("Time to First Token", report.ttft_ms),
-                         ("Time per Output Token (excl. 1st token)", report.tpot_ms),
-                         ("Inter-token Latency", report.itl_ms),
-                         ("End-to-end Latency", report.e2e_latency_ms)):
-        short = {"Time to First Token": "TTFT", "Inter-token Latency": "ITL",
-                 "End-to-end Latency": "E2E"}.get(title, "TPOT")
+    for title, short, stats in (
+            ("Time to First Token", "TTFT", report.ttft_ms),
+            ("Time per Output Token (excl. 1st token)", "TPOT", report.tpot_ms),
+            ("Inter-token Latency", "ITL", report.itl_ms),
+            ("End-to-end Latency", "E2E", report.e2e_latency_ms)):
         lines.append("{s:-^60}".format(s=f" {title} "))
         lines += [f"{f'Mean {short} (ms)':<44}{stats.mean:>16.2f}",
                   f"{f'Median {short} (ms)':<44}{stats.median:>16.2f}",
@@ -301,21 +302,24 @@ class PlotUnavailable(RuntimeError):
     """--plot needs matplotlib, which is not a dependency of trio-llm."""
 
 
-def plot_latencies(path: Path, results: list[RequestResult]) -> None:
-    """Histograms of TTFT, TPOT, ITL and end-to-end latency, as one PNG."""
+def _matplotlib() -> Any:
     try:
         import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as pyplot
     except ImportError as error:
-        raise PlotUnavailable("--plot needs matplotlib, which is not installed: "
-                              "pip install matplotlib") from error
+        raise PlotUnavailable("--plot needs matplotlib, which is not installed "
+                              "(pip install matplotlib)") from error
+    return matplotlib
+
+
+def plot_latencies(path: Path, results: list[RequestResult]) -> None:
+    """Histograms of TTFT, TPOT, ITL and end-to-end latency, as one PNG."""
+    _matplotlib().use("Agg")
+    import matplotlib.pyplot as pyplot
+
     done = [result for result in results if result.success]
     series = {
         "TTFT (ms)": [r.ttft * 1000 for r in done],
-        "TPOT (ms)": [(r.latency - r.ttft) * 1000 / (r.output_len - 1)
-                      for r in done if r.output_len > 1],
+        "TPOT (ms)": [tpot * 1000 for tpot in time_per_output_token(done)],
         "ITL (ms)": [itl * 1000 for r in done for itl in r.itl],
         "E2E latency (ms)": [r.latency * 1000 for r in done],
     }
@@ -384,7 +388,11 @@ def run_bench_serve(args: argparse.Namespace) -> int:
 
     options = options_from_args(args)
     if args.plot is not None:
-        _check_plot_available()
+        try:
+            _matplotlib()
+        except PlotUnavailable as error:
+            raise SystemExit(f"trio-llm bench serve: {error}; rerun without --plot "
+                             "or install it") from None
     # httpx logs every request at INFO: thousands of lines over the progress bar.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     with tqdm(total=options.num_prompts, disable=not options.show_progress,
@@ -403,12 +411,3 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     for failed in [r for r in results if not r.success][:5]:
         logger.warning("a request failed: %s", failed.error)
     return 0 if report.num_failed == 0 else 1
-
-
-def _check_plot_available() -> None:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise SystemExit("trio-llm bench serve: --plot needs matplotlib, which is not "
-                         "installed (pip install matplotlib); rerun without --plot or "
-                         "install it") from None
