@@ -57,11 +57,15 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
     if sampled:
         index = torch.tensor(sampled, device=logits.device)
         token_ids[index] = _sample_rows(masked[index], [rows[i] for i in sampled])
-    return SamplerOutput(token_ids=token_ids, logprobs=_logprobs(logits, token_ids, rows))
+    num_logprobs = [row.options.num_logprobs for row in rows]
+    return SamplerOutput(token_ids=token_ids,
+                         logprobs=raw_logprobs(logits, token_ids, num_logprobs))
 
 
-def _mask_banned_ids(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    vocab_size = logits.shape[1]
+def banned_positions(rows: Sequence[SamplingRow], vocab_size: int
+                     ) -> tuple[list[int], list[int]]:
+    """(row indices, token ids) to mask: each row's in-vocabulary banned ids, while its
+    output is shorter than its ``min_tokens``."""
     row_indices: list[int] = []
     token_ids: list[int] = []
     for index, row in enumerate(rows):
@@ -70,6 +74,11 @@ def _mask_banned_ids(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch
                       if 0 <= token_id < vocab_size]
             row_indices += [index] * len(banned)
             token_ids += banned
+    return row_indices, token_ids
+
+
+def _mask_banned_ids(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    row_indices, token_ids = banned_positions(rows, logits.shape[1])
     if not row_indices:
         return logits
     masked = logits.clone()
@@ -171,22 +180,26 @@ def _multiply_mod_2_32(values: torch.Tensor, multiplier: int) -> torch.Tensor:
 # -- logprobs --------------------------------------------------------------------------
 
 
-def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
-              rows: Sequence[SamplingRow]) -> list[TokenLogprobs | None] | None:
-    wanted = [index for index, row in enumerate(rows) if row.options.num_logprobs is not None]
+def raw_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
+                 num_logprobs: Sequence[int | None]) -> list[TokenLogprobs | None] | None:
+    """Logprobs of the raw distribution for the rows whose ``num_logprobs`` is not None:
+    the chosen token's, and the row's ``num_logprobs`` best; None if no row asked."""
+    wanted = [index for index, count in enumerate(num_logprobs) if count is not None]
     if not wanted:
         return None
     index = torch.tensor(wanted, device=logits.device)
     logprobs = logits[index].log_softmax(dim=-1)
     chosen = logprobs.gather(1, token_ids[index].unsqueeze(1)).squeeze(1).tolist()
-    max_top = max(rows[i].options.num_logprobs or 0 for i in wanted)
-    top = logprobs.topk(max_top, dim=-1) if max_top else None
-    top_values = top.values.tolist() if top is not None else [[] for _ in wanted]
-    top_ids = top.indices.tolist() if top is not None else [[] for _ in wanted]
-    result: list[TokenLogprobs | None] = [None] * len(rows)
+    max_top = max(num_logprobs[i] or 0 for i in wanted)
+    top_values: list[list[float]] = [[] for _ in wanted]
+    top_ids: list[list[int]] = [[] for _ in wanted]
+    if max_top:
+        top = logprobs.topk(max_top, dim=-1)
+        top_values, top_ids = top.values.tolist(), top.indices.tolist()
+    result: list[TokenLogprobs | None] = [None] * len(num_logprobs)
     for position, row_index in enumerate(wanted):
-        num_top = rows[row_index].options.num_logprobs or 0
+        count = num_logprobs[row_index] or 0
         result[row_index] = TokenLogprobs(logprob=chosen[position],
-                                          top_token_ids=top_ids[position][:num_top],
-                                          top_logprobs=top_values[position][:num_top])
+                                          top_token_ids=top_ids[position][:count],
+                                          top_logprobs=top_values[position][:count])
     return result
