@@ -218,10 +218,7 @@ def _load_format(config: EngineConfig) -> str:
 def _num_kv_blocks_for_memory(model: CausalLM, config: EngineConfig) -> int:
     """As many blocks as the memory budget holds: ``cpu_kv_cache_gib`` on the CPU, the
     free share of ``gpu_memory_utilization`` on CUDA."""
-    model_config = model.config
-    bytes_per_block = (2 * model_config.num_layers * config.block_size
-                       * model_config.num_kv_heads * model_config.head_dim
-                       * model.dtype.itemsize)
+    bytes_per_block = config.block_size * model.kv_cache_bytes_per_token
     if model.device.type == "cuda":
         free_bytes, total_bytes = torch.cuda.mem_get_info(model.device)
         budget = free_bytes - (1.0 - config.gpu_memory_utilization) * total_bytes

@@ -110,6 +110,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def rope_inverse_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:
+    """The rotation speed of each of the ``head_dim / 2`` pairs, llama3-scaled if asked."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
     inv_freq = 1.0 / (rope.theta ** exponents)
     if rope.rope_type == "llama3":

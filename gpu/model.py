@@ -169,6 +169,12 @@ class CausalLM(nn.Module):
         """Float32 logits [num_rows, vocab_size] for the given rows of hidden states."""
         return self.lm_head(hidden).to(torch.float32)
 
+    @property
+    def kv_cache_bytes_per_token(self) -> int:
+        """Bytes one token's keys and values take in the caches of all layers."""
+        config = self.config
+        return 2 * config.num_layers * config.num_kv_heads * config.head_dim * self.dtype.itemsize
+
     def allocate_kv_caches(self, num_blocks: int, block_size: int) -> list[KVCache]:
         """One (key, value) cache pair per layer, each [num_blocks, block_size, kv_heads, head_dim]."""
         shape = (num_blocks, block_size, self.config.num_kv_heads, self.config.head_dim)

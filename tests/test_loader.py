@@ -220,3 +220,13 @@ def test_llama_directory_from_transformers(tmp_path):
         "llama", True, False)
     model = _load(tmp_path)
     assert model.layers[0].mlp.gate_up_proj.bias is not None
+
+
+def test_cpu_kv_cache_is_sized_from_its_memory_budget(model_dir):
+    config = EngineConfig(model=str(model_dir), block_size=16, cpu_kv_cache_gib=0.001,
+                          device="cpu", dtype="float32")
+    executor = ModelExecutor.create(config)
+    # keys and values, 2 layers, 16 tokens a block, 2 KV heads of 16 float32s
+    bytes_per_block = 2 * 2 * 16 * 2 * 16 * 4
+    assert executor.num_kv_blocks == int(0.001 * 2**30 // bytes_per_block)
+    assert executor.kv_caches[0][0].shape == (executor.num_kv_blocks, 16, 2, 16)
