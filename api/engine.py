@@ -146,6 +146,7 @@ class Engine:
     # -- state ----------------------------------------------------------------
 
     def statistics(self) -> EngineStatistics:
+        """A snapshot of the engine's counters (running, waiting, KV blocks, totals)."""
         return self._actors.statistics()
 
     @property
@@ -155,6 +156,7 @@ class Engine:
 
     @property
     def num_open_requests(self) -> int:
+        """Requests whose output stream a caller still holds."""
         return len(self._streams)
 
     def begin_drain(self) -> None:

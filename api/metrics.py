@@ -43,9 +43,7 @@ class Statistics(Protocol):
     @property
     def num_waiting(self) -> int: ...
     @property
-    def num_free_blocks(self) -> int: ...
-    @property
-    def num_total_blocks(self) -> int: ...
+    def kv_cache_usage(self) -> float: ...
     @property
     def num_preemptions(self) -> int: ...
     @property
@@ -75,7 +73,7 @@ class EngineCollector:
         yield self._family(gauge, "num_requests_waiting", "Requests waiting to run.",
                            stats.num_waiting)
         yield self._family(gauge, "kv_cache_usage_perc",
-                           "Share of KV cache blocks in use, 0 to 1.", kv_cache_usage(stats))
+                           "Share of KV cache blocks in use, 0 to 1.", stats.kv_cache_usage)
         yield self._family(counter, "num_preemptions", "Preemptions since start.",
                            stats.num_preemptions)
         yield self._family(counter, "prompt_tokens", "Prompt tokens prefilled since start.",
@@ -88,13 +86,6 @@ class EngineCollector:
         family = kind(f"trio_llm:{name}", documentation, labels=["model_name"])
         family.add_metric([self._model_name], value)
         return family
-
-
-def kv_cache_usage(stats: Statistics) -> float:
-    """Share of KV blocks in use, 0 to 1 (0 before the cache exists)."""
-    if stats.num_total_blocks <= 0:
-        return 0.0
-    return 1.0 - stats.num_free_blocks / stats.num_total_blocks
 
 
 class ServerMetrics:

@@ -57,6 +57,10 @@ class FakeStatistics(msgspec.Struct, frozen=True, kw_only=True):
     num_prompt_tokens: int
     num_generation_tokens: int
 
+    @property
+    def kv_cache_usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_total_blocks
+
 
 class FakeEngine:
     """The Engine facade's interface over a script (see the module docstring).
