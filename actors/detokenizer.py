@@ -259,10 +259,12 @@ class _DecodingRequest:
 
     def advance(self, delta: TokenDelta) -> RequestOutput:
         """Decode one delta of tokens into the output to publish."""
-        if delta.finish_reason is None and self.stop_strings is None:
-            return self._output(delta, delta.token_ids, "".join(map(self.decoder.step,
-                                                                    delta.token_ids)))
         token_ids = delta.token_ids
+        if delta.finish_reason is None and self.stop_strings is None:
+            # The common case, every request in every step: nothing to hold back.
+            step = self.decoder.step
+            text = step(token_ids[0]) if len(token_ids) == 1 else "".join(map(step, token_ids))
+            return self._output(delta, token_ids, text)
         # A stop token's text is left out unless asked for; the id is reported.
         skips_stop_token = (delta.finish_reason == "stop" and bool(token_ids)
                             and not self.include_stop_str_in_output)
@@ -313,23 +315,23 @@ class _DecodingRequest:
 
     def _output(self, delta: TokenDelta, token_ids: list[int], text: str, *,
                 stop_reason: str | None = None) -> RequestOutput:
+        """The output to publish: finished by a stop string (``stop_reason``)
+        or by the delta's own finish reason."""
         self.num_output_tokens += len(token_ids)
         logprobs = None
         if self.wants_logprobs and delta.logprobs is not None:
             logprobs = delta.logprobs[:len(token_ids)]
         queue_time, self.queue_time = self.queue_time, None
-        return RequestOutput(
-            request_id=self.request_id,
-            token_ids=token_ids,
-            text=text,
-            logprobs=logprobs,
-            finished=stop_reason is not None or delta.finish_reason is not None,
-            finish_reason="stop" if stop_reason is not None else delta.finish_reason,
-            stop_reason=stop_reason if stop_reason is not None else delta.stop_reason,
-            num_prompt_tokens=self.num_prompt_tokens,
-            num_output_tokens=self.num_output_tokens,
-            queue_time=queue_time,
-        )
+        output = RequestOutput(request_id=self.request_id, token_ids=token_ids, text=text,
+                               logprobs=logprobs, stop_reason=delta.stop_reason,
+                               num_prompt_tokens=self.num_prompt_tokens,
+                               num_output_tokens=self.num_output_tokens, queue_time=queue_time)
+        # Most outputs do not finish: the constructor leaves the finish fields unset.
+        if stop_reason is not None:
+            output.finished, output.finish_reason, output.stop_reason = True, "stop", stop_reason
+        elif delta.finish_reason is not None:
+            output.finished, output.finish_reason = True, delta.finish_reason
+        return output
 
 
 # -- the policy ---------------------------------------------------------------------
@@ -383,18 +385,20 @@ class Detokenizer:
     def process(self, batch: TokenBatch) -> tuple[list[RequestOutput], list[str]]:
         """Decode one step's tokens. Returns the outputs to publish and the ids
         of requests a stop string finished while the scheduler still runs them."""
+        requests = self._requests
         outputs: list[RequestOutput] = []
         stopped_request_ids: list[str] = []
         for delta in batch.deltas:
-            state = self._requests.get(delta.request_id)
+            state = requests.get(delta.request_id)
             if state is None:
                 continue
             output = state.advance(delta)
             if output.finished:
-                del self._requests[delta.request_id]
+                del requests[delta.request_id]
                 if delta.finish_reason is None:
                     stopped_request_ids.append(delta.request_id)
-            if output.finished or output.token_ids or output.text:
+                outputs.append(output)
+            elif output.token_ids or output.text:
                 outputs.append(output)
         return outputs, stopped_request_ids
 
@@ -406,6 +410,7 @@ class Detokenizer:
         skipped_token_ids = self._special_token_ids if skip_special_tokens else frozenset()
         return _WindowDecoder(self._backend, request.prompt_token_ids,
                               skipped_token_ids=skipped_token_ids)
+
 
 async def run_detokenizer(
     inbox: trio.MemoryReceiveChannel[DetokenizerInbox],
