@@ -75,15 +75,13 @@ class Tokenizer:
 
     @property
     def all_special_ids(self) -> set[int]:
+        """Ids of the added tokens marked special and of the config's named special tokens."""
         return set(self._all_special_ids)
-
-    @property
-    def bos_token_id(self) -> int | None:
-        return self._token_id(self.special_tokens.get("bos_token"))
 
     # -- text <-> ids ---------------------------------------------------------
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """``add_special_tokens``: let tokenizer.json's post-processor add BOS and the like."""
         return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, token_ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
@@ -112,9 +110,6 @@ class Tokenizer:
         if self._compiled_template is None:
             self._compiled_template = _jinja_environment().from_string(self.chat_template)
         return self._compiled_template
-
-    def _token_id(self, token: str | None) -> int | None:
-        return None if token is None else self.backend.token_to_id(token)
 
 
 # -- reading the model directory ---------------------------------------------

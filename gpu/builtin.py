@@ -135,10 +135,11 @@ def resolve_model(name_or_path: str) -> Path:
 
 def is_dummy_only(name: str) -> bool:
     """Built-in models with no weights on disk: they load with load_format="dummy" only."""
-    return name in BUILTIN_MODELS and name != "tiny"
+    return name in DUMMY_ONLY_CONFIGS
 
 
 def cache_root() -> Path:
+    """Where built-in models are materialised: $TRIO_LLM_CACHE, else ~/.cache/trio-llm."""
     override = os.environ.get("TRIO_LLM_CACHE")
     return Path(override) if override else Path.home() / ".cache" / "trio-llm"
 
@@ -326,8 +327,13 @@ def _dummy_builder(config: dict[str, Any]) -> Callable[[Path], None]:
     return build
 
 
+# Built-in names that carry a configuration and a tokenizer but no weights.
+DUMMY_ONLY_CONFIGS: dict[str, dict[str, Any]] = {
+    "qwen3-0.6b": QWEN3_0_6B_CONFIG,
+    "qwen3-8b": QWEN3_8B_CONFIG,
+}
+
 BUILTIN_MODELS: dict[str, Callable[[Path], None]] = {
     "tiny": build_tiny,
-    "qwen3-0.6b": _dummy_builder(QWEN3_0_6B_CONFIG),
-    "qwen3-8b": _dummy_builder(QWEN3_8B_CONFIG),
+    **{name: _dummy_builder(config) for name, config in DUMMY_ONLY_CONFIGS.items()},
 }

@@ -70,6 +70,7 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, directory: Path) -> ModelConfig:
+        """Read ``directory``/config.json; any problem is a ModelLoadError naming the file."""
         path = directory / "config.json"
         if not path.is_file():
             raise ModelLoadError(f"{path}: missing file (every model directory needs config.json)")
