@@ -102,10 +102,6 @@ class RunningRequest:
         self.scheduled_step_id: int | None = None
 
     @property
-    def is_prefilling(self) -> bool:
-        return self.num_computed_tokens < self.num_prefill_tokens
-
-    @property
     def can_decode(self) -> bool:
         """False while its last output token is still to come from a step in flight."""
         return len(self.output_token_ids) + self.num_placeholders < self.max_tokens
@@ -177,26 +173,29 @@ class StepPlan(msgspec.Struct, frozen=True, kw_only=True):
 class _StepBuilder:
     """The batch being planned, and what is left of its token budget."""
 
-    def __init__(self, step_id: int, budget: int) -> None:
+    def __init__(self, step_id: int, max_num_tokens: int) -> None:
         self.step_id = step_id
-        self.budget = budget
+        self.max_num_tokens = max_num_tokens
+        self.budget = max_num_tokens
         self.requests: list[ScheduledRequest] = []
         self.new_requests: list[NewRequestData] = []
         self.tracks: list[Track] = []
-        self.num_tokens = 0
         self.num_prompt_tokens = 0
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens scheduled so far: whatever the budget lost."""
+        return self.max_num_tokens - self.budget
 
     def add_prefill(self, running: RunningRequest, num_tokens: int,
                     new_block_ids: list[int]) -> None:
         self.requests.append(running.schedule_prefill(num_tokens, new_block_ids, self.step_id))
         self.budget -= num_tokens
-        self.num_tokens += num_tokens
         self.num_prompt_tokens += num_tokens
 
     def add_decode(self, running: RunningRequest, new_block_ids: list[int]) -> None:
         self.requests.append(running.schedule_decode(new_block_ids, self.step_id))
         self.budget -= 1
-        self.num_tokens += 1
 
 
 class Scheduler:
@@ -351,11 +350,12 @@ class Scheduler:
         """Give every running request its next tokens, best first."""
         block_size = self.block_manager.block_size
         step_id = step.step_id
+        running_requests = self._running  # preemption shrinks it in place
         index = 0
         # Victims are taken from the end, never before ``index``: the requests
         # already scheduled in this step never move.
-        while index < len(self._running) and step.budget > 0:
-            running = self._running[index]
+        while index < len(running_requests) and step.budget > 0:
+            running = running_requests[index]
             index += 1
             if running.scheduled_step_id == step_id:
                 continue  # admitted by priority in this step
@@ -364,9 +364,7 @@ class Scheduler:
             if is_decoding and num_computed_tokens % block_size:
                 # The hot path: a decode whose token fits in its last block.
                 if running.can_decode:
-                    step.requests.append(running.schedule_decode([], step_id))
-                    step.budget -= 1
-                    step.num_tokens += 1
+                    step.add_decode(running, [])
                 continue
             if is_decoding:
                 scheduled = self._schedule_decode(running, step)
