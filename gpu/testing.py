@@ -81,10 +81,8 @@ class ExecutorDriver:
         return list(requests)
 
     def step(self, requests: Sequence[DriverRequest]) -> StepResult:
-        for request in requests:
-            if self.step_id in request.preempt_at_steps and request.is_registered:
-                self._release(request)
-                request.num_computed_tokens = 0
+        """Preempt the requests due this step, then run one step of every active request."""
+        self._preempt_due(requests)
         active = [request for request in requests
                   if request.arrival_step <= self.step_id and not request.is_finished]
         new_requests = [NewRequestData(request_id=request.request_id, sampling=request.sampling)
@@ -92,13 +90,20 @@ class ExecutorDriver:
         scheduled = [self._schedule(request) for request in active]
         batch = ScheduledBatch(step_id=self.step_id, new_requests=new_requests,
                                requests=scheduled, finished_request_ids=self.finished_request_ids,
-                               num_tokens=sum(len(item.token_ids) or 1 for item in scheduled))
+                               num_tokens=sum(_num_input_tokens(item) for item in scheduled))
         self.finished_request_ids = []
         result = self.executor.execute(batch)
         self._apply(active, scheduled, result)
         self.step_id += 1
         self.results.append(result)
         return result
+
+    def _preempt_due(self, requests: Sequence[DriverRequest]) -> None:
+        """Free the blocks of requests preempted at this step: they recompute from scratch."""
+        for request in requests:
+            if self.step_id in request.preempt_at_steps and request.is_registered:
+                self._release(request)
+                request.num_computed_tokens = 0
 
     def _schedule(self, request: DriverRequest) -> ScheduledRequest:
         request.is_registered = True
@@ -146,13 +151,18 @@ class ExecutorDriver:
         sampled = dict(zip(result.request_ids, result.sampled_token_ids, strict=True))
         logprobs = dict(zip(result.request_ids, result.logprobs or [], strict=False))
         for request, item in zip(active, scheduled, strict=True):
-            request.num_computed_tokens += len(item.token_ids) or 1
+            request.num_computed_tokens += _num_input_tokens(item)
             request.sampled_last_step = item.request_id in sampled
             if item.request_id in sampled:
                 request.output_token_ids.append(sampled[item.request_id])
                 request.logprobs.append(logprobs.get(item.request_id))
             if request.is_finished:
                 self._release(request)
+
+
+def _num_input_tokens(scheduled: ScheduledRequest) -> int:
+    """A request with no explicit tokens takes one: the token sampled for it last step."""
+    return len(scheduled.token_ids) or 1
 
 
 def record_logits(executor: ModelExecutor) -> dict[tuple[str, int], torch.Tensor]:
