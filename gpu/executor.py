@@ -41,8 +41,11 @@ class ModelDescription:
 
     model_path: Path
     model_config: ModelConfig
-    vocab_size: int
     max_model_len: int
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
 
 
 @dataclass(slots=True)
@@ -94,7 +97,7 @@ class ModelExecutor:
         model_config = ModelConfig.from_dir(model_path)
         max_model_len = config.max_model_len or model_config.max_position_embeddings
         return ModelDescription(model_path=model_path, model_config=model_config,
-                                vocab_size=model_config.vocab_size, max_model_len=max_model_len)
+                                max_model_len=max_model_len)
 
     @classmethod
     def create(cls, config: EngineConfig) -> ModelExecutor:
