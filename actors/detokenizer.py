@@ -433,7 +433,6 @@ async def run_detokenizer(
                     detokenizer.track(request, trio.current_time())
                 case TokenBatch():
                     outputs, stopped_request_ids = detokenizer.process(message)
-                    for output in outputs:
-                        streams.publish(output)
+                    streams.publish_all(outputs)
                     for request_id in stopped_request_ids:
                         await scheduler_outbox.send(StopStringHit(request_id=request_id))

@@ -7,6 +7,8 @@ the detokenizer; deltas it has not read yet are merged into one.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import trio
 
 from trio_llm.actors.errors import EngineError
@@ -15,6 +17,8 @@ from trio_llm.actors.messages import RequestOutput
 
 class RequestStream:
     """One request's pending output, read by exactly one caller."""
+
+    __slots__ = ("request_id", "_pending", "_error", "_reader")
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
@@ -114,9 +118,15 @@ class RequestStreams:
         return len(self._streams)
 
     def publish(self, output: RequestOutput) -> None:
-        stream = self._streams.get(output.request_id)
-        if stream is not None:
-            stream.publish(output)
+        self.publish_all((output,))
+
+    def publish_all(self, outputs: Iterable[RequestOutput]) -> None:
+        """Publish each output to its request's stream (one step's worth at once)."""
+        streams = self._streams
+        for output in outputs:
+            stream = streams.get(output.request_id)
+            if stream is not None:
+                stream.publish(output)
 
     def fail(self, request_id: str, error: EngineError) -> None:
         stream = self._streams.get(request_id)
