@@ -79,3 +79,13 @@ async def test_wait_empty_returns_when_the_last_stream_closes() -> None:
         assert not done.is_set()
         streams.close("b")
     assert done.is_set()
+
+
+async def test_publish_all_routes_each_output_to_its_stream() -> None:
+    streams = RequestStreams()
+    first, second = streams.open("a"), streams.open("b")
+    streams.open("gone")
+    streams.close("gone")
+    streams.publish_all([RequestOutput(request_id=request_id, token_ids=[index], text=request_id)
+                         for index, request_id in enumerate(["a", "gone", "b", "a"])])
+    assert ((await first.receive()).token_ids, (await second.receive()).token_ids) == ([0, 3], [2])
