@@ -143,7 +143,7 @@ def _run_throughput(args: argparse.Namespace) -> int:
         result = run_transformers_throughput(config, workload(args.max_token_id),
                                              temperature=args.temperature)
     else:
-        from trio_llm.gpu.cuda_executor import create_executor
+        from trio_llm.gpu.executor import create_executor
 
         model = create_executor(config)
         items = workload(min(args.max_token_id, model.vocab_size))

@@ -26,7 +26,7 @@ from trio_llm.actors.messages import Abort, RequestOutput, SamplingParams, Submi
 from trio_llm.actors.streams import RequestStreams
 from trio_llm.actors.supervisor import EngineActors, EngineStatistics, run_supervisor
 from trio_llm.actors.tokenizer import Tokenizer
-from trio_llm.gpu.cuda_executor import create_executor
+from trio_llm.gpu.executor import create_executor
 from trio_llm.gpu.executor import ModelExecutor
 
 logger = logging.getLogger(__name__)

@@ -85,7 +85,9 @@ class ModelConfig:
         """Parse config.json's contents; ``source`` names the file in error messages."""
         try:
             return _parse(data, source)
-        except (KeyError, TypeError) as error:
+        except ModelLoadError:
+            raise
+        except (KeyError, TypeError, ValueError) as error:
             raise ModelLoadError(f"{source}: missing or malformed field {error}") from error
 
 

@@ -746,12 +746,3 @@ def _sampling_inputs(ints: Segments, floats: Segments) -> DeviceSamplingInputs:
         top_ks=ints["top_ks"], seed_keys=ints["seed_keys"],
         output_indices=ints["output_indices"],
         banned_rows=ints["banned_rows"], banned_token_ids=ints["banned_token_ids"])
-
-
-def create_executor(config: EngineConfig) -> ModelExecutor:
-    """The pipelined CUDA executor where the model runs on CUDA, else the plain one."""
-    from trio_llm.gpu.loader import resolve_device
-
-    if resolve_device(config.device).type == "cuda":
-        return CudaModelExecutor.create(config)
-    return ModelExecutor.create(config)

@@ -208,6 +208,18 @@ class ModelExecutor:
         return self.model.compute_logits(hidden[tensor(inputs.logits_indices)])
 
 
+def create_executor(config: EngineConfig) -> ModelExecutor:
+    """The executor for ``config``: the pipelined CUDA executor where the model
+    runs on CUDA (gpu/cuda_executor.py, imported only then), else this one."""
+    from trio_llm.gpu.loader import resolve_device
+
+    if resolve_device(config.device).type == "cuda":
+        from trio_llm.gpu.cuda_executor import CudaModelExecutor
+
+        return CudaModelExecutor.create(config)
+    return ModelExecutor.create(config)
+
+
 def _load_format(config: EngineConfig) -> str:
     """Built-in names without weights on disk load dummy weights, and only those."""
     if not is_dummy_only(config.model):

@@ -132,6 +132,12 @@ def test_config_missing_a_field(model_dir):
         _load(model_dir)
 
 
+def test_config_field_of_the_wrong_kind(model_dir):
+    (model_dir / "config.json").write_text(json.dumps(dict(SMALL_CONFIG, hidden_size="abc")))
+    with pytest.raises(ModelLoadError, match=r"config\.json: missing or malformed field.*abc"):
+        _load(model_dir)
+
+
 def test_missing_weights_file(model_dir):
     (model_dir / "model.safetensors").unlink()
     with pytest.raises(ModelLoadError, match=r"missing file.*safetensors.*dummy"):
