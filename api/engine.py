@@ -26,8 +26,7 @@ from trio_llm.actors.messages import Abort, RequestOutput, SamplingParams, Submi
 from trio_llm.actors.streams import RequestStreams
 from trio_llm.actors.supervisor import EngineActors, EngineStatistics, run_supervisor
 from trio_llm.actors.tokenizer import Tokenizer
-from trio_llm.gpu.executor import create_executor
-from trio_llm.gpu.executor import ModelExecutor
+from trio_llm.gpu.executor import ModelExecutor, create_executor
 
 logger = logging.getLogger(__name__)
 
