@@ -241,10 +241,12 @@ class Track(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     request: Request
 
 
-class TokenDelta(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+class TokenDelta(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=False):
     """New output tokens of one request, and its finish reason once it finished.
 
-    ``stop_reason`` is the stop token id that ended it, if one did.
+    ``stop_reason`` is the stop token id that ended it, if one did. Made once
+    per running request in every step and holding no reference back to
+    anything, it stays out of the garbage collector's sight (``gc=False``).
     """
 
     request_id: str
@@ -266,13 +268,14 @@ DetokenizerInbox = Track | TokenBatch
 # -- detokenizer -> request streams (not a channel: see actors/streams.py) ----
 
 
-class RequestOutput(msgspec.Struct, kw_only=True):
+class RequestOutput(msgspec.Struct, kw_only=True, gc=False):
     """A delta of one request's output, as its caller sees it.
 
     ``text`` and ``token_ids`` are new since the previous output; several step
     deltas may be coalesced into one when the caller reads slowly.
     ``queue_time`` (seconds from arrival to first scheduled) is set on the
-    first output; the ``num_*`` counts are running totals.
+    first output; the ``num_*`` counts are running totals. Like TokenDelta,
+    made per request and step and never part of a cycle: ``gc=False``.
     """
 
     request_id: str
