@@ -106,11 +106,9 @@ class WaitingQueue:
         """Remove and return up to ``max_requests`` requests, best first."""
         best: list[WaitingRequest] = []
         while self._heap and len(best) < max_requests:
-            _, arrival_index, request_id = heapq.heappop(self._heap)
-            waiting = self._waiting.get(request_id)
-            if waiting is not None and waiting.request.arrival_index == arrival_index:
-                del self._waiting[request_id]
-                best.append(waiting)
+            entry = heapq.heappop(self._heap)
+            if self._is_live(entry):
+                best.append(self._waiting.pop(entry[2]))
         return best
 
     def _push(self, waiting: WaitingRequest) -> None:
@@ -147,6 +145,8 @@ class WaitingQueue:
             heapq.heapify(self._heap)
 
     def _is_live(self, entry: tuple[int, int, str]) -> bool:
+        """Its request still waits, and is the one the entry was pushed for (an
+        aborted request's entry stays behind; a later request may reuse the id)."""
         waiting = self._waiting.get(entry[2])
         return waiting is not None and waiting.request.arrival_index == entry[1]
 

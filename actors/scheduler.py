@@ -270,11 +270,12 @@ class Scheduler:
             self.block_manager.num_free_blocks,
             self.config.max_num_batched_tokens - len(self._running),
         )
-        if self._preemption_threshold is not None or self.is_idle:
+        is_idle = self.is_idle
+        if self._preemption_threshold is not None or is_idle:
             num_admissible = max(num_admissible, 1)
         if num_admissible <= 0:
             return None
-        return Pull(max_requests=num_admissible, wait=self.is_idle)
+        return Pull(max_requests=num_admissible, wait=is_idle)
 
     def schedule(self, pulled: list[WaitingRequest]) -> StepPlan:
         """Plan the next step from the running requests and the ``pulled`` ones."""
@@ -442,6 +443,8 @@ class Scheduler:
         """The running requests ``waiting`` must evict to start now, worst first:
         empty if it fits anyway, or if the requests it may evict do not make room."""
         assert self._preemption_threshold is not None
+        if num_tokens == 0:
+            return []  # no budget left: it cannot start whoever makes room
         num_blocks = self.block_manager.blocks_needed(num_tokens, 0)
         num_free_blocks = self.block_manager.num_free_blocks
         num_free_seats = self.config.max_num_seqs - len(self._running)
@@ -456,7 +459,7 @@ class Scheduler:
             victims.append(running)
             num_free_blocks += len(running.block_ids)
             num_free_seats += 1
-        if num_tokens == 0 or num_free_blocks < num_blocks or num_free_seats < 1:
+        if num_free_blocks < num_blocks or num_free_seats < 1:
             return []
         return victims
 
@@ -513,6 +516,8 @@ def _num_prefill_tokens(waiting: WaitingRequest) -> int:
 
 
 class _Outboxes:
+    """The scheduler actor's three outboxes, passed around as one."""
+
     def __init__(self, queue: trio.MemorySendChannel[Any], runner: trio.MemorySendChannel[Any],
                  detokenizer: trio.MemorySendChannel[Any]) -> None:
         self.queue = queue

@@ -27,6 +27,7 @@ class RequestStream:
         self._reader: trio.lowlevel.Task | None = None
 
     def publish(self, output: RequestOutput) -> None:
+        """Hand output to the reader, merged into what it has not read yet."""
         if self._pending is None:
             self._pending = output
         else:
@@ -34,6 +35,7 @@ class RequestStream:
         self._wake_reader()
 
     def fail(self, error: EngineError) -> None:
+        """End the stream: ``receive`` raises ``error`` once the pending output is read."""
         self._error = error
         self._wake_reader()
 
