@@ -8,7 +8,7 @@ the inbox until this one is done.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import trio
 
@@ -19,6 +19,16 @@ class Executor(Protocol):
     """What the runner drives: trio_llm.gpu.executor.ModelExecutor, or a test double."""
 
     def execute(self, batch: ScheduledBatch) -> StepResult: ...
+
+
+class PipelinedExecutor(Executor, Protocol):
+    """An executor that can have a step in flight while it launches the next
+    (gpu/cuda_executor.py). ``launch`` returns a pending step whose ``wait()``
+    blocks until ``collect`` can read its result."""
+
+    def launch(self, batch: ScheduledBatch) -> Any: ...
+
+    def collect(self, pending: Any) -> StepResult: ...
 
 
 async def run_runner(
@@ -35,7 +45,7 @@ async def run_runner(
     task_status.started()
     async with scheduler_outbox:
         if hasattr(executor, "launch"):
-            await _run_pipelined(inbox, scheduler_outbox, executor)
+            await _run_pipelined(inbox, scheduler_outbox, cast(PipelinedExecutor, executor))
             return
         async for batch in inbox:
             result = await trio.to_thread.run_sync(executor.execute, batch)
@@ -48,7 +58,7 @@ MAX_STEPS_IN_FLIGHT = 2
 
 async def _run_pipelined(inbox: trio.MemoryReceiveChannel[ScheduledBatch],
                          scheduler_outbox: trio.MemorySendChannel[SchedulerInbox],
-                         executor: Any) -> None:
+                         executor: PipelinedExecutor) -> None:
     """Launch each batch as soon as it arrives (while the previous step still runs on
     the device), and collect the steps in order in a second task."""
     send_pending, receive_pending = trio.open_memory_channel[Any](MAX_STEPS_IN_FLIGHT)
@@ -63,7 +73,7 @@ async def _run_pipelined(inbox: trio.MemoryReceiveChannel[ScheduledBatch],
 
     def wait_and_collect(pending: Any) -> StepResult:
         pending.wait()
-        return executor.collect(pending)  # type: ignore[no-any-return]
+        return executor.collect(pending)
 
     async def collect_each() -> None:
         async for pending in receive_pending:
