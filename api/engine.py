@@ -84,6 +84,7 @@ class Engine:
             finally:
                 await engine._drain()
                 nursery.cancel_scope.cancel()
+                gc.unfreeze()
         if actors.error is not None:
             raise actors.error
 
