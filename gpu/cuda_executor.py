@@ -377,15 +377,6 @@ class CudaModelExecutor(ModelExecutor):
         for pending in list(self._outstanding):
             self.collect(pending)
 
-    def _check_capacity(self, request_id: str, state: RequestState, context_len: int) -> None:
-        # the base check, with the position limit read once (a module attribute costs)
-        if context_len > len(state.block_ids) * self.block_size:
-            raise ValueError(f"request {request_id!r} needs {context_len} slots but has "
-                             f"{len(state.block_ids)} blocks of {self.block_size}")
-        if context_len > self._max_positions:
-            raise ValueError(f"request {request_id!r} reaches position {context_len - 1}, "
-                             f"beyond the model's {self._max_positions} positions")
-
     # -- host side: states, block table, inputs ------------------------------------------
 
     def _update_states_and_table(self, batch: ScheduledBatch) -> list[tuple[int, int, int]]:
