@@ -68,7 +68,7 @@ class Intake:
                                   param="priority")
         params = self._validated_params(submit.params)
         prompt_token_ids = self._prompt_token_ids(submit)
-        self._check_lengths(len(prompt_token_ids), params, _prompt_param(submit))
+        max_tokens = self._max_tokens(len(prompt_token_ids), params, _prompt_param(submit))
         stop_token_ids = self._stop_token_ids(params)
         arrival_index = self.num_admitted
         self.num_admitted += 1
@@ -78,7 +78,7 @@ class Intake:
             params=params,
             sampling=self._sampling_options(params, stop_token_ids, arrival_index),
             stop_token_ids=stop_token_ids,
-            max_tokens=params.max_tokens,
+            max_tokens=max_tokens,
             # Under fcfs a priority is accepted and ignored: normalised so that
             # nothing downstream orders by it by mistake.
             priority=submit.priority if self.config.scheduling_policy == "priority" else 0,
@@ -107,7 +107,7 @@ class Intake:
         return checked
 
     def _check_sampling_rules(self, params: SamplingParams) -> None:
-        if params.min_tokens > params.max_tokens:
+        if params.max_tokens is not None and params.min_tokens > params.max_tokens:
             raise RequestRejected(
                 f"min_tokens ({params.min_tokens}) must not exceed max_tokens "
                 f"({params.max_tokens})", param="min_tokens")
@@ -176,28 +176,44 @@ class Intake:
 
     # -- lengths ----------------------------------------------------------------
 
-    def _check_lengths(self, num_prompt_tokens: int, params: SamplingParams,
-                       prompt_param: str) -> None:
-        """Refuse what could never finish: over the context window, or over
-        the whole KV cache (it would wait in the queue forever)."""
+    def _max_tokens(self, num_prompt_tokens: int, params: SamplingParams,
+                    prompt_param: str) -> int:
+        """The request's output limit, resolved. Refuses what could never
+        finish: over the context window, or over the whole KV cache (it would
+        wait in the queue forever)."""
         limit = self.max_model_len
-        if num_prompt_tokens > limit:
+        if num_prompt_tokens >= limit:
             raise RequestRejected(
                 f"This model's maximum context length is {limit} tokens, but the prompt has "
-                f"{num_prompt_tokens} tokens", param=prompt_param)
-        num_total_tokens = num_prompt_tokens + params.max_tokens
+                f"{num_prompt_tokens} tokens, which leaves no room for output",
+                param=prompt_param)
+        if params.max_tokens is not None:
+            self._check_total(num_prompt_tokens, params.max_tokens, prompt_param)
+            return params.max_tokens
+        # No limit given: the rest of the context window, and of the KV cache.
+        max_tokens = min(limit, self.num_kv_tokens) - num_prompt_tokens
+        self._check_total(num_prompt_tokens, max(max_tokens, 1), prompt_param)
+        if params.min_tokens > max_tokens:
+            raise RequestRejected(
+                f"min_tokens ({params.min_tokens}) is more than the {max_tokens} tokens "
+                f"left after the prompt", param="min_tokens")
+        return max_tokens
+
+    def _check_total(self, num_prompt_tokens: int, max_tokens: int, prompt_param: str) -> None:
+        limit = self.max_model_len
+        num_total_tokens = num_prompt_tokens + max_tokens
         if num_total_tokens > limit:
             raise RequestRejected(
                 f"This model's maximum context length is {limit} tokens, but {num_total_tokens}"
                 f" were requested ({num_prompt_tokens} in the prompt, max_tokens "
-                f"{params.max_tokens}); lower max_tokens to at most {limit - num_prompt_tokens}",
+                f"{max_tokens}); lower max_tokens to at most {limit - num_prompt_tokens}",
                 param="max_tokens")
         if num_total_tokens > self.num_kv_tokens:
-            param = prompt_param if num_prompt_tokens > self.num_kv_tokens else "max_tokens"
+            param = prompt_param if num_prompt_tokens >= self.num_kv_tokens else "max_tokens"
             raise RequestRejected(
                 f"the KV cache holds {self.num_kv_tokens} tokens in all, but this request "
                 f"needs {num_total_tokens} ({num_prompt_tokens} in the prompt, max_tokens "
-                f"{params.max_tokens}): it could never be scheduled", param=param)
+                f"{max_tokens}): it could never be scheduled", param=param)
 
     # -- resolution ---------------------------------------------------------------
 

@@ -25,12 +25,13 @@ PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     """What a caller asks of one request; field names follow vLLM's SamplingParams.
 
-    ``top_k`` 0 or -1 and ``top_p`` 1.0 disable those filters; ``temperature`` 0
-    is greedy. ``seed`` None draws a seed from the engine's own seed at intake,
+    ``max_tokens`` None means as many as fit: the rest of the context window
+    (and of the KV cache). ``top_k`` 0 or -1 and ``top_p`` 1.0 disable those
+    filters; ``temperature`` 0 is greedy. ``seed`` None draws a seed from the engine's own seed at intake,
     so every request samples from randomness keyed by (seed, output position).
     """
 
-    max_tokens: PositiveInt = 16
+    max_tokens: PositiveInt | None = 16
     min_tokens: NonNegativeInt = 0
     temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
     top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0

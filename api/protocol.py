@@ -346,9 +346,11 @@ def requested_max_tokens(request: ChatCompletionRequest) -> int | None:
     return request.max_completion_tokens or request.max_tokens
 
 
-def chat_sampling_params(request: ChatCompletionRequest, *, max_tokens: int) -> SamplingParams:
-    """SamplingParams of a chat request; ``max_tokens`` is resolved by the caller
-    (the request's limit, else what is left of the context after the prompt)."""
+def chat_sampling_params(request: ChatCompletionRequest, *,
+                         max_tokens: int | None) -> SamplingParams:
+    """SamplingParams of a chat request. ``max_tokens`` None (no limit asked)
+    lets the reply fill what is left of the context, as OpenAI's does: the
+    engine's intake resolves it once it has the prompt's length."""
     _reject_unsupported(request)
     _reject_chat_unsupported(request)
     if request.top_logprobs is not None and not request.logprobs:
@@ -357,9 +359,9 @@ def chat_sampling_params(request: ChatCompletionRequest, *, max_tokens: int) -> 
     return _sampling_params(request, max_tokens=max_tokens, num_logprobs=num_logprobs)
 
 
-def _sampling_params(request: _GenerationFields, *, max_tokens: int,
+def _sampling_params(request: _GenerationFields, *, max_tokens: int | None,
                      num_logprobs: int | None) -> SamplingParams:
-    if request.min_tokens > max_tokens:
+    if max_tokens is not None and request.min_tokens > max_tokens:
         raise RequestRejected(f"min_tokens ({request.min_tokens}) is over max_tokens "
                               f"({max_tokens})", param="min_tokens")
     defaults = SamplingParams()

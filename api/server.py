@@ -136,8 +136,7 @@ class OpenAIServer:
         body = protocol.decode_request(await request.get_data(), protocol.ChatCompletionRequest)
         self._check_model(body.model)
         messages = protocol.chat_messages(body.messages)
-        max_tokens = protocol.requested_max_tokens(body) or self._context_left(messages)
-        params = protocol.chat_sampling_params(body, max_tokens=max_tokens)
+        params = protocol.chat_sampling_params(body, max_tokens=protocol.requested_max_tokens(body))
         builder = protocol.ChatBuilder(response_id=f"chatcmpl-{uuid.uuid4().hex}",
                                        model=self.model_name, token_text=self._token_text)
         outputs = self.engine.chat(messages, params, priority=body.priority,
@@ -200,15 +199,6 @@ class OpenAIServer:
                 if include_usage:
                     yield _sse_event(builder.usage_chunk())
                 yield SSE_DONE
-
-    def _context_left(self, messages: list[dict[str, str]]) -> int:
-        """Room after the rendered conversation: a chat reply without a limit may
-        fill the context, as OpenAI's does. At least 1, so that a conversation
-        too long for the model is refused by the engine, naming the prompt."""
-        tokenizer = self.engine.tokenizer
-        prompt = tokenizer.apply_chat_template(messages)
-        num_prompt_tokens = len(tokenizer.encode(prompt, add_special_tokens=False))
-        return max(1, self.engine.max_model_len - num_prompt_tokens)
 
     def _token_text(self, token_id: int) -> str:
         return self.engine.tokenizer.decode([token_id], skip_special_tokens=False)

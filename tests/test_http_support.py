@@ -188,7 +188,8 @@ class FakeRequest:
         self._request_id = request_id
         self._prompt_ids = prompt_ids
         self._params = params
-        self._num_tokens = min(params.max_tokens, engine.max_model_len - len(prompt_ids))
+        room = engine.max_model_len - len(prompt_ids)
+        self._num_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         self._index = -1
         self._ended = False
 

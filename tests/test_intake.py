@@ -137,6 +137,25 @@ def test_a_request_that_exactly_fits_is_admitted() -> None:
     assert len(request.prompt_token_ids) + request.max_tokens == NUM_KV_TOKENS
 
 
+@pytest.mark.parametrize(("max_model_len", "num_kv_tokens"), [(30, 1000), (1000, 30)])
+def test_no_max_tokens_means_the_room_left_in_context_and_cache(max_model_len: int,
+                                                                 num_kv_tokens: int) -> None:
+    intake = Intake(EngineConfig(), make_tokenizer(), max_model_len=max_model_len,
+                    num_kv_tokens=num_kv_tokens, vocab_size=300)
+    request = intake.admit(submit([1] * 12, params=SamplingParams(max_tokens=None)))
+    assert request.max_tokens == 30 - 12
+
+
+def test_no_max_tokens_still_refuses_a_prompt_that_leaves_no_room() -> None:
+    intake = Intake(EngineConfig(), make_tokenizer(), max_model_len=30, num_kv_tokens=1000,
+                    vocab_size=300)
+    error = rejection(intake, submit([1] * 30, params=SamplingParams(max_tokens=None)))
+    assert (error.param, "leaves no room for output" in error.message) == ("prompt", True)
+    error = rejection(intake, submit([1] * 12, params=SamplingParams(max_tokens=None,
+                                                                      min_tokens=20)))
+    assert error.param == "min_tokens"
+
+
 def test_rejections_do_not_use_up_arrival_indexes() -> None:
     intake = make_intake()
     first = intake.admit(submit())
