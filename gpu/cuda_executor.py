@@ -48,12 +48,11 @@ from trio_llm.actors.messages import ScheduledBatch, ScheduledRequest, StepResul
 from trio_llm.gpu.cuda_sampler import (
     DeviceSamplingInputs,
     SamplingPlan,
-    logprobs_on_host,
     sample_on_device,
 )
 from trio_llm.gpu.executor import ModelExecutor, RequestState
 from trio_llm.gpu.model import AttentionMetadata, CausalLM
-from trio_llm.gpu.sampler import SamplingRow
+from trio_llm.gpu.sampler import SamplingRow, raw_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -367,7 +366,7 @@ class CudaModelExecutor(ModelExecutor):
                 state.last_sampled_token_id = token_id
         logprobs = None
         if pending.logits is not None and pending.sampled is not None:
-            logprobs = logprobs_on_host(pending.logits, pending.sampled, pending.num_logprobs)
+            logprobs = raw_logprobs(pending.logits, pending.sampled, pending.num_logprobs)
         return StepResult(step_id=pending.step_id, request_ids=pending.request_ids,
                           sampled_token_ids=token_ids, logprobs=logprobs)
 

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import torch
 
-from trio_llm.actors.messages import TokenLogprobs
 from trio_llm.gpu.sampler import (
     MASK_32,
     MIN_SAMPLING_TEMPERATURE,
@@ -152,28 +151,3 @@ def exponential_noise_log(first_keys: torch.Tensor, second_keys: torch.Tensor,
                  ^ second_keys.unsqueeze(1))
     uniform = (bits.to(torch.float64) + 0.5) / 2.0**32
     return (-uniform.log()).log()
-
-
-def logprobs_on_host(logits: torch.Tensor, token_ids: torch.Tensor,
-                     num_logprobs: Sequence[int | None]) -> list[TokenLogprobs | None] | None:
-    """Logprobs of the raw distribution for the rows that asked; reads the device (call it
-    once the step is done)."""
-    wanted = [index for index, count in enumerate(num_logprobs) if count is not None]
-    if not wanted:
-        return None
-    index = torch.tensor(wanted, device=logits.device)
-    logprobs = logits[index].log_softmax(dim=-1)
-    chosen = logprobs.gather(1, token_ids[index].unsqueeze(1)).squeeze(1).tolist()
-    max_top = max(num_logprobs[i] or 0 for i in wanted)
-    top_values: list[list[float]] = [[] for _ in wanted]
-    top_ids: list[list[int]] = [[] for _ in wanted]
-    if max_top:
-        top = logprobs.topk(max_top, dim=-1)
-        top_values, top_ids = top.values.tolist(), top.indices.tolist()
-    result: list[TokenLogprobs | None] = [None] * len(num_logprobs)
-    for position, row_index in enumerate(wanted):
-        count = num_logprobs[row_index] or 0
-        result[row_index] = TokenLogprobs(logprob=chosen[position],
-                                          top_token_ids=top_ids[position][:count],
-                                          top_logprobs=top_values[position][:count])
-    return result
