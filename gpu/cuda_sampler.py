@@ -23,6 +23,7 @@ from trio_llm.gpu.sampler import (
     SamplingRow,
     _apply_min_p,
     _apply_top_k_top_p,
+    banned_positions,
     mix32,
     mix32_int,
 )
@@ -61,14 +62,7 @@ class SamplingPlan:
                         for row in rows]
         sampled = [row for row, temperature in zip(rows, temperatures, strict=True)
                    if temperature > 0]
-        banned_rows: list[int] = []
-        banned_token_ids: list[int] = []
-        for index, row in enumerate(rows):
-            if row.output_index < row.options.min_tokens:
-                banned = [token_id for token_id in row.options.banned_token_ids
-                          if 0 <= token_id < vocab_size]
-                banned_rows += [index] * len(banned)
-                banned_token_ids += banned
+        banned_rows, banned_token_ids = banned_positions(rows, vocab_size)
         any_top_k_top_p = any(0 < row.options.top_k < vocab_size or row.options.top_p < 1.0
                               for row in sampled)
         any_min_p = any(row.options.min_p > 0.0 for row in sampled)
