@@ -3,7 +3,9 @@
 It never decides anything: the scheduler chose the batch. On the CPU the model
 runs in a worker thread so the trio thread stays free for the other actors;
 the scheduler may already have sent the next batch (depth 2), which waits in
-the inbox until this one is done.
+the inbox until this one is done. On CUDA (a PipelinedExecutor) the runner
+launches step N+1 from the trio thread while step N computes, and only waits
+for the device in a worker thread.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ class Executor(Protocol):
 
 class PipelinedExecutor(Executor, Protocol):
     """An executor that can have a step in flight while it launches the next
-    (gpu/cuda_executor.py). ``launch`` returns a pending step whose ``wait()``
-    blocks until ``collect`` can read its result."""
+    (gpu/cuda_executor.py). ``launch`` enqueues a step and returns at once a pending
+    step whose ``is_ready()`` polls and ``wait()`` blocks until ``collect`` can read
+    its result without waiting."""
 
     def launch(self, batch: ScheduledBatch) -> Any: ...
 
@@ -60,7 +63,14 @@ async def _run_pipelined(inbox: trio.MemoryReceiveChannel[ScheduledBatch],
                          scheduler_outbox: trio.MemorySendChannel[SchedulerInbox],
                          executor: PipelinedExecutor) -> None:
     """Launch each batch as soon as it arrives (while the previous step still runs on
-    the device), and collect the steps in order in a second task."""
+    the device), and collect the steps in order in a second task.
+
+    Launch and collect run on the trio thread: launching only enqueues device work, and
+    a worker thread doing it would contend for the GIL with the scheduler and the
+    detokenizer (every torch call releases and retakes it, and each retake can wait a
+    whole switch interval behind the trio thread). Only the wait for a step's event,
+    which holds no GIL, goes to a worker thread.
+    """
     send_pending, receive_pending = trio.open_memory_channel[Any](MAX_STEPS_IN_FLIGHT)
     free_slots = trio.Semaphore(MAX_STEPS_IN_FLIGHT)
 
@@ -68,16 +78,13 @@ async def _run_pipelined(inbox: trio.MemoryReceiveChannel[ScheduledBatch],
         async with send_pending:
             async for batch in inbox:
                 await free_slots.acquire()
-                pending = await trio.to_thread.run_sync(executor.launch, batch)
-                await send_pending.send(pending)
-
-    def wait_and_collect(pending: Any) -> StepResult:
-        pending.wait()
-        return executor.collect(pending)
+                await send_pending.send(executor.launch(batch))
 
     async def collect_each() -> None:
         async for pending in receive_pending:
-            result = await trio.to_thread.run_sync(wait_and_collect, pending)
+            if not pending.is_ready():
+                await trio.to_thread.run_sync(pending.wait)
+            result = executor.collect(pending)
             free_slots.release()
             await scheduler_outbox.send(result)
 

@@ -33,7 +33,6 @@ which is how its bookkeeping is tested without a GPU.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -269,8 +268,6 @@ class CudaModelExecutor(ModelExecutor):
         self._max_positions = model.rotary.max_positions
         self.graphs: dict[int, CapturedGraph] = {}
         self._started = False
-        # launches may come from several worker threads; collect runs beside them
-        self._lock = threading.Lock()
 
     @classmethod
     def create(cls, config: EngineConfig) -> CudaModelExecutor:
@@ -320,10 +317,9 @@ class CudaModelExecutor(ModelExecutor):
     def launch(self, batch: ScheduledBatch) -> PendingStep:
         """Enqueue one step and return at once; at most two steps may be outstanding."""
         started = time.perf_counter()
-        with self._lock:
-            pending = self._launch(batch)
-            self.stats.launch_seconds += time.perf_counter() - started
-            return pending
+        pending = self._launch(batch)
+        self.stats.launch_seconds += time.perf_counter() - started
+        return pending
 
     def _launch(self, batch: ScheduledBatch) -> PendingStep:
         assert self._started, "call start() (or build with create()) first"
@@ -347,8 +343,6 @@ class CudaModelExecutor(ModelExecutor):
             return StepResult(step_id=pending.step_id, request_ids=[], sampled_token_ids=[])
         pending.wait()
         started = time.perf_counter()
-        # No lock: a launch running meanwhile reads a request's host-side token only for
-        # steps collected before it was launched (the device copy covers the others).
         result = self._collect(pending)
         self.stats.collect_seconds += time.perf_counter() - started
         return result
