@@ -43,7 +43,13 @@ import numpy as np
 import torch
 
 from trio_llm.actors.config import EngineConfig
-from trio_llm.actors.messages import ScheduledBatch, ScheduledRequest, StepResult
+from trio_llm.actors.messages import (
+    NewRequestData,
+    SamplingOptions,
+    ScheduledBatch,
+    ScheduledRequest,
+    StepResult,
+)
 from trio_llm.gpu.cuda_sampler import (
     DeviceSamplingInputs,
     SamplingPlan,
@@ -67,6 +73,10 @@ INT_SEGMENTS = ("token_ids", "positions", "slot_mapping", "context_lens", "query
                 "update_rows", "update_columns", "update_block_ids", "top_ks", "seed_keys",
                 "output_indices", "banned_rows", "banned_token_ids")
 FLOAT_SEGMENTS = ("temperatures", "top_ps", "min_ps")
+# Segments start at multiples of this many elements (16 bytes or more). Triton compiles
+# a kernel variant per pattern of 16-byte-aligned pointer arguments: views at arbitrary
+# offsets would compile new variants in the middle of a run.
+SEGMENT_ALIGNMENT = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,6 +315,8 @@ class CudaModelExecutor(ModelExecutor):
         self.stats = ExecutorStatistics()
         self._started = True
         self._report_kv_cache()
+        if options.use_fused_kernels:
+            self._warm_up()
         if options.use_cuda_graphs:
             self._capture_graphs()
 
@@ -590,7 +602,9 @@ class CudaModelExecutor(ModelExecutor):
     def _replay_graph(self, batch_size: int, ints: Segments) -> torch.Tensor:
         inputs = self._graph_inputs
         # token ids, positions, slots and context lengths: the first four segments, padded
-        inputs.per_token[:, :batch_size].copy_(ints.prefix(4 * batch_size).view(4, batch_size))
+        stride = _aligned(batch_size)
+        inputs.per_token[:, :batch_size].copy_(
+            ints.prefix(4 * stride).view(4, stride)[:, :batch_size])
         torch.index_select(self.block_table, 0, ints["table_rows"],
                            out=inputs.block_tables[:batch_size])
         self._gather_previous_tokens(inputs.per_token[0], ints)
@@ -648,6 +662,26 @@ class CudaModelExecutor(ModelExecutor):
                     self.num_kv_blocks, self.block_size, num_tokens,
                     num_tokens * bytes_per_token / GIB, self.device)
 
+    def _warm_up(self) -> None:
+        """One eager prefill step with sampling, so that Triton compiles the eager path's
+        kernels at start-up rather than during the first request. (It writes KV cache
+        block 0, which holds nothing yet.)"""
+        started = time.perf_counter()
+        request_id = "warm-up"
+        sampling = SamplingOptions(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, seed=0,
+                                   num_logprobs=None, min_tokens=0, banned_token_ids=[])
+        num_tokens = min(self.block_size, self.max_model_len)
+        batch = ScheduledBatch(
+            step_id=-1, new_requests=[NewRequestData(request_id=request_id, sampling=sampling)],
+            requests=[ScheduledRequest(request_id=request_id, token_ids=[0] * num_tokens,
+                                       input_from_previous_step=False, num_computed_tokens=0,
+                                       new_block_ids=[0], sample=True, output_index=0)],
+            finished_request_ids=[], num_tokens=num_tokens)
+        self.collect(self.launch(batch))
+        self._forget(request_id)
+        self.stats = ExecutorStatistics()
+        logger.info("warmed up the eager path in %.1f s", time.perf_counter() - started)
+
     def _capture_graphs(self) -> None:
         sizes = sorted({size for size in GRAPH_BATCH_SIZES if size < self.options.max_num_seqs}
                        | {self.options.max_num_seqs}, reverse=True)
@@ -704,8 +738,12 @@ def _offsets(lengths: dict[str, int]) -> dict[str, tuple[int, int]]:
     start = 0
     for name, length in lengths.items():
         offsets[name] = (start, length)
-        start += length
+        start += _aligned(length)
     return offsets
+
+
+def _aligned(length: int) -> int:
+    return -(-length // SEGMENT_ALIGNMENT) * SEGMENT_ALIGNMENT
 
 
 def _end(offsets: dict[str, tuple[int, int]]) -> int:

@@ -24,6 +24,7 @@ from trio_llm.actors.messages import (  # noqa: E402
     ScheduledBatch,
     ScheduledRequest,
 )
+from trio_llm.gpu import cuda_executor  # noqa: E402
 from trio_llm.gpu.builtin import resolve_model  # noqa: E402
 from trio_llm.gpu.cuda_executor import CudaExecutorOptions, CudaModelExecutor  # noqa: E402
 from trio_llm.gpu.executor import ModelExecutor  # noqa: E402
@@ -135,6 +136,24 @@ def test_depth_2_on_the_cpu_gives_the_plain_executors_tokens():
     assert_same_results(results, expected)
     assert [len(r.sampled_token_ids) for r in results] == [1, 2, 2, 3, 2, 2]
     assert "a" not in pipelined.requests  # finished requests are forgotten
+
+
+def test_the_start_up_warm_up_leaves_no_trace():
+    cpu = torch.device("cpu")
+    expected = run_depth_1(build(ModelExecutor, cpu), scripted_batches())
+    pipelined = build(CudaModelExecutor, cpu, use_cuda_graphs=False, use_fused_kernels=False)
+    pipelined._warm_up()
+    assert not pipelined.requests and pipelined.stats.num_steps == 0
+    assert_same_results(run_depth_2(pipelined, scripted_batches()), expected)
+
+
+def test_every_upload_segment_starts_16_byte_aligned():
+    """Triton specialises kernels on 16-byte-aligned pointers: misaligned views of the
+    upload would compile new kernel variants mid-run."""
+    offsets = cuda_executor._offsets({"a": 3, "b": 1, "c": 0, "d": 5, "e": 2})
+    assert [start for start, _ in offsets.values()] == [0, 4, 8, 8, 16]
+    assert cuda_executor._end(offsets) == 18
+    assert all(start * 4 % 16 == 0 for start, _ in offsets.values())
 
 
 def test_a_third_launch_without_a_collect_is_refused():
