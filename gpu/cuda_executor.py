@@ -139,10 +139,12 @@ class Lane:
         """Make this the current torch stream (a no-op on the CPU)."""
         return torch.cuda.stream(self.torch_stream) if self.torch_stream else nullcontext()
 
-    def record(self, *, timing: bool = False) -> Event:
+    def record(self, *, timing: bool = False, blocking: bool = False) -> Event:
+        """``blocking``: a host thread waiting for it sleeps instead of spinning (a
+        spinning wait slows the CUDA calls of the thread that launches the next step)."""
         if self._cupy_stream is None:
             return DoneEvent()
-        event = self._cupy.cuda.Event(block=False, disable_timing=not timing)
+        event = self._cupy.cuda.Event(block=blocking, disable_timing=not timing)
         event.record(self._cupy_stream)
         return event  # type: ignore[no-any-return]
 
@@ -549,7 +551,7 @@ class CudaModelExecutor(ModelExecutor):
             self.download.wait(slot.compute_done)
             slot.host_sampled[:num_rows].copy_(self.device_sampled[slot.index, :num_rows],
                                                non_blocking=True)
-            slot.download_done = self.download.record()
+            slot.download_done = self.download.record(blocking=True)
         return PendingStep(step_id=step.step_id, request_ids=step.sampled_request_ids,
                            done=slot.download_done, slot=slot, logits=kept_logits,
                            sampled=sampled if wants_logprobs else None,
