@@ -10,12 +10,17 @@ activations. These kernels do the same arithmetic in three:
   qkv projection's output;
 - ``silu_and_mul``: SwiGLU.
 
+Linear layers fed at most ``MAX_GEMV_ROWS`` rows (small decode steps) run through
+gpu/triton_gemv.py's ``gemv``, which streams the weights faster than cuBLAS does
+at that size.
+
 Each kernel rounds where the torch model rounds (to the activation dtype after
 the norm, after the weight, after each rotary product), so the fused model
 computes the same function up to the order of float32 sums.
 
 ``fuse_model(model)`` makes a loaded CausalLM run its forward through these
-kernels (and the Triton attention backend), keeping its weights.
+kernels (and the Triton attention backend, and on CUDA ``gemv``), keeping its
+weights.
 """
 
 from __future__ import annotations
@@ -24,10 +29,13 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from torch import nn
 
 from trio_llm.gpu import triton_attention
 from trio_llm.gpu.attention import AttentionBackend
+from trio_llm.gpu.layers import Linear
 from trio_llm.gpu.model import AttentionMetadata, CausalLM, KVCache
+from trio_llm.gpu.triton_gemv import MAX_GEMV_ROWS, gemv
 
 SILU_BLOCK = 1024
 
@@ -248,13 +256,33 @@ class FusedCausalLM(CausalLM):
         return attention.o_proj(attended.view(hidden.shape[0], attention.q_size))
 
 
+class GemvLinear(Linear):
+    """A Linear that multiplies at most MAX_GEMV_ROWS rows with ``gemv``; larger
+    batches, and row-chunked (batch-invariant) layers, go through ``Linear``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] <= MAX_GEMV_ROWS and not self.num_rows_per_chunk:
+            return gemv(x, self.weight, self.bias)
+        return super().forward(x)
+
+
+def use_gemv(module: nn.Module) -> None:
+    """Make every Linear in ``module`` (itself included) a GemvLinear, in place."""
+    for submodule in module.modules():
+        if type(submodule) is Linear:
+            submodule.__class__ = GemvLinear
+
+
 def fuse_model(model: CausalLM) -> CausalLM:
     """Run ``model`` through the fused kernels and Triton attention, in place; returns it.
 
     Its weights, caches layout and outputs stay as they were: only the forward
-    changes. Batch-invariant (row-chunked) linears are left as configured.
+    changes. On CUDA its linear layers (the lm_head too) take small batches through
+    ``gemv``. Batch-invariant (row-chunked) linears are left as configured.
     """
     model.__class__ = FusedCausalLM
     model.attention_backend = AttentionBackend(
         "triton", triton_attention.write_kv_cache, triton_attention.paged_attention)
+    if model.device.type == "cuda":
+        use_gemv(model)
     return model
