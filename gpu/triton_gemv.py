@@ -1,0 +1,154 @@
+"""A memory-bound Triton GEMV for the few rows of a decode step.
+
+At batch 1 a linear layer does two flops per weight it reads, so its time is
+the time to stream the weights, and there cuBLAS reaches about 80% of the
+H200's bandwidth. ``gemv(x, weight, bias)`` computes ``x W^T + b`` for at most
+``MAX_GEMV_ROWS`` rows of ``x``:
+
+- each program owns ``block_n`` outputs and walks the whole of K, loading each
+  weight tile once and using it for every row: the weights cross the memory bus
+  exactly once, and no two programs write the same output (no atomics, no
+  split-K), so the result is the same run to run;
+- a program is one warp, so a tile's products are summed within the warp (no
+  barrier per step), and the activations load straight into the layout the
+  weight tile's columns have;
+- a row's products are summed in float32 in an order fixed by the launch
+  configuration alone, which depends on (N, K), never on the number of rows, and
+  each row has its own accumulator: row i of ``gemv(x[:m])`` is bitwise row i of
+  ``gemv(x)`` (batch invariant);
+- the configuration comes from a small rule on (N, K), not from autotuning: the
+  kernels are captured into CUDA graphs, and the interpreter is too slow to tune.
+  ``CANDIDATES`` holds the rules that benchmarks/gemv_bench.py compares.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_GEMV_ROWS = 8
+# The rule ``gemv`` uses unless told otherwise; see CANDIDATES.
+DEFAULT_CANDIDATE = "direct"
+# One-warp programs wanted per launch: about eight per SM of an H200 (132 SMs),
+# so that every SM streams and the last SM to finish is at most one program late.
+MIN_PROGRAMS = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class GemvConfig:
+    """One launch of ``_gemv_kernel``: outputs per program, the K tile, warps, and how
+    many K tiles the compiler keeps in flight (1: plain loads, no software pipeline)."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, weight_ptr, bias_ptr, out_ptr, N, K, x_row_stride, weight_row_stride,
+                 NUM_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+    outputs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    output_mask = outputs < N
+    columns = tl.arange(0, BLOCK_K)
+    weight_rows = weight_ptr + outputs.to(tl.int64)[:, None] * weight_row_stride
+    # One accumulator per row, each updated by the same code whatever NUM_ROWS is.
+    sums = (tl.zeros([BLOCK_N], dtype=tl.float32),) * NUM_ROWS
+    # num_stages on the loop itself: the pipeliner only prefetches loads that feed
+    # no tl.dot when the loop asks for it.
+    for start in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        k = start + columns
+        k_mask = k < K
+        # Each weight is read once: let it leave the caches first, the activations last.
+        weight = tl.load(weight_rows + k[None, :], mask=output_mask[:, None] & k_mask[None, :],
+                         other=0.0, eviction_policy="evict_first").to(tl.float32)
+        for row in tl.static_range(NUM_ROWS):
+            x = tl.load(x_ptr + row * x_row_stride + k, mask=k_mask, other=0.0,
+                        eviction_policy="evict_last").to(tl.float32)
+            row_sum = sums[row] + tl.sum(weight * x[None, :], axis=1)
+            sums = sums[:row] + (row_sum,) + sums[row + 1:]
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + outputs, mask=output_mask, other=0.0).to(tl.float32)
+    for row in tl.static_range(NUM_ROWS):
+        result = sums[row]
+        if HAS_BIAS:
+            result += bias
+        tl.store(out_ptr + row * N + outputs, result.to(out_ptr.dtype.element_ty),
+                 mask=output_mask)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+         config: GemvConfig | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for ``x`` [num_rows <= MAX_GEMV_ROWS, K] and
+    ``weight`` [N, K]: float32 sums, the result [num_rows, N] in ``x``'s dtype.
+
+    ``config`` overrides the default rule (benchmarks and tests).
+    """
+    num_rows, num_inputs = x.shape
+    num_outputs = weight.shape[0]
+    assert num_rows <= MAX_GEMV_ROWS and weight.shape[1] == num_inputs
+    assert weight.dtype == x.dtype and weight.stride(1) == 1
+    out = torch.empty((num_rows, num_outputs), dtype=x.dtype, device=x.device)
+    if num_rows == 0 or num_outputs == 0:
+        return out
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    config = config or gemv_config(num_outputs, num_inputs)
+    _gemv_kernel[(triton.cdiv(num_outputs, config.block_n),)](
+        x, weight, bias if bias is not None else weight, out, num_outputs, num_inputs,
+        x.stride(0), weight.stride(0), NUM_ROWS=num_rows, HAS_BIAS=bias is not None,
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, NUM_STAGES=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages)
+    return out
+
+
+def gemv_config(num_outputs: int, num_inputs: int,
+                candidate: str = DEFAULT_CANDIDATE) -> GemvConfig:
+    """The launch for an [N = num_outputs, K = num_inputs] weight under one of
+    ``CANDIDATES``; it never depends on the number of rows (batch invariance)."""
+    return CANDIDATES[candidate](num_outputs, num_inputs)
+
+
+def _block_n(num_outputs: int, widest: int) -> int:
+    """The widest power of two up to ``widest`` that still makes MIN_PROGRAMS programs."""
+    block_n = widest
+    while block_n > 1 and triton.cdiv(num_outputs, block_n) < MIN_PROGRAMS:
+        block_n //= 2
+    return block_n
+
+
+def _block_k(num_inputs: int, widest: int) -> int:
+    return min(widest, max(16, triton.next_power_of_2(num_inputs)))
+
+
+# A one-warp program covers 256 bf16 columns with one 16-byte load per lane, so a
+# K tile of 512 or 1024 gives each lane 2 or 4 loads per output row, all issued
+# before the first is used. Plain loads keep the activations in L1, where the
+# next program on the SM finds them; the pipelined candidate copies them (like
+# the weights) through L2 into shared memory for every program.
+
+def _direct(num_outputs: int, num_inputs: int) -> GemvConfig:
+    """Plain loads of an [up to 4, 1024] tile: up to 16 loads per lane in flight, and
+    the other programs on the SM stream while this one sums."""
+    return GemvConfig(_block_n(num_outputs, 4), _block_k(num_inputs, 1024), num_warps=1,
+                      num_stages=1)
+
+
+def _direct_512(num_outputs: int, num_inputs: int) -> GemvConfig:
+    """As ``direct`` with half the tile: fewer registers, so more programs per SM."""
+    return GemvConfig(_block_n(num_outputs, 4), _block_k(num_inputs, 512), num_warps=1,
+                      num_stages=1)
+
+
+def _pipelined(num_outputs: int, num_inputs: int) -> GemvConfig:
+    """An [up to 4, 512] tile copied asynchronously into shared memory two steps ahead,
+    so its loads stay in flight while the program sums."""
+    return GemvConfig(_block_n(num_outputs, 4), _block_k(num_inputs, 512), num_warps=1,
+                      num_stages=3)
+
+
+CANDIDATES = {"direct": _direct, "direct_512": _direct_512, "pipelined": _pipelined}
