@@ -37,6 +37,7 @@ for part in "$@"; do
     throughput-*) run "$part" 300 python3 benchmarks/gpu_bench.py throughput --model "qwen3-${part#throughput-}" ;;
     transformers-*) run "$part" 240 python3 benchmarks/gpu_bench.py transformers --model "qwen3-${part#transformers-}" --time-limit 120 ;;
     kernels) run kernels 120 python3 benchmarks/kernel_bench.py ;;
+    gemv) run gemv 120 python3 benchmarks/gemv_bench.py ;;
     serve-*) serve_bench "qwen3-${part#serve-}" ;;
     *) echo "unknown part $part" ;;
   esac
