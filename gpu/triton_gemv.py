@@ -30,8 +30,9 @@ import triton
 import triton.language as tl
 
 MAX_GEMV_ROWS = 8
-# The rule ``gemv`` uses unless told otherwise; see CANDIDATES.
-DEFAULT_CANDIDATE = "direct"
+# The rule ``gemv`` uses unless told otherwise; see CANDIDATES. Fastest at one row in
+# captured decode graphs on the H200 (benchmarks/gemv_graph_ab.py, docs/performance.md).
+DEFAULT_CANDIDATE = "direct_512"
 # One-warp programs wanted per launch: about eight per SM of an H200 (132 SMs),
 # so that every SM streams and the last SM to finish is at most one program late.
 MIN_PROGRAMS = 1024

@@ -10,7 +10,7 @@ activations. These kernels do the same arithmetic in three:
   qkv projection's output;
 - ``silu_and_mul``: SwiGLU.
 
-Linear layers fed at most ``MAX_GEMV_ROWS`` rows (small decode steps) run through
+Linear layers fed a single row (single-stream decode) run through
 gpu/triton_gemv.py's ``gemv``, which streams the weights faster than cuBLAS does
 at that size.
 
@@ -35,7 +35,7 @@ from trio_llm.gpu import triton_attention
 from trio_llm.gpu.attention import AttentionBackend
 from trio_llm.gpu.layers import Linear
 from trio_llm.gpu.model import AttentionMetadata, CausalLM, KVCache
-from trio_llm.gpu.triton_gemv import MAX_GEMV_ROWS, gemv
+from trio_llm.gpu.triton_gemv import gemv
 
 SILU_BLOCK = 1024
 
@@ -256,12 +256,18 @@ class FusedCausalLM(CausalLM):
         return attention.o_proj(attended.view(hidden.shape[0], attention.q_size))
 
 
+# Rows up to which GemvLinear uses gemv. Measured on the H200 inside captured decode
+# graphs (benchmarks/gemv_graph_ab.py): at 1 row gemv beats cuBLAS (qwen3-8b 4.28 vs
+# 4.51 ms a step, qwen3-0.6b 0.87 vs 1.30), at 8 rows cuBLAS wins (4.76 vs 7.96 ms).
+GEMV_ROWS = 1
+
+
 class GemvLinear(Linear):
-    """A Linear that multiplies at most MAX_GEMV_ROWS rows with ``gemv``; larger
-    batches, and row-chunked (batch-invariant) layers, go through ``Linear``."""
+    """A Linear that multiplies at most GEMV_ROWS rows with ``gemv``; larger batches,
+    and row-chunked (batch-invariant) layers, go through ``Linear``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] <= MAX_GEMV_ROWS and not self.num_rows_per_chunk:
+        if x.dim() == 2 and x.shape[0] <= GEMV_ROWS and not self.num_rows_per_chunk:
             return gemv(x, self.weight, self.bias)
         return super().forward(x)
 

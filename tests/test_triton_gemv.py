@@ -138,15 +138,16 @@ def test_gemv_linear_takes_only_small_unchunked_batches(monkeypatch, large_block
     triton_layers.use_gemv(linear)
     assert isinstance(linear, triton_layers.GemvLinear)
     calls = count_gemv_calls(monkeypatch)
-    x = random(MAX_GEMV_ROWS + 1, NUM_INPUTS, seed=15, dtype=torch.float32)
+    rows = triton_layers.GEMV_ROWS
+    x = random(rows + 1, NUM_INPUTS, seed=15, dtype=torch.float32)
     with torch.no_grad():
-        out = linear(x[:MAX_GEMV_ROWS])
-        assert calls == [MAX_GEMV_ROWS]
-        assert relative_error(out, F.linear(x[:MAX_GEMV_ROWS], linear.weight, linear.bias)) < 1e-5
+        out = linear(x[:rows])
+        assert calls == [rows]
+        assert relative_error(out, F.linear(x[:rows], linear.weight, linear.bias)) < 1e-5
         assert torch.equal(linear(x), F.linear(x, linear.weight, linear.bias))
         linear.num_rows_per_chunk = 4  # batch-invariant mode keeps its row chunks
-        assert torch.equal(linear(x[:2]), chunked_linear(x[:2], linear.weight, linear.bias, 4))
-    assert calls == [MAX_GEMV_ROWS]
+        assert torch.equal(linear(x[:1]), chunked_linear(x[:1], linear.weight, linear.bias, 4))
+    assert calls == [rows]
 
 
 def tiny_model() -> CausalLM:
@@ -161,6 +162,7 @@ def test_fused_model_with_gemv_matches_the_plain_model_on_a_decode_batch(
     for model in (plain, fused):
         model.set_batch_invariant(False)  # the CPU default chunks rows and skips gemv
     calls = count_gemv_calls(monkeypatch)
+    monkeypatch.setattr(triton_layers, "GEMV_ROWS", MAX_GEMV_ROWS)  # the kernel at 3 rows
     # three decode tokens at positions 3, 6 and 2, their earlier positions cached
     token_ids = torch.tensor([5, 17, 300], device=DEVICE)
     positions = torch.tensor([3, 6, 2], device=DEVICE)
