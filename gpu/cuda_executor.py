@@ -140,8 +140,8 @@ class Lane:
         return torch.cuda.stream(self.torch_stream) if self.torch_stream else nullcontext()
 
     def record(self, *, timing: bool = False, blocking: bool = False) -> Event:
-        """``blocking``: a host thread waiting for it sleeps instead of spinning (a
-        spinning wait slows the CUDA calls of the thread that launches the next step)."""
+        """``blocking``: a host thread waiting for it sleeps instead of spinning on a
+        core (measured: 10.5 -> 4.8 ms of process CPU per step in workload (a))."""
         if self._cupy_stream is None:
             return DoneEvent()
         event = self._cupy.cuda.Event(block=blocking, disable_timing=not timing)
