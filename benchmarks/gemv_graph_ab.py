@@ -46,7 +46,7 @@ def main() -> None:
         config = gpu_bench.engine_config(model, depth=2, max_num_seqs=8, num_kv_blocks=1024,
                                          max_model_len=4096)
         executor = gpu_bench.create_executor(config)
-        for rule in ("cublas", "direct", "direct_512", "pipelined", "small"):
+        for rule in ("cublas", "direct", "direct_512", "pipelined", "one_output", "small"):
             triton_layers.GemvLinear.forward = rule_forward(rule)
             executor.graphs.clear()
             executor._capture_graphs()

@@ -32,7 +32,7 @@ import triton.language as tl
 MAX_GEMV_ROWS = 8
 # The rule ``gemv`` uses unless told otherwise; see CANDIDATES. Fastest at one row in
 # captured decode graphs on the H200 (benchmarks/gemv_graph_ab.py, docs/performance.md).
-DEFAULT_CANDIDATE = "direct_512"
+DEFAULT_CANDIDATE = "one_output"
 # One-warp programs wanted per launch: about eight per SM of an H200 (132 SMs),
 # so that every SM streams and the last SM to finish is at most one program late.
 MIN_PROGRAMS = 1024
@@ -152,4 +152,11 @@ def _pipelined(num_outputs: int, num_inputs: int) -> GemvConfig:
                       num_stages=3)
 
 
-CANDIDATES = {"direct": _direct, "direct_512": _direct_512, "pipelined": _pipelined}
+def _one_output(num_outputs: int, num_inputs: int) -> GemvConfig:
+    """One output per program, plain loads of a 1024-wide K tile: the most programs,
+    so the most loads in flight across the SMs."""
+    return GemvConfig(1, _block_k(num_inputs, 1024), num_warps=1, num_stages=1)
+
+
+CANDIDATES = {"direct": _direct, "direct_512": _direct_512, "pipelined": _pipelined,
+              "one_output": _one_output}

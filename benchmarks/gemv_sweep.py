@@ -1,0 +1,71 @@
+"""Sweep gemv launch configurations inside a captured batch-1 decode graph.
+
+    python3 benchmarks/gemv_sweep.py [--model qwen3-8b]
+
+Each configuration (widest outputs per program, K tile, warps, stages) replaces
+the rule for every single-row linear layer; the decode graph is captured again and
+its replay timed (device time, median). Also reports the executor's device time
+per decode step (CUDA events around each step's compute: the graph plus the work
+outside it). Writes $OUT/gemv_sweep.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import gpu_bench  # benchmarks/ is on sys.path when run as a script
+
+from trio_llm.gpu import triton_gemv, triton_layers
+from trio_llm.gpu.layers import Linear
+
+SWEEP = [(4, 512, 1, 1), (4, 256, 1, 1), (2, 512, 1, 1), (8, 512, 1, 1), (8, 256, 1, 1),
+         (4, 1024, 2, 1), (8, 512, 2, 1), (4, 512, 1, 2), (2, 1024, 1, 1), (1, 1024, 1, 1),
+         (4, 512, 1, 3), (8, 1024, 2, 1)]
+
+
+def forward_with(widest: int, block_k: int, num_warps: int, num_stages: int):
+    def forward(self, x):
+        if x.dim() != 2 or x.shape[0] > triton_layers.GEMV_ROWS:
+            return Linear.forward(self, x)
+        num_outputs, num_inputs = self.weight.shape
+        config = triton_gemv.GemvConfig(triton_gemv._block_n(num_outputs, widest),
+                                        triton_gemv._block_k(num_inputs, block_k),
+                                        num_warps, num_stages)
+        return triton_gemv.gemv(x, self.weight, self.bias, config=config)
+    return forward
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="qwen3-8b")
+    args = parser.parse_args()
+    config = gpu_bench.engine_config(args.model, depth=2, max_num_seqs=1, num_kv_blocks=1024,
+                                     max_model_len=4096)
+    executor = gpu_bench.create_executor(config, measure_device_time=True)
+    results: dict[str, object] = {"model": args.model,
+                                  "default graph": gpu_bench.graph_replay_ms(executor, 1)}
+    compute_before, steps_before = executor.stats.device_compute_seconds, executor.stats.num_steps
+    results["executor depth 2 ms/token"] = gpu_bench.executor_decode_ms_per_token(
+        executor, depth=2, request_id="sweep")
+    num_steps = executor.stats.num_steps - steps_before
+    results["device compute ms per step (events, prefill included)"] = (
+        1000 * (executor.stats.device_compute_seconds - compute_before) / num_steps)
+    print(results, flush=True)
+    for combo in SWEEP:
+        try:
+            triton_layers.GemvLinear.forward = forward_with(*combo)
+            executor.graphs.clear()
+            executor._capture_graphs()
+            replay: object = gpu_bench.graph_replay_ms(executor, 1)
+        except Exception as error:  # one failing configuration must not end the sweep
+            replay = repr(error)[:200]
+        results[str(combo)] = replay
+        print(combo, replay, flush=True)
+    Path(os.environ.get("OUT", "."), "gemv_sweep.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
