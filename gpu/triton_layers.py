@@ -10,7 +10,7 @@ activations. These kernels do the same arithmetic in three:
   qkv projection's output;
 - ``silu_and_mul``: SwiGLU.
 
-Linear layers fed a single row (single-stream decode) run through
+Linear layers fed one or two rows (decode of one or two streams) run through
 gpu/triton_gemv.py's ``gemv``, which streams the weights faster than cuBLAS does
 at that size.
 
@@ -257,9 +257,10 @@ class FusedCausalLM(CausalLM):
 
 
 # Rows up to which GemvLinear uses gemv. Measured on the H200 inside captured decode
-# graphs (benchmarks/gemv_graph_ab.py): at 1 row gemv beats cuBLAS (qwen3-8b 4.28 vs
-# 4.51 ms a step, qwen3-0.6b 0.87 vs 1.30), at 8 rows cuBLAS wins (4.76 vs 7.96 ms).
-GEMV_ROWS = 1
+# graphs (benchmarks/gemv_graph_ab.py, docs/performance.md): at 1 and 2 rows gemv
+# beats cuBLAS (qwen3-8b 4.12 and 4.26 against 4.51 and 4.55 ms a step), at 4 rows
+# cuBLAS wins for qwen3-8b (4.58 against 6.50 ms).
+GEMV_ROWS = 2
 
 
 class GemvLinear(Linear):
