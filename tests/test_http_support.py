@@ -16,13 +16,13 @@ from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any
 
-import msgspec
 import trio
 from trio.testing import wait_all_tasks_blocked
 
 from trio_llm.actors.config import EngineConfig
 from trio_llm.actors.errors import EngineDead, QueueFull, RequestRejected
 from trio_llm.actors.messages import RequestOutput, SamplingParams, TokenLogprobs
+from trio_llm.actors.supervisor import EngineStatistics
 from trio_llm.api.server import ServerConfig, serve_app
 
 NUM_FAKE_BLOCKS = 64
@@ -45,21 +45,6 @@ class FakeTokenizer:
     def apply_chat_template(self, messages: list[dict[str, str]], *,
                             add_generation_prompt: bool = True) -> str:
         return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
-
-
-class FakeStatistics(msgspec.Struct, frozen=True, kw_only=True):
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    num_total_blocks: int
-    num_preemptions: int
-    num_steps: int
-    num_prompt_tokens: int
-    num_generation_tokens: int
-
-    @property
-    def kv_cache_usage(self) -> float:
-        return 1.0 - self.num_free_blocks / self.num_total_blocks
 
 
 class FakeEngine:
@@ -153,8 +138,8 @@ class FakeEngine:
     async def abort(self, request_id: str) -> None:
         raise NotImplementedError
 
-    def statistics(self) -> FakeStatistics:
-        return FakeStatistics(
+    def statistics(self) -> EngineStatistics:
+        return EngineStatistics(
             num_running=len(self.running), num_waiting=0,
             num_free_blocks=NUM_FAKE_BLOCKS - BLOCKS_PER_REQUEST * len(self.running),
             num_total_blocks=NUM_FAKE_BLOCKS, num_preemptions=0, num_steps=self.num_generated,

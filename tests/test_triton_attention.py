@@ -7,27 +7,13 @@ so CI checks the kernels' logic too.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+HAS_CUDA = torch.cuda.is_available()  # without it, conftest.py runs Triton's interpreter
 
-pytest.importorskip("triton")
 from trio_llm.gpu import triton_attention  # noqa: E402
-
-if not HAS_CUDA and type(triton_attention._decode_kernel).__name__ != "InterpretedFunction":
-    pytest.skip("the kernels were compiled before interpreter mode could be set",
-                allow_module_level=True)
-
-try:
-    from trio_llm.gpu.attention import paged_attention as reference_attention
-    from trio_llm.gpu.attention import write_kv_cache as reference_write
-except ImportError:  # the reference has not landed yet
-    reference_attention = reference_write = None
+from trio_llm.gpu.attention import paged_attention as reference_attention  # noqa: E402
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 DTYPE = torch.bfloat16 if HAS_CUDA else torch.float32
@@ -170,7 +156,6 @@ def test_write_kv_cache_reads_strided_views():
     assert torch.equal(v_cache.flatten(0, 1)[slot_mapping], value)
 
 
-@pytest.mark.skipif(reference_attention is None, reason="gpu/attention.py has not landed")
 def test_matches_the_torch_reference_module():
     generator = torch.Generator().manual_seed(11)
     batch = random_batch(generator, query_lens=[12, 1, 5], context_lens=[12, 30, 21],

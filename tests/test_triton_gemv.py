@@ -8,27 +8,18 @@ programs of a few K steps (the last program and the last step partly masked).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+HAS_CUDA = torch.cuda.is_available()  # without it, conftest.py runs Triton's interpreter
 
-pytest.importorskip("triton")
 from trio_llm.gpu import triton_gemv, triton_layers  # noqa: E402
 from trio_llm.gpu.builtin import resolve_model  # noqa: E402
 from trio_llm.gpu.layers import Linear, chunked_linear  # noqa: E402
 from trio_llm.gpu.loader import load_model  # noqa: E402
 from trio_llm.gpu.model import AttentionMetadata, CausalLM  # noqa: E402
 from trio_llm.gpu.triton_gemv import MAX_GEMV_ROWS, GemvConfig, gemv  # noqa: E402
-
-if not HAS_CUDA and type(triton_gemv._gemv_kernel).__name__ != "InterpretedFunction":
-    pytest.skip("the kernels were compiled before interpreter mode could be set",
-                allow_module_level=True)
 
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 # 37 outputs in blocks of 16, 100 inputs in steps of 32: three programs of four steps.
