@@ -35,12 +35,12 @@ import torch
 from trio_llm.actors.config import EngineConfig
 from trio_llm.actors.messages import (
     NewRequestData,
-    SamplingOptions,
     SamplingParams,
     ScheduledBatch,
     ScheduledRequest,
 )
 from trio_llm.gpu.cuda_executor import CudaModelExecutor
+from trio_llm.gpu.testing import GREEDY
 
 OUT = Path(os.environ.get("OUT", "."))
 PROMPT_LEN, NUM_NEW_TOKENS = 128, 256
@@ -92,10 +92,8 @@ def executor_decode_ms_per_token(executor: CudaModelExecutor, *, depth: int,
     """The executor alone: a prefill, then decode steps launched ``depth`` deep."""
     block_size = executor.block_size
     num_blocks = -(-(PROMPT_LEN + NUM_NEW_TOKENS + 1) // block_size)
-    sampling = SamplingOptions(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=0,
-                               num_logprobs=None, min_tokens=0, banned_token_ids=[])
     prefill = ScheduledBatch(
-        step_id=0, new_requests=[NewRequestData(request_id=request_id, sampling=sampling)],
+        step_id=0, new_requests=[NewRequestData(request_id=request_id, sampling=GREEDY)],
         requests=[ScheduledRequest(request_id=request_id, token_ids=list(range(PROMPT_LEN)),
                                    input_from_previous_step=False, num_computed_tokens=0,
                                    new_block_ids=list(range(num_blocks)), sample=True,
