@@ -79,19 +79,28 @@ class TimedExecutor:
             self.execute_seconds += time.perf_counter() - start
 
 
+def progress_bar(**options: Any) -> Any:
+    """A tqdm progress bar; `trio-llm bench` needs the ``bench`` extra for it."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        raise SystemExit("trio-llm bench needs the bench extra: "
+                         "pip install 'trio-llm[bench]'") from None
+    return tqdm(**options)
+
+
 async def run_engine_throughput(config: EngineConfig, model: Any, workload: list[WorkloadItem],
                                 *, temperature: float, executor_kind: str,
                                 progress: bool) -> dict[str, Any]:
     """Submit the whole workload at once to an engine over ``model`` (a
     ModelExecutor); return measured figures."""
     import trio
-    from tqdm import tqdm
 
     from trio_llm.api.engine import Engine
 
     executor = NullExecutor(model) if executor_kind == "null" else TimedExecutor(model)
     num_output_tokens = 0
-    bar = tqdm(total=sum(item.max_tokens for item in workload), disable=not progress,
+    bar = progress_bar(total=sum(item.max_tokens for item in workload), disable=not progress,
                unit="tok", file=sys.stderr)
 
     async def one(engine: Engine, index: int, item: WorkloadItem) -> None:

@@ -384,7 +384,7 @@ def options_from_args(args: argparse.Namespace) -> BenchServeOptions:
 
 def run_bench_serve(args: argparse.Namespace) -> int:
     """`trio-llm bench serve`: 0 if every request succeeded, 1 otherwise."""
-    from tqdm import tqdm
+    from trio_llm.api.bench import progress_bar
 
     options = options_from_args(args)
     if args.plot is not None:
@@ -395,8 +395,8 @@ def run_bench_serve(args: argparse.Namespace) -> int:
                              "or install it") from None
     # httpx logs every request at INFO: thousands of lines over the progress bar.
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    with tqdm(total=options.num_prompts, disable=not options.show_progress,
-              file=sys.stderr) as progress:
+    with progress_bar(total=options.num_prompts, disable=not options.show_progress,
+                      file=sys.stderr) as progress:
         try:
             report, results = trio.run(partial(run_benchmark, options, progress=progress))
         except (CompletionError, httpx.HTTPError) as error:

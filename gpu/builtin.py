@@ -14,6 +14,7 @@ place, so processes that start at the same time never see half a model.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -27,6 +28,8 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
 
 from trio_llm.gpu.tiny_corpus import TINY_CORPUS
+
+logger = logging.getLogger(__name__)
 
 # Bump when anything below changes what a built-in directory contains.
 BUILTIN_VERSION = 2
@@ -153,6 +156,8 @@ def _materialise(name: str, builder: Callable[[Path], None]) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+    # Building tiny trains a tokenizer (a few seconds): say so, or the first run looks hung.
+    logger.info("building the built-in model %r in %s (first use only)", name, target)
     try:
         builder(staging)
         _make_readable(staging)
