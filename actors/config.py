@@ -13,6 +13,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     CPU). ``async_scheduling`` is pipelining depth 2; False is depth 1."""
 
     model: str = "tiny"
+    revision: str | None = None  # of a Hugging Face id, looked up in the local cache
     tokenizer: str | None = None
     served_model_name: str | None = None
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"

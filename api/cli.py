@@ -11,7 +11,9 @@ from trio_llm.actors.config import EngineConfig
 # Engine flags, named as `vllm serve` names them: (flag, type, help). Each flag's
 # EngineConfig field is its name in snake case, as argparse stores it.
 _ENGINE_FLAGS: list[tuple[str, type, str]] = [
-    ("--model", str, "model directory or built-in name (tiny, qwen3-0.6b, qwen3-8b)"),
+    ("--model", str, "model directory, Hugging Face id ORG/NAME in the local cache, or "
+                     "built-in name (tiny, qwen3-0.6b, qwen3-8b)"),
+    ("--revision", str, "revision of a Hugging Face id (branch, tag or commit)"),
     ("--tokenizer", str, "tokenizer directory (default: the model's)"),
     ("--served-model-name", str, "model name reported by the API"),
     ("--dtype", str, "auto, float32, bfloat16 or float16"),

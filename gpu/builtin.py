@@ -122,18 +122,43 @@ QWEN3_8B_CONFIG: dict[str, Any] = QWEN3_COMMON | {
 }
 
 
-def resolve_model(name_or_path: str) -> Path:
-    """The model directory for a path or a built-in name, building the latter if needed."""
+def resolve_model(name_or_path: str, revision: str | None = None) -> Path:
+    """The model directory for a path, a built-in name (built if needed) or a Hugging
+    Face id ``ORG/NAME`` found in the local Hugging Face cache (never downloaded)."""
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return path
     builder = BUILTIN_MODELS.get(name_or_path)
-    if builder is None:
+    if builder is not None:
+        return _materialise(name_or_path, builder)
+    if _is_repo_id(name_or_path):
+        return _from_hugging_face_cache(name_or_path, revision)
+    raise ValueError(
+        f"model {name_or_path!r} is neither a directory, a built-in model nor a Hugging Face "
+        f"id (ORG/NAME); built-in models: {', '.join(BUILTIN_MODELS)}"
+    )
+
+
+def _is_repo_id(name: str) -> bool:
+    parts = name.split("/")
+    return len(parts) == 2 and all(parts) and not name.startswith((".", "~"))
+
+
+def _from_hugging_face_cache(repo_id: str, revision: str | None) -> Path:
+    """A snapshot already in the local cache; trio-llm never reaches the network."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, local_files_only=True))
+    except (LocalEntryNotFoundError, HFValidationError, OSError) as error:
+        at = f" at revision {revision!r}" if revision else ""
         raise ValueError(
-            f"model {name_or_path!r} is neither a directory nor a built-in model; "
-            f"built-in models: {', '.join(BUILTIN_MODELS)}"
-        )
-    return _materialise(name_or_path, builder)
+            f"model {repo_id!r}{at} is not in the local Hugging Face cache "
+            f"({constants.HF_HUB_CACHE}; set HF_HUB_CACHE or HF_HOME to look elsewhere). "
+            f"trio-llm never downloads: fetch it first, e.g. `hf download {repo_id}`, "
+            f"or pass the model's directory ({type(error).__name__})"
+        ) from None
 
 
 def is_dummy_only(name: str) -> bool:

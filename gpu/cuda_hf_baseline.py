@@ -28,7 +28,7 @@ def run_transformers_throughput(config: EngineConfig, workload: list[Any], *,
 
     from trio_llm.gpu.builtin import resolve_model
 
-    model_path = resolve_model(config.model)
+    model_path = resolve_model(config.model, config.revision)
     hf_config = AutoConfig.from_pretrained(model_path)
     dtype = torch.float32 if config.dtype == "float32" else torch.bfloat16
     torch.manual_seed(config.seed)

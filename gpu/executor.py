@@ -13,6 +13,7 @@ last). ``execute`` runs one ScheduledBatch exactly as the scheduler built it:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,8 @@ from trio_llm.gpu.config import ModelConfig, ModelLoadError
 from trio_llm.gpu.loader import load_model, resolve_device, resolve_dtype
 from trio_llm.gpu.model import AttentionMetadata, CausalLM
 from trio_llm.gpu.sampler import SamplingRow, sample
+
+logger = logging.getLogger(__name__)
 
 GIB = 2**30
 
@@ -93,7 +96,7 @@ class ModelExecutor:
     @classmethod
     def describe(cls, config: EngineConfig) -> ModelDescription:
         """Resolve the model and read its config.json; loads no weights."""
-        model_path = resolve_model(config.model)
+        model_path = resolve_model(config.model, config.revision)
         model_config = ModelConfig.from_dir(model_path)
         max_model_len = config.max_model_len or model_config.max_position_embeddings
         return ModelDescription(model_path=model_path, model_config=model_config,
@@ -227,6 +230,11 @@ def _load_format(config: EngineConfig) -> str:
     if config.load_format not in ("auto", "dummy"):
         raise ModelLoadError(f"built-in model {config.model!r} has no weights on disk; "
                              f"it loads with load_format='dummy' only")
+    if config.load_format == "auto":
+        logger.warning("model %r is a built-in configuration with RANDOM weights: its output "
+                       "is noise, fit for measuring speed only (pass --load-format dummy to "
+                       "say so, or a model directory or ORG/NAME for real weights)",
+                       config.model)
     return "dummy"
 
 

@@ -1,6 +1,7 @@
 """Built-in models: deterministic, cached, atomic, offline."""
 
 import json
+import shutil
 import threading
 from pathlib import Path
 
@@ -109,3 +110,47 @@ def test_qwen3_dummy_configs(cache):
     assert tokenizer.decode([151935]) == "<|filler_151935|>"
     assert builtin.QWEN3_8B_CONFIG["num_hidden_layers"] == 36
     assert builtin.QWEN3_8B_CONFIG["tie_word_embeddings"] is False
+
+
+def _fake_hub_cache(root: Path, repo_id: str, commit: str, source: Path) -> Path:
+    """The layout huggingface_hub writes: models--ORG--NAME/{refs/main, snapshots/COMMIT}."""
+    repo = root / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / commit
+    shutil.copytree(source, snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    return snapshot
+
+
+def test_hugging_face_id_resolves_from_the_local_cache(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    snapshot = _fake_hub_cache(tmp_path, "acme/tiny-chat", "a" * 40, resolve_model("tiny"))
+    assert resolve_model("acme/tiny-chat") == snapshot
+    assert resolve_model("acme/tiny-chat", revision="a" * 40) == snapshot
+
+
+def test_hugging_face_id_not_cached_says_where_it_looked(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ValueError, match=f"not in the local Hugging Face cache \\({tmp_path}"):
+        resolve_model("Qwen/Qwen3-0.6B")
+
+
+def test_builtin_random_weights_are_announced(caplog: pytest.LogCaptureFixture) -> None:
+    from trio_llm.actors.config import EngineConfig
+    from trio_llm.gpu.executor import _load_format
+
+    with caplog.at_level("WARNING"):
+        assert _load_format(EngineConfig(model="qwen3-0.6b")) == "dummy"
+    assert "RANDOM weights" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        assert _load_format(EngineConfig(model="qwen3-0.6b", load_format="dummy")) == "dummy"
+    assert caplog.text == ""
