@@ -101,7 +101,7 @@ async def run_engine_throughput(config: EngineConfig, model: Any, workload: list
     executor = NullExecutor(model) if executor_kind == "null" else TimedExecutor(model)
     num_output_tokens = 0
     bar = progress_bar(total=sum(item.max_tokens for item in workload), disable=not progress,
-               unit="tok", file=sys.stderr)
+                       unit="tok", file=sys.stderr)
 
     async def one(engine: Engine, index: int, item: WorkloadItem) -> None:
         nonlocal num_output_tokens
@@ -160,10 +160,25 @@ def _run_throughput(args: argparse.Namespace) -> int:
             config, model, items, temperature=args.temperature, executor_kind=args.executor,
             progress=not args.no_progress))
     result["config"] = msgspec.to_builtins(config)
-    print(json.dumps({k: v for k, v in result.items() if k != "config"}, indent=2))
-    if args.json:
+    if args.json == "-":
+        print(json.dumps(result, indent=2))
+    else:
+        print(summary_table(result))
+    if args.json not in (None, "-"):
         Path(args.json).write_text(json.dumps(result, indent=2))
     return 0
+
+
+def summary_table(result: dict[str, Any]) -> str:
+    """The figures of a throughput run, one per line, aligned (config left to --json)."""
+    rows = [(key.replace("_", " "), value) for key, value in result.items() if key != "config"]
+    width = max(len(name) for name, _ in rows)
+    lines = ["trio-llm bench throughput", "-" * (width + 16)]
+    for name, value in rows:
+        shown = f"{value:,.2f}" if isinstance(value, float) else f"{value:,}" \
+            if isinstance(value, int) else str(value)
+        lines.append(f"{name:<{width}}  {shown:>14}")
+    return "\n".join(lines)
 
 
 def add_bench_commands(commands: Any) -> None:
@@ -185,7 +200,8 @@ def add_bench_commands(commands: Any) -> None:
                             help="prompt token ids are uniform in [0, this)")
     throughput.add_argument("--temperature", type=float, default=0.6)
     throughput.add_argument("--seed-workload", type=int, default=0)
-    throughput.add_argument("--json", help="write the results here")
+    throughput.add_argument("--json", metavar="PATH",
+                            help="write the results as JSON here ('-': to stdout, no table)")
     throughput.add_argument("--no-progress", action="store_true")
     throughput.set_defaults(run=_run_throughput)
 

@@ -148,3 +148,14 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     add_bench_serve_arguments(parser)
     return parser.parse_args(argv)
+
+
+def test_bench_throughput_prints_a_table_and_json_on_request() -> None:
+    from trio_llm.api.bench import summary_table
+
+    result = {"executor": "null", "num_requests": 256, "output_tokens_per_second": 1234.5678,
+              "config": {"model": "tiny"}}
+    lines = summary_table(result).splitlines()
+    assert lines[0] == "trio-llm bench throughput"
+    assert [line.split()[-1] for line in lines[2:]] == ["null", "256", "1,234.57"]
+    assert "tiny" not in summary_table(result)
