@@ -168,6 +168,8 @@ class CudaModelExecutor(ModelExecutor):
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self._max_positions = model.rotary.max_positions
         self._started = False
+        self.graph_capture_seconds = 0.0
+        self.graph_memory_bytes = 0
 
     @classmethod
     def create(cls, config: EngineConfig) -> CudaModelExecutor:
