@@ -258,6 +258,9 @@ def _profile(result: dict[str, Any], stats: dict[str, float],
         "launch_host_ms_per_step_by_kind": {
             kind: 1000 * stats[f"launch_seconds_by_kind.{kind}"]
             / max(stats[f"num_steps_by_kind.{kind}"], 1) for kind in STEP_KINDS},
+        "launch_wait_ms_per_step_by_kind": {
+            kind: 1000 * stats[f"launch_wait_seconds_by_kind.{kind}"]
+            / max(stats[f"num_steps_by_kind.{kind}"], 1) for kind in STEP_KINDS},
     }
 
 

@@ -130,6 +130,10 @@ class ExecutorStatistics:
         default_factory=lambda: dict.fromkeys(STEP_KINDS, 0))
     launch_seconds_by_kind: dict[str, float] = field(
         default_factory=lambda: dict.fromkeys(STEP_KINDS, 0.0))
+    # the share of launch_seconds spent waiting for the device (a slot's previous upload,
+    # which waits for the compute two steps back): the host's own work is the rest
+    launch_wait_seconds_by_kind: dict[str, float] = field(
+        default_factory=lambda: dict.fromkeys(STEP_KINDS, 0.0))
 
 
 @dataclass(slots=True)
@@ -243,8 +247,12 @@ class CudaModelExecutor(ModelExecutor):
         kind = step.kind
         self._pad_for_graph(step)
         slot = self.slots[self._num_launches % NUM_SLOTS]
-        pending = self._launch_on_device(step, slot)
         stats = self.stats
+        if slot.upload_done is not None:
+            waiting = time.perf_counter()
+            slot.upload_done.synchronize()  # its pinned inputs are free to rewrite
+            stats.launch_wait_seconds_by_kind[kind] += time.perf_counter() - waiting
+        pending = self._launch_on_device(step, slot)
         stats.num_steps += 1
         stats.num_steps_by_kind[kind] += 1
         if step.graph_key is not None:
@@ -336,7 +344,7 @@ class CudaModelExecutor(ModelExecutor):
         step = HostStep(step_id=batch.step_id)
         step.ints["query_start_loc"].append(0)
         for scheduled in batch.requests:
-            self._add_request(step, scheduled)
+            self._pack_request(step, scheduled)
         step.num_seqs = len(batch.requests)
         step.num_tokens = len(step.ints["token_ids"])
         if updates:
@@ -345,7 +353,7 @@ class CudaModelExecutor(ModelExecutor):
             step.ints["update_block_ids"] = list(block_ids)
         return step
 
-    def _add_request(self, step: HostStep, scheduled: ScheduledRequest) -> None:
+    def _pack_request(self, step: HostStep, scheduled: ScheduledRequest) -> None:
         # the hot loop of a decode step (hundreds of requests): plain lists, few lookups
         request_id = scheduled.request_id
         state = self._state(request_id)
@@ -420,8 +428,6 @@ class CudaModelExecutor(ModelExecutor):
     def _launch_on_device(self, step: HostStep, slot: InputSlot) -> PendingStep:
         plan = SamplingPlan.from_rows(step.sampling_rows, self.vocab_size,
                                       can_fuse=self.options.use_fused_kernels)
-        if slot.upload_done is not None:
-            slot.upload_done.synchronize()  # its pinned inputs are free to rewrite
         int_offsets, float_offsets = self._pack(step, plan, slot)
         with self.copy.context():
             self.copy.wait(slot.compute_done)  # the device inputs were read by then

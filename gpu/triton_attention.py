@@ -38,7 +38,10 @@ DECODE_BLOCK_N = 128
 # varlen kernel (prefill and mixed steps)
 VARLEN_BLOCK_M = 64
 VARLEN_BLOCK_N = 64
-MAX_DECODE_SPLITS = 16
+MAX_DECODE_SPLITS = 64
+# Split until there are about this many decode programs per SM: one 4-warp program per
+# SM streams too little KV to reach the copy bandwidth on a long context.
+DECODE_PROGRAMS_PER_SM = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -313,14 +316,20 @@ def varlen_tiling(group_size: int, block_m: int = VARLEN_BLOCK_M) -> tuple[int, 
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
-    """Split the context over more programs only when sequences x KV heads leave SMs idle."""
+    """Split the context over more programs only when sequences x KV heads leave SMs idle.
+
+    The count depends on the batch size only (so a captured decode graph has one), and
+    each split's share of a context on the context only: the result for a sequence is
+    the same bits in any batch of the same split count, and within rounding (the
+    merge's float32 sums) across split counts.
+    """
     if device.type != "cuda":
         return 1
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     num_programs = num_seqs * num_kv_heads
     if num_programs >= num_sms:
         return 1
-    return min(MAX_DECODE_SPLITS, triton.cdiv(2 * num_sms, num_programs))
+    return min(MAX_DECODE_SPLITS, triton.cdiv(DECODE_PROGRAMS_PER_SM * num_sms, num_programs))
 
 
 def _decode(query, k_cache, v_cache, block_tables, context_lens, scale, out, num_splits):

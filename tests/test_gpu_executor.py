@@ -178,12 +178,12 @@ def test_padding_tokens_never_write_the_kv_cache():
 
 
 def test_the_fused_kernels_in_padded_graph_steps_give_the_eager_steps_tokens():
-    """The varlen and decode kernels (Triton's interpreter here), fed the graphs' padded
-    layout, give the tokens of the same kernels on unpadded eager steps."""
-    cpu = torch.device("cpu")
-    eager = run_depth_1(build(CudaModelExecutor, cpu, use_cuda_graphs=False,
+    """The varlen and decode kernels (in Triton's interpreter without CUDA), fed the
+    graphs' padded layout, give the tokens of the same kernels on unpadded eager steps."""
+    device = torch.device("cuda" if HAS_CUDA else "cpu")
+    eager = run_depth_1(build(CudaModelExecutor, device, use_cuda_graphs=False,
                               use_fused_kernels=True), scripted_batches())
-    padded = build(CudaModelExecutor, cpu, use_cuda_graphs=True, use_fused_kernels=True,
+    padded = build(CudaModelExecutor, device, use_cuda_graphs=True, use_fused_kernels=True,
                    max_num_batched_tokens=32)
     assert_same_results(run_depth_2(padded, scripted_batches()), eager)
     assert padded.stats.num_graph_steps == 6

@@ -153,6 +153,19 @@ def test_varlen_padding_sequence_owns_padding_tokens_and_gives_zeros():
     assert out[num_real:].abs().max().item() == 0.0
 
 
+def test_split_kv_equals_unsplit_on_a_long_context():
+    """One sequence of a long context and one short: every split count gives the unsplit
+    result within float32 rounding of the merge."""
+    generator = torch.Generator().manual_seed(9)
+    batch = random_batch(generator, query_lens=[1, 1], context_lens=[700, 40], num_heads=8,
+                         num_kv_heads=2, head_dim=32, block_size=16)
+    unsplit = triton_attention.paged_attention(*batch, 0.15, num_splits=1).double()
+    assert relative_error(unsplit, naive_paged_attention(*batch, 0.15)) < TOLERANCE
+    for num_splits in (3, 64):
+        out = triton_attention.paged_attention(*batch, 0.15, num_splits=num_splits)
+        assert relative_error(out, unsplit) < (1e-2 if HAS_CUDA else 1e-5)
+
+
 def test_padded_decode_sequence_gives_zeros_and_leaves_others_alone():
     generator = torch.Generator().manual_seed(7)
     batch = random_batch(generator, query_lens=[1, 1], context_lens=[5, 1], num_heads=4,
