@@ -38,7 +38,7 @@ for part in "$@"; do
     long-*) run "$part" 200 python3 benchmarks/gpu_bench.py long --model "qwen3-${part#long-}" ;;
     throughput-*) run "$part" 300 python3 benchmarks/gpu_bench.py throughput --model "qwen3-${part#throughput-}" ;;
     transformers-*) run "$part" 240 python3 benchmarks/gpu_bench.py transformers --model "qwen3-${part#transformers-}" --time-limit 120 ;;
-    kernels) run kernels 120 python3 benchmarks/kernel_bench.py ;;
+    kernels) run kernels 300 python3 benchmarks/kernel_bench.py ;;
     gemv) run gemv 240 python3 benchmarks/gemv_bench.py ;;
     serve-*) serve_bench "qwen3-${part#serve-}" ;;
     *) echo "unknown part $part" ;;

@@ -240,8 +240,8 @@ class CudaModelExecutor(ModelExecutor):
     def _launch(self, batch: ScheduledBatch) -> tuple[PendingStep, str | None]:
         assert self._started, "call start() (or build with create()) first"
         assert len(self._outstanding) < NUM_SLOTS, "collect a step before launching a third"
-        updates = self._update_states_and_table(batch)
-        step = self._plan(batch, updates)
+        self._update_states(batch)
+        step = self._plan(batch)
         if step.num_tokens == 0:
             return PendingStep(step_id=batch.step_id, request_ids=[], done=DoneEvent()), None
         kind = step.kind
@@ -298,27 +298,14 @@ class CudaModelExecutor(ModelExecutor):
 
     # -- host side: states, block table, inputs ------------------------------------------
 
-    def _update_states_and_table(self, batch: ScheduledBatch) -> list[tuple[int, int, int]]:
-        """Apply the batch's finishes, registrations and new blocks; returns the block-table
-        updates (row, column, block id) for the device."""
+    def _update_states(self, batch: ScheduledBatch) -> None:
+        """Apply the batch's finishes and registrations."""
         for request_id in batch.finished_request_ids:
             self._forget(request_id)
         for new_request in batch.new_requests:
             self._forget(new_request.request_id)
             self.requests[new_request.request_id] = RequestState(sampling=new_request.sampling)
             self._table_rows[new_request.request_id] = self._take_table_row()
-        updates: list[tuple[int, int, int]] = []
-        for scheduled in batch.requests:
-            state = self._state(scheduled.request_id)
-            row = self._table_rows[scheduled.request_id]
-            first_column = len(state.block_ids)
-            if first_column + len(scheduled.new_block_ids) > self.max_blocks_per_seq:
-                raise ValueError(f"request {scheduled.request_id!r} needs more than "
-                                 f"{self.max_blocks_per_seq} blocks (max_model_len)")
-            updates += [(row, first_column + offset, block_id)
-                        for offset, block_id in enumerate(scheduled.new_block_ids)]
-            state.block_ids.extend(scheduled.new_block_ids)
-        return updates
 
     def _forget(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
@@ -340,68 +327,89 @@ class CudaModelExecutor(ModelExecutor):
             self.block_table[:old.shape[0]].copy_(old)
         self._free_table_rows = list(range(self.block_table.shape[0] - 1, old.shape[0] - 1, -1))
 
-    def _plan(self, batch: ScheduledBatch, updates: list[tuple[int, int, int]]) -> HostStep:
+    def _plan(self, batch: ScheduledBatch) -> HostStep:
+        """The step's inputs, in one pass over its requests: new blocks (block-table
+        updates), tokens, positions, slots, per-sequence layout and sampling rows.
+
+        A decode row takes the token sampled for it last step: from device memory
+        (gathered there) while that step may still be running, from the host once it
+        was collected.
+
+        This is the hot loop of a step (hundreds of requests, every step): one function
+        with its lists bound to locals, since a call or a lookup per request and list
+        adds up to a good share of the host's time per step."""
         step = HostStep(step_id=batch.step_id)
-        step.ints["query_start_loc"].append(0)
+        ints = step.ints
+        token_ids, positions = ints["token_ids"], ints["positions"]
+        slot_mapping, context_lens = ints["slot_mapping"], ints["context_lens"]
+        query_start_loc, table_rows = ints["query_start_loc"], ints["table_rows"]
+        logits_indices, sampling_rows = ints["logits_indices"], step.sampling_rows
+        sampled_request_ids = step.sampled_request_ids
+        previous_positions = ints["previous_token_positions"]
+        previous_slots, previous_rows = ints["previous_slots"], ints["previous_rows"]
+        requests, rows_by_id, block_size = self.requests, self._table_rows, self.block_size
+        on_device, oldest_readable = self._sampled_on_device, self._num_launches - NUM_SLOTS
+        query_start_loc.append(0)
         for scheduled in batch.requests:
-            self._pack_request(step, scheduled)
+            request_id = scheduled.request_id
+            state = requests.get(request_id) or self._state(request_id)
+            row = rows_by_id[request_id]
+            if scheduled.new_block_ids:
+                self._add_blocks(step, request_id, state, row, scheduled.new_block_ids)
+            start = scheduled.num_computed_tokens
+            if scheduled.input_from_previous_step:
+                location = on_device.get(request_id)
+                if location is not None and location[2] >= oldest_readable:
+                    # sampled by a step that may still run: gathered on the device
+                    previous_positions.append(len(token_ids))
+                    previous_slots.append(location[0])
+                    previous_rows.append(location[1])
+                    token_ids.append(0)
+                else:
+                    token_ids.append(self._last_sampled(request_id, state))
+                step.num_decode_rows += 1
+                context_len = start + 1
+                positions.append(start)
+            else:
+                token_ids += scheduled.token_ids
+                context_len = start + len(scheduled.token_ids)
+                positions += range(start, context_len)
+            blocks = state.block_ids
+            if context_len > len(blocks) * block_size or context_len > self._max_positions:
+                self._check_capacity(request_id, state, context_len)  # raises
+            slot_mapping += [blocks[position // block_size] * block_size
+                             + position % block_size for position in range(start, context_len)]
+            context_lens.append(context_len)
+            query_start_loc.append(len(token_ids))
+            table_rows.append(row)
+            if scheduled.sample:
+                logits_indices.append(len(token_ids) - 1)
+                sampling_rows.append(SamplingRow(state.sampling, scheduled.output_index))
+                sampled_request_ids.append(request_id)
         step.num_seqs = len(batch.requests)
-        step.num_tokens = len(step.ints["token_ids"])
-        if updates:
-            rows, columns, block_ids = zip(*updates, strict=True)
-            step.ints["update_rows"], step.ints["update_columns"] = list(rows), list(columns)
-            step.ints["update_block_ids"] = list(block_ids)
+        step.num_tokens = len(token_ids)
         return step
 
-    def _pack_request(self, step: HostStep, scheduled: ScheduledRequest) -> None:
-        # the hot loop of a decode step (hundreds of requests): plain lists, few lookups
-        request_id = scheduled.request_id
-        state = self._state(request_id)
+    def _add_blocks(self, step: HostStep, request_id: str, state: RequestState, row: int,
+                    block_ids: list[int]) -> None:
+        """Extend a request's blocks; the device's block table gets them with the step."""
+        first_column = len(state.block_ids)
+        if first_column + len(block_ids) > self.max_blocks_per_seq:
+            raise ValueError(f"request {request_id!r} needs more than "
+                             f"{self.max_blocks_per_seq} blocks (max_model_len)")
         ints = step.ints
-        token_ids = ints["token_ids"]
-        start = scheduled.num_computed_tokens
-        if scheduled.input_from_previous_step:
-            self._add_previous_token(step, request_id, state)
-            num_tokens = 1
-        else:
-            token_ids += scheduled.token_ids
-            num_tokens = len(scheduled.token_ids)
-        context_len = start + num_tokens
-        self._check_capacity(request_id, state, context_len)
-        blocks, block_size = state.block_ids, self.block_size
-        if num_tokens == 1:
-            ints["positions"].append(start)
-            ints["slot_mapping"].append(blocks[start // block_size] * block_size
-                                        + start % block_size)
-        else:
-            ints["positions"] += range(start, context_len)
-            ints["slot_mapping"] += [blocks[position // block_size] * block_size
-                                     + position % block_size
-                                     for position in range(start, context_len)]
-        ints["context_lens"].append(context_len)
-        ints["query_start_loc"].append(len(token_ids))
-        ints["table_rows"].append(self._table_rows[request_id])
-        if scheduled.sample:
-            ints["logits_indices"].append(len(token_ids) - 1)
-            step.sampling_rows.append(SamplingRow(state.sampling, scheduled.output_index))
-            step.sampled_request_ids.append(request_id)
+        ints["update_rows"] += [row] * len(block_ids)
+        ints["update_columns"] += range(first_column, first_column + len(block_ids))
+        ints["update_block_ids"] += block_ids
+        state.block_ids.extend(block_ids)
 
-    def _add_previous_token(self, step: HostStep, request_id: str, state: RequestState) -> None:
-        """The token sampled for this request last step: from device memory while that
-        step may still be running, from the host once it was collected."""
-        ints = step.ints
-        location = self._sampled_on_device.get(request_id)
-        if location is not None and location[2] >= self._num_launches - NUM_SLOTS:
-            slot_index, row, _ = location
-            ints["previous_token_positions"].append(len(ints["token_ids"]))
-            ints["previous_slots"].append(slot_index)
-            ints["previous_rows"].append(row)
-            ints["token_ids"].append(0)
-        elif state.last_sampled_token_id is not None:
-            ints["token_ids"].append(state.last_sampled_token_id)
-        else:
+    @staticmethod
+    def _last_sampled(request_id: str, state: RequestState) -> int:
+        """The token sampled for a request by a step already collected."""
+        if state.last_sampled_token_id is None:
             raise ValueError(f"request {request_id!r} takes its input from the previous step, "
                              f"but nothing was sampled for it")
+        return state.last_sampled_token_id
 
     def _remember_sampled(self, step: HostStep, slot: InputSlot) -> None:
         for row, request_id in enumerate(step.sampled_request_ids):

@@ -51,6 +51,7 @@ class HostStep:
                                                                 INT_SEGMENTS})
     num_tokens: int = 0
     num_seqs: int = 0
+    num_decode_rows: int = 0  # sequences whose input is the token sampled last step
     graph_key: tuple[str, int] | None = None
     sampling_rows: list[SamplingRow] = field(default_factory=list)
     sampled_request_ids: list[str] = field(default_factory=list)
@@ -60,9 +61,7 @@ class HostStep:
         """decode (one token per sequence), prefill (no decode row) or mixed."""
         if self.num_tokens == self.num_seqs:
             return "decode"
-        starts = self.ints["query_start_loc"]
-        has_decode_row = any(starts[seq + 1] - starts[seq] == 1 for seq in range(self.num_seqs))
-        return "mixed" if has_decode_row else "prefill"
+        return "mixed" if self.num_decode_rows else "prefill"
 
 
 def pad_tokens(step: HostStep, num_tokens: int) -> None:

@@ -34,10 +34,6 @@ import triton.language as tl
 MIN_DOT_ROWS = 16
 # measured best of a sweep on an H200 (benchmarks/step_profile.py, 2026-11-30)
 DECODE_BLOCK_N = 128
-# rows (query tokens x query heads of one KV head) and KV positions per program of the
-# varlen kernel (prefill and mixed steps)
-VARLEN_BLOCK_M = 64
-VARLEN_BLOCK_N = 64
 MAX_DECODE_SPLITS = 64
 # Split until there are about this many decode programs per SM: one 4-warp program per
 # SM streams too little KV to reach the copy bandwidth on a long context.
@@ -54,6 +50,21 @@ class DecodeConfig:
 
 
 DECODE_CONFIG = DecodeConfig()
+
+
+@dataclass(frozen=True, slots=True)
+class VarlenConfig:
+    """Tile and launch shape of the varlen kernel (benchmarks/kernel_bench.py sweeps it):
+    ``block_m`` rows (query tokens x the query heads of one KV head), ``block_n`` KV
+    positions per tile."""
+
+    block_m: int = 64
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+VARLEN_CONFIG = VarlenConfig()
 
 
 @triton.jit
@@ -89,6 +100,12 @@ def _load_kv_tile(cache_ptr, block_table_row_ptr, positions, position_mask, kv_h
 
 
 @triton.jit
+def _tokens_per_split(context_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Each split's share of a context: whole tiles, the last split taking the rest."""
+    return tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+
+
+@triton.jit
 def _decode_kernel(
     query_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
     out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, scale,
@@ -102,6 +119,12 @@ def _decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
+    tokens_per_split = _tokens_per_split(context_len, NUM_SPLITS, BLOCK_N)
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, context_len)
+    if NUM_SPLITS > 1:
+        if start >= end:
+            return  # an empty split: the merge leaves it out
 
     group_rows = tl.arange(0, BLOCK_H)
     row_mask = group_rows < GROUP_SIZE
@@ -111,10 +134,6 @@ def _decode_kernel(
     io_mask = row_mask[:, None] & dim_mask[None, :]
     query = tl.load(query_ptr + seq * query_token_stride + heads[:, None] * query_head_stride
                     + dims[None, :], mask=io_mask, other=0.0)
-
-    tokens_per_split = tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * tokens_per_split
-    end = tl.minimum(start + tokens_per_split, context_len)
     block_table_row_ptr = block_tables_ptr + seq.to(tl.int64) * block_table_stride
 
     running_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -151,15 +170,19 @@ def _decode_kernel(
 
 @triton.jit
 def _merge_splits_kernel(
-    out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr,
+    out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, context_lens_ptr,
     out_token_stride, out_head_stride,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
+    # the splits the decode kernel computed (it returns early on empty ones)
+    context_len = tl.load(context_lens_ptr + seq)
+    tokens_per_split = _tokens_per_split(context_len, NUM_SPLITS, BLOCK_N)
+    num_computed = tl.cdiv(context_len, tl.maximum(tokens_per_split, 1))
     splits = tl.arange(0, BLOCK_SPLITS)
-    split_mask = splits < NUM_SPLITS
+    split_mask = splits < num_computed
     dims = tl.arange(0, BLOCK_D)
     dim_mask = dims < HEAD_DIM
     split_index = (seq * NUM_HEADS + head) * NUM_SPLITS + splits
@@ -191,6 +214,31 @@ def _find_sequence(query_start_loc_ptr, program, num_seqs, BLOCK_Q: tl.constexpr
         else:
             high = middle
     return low - 1
+
+
+@triton.jit
+def _attend_tile(query, k_cache_ptr, v_cache_ptr, block_table_row_ptr, tile_start, end,
+                 query_positions, kv_head, dims, dim_mask, scale, running_max, running_sum,
+                 acc, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr):
+    """One KV tile of the online softmax; ``CAUSAL_MASK`` for tiles that reach past a
+    query's own position."""
+    positions = tile_start + tl.arange(0, BLOCK_N)
+    position_mask = positions < end
+    key = _load_kv_tile(k_cache_ptr, block_table_row_ptr, positions, position_mask, kv_head,
+                        dims, dim_mask, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
+    scores = tl.dot(query, tl.trans(key)) * scale
+    if CAUSAL_MASK:
+        visible = (positions[None, :] <= query_positions[:, None]) & position_mask[None, :]
+        scores = tl.where(visible, scores, float("-inf"))
+    new_max = tl.maximum(running_max, tl.max(scores, 1))
+    rescale = tl.exp(running_max - new_max)
+    probs = tl.exp(scores - new_max[:, None])
+    running_sum = running_sum * rescale + tl.sum(probs, 1)
+    value = _load_kv_tile(v_cache_ptr, block_table_row_ptr, positions, position_mask, kv_head,
+                          dims, dim_mask, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
+    acc = acc * rescale[:, None] + tl.dot(probs.to(value.dtype), value)
+    return new_max, running_sum, acc
 
 
 @triton.jit
@@ -240,22 +288,19 @@ def _varlen_kernel(
     # padding sequence (context 0) reads nothing and writes zeros.
     last_query = tl.minimum(query_len, (query_block + 1) * BLOCK_Q) - 1
     end = tl.minimum(context_len, context_len - query_len + last_query + 1)
-    for tile_start in range(0, end, BLOCK_N):
-        positions = tile_start + tl.arange(0, BLOCK_N)
-        position_mask = positions < end
-        key = _load_kv_tile(k_cache_ptr, block_table_row_ptr, positions, position_mask, kv_head,
-                            dims, dim_mask, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
-        scores = tl.dot(query, tl.trans(key)) * scale
-        visible = (positions[None, :] <= query_positions[:, None]) & position_mask[None, :]
-        scores = tl.where(visible, scores, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(scores, 1))
-        rescale = tl.exp(running_max - new_max)
-        probs = tl.exp(scores - new_max[:, None])
-        running_sum = running_sum * rescale + tl.sum(probs, 1)
-        value = _load_kv_tile(v_cache_ptr, block_table_row_ptr, positions, position_mask,
-                              kv_head, dims, dim_mask, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
-        acc = acc * rescale[:, None] + tl.dot(probs.to(value.dtype), value)
-        running_max = new_max
+    # Tiles wholly at or before the block's first query position need no causal mask.
+    first_position = context_len - query_len + query_block * BLOCK_Q
+    unmasked_end = tl.minimum((first_position + 1) // BLOCK_N * BLOCK_N, end)
+    for tile_start in range(0, unmasked_end, BLOCK_N):
+        running_max, running_sum, acc = _attend_tile(
+            query, k_cache_ptr, v_cache_ptr, block_table_row_ptr, tile_start, end,
+            query_positions, kv_head, dims, dim_mask, scale, running_max, running_sum, acc,
+            NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False)
+    for tile_start in range(unmasked_end, end, BLOCK_N):
+        running_max, running_sum, acc = _attend_tile(
+            query, k_cache_ptr, v_cache_ptr, block_table_row_ptr, tile_start, end,
+            query_positions, kv_head, dims, dim_mask, scale, running_max, running_sum, acc,
+            NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True)
 
     out = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
     tl.store(out_ptr + tokens[:, None] * out_token_stride + heads[:, None] * out_head_stride
@@ -283,7 +328,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     block_tables: torch.Tensor, context_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, scale: float, *,
                     num_splits: int | None = None,
-                    block_m: int = VARLEN_BLOCK_M) -> torch.Tensor:
+                    block_m: int | None = None) -> torch.Tensor:
     """Causal attention of ``query`` over the paged cache -> [num_tokens, num_heads, head_dim].
 
     A batch with as many tokens as sequences is decode-only (every sequence has
@@ -291,7 +336,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     overrides its split count (which otherwise depends on the batch size only).
     Any other batch, prefill chunks and decode rows together, is one launch of
     the varlen kernel, whose grid depends on the token and sequence counts only;
-    ``block_m`` is its rows per program (query tokens x the query heads of one KV head).
+    ``block_m`` overrides its rows per program (query tokens x the query heads of one KV
+    head; ``VARLEN_CONFIG``'s otherwise).
     """
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = block_tables.shape[0]
@@ -304,11 +350,11 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         _decode(query, k_cache, v_cache, block_tables, context_lens, scale, out, splits)
     else:
         _varlen(query, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, out,
-                block_m)
+                block_m or VARLEN_CONFIG.block_m)
     return out
 
 
-def varlen_tiling(group_size: int, block_m: int = VARLEN_BLOCK_M) -> tuple[int, int]:
+def varlen_tiling(group_size: int, block_m: int) -> tuple[int, int]:
     """(rows, query tokens) per program of the varlen kernel: its rows are a block of
     query tokens times the ``group_size`` query heads that share a KV head."""
     block_m = max(block_m, MIN_DOT_ROWS, triton.next_power_of_2(group_size))
@@ -357,9 +403,10 @@ def _decode(query, k_cache, v_cache, block_tables, context_lens, scale, out, num
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](
-            out, partial_acc, partial_max, partial_sum, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
-            BLOCK_SPLITS=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=2,
+            out, partial_acc, partial_max, partial_sum, context_lens, out.stride(0),
+            out.stride(1), NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+            BLOCK_SPLITS=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            BLOCK_N=DECODE_CONFIG.block_n, num_warps=2,
         )
 
 
@@ -377,6 +424,6 @@ def _varlen(query, k_cache, v_cache, block_tables, context_lens, query_start_loc
         block_tables.stride(0),
         NUM_KV_HEADS=num_kv_heads, GROUP_SIZE=group_size, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m,
-        BLOCK_N=VARLEN_BLOCK_N, BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4,
-        num_stages=2,
+        BLOCK_N=VARLEN_CONFIG.block_n, BLOCK_D=triton.next_power_of_2(head_dim),
+        num_warps=VARLEN_CONFIG.num_warps, num_stages=VARLEN_CONFIG.num_stages,
     )

@@ -111,7 +111,7 @@ def test_varlen_grid_depends_on_counts_only():
     """Query lengths change which program owns which tokens, never how many programs
     there are: the same launch serves any step of that many tokens and sequences."""
     for group_size in (1, 2, 3, 4, 8, 32):
-        block_m, block_q = triton_attention.varlen_tiling(group_size)
+        block_m, block_q = triton_attention.varlen_tiling(group_size, 64)
         assert block_m & (block_m - 1) == 0 and block_q * group_size <= block_m
     # every split of 40 tokens over 3 sequences fits num_tokens // block_q + num_seqs blocks
     block_q = 8
