@@ -58,9 +58,11 @@ class VarlenConfig:
     ``block_m`` rows (query tokens x the query heads of one KV head), ``block_n`` KV
     positions per tile."""
 
-    block_m: int = 64
-    block_n: int = 64
-    num_warps: int = 4
+    # the fastest of six shapes on an H200 for 8 x 1024-token prompts and for an
+    # 8,192-token chunk of a 32,768-token prompt (docs/performance.md)
+    block_m: int = 128
+    block_n: int = 128
+    num_warps: int = 8
     num_stages: int = 2
 
 
@@ -289,8 +291,10 @@ def _varlen_kernel(
     last_query = tl.minimum(query_len, (query_block + 1) * BLOCK_Q) - 1
     end = tl.minimum(context_len, context_len - query_len + last_query + 1)
     # Tiles wholly at or before the block's first query position need no causal mask.
+    # (Clamped at 0: a padding sequence's positions are negative, and no tile may start
+    # below 0.)
     first_position = context_len - query_len + query_block * BLOCK_Q
-    unmasked_end = tl.minimum((first_position + 1) // BLOCK_N * BLOCK_N, end)
+    unmasked_end = tl.maximum(tl.minimum((first_position + 1) // BLOCK_N * BLOCK_N, end), 0)
     for tile_start in range(0, unmasked_end, BLOCK_N):
         running_max, running_sum, acc = _attend_tile(
             query, k_cache_ptr, v_cache_ptr, block_table_row_ptr, tile_start, end,

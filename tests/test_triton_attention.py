@@ -127,16 +127,18 @@ def test_varlen_grid_depends_on_counts_only():
                                                                   strict=True))
 
 
-def test_varlen_padding_sequence_owns_padding_tokens_and_gives_zeros():
+@pytest.mark.parametrize("num_padded", [32, 160])
+def test_varlen_padding_sequence_owns_padding_tokens_and_gives_zeros(num_padded):
     """A CUDA graph's layout: real sequences, empty padding sequences, and a last padding
-    sequence (context 0) that owns the padding tokens; real rows match the unpadded step."""
+    sequence (context 0) that owns the padding tokens, over several query blocks (it
+    must read nothing: its positions are negative); real rows match the unpadded step."""
     generator = torch.Generator().manual_seed(5)
     query_lens, context_lens = [7, 1, 12, 1], [19, 40, 12, 3]
     batch = random_batch(generator, query_lens=query_lens, context_lens=context_lens,
                          num_heads=4, num_kv_heads=2, head_dim=32, block_size=8)
     query, k_cache, v_cache, block_tables, lens, starts = batch
     expected = triton_attention.paged_attention(*batch, 0.2)
-    num_real, num_padded, num_seqs = sum(query_lens), 32, 7
+    num_real, num_seqs = sum(query_lens), 7
     padded_query = torch.randn(num_padded, 4, 32, generator=generator).to(DTYPE).to(DEVICE)
     padded_query[:num_real] = query
     padded_tables = torch.zeros((num_seqs, block_tables.shape[1]), dtype=torch.int32,
@@ -147,8 +149,11 @@ def test_varlen_padding_sequence_owns_padding_tokens_and_gives_zeros():
     padded_starts = torch.full((num_seqs + 1,), num_real, dtype=torch.int32, device=DEVICE)
     padded_starts[:5] = starts
     padded_starts[-1] = num_padded
+    # poison: a read below position 0 would go through row 0 of the block table
+    padded_tables[4:] = block_tables[0]
     out = triton_attention.paged_attention(padded_query, k_cache, v_cache, padded_tables,
-                                           padded_lens, padded_starts, 0.2)
+                                           padded_lens, padded_starts, 0.2, block_m=16)
+    expected = triton_attention.paged_attention(*batch, 0.2, block_m=16)
     assert torch.equal(out[:num_real], expected)  # bit for bit: the same programs' work
     assert out[num_real:].abs().max().item() == 0.0
 
