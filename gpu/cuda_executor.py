@@ -367,13 +367,15 @@ class CudaModelExecutor(ModelExecutor):
                     token_ids.append(0)
                 else:
                     token_ids.append(self._last_sampled(request_id, state))
-                step.num_decode_rows += 1
+                step.num_single_token_rows += 1
                 context_len = start + 1
                 positions.append(start)
             else:
                 token_ids += scheduled.token_ids
                 context_len = start + len(scheduled.token_ids)
                 positions += range(start, context_len)
+                # at depth 1 a decode row's token comes from the host, as a 1-token chunk
+                step.num_single_token_rows += len(scheduled.token_ids) == 1
             blocks = state.block_ids
             if context_len > len(blocks) * block_size or context_len > self._max_positions:
                 self._check_capacity(request_id, state, context_len)  # raises
@@ -580,7 +582,12 @@ class CudaModelExecutor(ModelExecutor):
         varlen_sizes = sorted({size for size in VARLEN_GRAPH_TOKENS
                                if size < options.max_num_batched_tokens}
                               | {options.max_num_batched_tokens}, reverse=True)
-        pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
+        pool = None
+        if self.device.type == "cuda":
+            pool = torch.cuda.graph_pool_handle()
+            # capture empties the allocator's cache: empty it first, or what it frees
+            # would count against the graphs' memory
+            torch.cuda.empty_cache()
         memory_before = self._reserved_bytes()
         started = time.perf_counter()
         for graphs, sizes in ((self.decode_graphs, decode_sizes),

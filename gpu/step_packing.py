@@ -51,17 +51,18 @@ class HostStep:
                                                                 INT_SEGMENTS})
     num_tokens: int = 0
     num_seqs: int = 0
-    num_decode_rows: int = 0  # sequences whose input is the token sampled last step
+    num_single_token_rows: int = 0  # sequences of one query token: decode rows
     graph_key: tuple[str, int] | None = None
     sampling_rows: list[SamplingRow] = field(default_factory=list)
     sampled_request_ids: list[str] = field(default_factory=list)
 
     @property
     def kind(self) -> str:
-        """decode (one token per sequence), prefill (no decode row) or mixed."""
+        """decode (one token per sequence), prefill (no decode row) or mixed. (A prompt's
+        last chunk of one token counts as a decode row.)"""
         if self.num_tokens == self.num_seqs:
             return "decode"
-        return "mixed" if self.num_decode_rows else "prefill"
+        return "mixed" if self.num_single_token_rows else "prefill"
 
 
 def pad_tokens(step: HostStep, num_tokens: int) -> None:

@@ -151,6 +151,18 @@ def test_padded_graph_steps_on_the_cpu_give_the_plain_executors_tokens(run):
     assert stats.num_graph_steps_by_kind == stats.num_steps_by_kind
 
 
+def test_a_decode_row_fed_from_the_host_makes_a_mixed_step():
+    """At depth 1 the scheduler sends a decode row's token itself (a 1-token chunk)."""
+    executor = build(CudaModelExecutor, torch.device("cpu"), use_cuda_graphs=False,
+                     use_fused_kernels=False)
+    first = executor.execute(scripted_batches()[0])
+    executor.execute(ScheduledBatch(step_id=1, new_requests=[], requests=[
+        scheduled("a", first.sampled_token_ids, computed=6, output_index=1),
+        scheduled("b", [43, 44, 45, 46], computed=3, blocks=[3])],
+        finished_request_ids=[], num_tokens=5))
+    assert executor.stats.num_steps_by_kind == {"decode": 0, "mixed": 1, "prefill": 1}
+
+
 def test_steps_beyond_the_largest_graph_run_eagerly():
     cpu = torch.device("cpu")
     expected = run_depth_1(build(ModelExecutor, cpu), scripted_batches())
