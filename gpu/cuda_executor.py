@@ -14,17 +14,17 @@ One step, on the device:
    one of two input slots; the copy stream uploads them;
 2. the compute stream waits for that upload, gathers the tokens sampled in the
    previous step straight from device memory (``input_from_previous_step``),
-   runs the model (a CUDA graph replay for decode-only steps of a captured
-   batch size, eagerly otherwise) and samples;
+   runs the model (a CUDA graph replay, gpu/cuda_graphs.py: decode-only steps by
+   batch size, every other step by token count; eagerly only beyond the largest
+   captured size) and samples;
 3. a second copy stream waits for the compute and copies the sampled ids into
    pinned host memory; an event marks the step done. (Downloads have their own
    stream so that the next step's upload never queues behind them.)
 
 Events order the slots' reuse: a slot's device inputs are rewritten only after
-the compute that read them, its pinned inputs only after their upload. torch
-owns the streams; CuPy wraps them as external streams for its events (a
-CuPy-owned stream destroyed before the tensors allocated on it crashes torch's
-allocator).
+the compute that read them, its pinned inputs only after their upload
+(gpu/cuda_streams.py). The upload's layout and a graph step's padding are in
+gpu/step_packing.py.
 
 On the CPU the same code runs with the streams and events reduced to no-ops,
 which is how its bookkeeping is tested without a GPU.
