@@ -60,7 +60,7 @@ from trio_llm.gpu.cuda_sampler import (
     sample_on_device,
 )
 from trio_llm.gpu.cuda_streams import DoneEvent, Event, Lane
-from trio_llm.gpu.executor import ModelExecutor, RequestState
+from trio_llm.gpu.executor import ModelExecutor, RequestState, kv_slots
 from trio_llm.gpu.model import AttentionMetadata, CausalLM
 from trio_llm.gpu.sampler import SamplingRow, raw_logprobs
 from trio_llm.gpu.step_packing import (
@@ -379,8 +379,7 @@ class CudaModelExecutor(ModelExecutor):
             blocks = state.block_ids
             if context_len > len(blocks) * block_size or context_len > self._max_positions:
                 self._check_capacity(request_id, state, context_len)  # raises
-            slot_mapping += [blocks[position // block_size] * block_size
-                             + position % block_size for position in range(start, context_len)]
+            slot_mapping += kv_slots(blocks, block_size, start, context_len)
             context_lens.append(context_len)
             query_start_loc.append(len(token_ids))
             table_rows.append(row)

@@ -23,7 +23,7 @@ from trio_llm.actors.messages import (  # noqa: E402
 from trio_llm.gpu import step_packing  # noqa: E402
 from trio_llm.gpu.builtin import resolve_model  # noqa: E402
 from trio_llm.gpu.cuda_executor import CudaExecutorOptions, CudaModelExecutor  # noqa: E402
-from trio_llm.gpu.executor import ModelExecutor  # noqa: E402
+from trio_llm.gpu.executor import ModelExecutor, kv_slots  # noqa: E402
 from trio_llm.gpu.loader import load_model  # noqa: E402
 
 BLOCK_SIZE = 4
@@ -173,6 +173,21 @@ def test_steps_beyond_the_largest_graph_run_eagerly():
     assert executor.stats.num_graph_steps == 5  # the 9-token prefill ran eagerly
 
 
+def test_graph_capture_stops_at_its_budget_and_says_so(caplog):
+    """A capture budget spent before the first graph leaves every step eager, and the
+    log names the budget; the summary line says how many graphs, in how long."""
+    cpu = torch.device("cpu")
+    expected = run_depth_1(build(ModelExecutor, cpu), scripted_batches())
+    with caplog.at_level("INFO", logger="trio_llm.gpu.cuda_executor"):
+        executor = build(CudaModelExecutor, cpu, use_cuda_graphs=True,
+                         use_fused_kernels=False, graph_capture_budget_seconds=-1.0)
+    assert not executor.decode_graphs.graphs and not executor.varlen_graphs.graphs
+    assert "stopped at its -1 s budget" in caplog.text
+    assert "captured 0 decode CUDA graphs" in caplog.text and "0 varlen graphs" in caplog.text
+    assert_same_results(run_depth_1(executor, scripted_batches()), expected)
+    assert executor.stats.num_graph_steps == 0
+
+
 def test_padding_tokens_never_write_the_kv_cache():
     cpu = torch.device("cpu")
     executor = build(CudaModelExecutor, cpu, use_cuda_graphs=True, use_fused_kernels=False,
@@ -208,6 +223,15 @@ def test_the_start_up_warm_up_leaves_no_trace():
     pipelined._warm_up()
     assert not pipelined.requests and pipelined.stats.num_steps == 0
     assert_same_results(run_depth_2(pipelined, scripted_batches()), expected)
+
+
+@pytest.mark.parametrize(("start", "end"), [(0, 1), (5, 6), (3, 130), (17, 300), (0, 512)])
+def test_kv_slots_loop_and_vectorized_agree(start, end):
+    block_size = 16
+    block_ids = [(7 * index + 3) % 97 for index in range(-(-end // block_size))]
+    expected = [block_ids[position // block_size] * block_size + position % block_size
+                for position in range(start, end)]
+    assert kv_slots(block_ids, block_size, start, end) == expected
 
 
 def test_every_upload_segment_starts_16_byte_aligned():
