@@ -368,10 +368,12 @@ def varlen_tiling(group_size: int, block_m: int) -> tuple[int, int]:
 def decode_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
     """Split the context over more programs only when sequences x KV heads leave SMs idle.
 
-    The count depends on the batch size only (so a captured decode graph has one), and
-    each split's share of a context on the context only: the result for a sequence is
-    the same bits in any batch of the same split count, and within rounding (the
-    merge's float32 sums) across split counts.
+    The count depends on the batch size only (so a captured decode graph has one);
+    each split takes whole tiles of ``DECODE_CONFIG.block_n`` positions, so a context
+    uses ``min(count, cdiv(context, block_n))`` splits (the others return at once): in
+    effect a rule on (sequences, context). The result for a sequence is the same bits
+    in any batch of the same split count, and within rounding (the merge's float32
+    sums) across split counts.
     """
     if device.type != "cuda":
         return 1
