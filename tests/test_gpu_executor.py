@@ -163,6 +163,17 @@ def test_a_decode_row_fed_from_the_host_makes_a_mixed_step():
     assert executor.stats.num_steps_by_kind == {"decode": 0, "mixed": 1, "prefill": 1}
 
 
+def test_a_step_takes_the_smallest_graph_that_fits():
+    executor = build(CudaModelExecutor, torch.device("cpu"), use_cuda_graphs=True,
+                     use_fused_kernels=False, max_num_batched_tokens=64)
+    varlen = executor.varlen_graphs
+    assert [varlen.num_tokens_for(n, 2) for n in (1, 16, 17, 33, 64, 65)] == [
+        16, 16, 32, 64, 64, None]
+    assert varlen.num_tokens_for(20, 5) is None  # more sequences than max_num_seqs (4)
+    assert [varlen.num_seq_slots(n) for n in (16, 64)] == [5, 5]  # 4 sequences + padding
+    assert [executor.decode_graphs.batch_size_for(n) for n in (1, 3, 4, 5)] == [1, 4, 4, None]
+
+
 def test_steps_beyond_the_largest_graph_run_eagerly():
     cpu = torch.device("cpu")
     expected = run_depth_1(build(ModelExecutor, cpu), scripted_batches())
