@@ -34,9 +34,11 @@ for part in "$@"; do
              tests/test_gpu_executor.py ;;
     profile-*) run "$part" 200 python3 benchmarks/step_profile.py --model "qwen3-${part#profile-}" ;;
     decode-*) run "$part" 240 python3 benchmarks/gpu_bench.py decode --model "qwen3-${part#decode-}" ;;
+    mixed-*) run "$part" 300 python3 benchmarks/gpu_bench.py mixed --model "qwen3-${part#mixed-}" ;;
+    long-*) run "$part" 200 python3 benchmarks/gpu_bench.py long --model "qwen3-${part#long-}" ;;
     throughput-*) run "$part" 300 python3 benchmarks/gpu_bench.py throughput --model "qwen3-${part#throughput-}" ;;
     transformers-*) run "$part" 240 python3 benchmarks/gpu_bench.py transformers --model "qwen3-${part#transformers-}" --time-limit 120 ;;
-    kernels) run kernels 120 python3 benchmarks/kernel_bench.py ;;
+    kernels) run kernels 300 python3 benchmarks/kernel_bench.py ;;
     gemv) run gemv 240 python3 benchmarks/gemv_bench.py ;;
     serve-*) serve_bench "qwen3-${part#serve-}" ;;
     *) echo "unknown part $part" ;;

@@ -10,11 +10,23 @@ alone (its launch/collect loop, no scheduler): milliseconds per output token
 over the decode steps, prefill excluded. Also the device time of one decode
 step's graph replay alone (CUDA events, median), the floor of the other figures.
 
+    python3 benchmarks/gpu_bench.py mixed --model qwen3-0.6b       # 2000 x (128 in, 64..192 out)
+    python3 benchmarks/gpu_bench.py long --model qwen3-0.6b        # one 32,000-token prompt
+
 throughput: the nano-vllm workload (256 requests, seed 0, prompt and output
 lengths uniform in [100, 1024], prompt ids in [0, 10000), ignore_eos,
 temperature 0.6) through the engine, depth 2 then depth 1, after an untimed
 warm-up of 64 short requests; output tokens/s, with the share of wall time the
-device computes and the CPU time per step.
+device computes, the CPU time per step, and the host's launch time per kind of
+step (decode-only, mixed, prefill-only).
+
+mixed: the same measurement on 2000 requests of 128 prompt tokens and 64 to 192
+output tokens (seed 0, temperature 0.6), where nearly every step mixes prefills
+and decodes.
+
+long: one request of a 32,000-token prompt and 256 new tokens (greedy), through
+the engine at depth 2 and 1: time to the first token (the chunked prefill) and
+milliseconds per output token over the decode steps.
 """
 
 from __future__ import annotations
@@ -39,7 +51,7 @@ from trio_llm.actors.messages import (
     ScheduledBatch,
     ScheduledRequest,
 )
-from trio_llm.gpu.cuda_executor import CudaModelExecutor
+from trio_llm.gpu.cuda_executor import STEP_KINDS, CudaModelExecutor
 from trio_llm.gpu.testing import GREEDY
 
 OUT = Path(os.environ.get("OUT", "."))
@@ -167,14 +179,30 @@ def run_decode(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
+    return _throughput(args, num_prompts=args.num_prompts or 256, prompt_len=(100, 1024),
+                       output_len=(100, 1024))
+
+
+def run_mixed(args: argparse.Namespace) -> dict[str, Any]:
+    return _throughput(args, num_prompts=args.num_prompts or 2000, prompt_len=(128, 128),
+                       output_len=(64, 192))
+
+
+def _throughput(args: argparse.Namespace, *, num_prompts: int, prompt_len: tuple[int, int],
+                output_len: tuple[int, int]) -> dict[str, Any]:
     import trio
 
     from trio_llm.api.bench import random_workload, run_engine_throughput
 
-    results: dict[str, Any] = {"model": args.model, "num_prompts": args.num_prompts}
+    results: dict[str, Any] = {"model": args.model, "num_prompts": num_prompts,
+                               "prompt_len": prompt_len, "output_len": output_len}
+    started = time.perf_counter()
     executor = create_executor(engine_config(args.model, depth=2), measure_device_time=True)
-    workload = random_workload(seed=0, num_prompts=args.num_prompts, prompt_len=(100, 1024),
-                               output_len=(100, 1024),
+    results["start_up_seconds"] = time.perf_counter() - started
+    results["graph_capture_seconds"] = executor.graph_capture_seconds
+    results["graph_memory_gib"] = executor.graph_memory_bytes / 2**30
+    workload = random_workload(seed=0, num_prompts=num_prompts, prompt_len=prompt_len,
+                               output_len=output_len,
                                max_token_id=min(10000, executor.vocab_size))
     # Warm-up, untimed: the first uses of kernels (CUDA loads their modules lazily, and
     # a load waits for the device) and of the allocator's block sizes come here, not in
@@ -203,7 +231,14 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
 
 def _stats_snapshot(executor: CudaModelExecutor) -> dict[str, float]:
     stats = executor.stats
-    return {name: float(getattr(stats, name)) for name in stats.__slots__}
+    snapshot: dict[str, float] = {}
+    for name in stats.__slots__:
+        value = getattr(stats, name)
+        if isinstance(value, dict):
+            snapshot.update({f"{name}.{kind}": float(count) for kind, count in value.items()})
+        else:
+            snapshot[name] = float(value)
+    return snapshot
 
 
 def _profile(result: dict[str, Any], stats: dict[str, float],
@@ -217,7 +252,57 @@ def _profile(result: dict[str, Any], stats: dict[str, float],
         "launch_host_ms_per_step": 1000 * stats["launch_seconds"] / num_steps,
         "collect_host_ms_per_step": 1000 * stats["collect_seconds"] / num_steps,
         "process_cpu_ms_per_step": 1000 * cpu_seconds / num_steps,
+        "steps_by_kind": {kind: stats[f"num_steps_by_kind.{kind}"] for kind in STEP_KINDS},
+        "graph_steps_by_kind": {kind: stats[f"num_graph_steps_by_kind.{kind}"]
+                                for kind in STEP_KINDS},
+        "launch_host_ms_per_step_by_kind": {
+            kind: 1000 * stats[f"launch_seconds_by_kind.{kind}"]
+            / max(stats[f"num_steps_by_kind.{kind}"], 1) for kind in STEP_KINDS},
+        "launch_wait_ms_per_step_by_kind": {
+            kind: 1000 * stats[f"launch_wait_seconds_by_kind.{kind}"]
+            / max(stats[f"num_steps_by_kind.{kind}"], 1) for kind in STEP_KINDS},
     }
+
+
+# -- long context --------------------------------------------------------------------------
+
+
+LONG_PROMPT_LEN = 32000
+
+
+async def engine_long_prompt(config: EngineConfig, executor: CudaModelExecutor
+                             ) -> dict[str, float]:
+    """Time to the first token of a 32,000-token prompt, then ms per decoded token."""
+    from trio_llm.api.engine import Engine
+
+    prompt = [(7 * i) % 9000 + 100 for i in range(LONG_PROMPT_LEN)]
+    params = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    executor.drain()
+    async with Engine.open(config, executor=executor) as engine:
+        result: dict[str, float] = {}
+        for run in ("warm", "timed"):
+            started = time.perf_counter()
+            times = []
+            async for _ in engine.generate(prompt, params):
+                times.append(time.perf_counter())
+            result[f"{run}_ttft_seconds"] = times[0] - started
+            result[f"{run}_decode_ms_per_token"] = (1000 * (times[-1] - times[0])
+                                                    / (len(times) - 1))
+    return result
+
+
+def run_long(args: argparse.Namespace) -> dict[str, Any]:
+    import trio
+
+    results: dict[str, Any] = {"model": args.model, "prompt_len": LONG_PROMPT_LEN,
+                               "num_new_tokens": NUM_NEW_TOKENS}
+    overrides = {"max_num_seqs": 8, "num_kv_blocks": 2200, "max_model_len": 33000}
+    executor = create_executor(engine_config(args.model, depth=2, **overrides))
+    for depth in args.depths:
+        results[f"depth_{depth}"] = trio.run(
+            engine_long_prompt, engine_config(args.model, depth=depth, **overrides), executor)
+        print(json.dumps({f"depth_{depth}": results[f"depth_{depth}"]}), flush=True)
+    return results
 
 
 # -- (e) transformers ----------------------------------------------------------------------
@@ -227,8 +312,9 @@ def run_transformers(args: argparse.Namespace) -> dict[str, Any]:
     from trio_llm.api.bench import random_workload
     from trio_llm.gpu.cuda_hf_baseline import run_transformers_throughput
 
-    workload = random_workload(seed=0, num_prompts=args.num_prompts, prompt_len=(100, 1024),
-                               output_len=(100, 1024), max_token_id=10000)
+    workload = random_workload(seed=0, num_prompts=args.num_prompts or 256,
+                               prompt_len=(100, 1024), output_len=(100, 1024),
+                               max_token_id=10000)
     return run_transformers_throughput(engine_config(args.model, depth=2), workload,
                                        temperature=0.6, time_limit_seconds=args.time_limit)
 
@@ -238,10 +324,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     for name, run in (("decode", run_decode), ("throughput", run_throughput),
+                      ("mixed", run_mixed), ("long", run_long),
                       ("transformers", run_transformers)):
         command = commands.add_parser(name)
         command.add_argument("--model", default="qwen3-0.6b")
-        command.add_argument("--num-prompts", type=int, default=256)
+        command.add_argument("--num-prompts", type=int, default=None,
+                             help="throughput and transformers: 256, mixed: 2000")
         command.add_argument("--depths", type=int, nargs="+", default=[2, 1])
         command.add_argument("--time-limit", type=float, default=150.0)
         command.set_defaults(run=run)

@@ -13,6 +13,7 @@ and graph capture on a CuPy stream work together.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -31,6 +32,11 @@ HEAD_DIM = 128
 MODELS = {"qwen3-0.6b": (16, 8), "qwen3-8b": (32, 8)}  # (num_heads, num_kv_heads)
 DECODE_CASES = [(1, 384), (64, 1024), (256, 1024), (256, 2048)]  # (num_seqs, context_len)
 PREFILL_CASES = [(1, 128), (8, 1024), (16, 512)]  # fresh prompts: (num_seqs, prompt_len)
+# the last 8,192-token chunk of a 32,768-token prompt (the long-prefill target's shape)
+CHUNK_CASE = (1, 32768, 8192)  # (num_seqs, context_len, query_len)
+VARLEN_SWEEP = [triton_attention.VarlenConfig(*shape) for shape in (
+    (64, 64, 4, 2), (128, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2),
+    (64, 128, 4, 2))]
 
 
 def environment() -> dict:
@@ -109,7 +115,7 @@ def time_case(kind, model, num_seqs, context_len, query_len):
     num_heads, num_kv_heads = MODELS[model]
     inputs = paged_inputs(num_seqs, context_len, query_len, num_heads, num_kv_heads)
     scale = HEAD_DIM**-0.5
-    run = lambda: triton_attention.paged_attention(*inputs, scale, max_query_len=query_len)  # noqa: E731
+    run = lambda: triton_attention.paged_attention(*inputs, scale)  # noqa: E731
     expected, num_checked = reference(*inputs, scale)
     error = ((run()[:num_checked].double() - expected).norm() / expected.norm()).item()
     ms = do_bench(run, warmup=25, rep=100, return_mode="median")
@@ -121,6 +127,37 @@ def time_case(kind, model, num_seqs, context_len, query_len):
             "query_len": query_len, "relative_error": error, "triton_us": ms * 1e3,
             "sdpa_unpaged_us": baseline_ms * 1e3,
             "kv_read_gbps": kv_bytes / (ms * 1e-3) / 1e9}
+
+
+def attention_flops(num_seqs, context_len, query_len, num_heads):
+    """Multiply-adds x 2 of QK^T and PV over the causally visible positions."""
+    visible = query_len * (context_len - query_len) + query_len * (query_len + 1) / 2
+    return 4 * num_seqs * visible * num_heads * HEAD_DIM
+
+
+def sweep_varlen(model, num_seqs, context_len, query_len):
+    """The varlen kernel's median time per tile configuration (the first is checked for
+    error against the default configuration's output)."""
+    num_heads, num_kv_heads = MODELS[model]
+    inputs = paged_inputs(num_seqs, context_len, query_len, num_heads, num_kv_heads)
+    scale = HEAD_DIM**-0.5
+    expected = triton_attention.paged_attention(*inputs, scale).double()
+    flops = attention_flops(num_seqs, context_len, query_len, num_heads)
+    rows = []
+    for config in VARLEN_SWEEP:
+        triton_attention.VARLEN_CONFIG = config
+        run = lambda: triton_attention.paged_attention(*inputs, scale)  # noqa: E731
+        error = ((run().double() - expected).norm() / expected.norm()).item()
+        ms = do_bench(run, warmup=25, rep=100, return_mode="median")
+        rows.append({"model": model, "num_seqs": num_seqs, "context_len": context_len,
+                     "query_len": query_len, "config": list(dataclasses.astuple(config)),
+                     "us": ms * 1e3, "tflops": flops / (ms * 1e-3) / 1e12,
+                     "difference_from_default": error})
+        print(f"varlen {model:11} {num_seqs:3}x{query_len:5}/{context_len:5} "
+              f"{dataclasses.astuple(config)}: {ms * 1e3:9.1f} us "
+              f"{rows[-1]['tflops']:6.1f} TFLOP/s diff {error:.1e}", flush=True)
+    triton_attention.VARLEN_CONFIG = triton_attention.VarlenConfig()
+    return rows
 
 
 def time_kv_write(num_tokens=8192, num_kv_heads=8):
@@ -187,6 +224,11 @@ def main() -> None:
             results["cases"].append(time_case("decode", model, num_seqs, context_len, 1))
         for num_seqs, prompt_len in PREFILL_CASES:
             results["cases"].append(time_case("prefill", model, num_seqs, prompt_len, prompt_len))
+        (out_dir / "kernels.json").write_text(json.dumps(results, indent=2))
+    results["varlen_sweep"] = []
+    for model in MODELS:
+        results["varlen_sweep"] += sweep_varlen(model, 8, 1024, 1024)
+        results["varlen_sweep"] += sweep_varlen(model, *CHUNK_CASE)
         (out_dir / "kernels.json").write_text(json.dumps(results, indent=2))
     results["cupy_interop"] = check_cupy_interop()
     (out_dir / "kernels.json").write_text(json.dumps(results, indent=2))

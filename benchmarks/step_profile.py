@@ -68,7 +68,7 @@ def profile_layout(executor: CudaModelExecutor, context_lens: list[int],
     config = model.config
     result: dict[str, float] = {}
     with torch.inference_mode(), torch.cuda.stream(executor.compute.torch_stream):
-        inputs = executor._graph_inputs
+        inputs = executor.decode_graphs
         inputs.per_token[:, :num_seqs].copy_(torch.stack(
             [token_ids, positions, metadata.slot_mapping, metadata.context_lens]))
         inputs.block_tables[:num_seqs].copy_(metadata.block_tables)

@@ -14,17 +14,17 @@ One step, on the device:
    one of two input slots; the copy stream uploads them;
 2. the compute stream waits for that upload, gathers the tokens sampled in the
    previous step straight from device memory (``input_from_previous_step``),
-   runs the model (a CUDA graph replay for decode-only steps of a captured
-   batch size, eagerly otherwise) and samples;
+   runs the model (a CUDA graph replay, gpu/cuda_graphs.py: decode-only steps by
+   batch size, every other step by token count; eagerly only beyond the largest
+   captured size) and samples;
 3. a second copy stream waits for the compute and copies the sampled ids into
    pinned host memory; an event marks the step done. (Downloads have their own
    stream so that the next step's upload never queues behind them.)
 
 Events order the slots' reuse: a slot's device inputs are rewritten only after
-the compute that read them, its pinned inputs only after their upload. torch
-owns the streams; CuPy wraps them as external streams for its events (a
-CuPy-owned stream destroyed before the tensors allocated on it crashes torch's
-allocator).
+the compute that read them, its pinned inputs only after their upload
+(gpu/cuda_streams.py). The upload's layout and a graph step's padding are in
+gpu/step_packing.py.
 
 On the CPU the same code runs with the streams and events reduced to no-ops,
 which is how its bookkeeping is tested without a GPU.
@@ -34,12 +34,10 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-import numpy as np
 import torch
 
 from trio_llm.actors.config import EngineConfig
@@ -50,33 +48,40 @@ from trio_llm.actors.messages import (
     ScheduledRequest,
     StepResult,
 )
+from trio_llm.gpu.cuda_graphs import (
+    DECODE_BATCH_SIZES,
+    VARLEN_GRAPH_TOKENS,
+    DecodeGraphs,
+    VarlenGraphs,
+)
 from trio_llm.gpu.cuda_sampler import (
     DeviceSamplingInputs,
     SamplingPlan,
     sample_on_device,
 )
-from trio_llm.gpu.executor import ModelExecutor, RequestState
+from trio_llm.gpu.cuda_streams import DoneEvent, Event, Lane
+from trio_llm.gpu.executor import ModelExecutor, RequestState, kv_slots
 from trio_llm.gpu.model import AttentionMetadata, CausalLM
 from trio_llm.gpu.sampler import SamplingRow, raw_logprobs
+from trio_llm.gpu.step_packing import (
+    FLOAT_SEGMENTS,
+    INT_SEGMENTS,
+    HostStep,
+    InputSlot,
+    Segments,
+    end,
+    fill,
+    new_slot,
+    offsets,
+    pad_decode_sequences,
+    pad_varlen_sequences,
+    upload,
+)
 
 logger = logging.getLogger(__name__)
 
 GIB = 2**30
-# Decode batch sizes that get a CUDA graph; a decode step runs the smallest that fits.
-GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256,
-                     320, 384, 448, 512)
 NUM_SLOTS = 2
-# Host-side int64 segments of one step's upload, in order.
-INT_SEGMENTS = ("token_ids", "positions", "slot_mapping", "context_lens", "query_start_loc",
-                "table_rows", "logits_indices", "previous_token_positions", "previous_slots",
-                "previous_rows",
-                "update_rows", "update_columns", "update_block_ids", "top_ks", "seed_keys",
-                "output_indices", "banned_rows", "banned_token_ids")
-FLOAT_SEGMENTS = ("temperatures", "top_ps", "min_ps")
-# Segments start at multiples of this many elements (16 bytes or more). Triton compiles
-# a kernel variant per pattern of 16-byte-aligned pointer arguments: views at arbitrary
-# offsets would compile new variants in the middle of a run.
-SEGMENT_ALIGNMENT = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +93,8 @@ class CudaExecutorOptions:
     use_cuda_graphs: bool = True
     use_fused_kernels: bool = True
     graph_capture_budget_seconds: float = 120.0
+    # graph capture stops (and logs it) once the graphs' memory pool holds this much
+    graph_memory_budget_gib: float = 8.0
     # time each step's compute with device events (for profiles; costs two events a step)
     measure_device_time: bool = False
 
@@ -100,110 +107,33 @@ class CudaExecutorOptions:
                    use_fused_kernels=on_cuda)
 
 
-# -- streams and events ----------------------------------------------------------------
-
-
-class Event(Protocol):
-    """A point in a stream's work: CuPy's event, or one that is always done (CPU)."""
-
-    @property
-    def done(self) -> bool: ...
-
-    def synchronize(self) -> None: ...
-
-
-class DoneEvent:
-    """The CPU's event: work runs inline, so it is done as soon as it is recorded."""
-
-    done = True
-
-    def synchronize(self) -> None:
-        pass
-
-
-class Lane:
-    """One stream: torch runs kernels on it, CuPy records and waits for events on it."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.torch_stream: torch.cuda.Stream | None = None
-        self._cupy_stream: Any = None
-        if device.type == "cuda":
-            import cupy
-
-            self._cupy = cupy
-            self.torch_stream = torch.cuda.Stream(device)
-            self._cupy_stream = cupy.cuda.ExternalStream(self.torch_stream.cuda_stream,
-                                                         device.index or 0)
-
-    def context(self) -> Any:
-        """Make this the current torch stream (a no-op on the CPU)."""
-        return torch.cuda.stream(self.torch_stream) if self.torch_stream else nullcontext()
-
-    def record(self, *, timing: bool = False, blocking: bool = False) -> Event:
-        """``blocking``: a host thread waiting for it sleeps instead of spinning on a
-        core (measured in workload (a): 9.1 -> 6.1 ms of process CPU per step)."""
-        if self._cupy_stream is None:
-            return DoneEvent()
-        event = self._cupy.cuda.Event(block=blocking, disable_timing=not timing)
-        event.record(self._cupy_stream)
-        return event  # type: ignore[no-any-return]
-
-    def elapsed_seconds(self, start: Event, end: Event) -> float:
-        """Device time between two timing events, both complete."""
-        if self._cupy_stream is None:
-            return 0.0
-        return float(self._cupy.cuda.get_elapsed_time(start, end)) / 1000.0
-
-    def wait(self, event: Event | None) -> None:
-        """Later work on this stream waits for ``event`` (without blocking the host)."""
-        if event is not None and self._cupy_stream is not None and not isinstance(event,
-                                                                                  DoneEvent):
-            self._cupy_stream.wait_event(event)
-
-
 # -- one step ----------------------------------------------------------------------------
+
+
+STEP_KINDS = ("decode", "mixed", "prefill")
 
 
 @dataclass(slots=True)
 class ExecutorStatistics:
     """Counts and times since start: host seconds in launch and collect (the control
-    plane's share on this side), device compute seconds when measured."""
+    plane's share on this side), device compute seconds when measured; and per kind
+    of step (decode-only, mixed, prefill-only) its steps, graph replays and launch time."""
 
     num_steps: int = 0
     num_graph_steps: int = 0
     launch_seconds: float = 0.0
     collect_seconds: float = 0.0
     device_compute_seconds: float = 0.0
-
-
-@dataclass(slots=True)
-class HostStep:
-    """One step's inputs, built on the host from a ScheduledBatch."""
-
-    step_id: int
-    ints: dict[str, list[int]] = field(default_factory=lambda: {name: [] for name in
-                                                                INT_SEGMENTS})
-    num_tokens: int = 0
-    num_seqs: int = 0
-    max_query_len: int = 0
-    graph_batch_size: int | None = None
-    sampling_rows: list[SamplingRow] = field(default_factory=list)
-    sampled_request_ids: list[str] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class InputSlot:
-    """Pinned host and device buffers for one step in flight, and the events guarding them."""
-
-    index: int
-    host_ints: torch.Tensor
-    host_floats: torch.Tensor
-    device_ints: torch.Tensor
-    device_floats: torch.Tensor
-    host_sampled: torch.Tensor
-    upload_done: Event | None = None
-    compute_done: Event | None = None
-    download_done: Event | None = None
+    num_steps_by_kind: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(STEP_KINDS, 0))
+    num_graph_steps_by_kind: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(STEP_KINDS, 0))
+    launch_seconds_by_kind: dict[str, float] = field(
+        default_factory=lambda: dict.fromkeys(STEP_KINDS, 0.0))
+    # the share of launch_seconds spent waiting for the device (a slot's previous upload,
+    # which waits for the compute two steps back): the host's own work is the rest
+    launch_wait_seconds_by_kind: dict[str, float] = field(
+        default_factory=lambda: dict.fromkeys(STEP_KINDS, 0.0))
 
 
 @dataclass(slots=True)
@@ -227,43 +157,6 @@ class PendingStep:
         self.done.synchronize()
 
 
-class Segments:
-    """Views into a flat device buffer by segment name."""
-
-    def __init__(self, buffer: torch.Tensor, offsets: dict[str, tuple[int, int]]) -> None:
-        self._buffer = buffer
-        self._offsets = offsets
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        start, length = self._offsets[name]
-        return self._buffer[start:start + length]
-
-    def length(self, name: str) -> int:
-        return self._offsets[name][1]
-
-    def prefix(self, length: int) -> torch.Tensor:
-        """The first ``length`` elements, across segments."""
-        return self._buffer[:length]
-
-
-@dataclass(slots=True)
-class GraphInputs:
-    """Static device buffers that captured decode graphs read."""
-
-    per_token: torch.Tensor  # [4, max_batch]: token ids, positions, slots, context lengths
-    query_start_loc: torch.Tensor  # [max_batch + 1]: 0, 1, 2, ... (one token per sequence)
-    block_tables: torch.Tensor  # [max_batch, max_blocks_per_seq] int32
-
-
-@dataclass(slots=True)
-class CapturedGraph:
-    """A decode step's forward and logits, replayed as one graph: ``logits`` [batch, vocab]
-    float32 is its output buffer."""
-
-    graph: Any
-    logits: torch.Tensor
-
-
 class CudaModelExecutor(ModelExecutor):
     """ModelExecutor with pipelined launch/collect, CUDA graphs and fused Triton kernels.
 
@@ -278,8 +171,9 @@ class CudaModelExecutor(ModelExecutor):
         self.options = CudaExecutorOptions()
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self._max_positions = model.rotary.max_positions
-        self.graphs: dict[int, CapturedGraph] = {}
         self._started = False
+        self.graph_capture_seconds = 0.0
+        self.graph_memory_bytes = 0
 
     @classmethod
     def create(cls, config: EngineConfig) -> CudaModelExecutor:
@@ -300,7 +194,7 @@ class CudaModelExecutor(ModelExecutor):
         # would queue behind this step's download, which waits for this step's compute.
         self.copy = Lane(self.device)
         self.download = Lane(self.device)
-        self.slots = [self._new_slot(index, 1024, 64, options.max_num_seqs)
+        self.slots = [new_slot(index, self.device, 1024, 64, options.max_num_seqs)
                       for index in range(NUM_SLOTS)]
         # [slot, row]: the ids each slot's step sampled, where the next step reads them
         self.device_sampled = torch.zeros((NUM_SLOTS, options.max_num_seqs), dtype=torch.int64,
@@ -315,6 +209,11 @@ class CudaModelExecutor(ModelExecutor):
         self._num_launches = 0
         self._outstanding: list[PendingStep] = []
         self.stats = ExecutorStatistics()
+        self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, options.max_num_seqs,
+                                          self.max_blocks_per_seq)
+        self.varlen_graphs = VarlenGraphs(self.model, self.kv_caches,
+                                          options.max_num_batched_tokens, options.max_num_seqs,
+                                          self.max_blocks_per_seq)
         self._started = True
         self._report_kv_cache()
         if options.use_fused_kernels:
@@ -331,25 +230,38 @@ class CudaModelExecutor(ModelExecutor):
     def launch(self, batch: ScheduledBatch) -> PendingStep:
         """Enqueue one step and return at once; at most two steps may be outstanding."""
         started = time.perf_counter()
-        pending = self._launch(batch)
-        self.stats.launch_seconds += time.perf_counter() - started
+        pending, kind = self._launch(batch)
+        elapsed = time.perf_counter() - started
+        self.stats.launch_seconds += elapsed
+        if kind is not None:
+            self.stats.launch_seconds_by_kind[kind] += elapsed
         return pending
 
-    def _launch(self, batch: ScheduledBatch) -> PendingStep:
+    def _launch(self, batch: ScheduledBatch) -> tuple[PendingStep, str | None]:
         assert self._started, "call start() (or build with create()) first"
         assert len(self._outstanding) < NUM_SLOTS, "collect a step before launching a third"
-        updates = self._update_states_and_table(batch)
-        step = self._plan(batch, updates)
+        self._update_states(batch)
+        step = self._plan(batch)
         if step.num_tokens == 0:
-            return PendingStep(step_id=batch.step_id, request_ids=[], done=DoneEvent())
+            return PendingStep(step_id=batch.step_id, request_ids=[], done=DoneEvent()), None
+        kind = step.kind
+        self._pad_for_graph(step)
         slot = self.slots[self._num_launches % NUM_SLOTS]
+        stats = self.stats
+        if slot.upload_done is not None:
+            waiting = time.perf_counter()
+            slot.upload_done.synchronize()  # its pinned inputs are free to rewrite
+            stats.launch_wait_seconds_by_kind[kind] += time.perf_counter() - waiting
         pending = self._launch_on_device(step, slot)
-        self.stats.num_steps += 1
-        self.stats.num_graph_steps += step.graph_batch_size is not None
+        stats.num_steps += 1
+        stats.num_steps_by_kind[kind] += 1
+        if step.graph_key is not None:
+            stats.num_graph_steps += 1
+            stats.num_graph_steps_by_kind[kind] += 1
         self._remember_sampled(step, slot)
         self._num_launches += 1
         self._outstanding.append(pending)
-        return pending
+        return pending, kind
 
     def collect(self, pending: PendingStep) -> StepResult:
         """The step's StepResult; waits for it if it is not done yet."""
@@ -386,27 +298,14 @@ class CudaModelExecutor(ModelExecutor):
 
     # -- host side: states, block table, inputs ------------------------------------------
 
-    def _update_states_and_table(self, batch: ScheduledBatch) -> list[tuple[int, int, int]]:
-        """Apply the batch's finishes, registrations and new blocks; returns the block-table
-        updates (row, column, block id) for the device."""
+    def _update_states(self, batch: ScheduledBatch) -> None:
+        """Apply the batch's finishes and registrations."""
         for request_id in batch.finished_request_ids:
             self._forget(request_id)
         for new_request in batch.new_requests:
             self._forget(new_request.request_id)
             self.requests[new_request.request_id] = RequestState(sampling=new_request.sampling)
             self._table_rows[new_request.request_id] = self._take_table_row()
-        updates: list[tuple[int, int, int]] = []
-        for scheduled in batch.requests:
-            state = self._state(scheduled.request_id)
-            row = self._table_rows[scheduled.request_id]
-            first_column = len(state.block_ids)
-            if first_column + len(scheduled.new_block_ids) > self.max_blocks_per_seq:
-                raise ValueError(f"request {scheduled.request_id!r} needs more than "
-                                 f"{self.max_blocks_per_seq} blocks (max_model_len)")
-            updates += [(row, first_column + offset, block_id)
-                        for offset, block_id in enumerate(scheduled.new_block_ids)]
-            state.block_ids.extend(scheduled.new_block_ids)
-        return updates
 
     def _forget(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
@@ -428,108 +327,121 @@ class CudaModelExecutor(ModelExecutor):
             self.block_table[:old.shape[0]].copy_(old)
         self._free_table_rows = list(range(self.block_table.shape[0] - 1, old.shape[0] - 1, -1))
 
-    def _plan(self, batch: ScheduledBatch, updates: list[tuple[int, int, int]]) -> HostStep:
+    def _plan(self, batch: ScheduledBatch) -> HostStep:
+        """The step's inputs, in one pass over its requests: new blocks (block-table
+        updates), tokens, positions, slots, per-sequence layout and sampling rows.
+
+        A decode row takes the token sampled for it last step: from device memory
+        (gathered there) while that step may still be running, from the host once it
+        was collected.
+
+        This is the hot loop of a step (hundreds of requests, every step): one function
+        with its lists bound to locals, since a call or a lookup per request and list
+        adds up to a good share of the host's time per step."""
         step = HostStep(step_id=batch.step_id)
-        step.ints["query_start_loc"].append(0)
+        ints = step.ints
+        token_ids, positions = ints["token_ids"], ints["positions"]
+        slot_mapping, context_lens = ints["slot_mapping"], ints["context_lens"]
+        query_start_loc, table_rows = ints["query_start_loc"], ints["table_rows"]
+        logits_indices, sampling_rows = ints["logits_indices"], step.sampling_rows
+        sampled_request_ids = step.sampled_request_ids
+        previous_positions = ints["previous_token_positions"]
+        previous_slots, previous_rows = ints["previous_slots"], ints["previous_rows"]
+        requests, rows_by_id, block_size = self.requests, self._table_rows, self.block_size
+        on_device, oldest_readable = self._sampled_on_device, self._num_launches - NUM_SLOTS
+        query_start_loc.append(0)
         for scheduled in batch.requests:
-            self._add_request(step, scheduled)
+            request_id = scheduled.request_id
+            state = requests.get(request_id) or self._state(request_id)
+            row = rows_by_id[request_id]
+            if scheduled.new_block_ids:
+                self._add_blocks(step, request_id, state, row, scheduled.new_block_ids)
+            start = scheduled.num_computed_tokens
+            if scheduled.input_from_previous_step:
+                location = on_device.get(request_id)
+                if location is not None and location[2] >= oldest_readable:
+                    # sampled by a step that may still run: gathered on the device
+                    previous_positions.append(len(token_ids))
+                    previous_slots.append(location[0])
+                    previous_rows.append(location[1])
+                    token_ids.append(0)
+                else:
+                    token_ids.append(self._last_sampled(request_id, state))
+                step.num_single_token_rows += 1
+                context_len = start + 1
+                positions.append(start)
+            else:
+                token_ids += scheduled.token_ids
+                context_len = start + len(scheduled.token_ids)
+                positions += range(start, context_len)
+                # at depth 1 a decode row's token comes from the host, as a 1-token chunk
+                step.num_single_token_rows += len(scheduled.token_ids) == 1
+            blocks = state.block_ids
+            if context_len > len(blocks) * block_size or context_len > self._max_positions:
+                self._check_capacity(request_id, state, context_len)  # raises
+            slot_mapping += kv_slots(blocks, block_size, start, context_len)
+            context_lens.append(context_len)
+            query_start_loc.append(len(token_ids))
+            table_rows.append(row)
+            if scheduled.sample:
+                logits_indices.append(len(token_ids) - 1)
+                sampling_rows.append(SamplingRow(state.sampling, scheduled.output_index))
+                sampled_request_ids.append(request_id)
         step.num_seqs = len(batch.requests)
-        step.num_tokens = len(step.ints["token_ids"])
-        if updates:
-            rows, columns, block_ids = zip(*updates, strict=True)
-            step.ints["update_rows"], step.ints["update_columns"] = list(rows), list(columns)
-            step.ints["update_block_ids"] = list(block_ids)
-        step.graph_batch_size = self._graph_batch_size(batch.requests, step)
-        if step.graph_batch_size is not None:
-            self._pad_for_graph(step, step.graph_batch_size)
+        step.num_tokens = len(token_ids)
         return step
 
-    def _add_request(self, step: HostStep, scheduled: ScheduledRequest) -> None:
-        # the hot loop of a decode step (hundreds of requests): plain lists, few lookups
-        request_id = scheduled.request_id
-        state = self._state(request_id)
+    def _add_blocks(self, step: HostStep, request_id: str, state: RequestState, row: int,
+                    block_ids: list[int]) -> None:
+        """Extend a request's blocks; the device's block table gets them with the step."""
+        first_column = len(state.block_ids)
+        if first_column + len(block_ids) > self.max_blocks_per_seq:
+            raise ValueError(f"request {request_id!r} needs more than "
+                             f"{self.max_blocks_per_seq} blocks (max_model_len)")
         ints = step.ints
-        token_ids = ints["token_ids"]
-        start = scheduled.num_computed_tokens
-        if scheduled.input_from_previous_step:
-            self._add_previous_token(step, request_id, state)
-            num_tokens = 1
-        else:
-            token_ids += scheduled.token_ids
-            num_tokens = len(scheduled.token_ids)
-        context_len = start + num_tokens
-        self._check_capacity(request_id, state, context_len)
-        step.max_query_len = max(step.max_query_len, num_tokens)
-        blocks, block_size = state.block_ids, self.block_size
-        if num_tokens == 1:
-            ints["positions"].append(start)
-            ints["slot_mapping"].append(blocks[start // block_size] * block_size
-                                        + start % block_size)
-        else:
-            ints["positions"] += range(start, context_len)
-            ints["slot_mapping"] += [blocks[position // block_size] * block_size
-                                     + position % block_size
-                                     for position in range(start, context_len)]
-        ints["context_lens"].append(context_len)
-        ints["query_start_loc"].append(len(token_ids))
-        ints["table_rows"].append(self._table_rows[request_id])
-        if scheduled.sample:
-            ints["logits_indices"].append(len(token_ids) - 1)
-            step.sampling_rows.append(SamplingRow(state.sampling, scheduled.output_index))
-            step.sampled_request_ids.append(request_id)
+        ints["update_rows"] += [row] * len(block_ids)
+        ints["update_columns"] += range(first_column, first_column + len(block_ids))
+        ints["update_block_ids"] += block_ids
+        state.block_ids.extend(block_ids)
 
-    def _add_previous_token(self, step: HostStep, request_id: str, state: RequestState) -> None:
-        """The token sampled for this request last step: from device memory while that
-        step may still be running, from the host once it was collected."""
-        ints = step.ints
-        location = self._sampled_on_device.get(request_id)
-        if location is not None and location[2] >= self._num_launches - NUM_SLOTS:
-            slot_index, row, _ = location
-            ints["previous_token_positions"].append(len(ints["token_ids"]))
-            ints["previous_slots"].append(slot_index)
-            ints["previous_rows"].append(row)
-            ints["token_ids"].append(0)
-        elif state.last_sampled_token_id is not None:
-            ints["token_ids"].append(state.last_sampled_token_id)
-        else:
+    @staticmethod
+    def _last_sampled(request_id: str, state: RequestState) -> int:
+        """The token sampled for a request by a step already collected."""
+        if state.last_sampled_token_id is None:
             raise ValueError(f"request {request_id!r} takes its input from the previous step, "
                              f"but nothing was sampled for it")
+        return state.last_sampled_token_id
 
     def _remember_sampled(self, step: HostStep, slot: InputSlot) -> None:
         for row, request_id in enumerate(step.sampled_request_ids):
             self._sampled_on_device[request_id] = (slot.index, row, self._num_launches)
 
-    def _graph_batch_size(self, requests: list[ScheduledRequest], step: HostStep) -> int | None:
-        """The captured batch size for a decode-only step where every request samples."""
-        if not self.graphs or step.num_tokens != step.num_seqs:
-            return None
-        if len(step.sampling_rows) != step.num_seqs:
-            return None
-        return next((size for size in sorted(self.graphs) if size >= step.num_seqs), None)
-
-    @staticmethod
-    def _pad_for_graph(step: HostStep, batch_size: int) -> None:
-        """Padding sequences: no cache write (slot -1), context 0 (attention gives zeros)."""
-        ints = step.ints
-        num_padding = batch_size - step.num_seqs
-        ints["token_ids"] += [0] * num_padding
-        ints["positions"] += [0] * num_padding
-        ints["slot_mapping"] += [-1] * num_padding
-        ints["context_lens"] += [0] * num_padding
-        ints["table_rows"] += [0] * num_padding
+    def _pad_for_graph(self, step: HostStep) -> None:
+        """Choose the captured graph that fits the step, if any, and pad it to its sizes.
+        Decode graphs compute logits for every row: only where every request samples."""
+        is_decode = step.num_tokens == step.num_seqs
+        if is_decode and len(step.sampling_rows) == step.num_seqs:
+            batch_size = self.decode_graphs.batch_size_for(step.num_seqs)
+            if batch_size is not None:
+                step.graph_key = ("decode", batch_size)
+                pad_decode_sequences(step, batch_size)
+                return
+        num_tokens = self.varlen_graphs.num_tokens_for(step.num_tokens, step.num_seqs)
+        if num_tokens is not None:
+            step.graph_key = ("varlen", num_tokens)
+            num_slots = self.varlen_graphs.num_seq_slots(num_tokens)
+            pad_varlen_sequences(step, num_tokens, num_slots, num_slots - 1)
 
     # -- device side -------------------------------------------------------------------
 
     def _launch_on_device(self, step: HostStep, slot: InputSlot) -> PendingStep:
         plan = SamplingPlan.from_rows(step.sampling_rows, self.vocab_size,
                                       can_fuse=self.options.use_fused_kernels)
-        if slot.upload_done is not None:
-            slot.upload_done.synchronize()  # its pinned inputs are free to rewrite
         int_offsets, float_offsets = self._pack(step, plan, slot)
         with self.copy.context():
             self.copy.wait(slot.compute_done)  # the device inputs were read by then
-            _upload(slot.host_ints, slot.device_ints, _end(int_offsets))
-            _upload(slot.host_floats, slot.device_floats, _end(float_offsets))
+            upload(slot.host_ints, slot.device_ints, end(int_offsets))
+            upload(slot.host_floats, slot.device_floats, end(float_offsets))
             slot.upload_done = self.copy.record()
         with self.compute.context(), torch.inference_mode():
             self.compute.wait(slot.upload_done)
@@ -566,18 +478,24 @@ class CudaModelExecutor(ModelExecutor):
         ints["banned_token_ids"] = plan.banned_token_ids
         floats = {"temperatures": plan.temperatures, "top_ps": plan.top_ps,
                   "min_ps": plan.min_ps}
-        int_offsets = _offsets({name: len(ints[name]) for name in INT_SEGMENTS})
-        float_offsets = _offsets({name: len(floats[name]) for name in FLOAT_SEGMENTS})
-        self._ensure_capacity(slot, _end(int_offsets), _end(float_offsets),
+        int_offsets = offsets({name: len(ints[name]) for name in INT_SEGMENTS})
+        float_offsets = offsets({name: len(floats[name]) for name in FLOAT_SEGMENTS})
+        self._ensure_capacity(slot, end(int_offsets), end(float_offsets),
                               len(step.sampled_request_ids))
-        _fill(slot.host_ints.numpy(), int_offsets, ints)
-        _fill(slot.host_floats.numpy(), float_offsets, floats)
+        fill(slot.host_ints.numpy(), int_offsets, ints)
+        fill(slot.host_floats.numpy(), float_offsets, floats)
         return int_offsets, float_offsets
 
     def _compute_logits(self, step: HostStep, ints: Segments) -> torch.Tensor:
+        """Logits of the step's sampled rows: a graph replay, or an eager forward."""
         self._apply_table_updates(ints)
-        if step.graph_batch_size is not None:
-            return self._replay_graph(step.graph_batch_size, ints)[:step.num_seqs]
+        num_rows = len(step.sampled_request_ids)
+        if step.graph_key is not None:
+            family, size = step.graph_key
+            graphs = self.decode_graphs if family == "decode" else self.varlen_graphs
+            token_ids = graphs.load(size, ints, self.block_table)
+            self._gather_previous_tokens(token_ids, ints)
+            return graphs.graphs[size].replay()[:num_rows]
         token_ids = ints["token_ids"]
         self._gather_previous_tokens(token_ids, ints)
         metadata = AttentionMetadata(
@@ -586,8 +504,6 @@ class CudaModelExecutor(ModelExecutor):
             context_lens=ints["context_lens"].to(torch.int32),
             query_start_loc=ints["query_start_loc"].to(torch.int32),
         )
-        if self.options.use_fused_kernels:
-            self.model.max_query_len = step.max_query_len  # trims the prefill kernel's grid
         hidden = self.model(token_ids, ints["positions"], self.kv_caches, metadata)
         return self.model.compute_logits(hidden.index_select(0, ints["logits_indices"]))
 
@@ -601,36 +517,7 @@ class CudaModelExecutor(ModelExecutor):
             token_ids[ints["previous_token_positions"]] = self.device_sampled[
                 ints["previous_slots"], ints["previous_rows"]]
 
-    def _replay_graph(self, batch_size: int, ints: Segments) -> torch.Tensor:
-        inputs = self._graph_inputs
-        # token ids, positions, slots and context lengths: the first four segments, padded
-        stride = _aligned(batch_size)
-        inputs.per_token[:, :batch_size].copy_(
-            ints.prefix(4 * stride).view(4, stride)[:, :batch_size])
-        torch.index_select(self.block_table, 0, ints["table_rows"],
-                           out=inputs.block_tables[:batch_size])
-        self._gather_previous_tokens(inputs.per_token[0], ints)
-        captured = self.graphs[batch_size]
-        captured.graph.replay()
-        return captured.logits
-
     # -- buffers -------------------------------------------------------------------------
-
-    def _new_slot(self, index: int, num_ints: int, num_floats: int,
-                  num_sampled: int) -> InputSlot:
-        pin = self.device.type == "cuda"
-
-        def host(size: int, dtype: torch.dtype) -> torch.Tensor:
-            return torch.zeros(size, dtype=dtype, pin_memory=pin)
-
-        def device(size: int, dtype: torch.dtype) -> torch.Tensor:
-            return torch.zeros(size, dtype=dtype, device=self.device)
-
-        return InputSlot(index=index, host_ints=host(num_ints, torch.int64),
-                         host_floats=host(num_floats, torch.float32),
-                         device_ints=device(num_ints, torch.int64),
-                         device_floats=device(num_floats, torch.float32),
-                         host_sampled=host(num_sampled, torch.int64))
 
     def _ensure_capacity(self, slot: InputSlot, num_ints: int, num_floats: int,
                          num_sampled: int) -> None:
@@ -640,7 +527,7 @@ class CudaModelExecutor(ModelExecutor):
             return
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        grown = self._new_slot(slot.index, max(num_ints, 2 * slot.host_ints.shape[0]),
+        grown = new_slot(slot.index, self.device, max(num_ints, 2 * slot.host_ints.shape[0]),
                                max(num_floats, 2 * slot.host_floats.shape[0]),
                                max(num_sampled, slot.host_sampled.shape[0]))
         slot.host_ints, slot.host_floats = grown.host_ints, grown.host_floats
@@ -685,83 +572,65 @@ class CudaModelExecutor(ModelExecutor):
         logger.info("warmed up the eager path in %.1f s", time.perf_counter() - started)
 
     def _capture_graphs(self) -> None:
-        sizes = sorted({size for size in GRAPH_BATCH_SIZES if size < self.options.max_num_seqs}
-                       | {self.options.max_num_seqs}, reverse=True)
-        max_batch = sizes[0]
-        self._graph_inputs = self._new_graph_inputs(max_batch)
-        pool = torch.cuda.graph_pool_handle()
+        """Decode graphs by batch size, then varlen graphs by token count, each family
+        largest first (the smaller reuse the larger's memory in the shared pool), within
+        the time and memory budgets; steps beyond what was captured run eagerly."""
+        options = self.options
+        decode_sizes = sorted({size for size in DECODE_BATCH_SIZES if size < options.max_num_seqs}
+                              | {options.max_num_seqs}, reverse=True)
+        varlen_sizes = sorted({size for size in VARLEN_GRAPH_TOKENS
+                               if size < options.max_num_batched_tokens}
+                              | {options.max_num_batched_tokens}, reverse=True)
+        pool = None
+        if self.device.type == "cuda":
+            pool = torch.cuda.graph_pool_handle()
+            # capture empties the allocator's cache: empty it first, or what it frees
+            # would count against the graphs' memory
+            torch.cuda.empty_cache()
+        memory_before = self._reserved_bytes()
         started = time.perf_counter()
-        for batch_size in sizes:
-            if time.perf_counter() - started > self.options.graph_capture_budget_seconds:
-                logger.warning("CUDA graph capture stopped at its %.0f s budget; batch sizes "
-                               "up to %d run eagerly", self.options.graph_capture_budget_seconds,
-                               batch_size)
-                break
-            self.graphs[batch_size] = self._capture(batch_size, pool)
-        torch.cuda.synchronize(self.device)
-        logger.info("captured %d decode CUDA graphs (batch sizes %s) in %.1f s",
-                    len(self.graphs), ",".join(map(str, sorted(self.graphs))),
-                    time.perf_counter() - started)
+        for graphs, sizes in ((self.decode_graphs, decode_sizes),
+                              (self.varlen_graphs, varlen_sizes)):
+            for size in sizes:
+                if not self._within_capture_budget(started, memory_before, size):
+                    break
+                graphs.capture(size, self.compute, pool)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.graph_capture_seconds = time.perf_counter() - started
+        self.graph_memory_bytes = self._reserved_bytes() - memory_before
+        logger.info("captured %d decode CUDA graphs (batch sizes %s) and %d varlen graphs "
+                    "(token counts %s) in %.1f s, %.2f GiB",
+                    len(self.decode_graphs.graphs),
+                    ",".join(map(str, sorted(self.decode_graphs.graphs))),
+                    len(self.varlen_graphs.graphs),
+                    ",".join(map(str, sorted(self.varlen_graphs.graphs))),
+                    self.graph_capture_seconds, self.graph_memory_bytes / GIB)
 
-    def _new_graph_inputs(self, max_batch: int) -> GraphInputs:
-        per_token = torch.zeros((4, max_batch), dtype=torch.int64, device=self.device)
-        per_token[2].fill_(-1)  # slot -1: padding writes nothing
-        return GraphInputs(
-            per_token=per_token,
-            query_start_loc=torch.arange(max_batch + 1, dtype=torch.int64, device=self.device),
-            block_tables=torch.zeros((max_batch, self.max_blocks_per_seq), dtype=torch.int32,
-                                     device=self.device))
+    def _within_capture_budget(self, started: float, memory_before: int, size: int) -> bool:
+        options = self.options
+        if time.perf_counter() - started > options.graph_capture_budget_seconds:
+            logger.warning("CUDA graph capture stopped at its %.0f s budget; steps up to size "
+                           "%d run eagerly", options.graph_capture_budget_seconds, size)
+            return False
+        if self._reserved_bytes() - memory_before > options.graph_memory_budget_gib * GIB:
+            logger.warning("CUDA graph capture stopped at its %.1f GiB budget; steps up to "
+                           "size %d run eagerly", options.graph_memory_budget_gib, size)
+            return False
+        return True
 
-    def _graph_forward(self, batch_size: int) -> torch.Tensor:
-        inputs = self._graph_inputs
-        token_ids, positions, slot_mapping, context_lens = inputs.per_token[:, :batch_size]
-        metadata = AttentionMetadata(slot_mapping=slot_mapping,
-                                     block_tables=inputs.block_tables[:batch_size],
-                                     context_lens=context_lens,
-                                     query_start_loc=inputs.query_start_loc[:batch_size + 1])
-        hidden = self.model(token_ids, positions, self.kv_caches, metadata)
-        return self.model.compute_logits(hidden)
+    def _reserved_bytes(self) -> int:
+        if self.device.type != "cuda":
+            return 0
+        return int(torch.cuda.memory_reserved(self.device))
 
-    def _capture(self, batch_size: int, pool: Any) -> CapturedGraph:
-        assert self.compute.torch_stream is not None
-        with self.compute.context(), torch.inference_mode():
-            self._graph_forward(batch_size)  # compiles the kernels outside the capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=self.compute.torch_stream):
-                logits = self._graph_forward(batch_size)
-        return CapturedGraph(graph=graph, logits=logits)
+    @property
+    def graphs(self) -> dict[int, Any]:
+        """The decode graphs by batch size (benchmarks replay them)."""
+        return self.decode_graphs.graphs
 
 
 # -- helpers -----------------------------------------------------------------------------
-
-
-def _offsets(lengths: dict[str, int]) -> dict[str, tuple[int, int]]:
-    offsets: dict[str, tuple[int, int]] = {}
-    start = 0
-    for name, length in lengths.items():
-        offsets[name] = (start, length)
-        start += _aligned(length)
-    return offsets
-
-
-def _aligned(length: int) -> int:
-    return -(-length // SEGMENT_ALIGNMENT) * SEGMENT_ALIGNMENT
-
-
-def _end(offsets: dict[str, tuple[int, int]]) -> int:
-    return max((start + length for start, length in offsets.values()), default=0)
-
-
-def _fill(target: np.ndarray, offsets: dict[str, tuple[int, int]],
-          values: dict[str, list[Any]]) -> None:
-    for name, (start, length) in offsets.items():
-        if length:
-            target[start:start + length] = values[name]
-
-
-def _upload(host: torch.Tensor, device: torch.Tensor, length: int) -> None:
-    if length:
-        device[:length].copy_(host[:length], non_blocking=True)
 
 
 def _sampling_inputs(ints: Segments, floats: Segments) -> DeviceSamplingInputs:

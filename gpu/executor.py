@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from trio_llm.actors.config import EngineConfig
@@ -36,6 +37,23 @@ from trio_llm.gpu.sampler import SamplingRow, sample
 logger = logging.getLogger(__name__)
 
 GIB = 2**30
+# Chunks at least this long compute their KV slots with NumPy: cheaper than a Python
+# loop past about a hundred tokens (an 8,192-token chunk: 1.0 -> 0.16 ms on a 2-core
+# development machine).
+MIN_VECTORIZED_SLOTS = 128
+
+
+def kv_slots(block_ids: list[int], block_size: int, start: int, end: int) -> list[int]:
+    """The KV-cache slots of positions ``start`` to ``end - 1`` of a request whose
+    blocks are ``block_ids`` (slot = block id * block size + offset)."""
+    if end - start < MIN_VECTORIZED_SLOTS:
+        return [block_ids[position // block_size] * block_size + position % block_size
+                for position in range(start, end)]
+    positions = np.arange(start, end)
+    first_block = start // block_size
+    blocks = np.asarray(block_ids[first_block:(end - 1) // block_size + 1], dtype=np.int64)
+    slots = blocks[positions // block_size - first_block] * block_size + positions % block_size
+    return slots.tolist()  # type: ignore[no-any-return]
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,8 +182,7 @@ class ModelExecutor:
         positions = range(start, context_len)
         inputs.token_ids += token_ids
         inputs.positions += positions
-        inputs.slot_mapping += [state.block_ids[position // self.block_size] * self.block_size
-                                + position % self.block_size for position in positions]
+        inputs.slot_mapping += kv_slots(state.block_ids, self.block_size, start, context_len)
         inputs.block_tables.append(state.block_ids)
         inputs.context_lens.append(context_len)
         inputs.query_start_loc.append(len(inputs.token_ids))

@@ -10,13 +10,16 @@ Same contract as the torch reference in trio_llm.gpu.attention:
 Decode (one query token per sequence) groups the query heads that share a KV
 head into one program, so each KV tile is read once per group, and splits long
 contexts over several programs when there are too few sequences to fill the
-device; a second small kernel merges the splits. Prefill and mixed steps
-(varlen, causal, GQA) run one program per (query tile, query head, sequence).
-Every grid depends on shapes only, never on values, so decode steps can be
+device; a second small kernel merges the splits. Every other step (prefill
+chunks and decode rows together: varlen, causal, GQA) is one launch of the
+varlen kernel: one program per (block of query tokens of one sequence, KV
+head), the query heads of that KV head stacked as rows. Every grid depends on
+the token and sequence counts only, never on values, so any step can be
 captured in a CUDA graph, and nothing here synchronizes with the host.
 
 Padding for CUDA graphs: a token with a negative slot is not written, and a
-sequence with context length 0 produces zeros.
+sequence with context length 0 produces zeros (also for query tokens it owns:
+a graph's padding tokens belong to such a sequence).
 """
 
 from __future__ import annotations
@@ -31,9 +34,10 @@ import triton.language as tl
 MIN_DOT_ROWS = 16
 # measured best of a sweep on an H200 (benchmarks/step_profile.py, 2026-11-30)
 DECODE_BLOCK_N = 128
-PREFILL_BLOCK_M = 64
-PREFILL_BLOCK_N = 64
-MAX_DECODE_SPLITS = 16
+MAX_DECODE_SPLITS = 64
+# Split until there are about this many decode programs per SM: one 4-warp program per
+# SM streams too little KV to reach the copy bandwidth on a long context.
+DECODE_PROGRAMS_PER_SM = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +50,23 @@ class DecodeConfig:
 
 
 DECODE_CONFIG = DecodeConfig()
+
+
+@dataclass(frozen=True, slots=True)
+class VarlenConfig:
+    """Tile and launch shape of the varlen kernel (benchmarks/kernel_bench.py sweeps it):
+    ``block_m`` rows (query tokens x the query heads of one KV head), ``block_n`` KV
+    positions per tile."""
+
+    # the fastest of six shapes on an H200 for 8 x 1024-token prompts and for an
+    # 8,192-token chunk of a 32,768-token prompt (docs/performance.md)
+    block_m: int = 128
+    block_n: int = 128
+    num_warps: int = 8
+    num_stages: int = 2
+
+
+VARLEN_CONFIG = VarlenConfig()
 
 
 @triton.jit
@@ -81,6 +102,12 @@ def _load_kv_tile(cache_ptr, block_table_row_ptr, positions, position_mask, kv_h
 
 
 @triton.jit
+def _tokens_per_split(context_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Each split's share of a context: whole tiles, the last split taking the rest."""
+    return tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+
+
+@triton.jit
 def _decode_kernel(
     query_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
     out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, scale,
@@ -94,6 +121,12 @@ def _decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
+    tokens_per_split = _tokens_per_split(context_len, NUM_SPLITS, BLOCK_N)
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, context_len)
+    if NUM_SPLITS > 1:
+        if start >= end:
+            return  # an empty split: the merge leaves it out
 
     group_rows = tl.arange(0, BLOCK_H)
     row_mask = group_rows < GROUP_SIZE
@@ -103,10 +136,6 @@ def _decode_kernel(
     io_mask = row_mask[:, None] & dim_mask[None, :]
     query = tl.load(query_ptr + seq * query_token_stride + heads[:, None] * query_head_stride
                     + dims[None, :], mask=io_mask, other=0.0)
-
-    tokens_per_split = tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * tokens_per_split
-    end = tl.minimum(start + tokens_per_split, context_len)
     block_table_row_ptr = block_tables_ptr + seq.to(tl.int64) * block_table_stride
 
     running_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -143,15 +172,19 @@ def _decode_kernel(
 
 @triton.jit
 def _merge_splits_kernel(
-    out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr,
+    out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, context_lens_ptr,
     out_token_stride, out_head_stride,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
+    # the splits the decode kernel computed (it returns early on empty ones)
+    context_len = tl.load(context_lens_ptr + seq)
+    tokens_per_split = _tokens_per_split(context_len, NUM_SPLITS, BLOCK_N)
+    num_computed = tl.cdiv(context_len, tl.maximum(tokens_per_split, 1))
     splits = tl.arange(0, BLOCK_SPLITS)
-    split_mask = splits < NUM_SPLITS
+    split_mask = splits < num_computed
     dims = tl.arange(0, BLOCK_D)
     dim_mask = dims < HEAD_DIM
     split_index = (seq * NUM_HEADS + head) * NUM_SPLITS + splits
@@ -170,61 +203,112 @@ def _merge_splits_kernel(
 
 
 @triton.jit
-def _prefill_kernel(
+def _find_sequence(query_start_loc_ptr, program, num_seqs, BLOCK_Q: tl.constexpr):
+    """The sequence whose query blocks hold ``program``: the last ``s`` with
+    ``query_start_loc[s] // BLOCK_Q + s <= program`` (binary search)."""
+    low = 0
+    high = num_seqs
+    while low < high:
+        middle = (low + high) // 2
+        first_block = tl.load(query_start_loc_ptr + middle) // BLOCK_Q + middle
+        if first_block <= program:
+            low = middle + 1
+        else:
+            high = middle
+    return low - 1
+
+
+@triton.jit
+def _attend_tile(query, k_cache_ptr, v_cache_ptr, block_table_row_ptr, tile_start, end,
+                 query_positions, kv_head, dims, dim_mask, scale, running_max, running_sum,
+                 acc, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr):
+    """One KV tile of the online softmax; ``CAUSAL_MASK`` for tiles that reach past a
+    query's own position."""
+    positions = tile_start + tl.arange(0, BLOCK_N)
+    position_mask = positions < end
+    key = _load_kv_tile(k_cache_ptr, block_table_row_ptr, positions, position_mask, kv_head,
+                        dims, dim_mask, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
+    scores = tl.dot(query, tl.trans(key)) * scale
+    if CAUSAL_MASK:
+        visible = (positions[None, :] <= query_positions[:, None]) & position_mask[None, :]
+        scores = tl.where(visible, scores, float("-inf"))
+    new_max = tl.maximum(running_max, tl.max(scores, 1))
+    rescale = tl.exp(running_max - new_max)
+    probs = tl.exp(scores - new_max[:, None])
+    running_sum = running_sum * rescale + tl.sum(probs, 1)
+    value = _load_kv_tile(v_cache_ptr, block_table_row_ptr, positions, position_mask, kv_head,
+                          dims, dim_mask, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
+    acc = acc * rescale[:, None] + tl.dot(probs.to(value.dtype), value)
+    return new_max, running_sum, acc
+
+
+@triton.jit
+def _varlen_kernel(
     query_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-    query_start_loc_ptr, out_ptr, scale,
+    query_start_loc_ptr, out_ptr, scale, num_seqs,
     query_token_stride, query_head_stride, out_token_stride, out_head_stride,
     block_table_stride,
     NUM_KV_HEADS: tl.constexpr, GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    query_tile = tl.program_id(0)
-    head = tl.program_id(1)
-    seq = tl.program_id(2)
+    # Program p owns BLOCK_Q query tokens of one sequence, for the GROUP_SIZE query
+    # heads that share one KV head: BLOCK_M = BLOCK_Q x GROUP_SIZE rows (padded), so
+    # each KV tile is read once per group. Sequence s's blocks start at program
+    # query_start_loc[s] // BLOCK_Q + s; that bound makes the grid
+    # num_tokens // BLOCK_Q + num_seqs whatever the query lengths are.
+    program = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = _find_sequence(query_start_loc_ptr, program, num_seqs, BLOCK_Q)
     query_start = tl.load(query_start_loc_ptr + seq)
     query_len = tl.load(query_start_loc_ptr + seq + 1) - query_start
-    if query_tile * BLOCK_M >= query_len:
+    query_block = program - (query_start // BLOCK_Q + seq)
+    if query_block * BLOCK_Q >= query_len:
         return
-    kv_head = head // GROUP_SIZE
     context_len = tl.load(context_lens_ptr + seq)
 
-    rows = query_tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = rows < query_len
-    query_positions = context_len - query_len + rows
+    rows = tl.arange(0, BLOCK_M)
+    query_index = query_block * BLOCK_Q + rows // GROUP_SIZE
+    heads = kv_head * GROUP_SIZE + rows % GROUP_SIZE
+    row_mask = (rows < BLOCK_Q * GROUP_SIZE) & (query_index < query_len)
+    # Masked rows keep a position inside the context, so no row is all -inf (no NaN).
+    query_positions = context_len - query_len + query_index
     dims = tl.arange(0, BLOCK_D)
     dim_mask = dims < HEAD_DIM
     io_mask = row_mask[:, None] & dim_mask[None, :]
-    tokens = (query_start + rows).to(tl.int64)
-    query = tl.load(query_ptr + tokens[:, None] * query_token_stride + head * query_head_stride
-                    + dims[None, :], mask=io_mask, other=0.0)
+    tokens = (query_start + query_index).to(tl.int64)
+    query = tl.load(query_ptr + tokens[:, None] * query_token_stride
+                    + heads[:, None] * query_head_stride + dims[None, :], mask=io_mask,
+                    other=0.0)
     block_table_row_ptr = block_tables_ptr + seq.to(tl.int64) * block_table_stride
 
     running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     running_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    # The last row of this tile sees positions up to its own; nothing beyond.
-    end = tl.minimum(context_len, context_len - query_len + (query_tile + 1) * BLOCK_M)
-    for tile_start in range(0, end, BLOCK_N):
-        positions = tile_start + tl.arange(0, BLOCK_N)
-        position_mask = positions < end
-        key = _load_kv_tile(k_cache_ptr, block_table_row_ptr, positions, position_mask, kv_head,
-                            dims, dim_mask, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
-        scores = tl.dot(query, tl.trans(key)) * scale
-        visible = (positions[None, :] <= query_positions[:, None]) & position_mask[None, :]
-        scores = tl.where(visible, scores, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(scores, 1))
-        rescale = tl.exp(running_max - new_max)
-        probs = tl.exp(scores - new_max[:, None])
-        running_sum = running_sum * rescale + tl.sum(probs, 1)
-        value = _load_kv_tile(v_cache_ptr, block_table_row_ptr, positions, position_mask,
-                              kv_head, dims, dim_mask, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
-        acc = acc * rescale[:, None] + tl.dot(probs.to(value.dtype), value)
-        running_max = new_max
+    # The last query of this block sees positions up to its own; nothing beyond. A
+    # padding sequence (context 0) reads nothing and writes zeros.
+    last_query = tl.minimum(query_len, (query_block + 1) * BLOCK_Q) - 1
+    end = tl.minimum(context_len, context_len - query_len + last_query + 1)
+    # Tiles wholly at or before the block's first query position need no causal mask.
+    # (Clamped at 0: a padding sequence's positions are negative, and no tile may start
+    # below 0.)
+    first_position = context_len - query_len + query_block * BLOCK_Q
+    unmasked_end = tl.maximum(tl.minimum((first_position + 1) // BLOCK_N * BLOCK_N, end), 0)
+    for tile_start in range(0, unmasked_end, BLOCK_N):
+        running_max, running_sum, acc = _attend_tile(
+            query, k_cache_ptr, v_cache_ptr, block_table_row_ptr, tile_start, end,
+            query_positions, kv_head, dims, dim_mask, scale, running_max, running_sum, acc,
+            NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False)
+    for tile_start in range(unmasked_end, end, BLOCK_N):
+        running_max, running_sum, acc = _attend_tile(
+            query, k_cache_ptr, v_cache_ptr, block_table_row_ptr, tile_start, end,
+            query_positions, kv_head, dims, dim_mask, scale, running_max, running_sum, acc,
+            NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True)
 
     out = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
-    tl.store(out_ptr + tokens[:, None] * out_token_stride + head * out_head_stride + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=io_mask)
+    tl.store(out_ptr + tokens[:, None] * out_token_stride + heads[:, None] * out_head_stride
+             + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
@@ -247,14 +331,17 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, context_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, scale: float, *,
-                    max_query_len: int | None = None,
-                    num_splits: int | None = None) -> torch.Tensor:
+                    num_splits: int | None = None,
+                    block_m: int | None = None) -> torch.Tensor:
     """Causal attention of ``query`` over the paged cache -> [num_tokens, num_heads, head_dim].
 
     A batch with as many tokens as sequences is decode-only (every sequence has
-    at least one query token) and takes the decode kernel. ``max_query_len``,
-    when the caller knows it, trims the prefill grid; ``num_splits`` overrides
-    the decode split count (which otherwise depends on the batch size only).
+    at least one query token) and takes the decode kernel; ``num_splits``
+    overrides its split count (which otherwise depends on the batch size only).
+    Any other batch, prefill chunks and decode rows together, is one launch of
+    the varlen kernel, whose grid depends on the token and sequence counts only;
+    ``block_m`` overrides its rows per program (query tokens x the query heads of one KV
+    head; ``VARLEN_CONFIG``'s otherwise).
     """
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = block_tables.shape[0]
@@ -266,20 +353,35 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         splits = num_splits or decode_num_splits(num_seqs, k_cache.shape[2], query.device)
         _decode(query, k_cache, v_cache, block_tables, context_lens, scale, out, splits)
     else:
-        _prefill(query, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, out,
-                 max_query_len or num_tokens - num_seqs + 1)
+        _varlen(query, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, out,
+                block_m or VARLEN_CONFIG.block_m)
     return out
 
 
+def varlen_tiling(group_size: int, block_m: int) -> tuple[int, int]:
+    """(rows, query tokens) per program of the varlen kernel: its rows are a block of
+    query tokens times the ``group_size`` query heads that share a KV head."""
+    block_m = max(block_m, MIN_DOT_ROWS, triton.next_power_of_2(group_size))
+    return block_m, block_m // group_size
+
+
 def decode_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
-    """Split the context over more programs only when sequences x KV heads leave SMs idle."""
+    """Split the context over more programs only when sequences x KV heads leave SMs idle.
+
+    The count depends on the batch size only (so a captured decode graph has one);
+    each split takes whole tiles of ``DECODE_CONFIG.block_n`` positions, so a context
+    uses ``min(count, cdiv(context, block_n))`` splits (the others return at once): in
+    effect a rule on (sequences, context). The result for a sequence is the same bits
+    in any batch of the same split count, and within rounding (the merge's float32
+    sums) across split counts.
+    """
     if device.type != "cuda":
         return 1
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     num_programs = num_seqs * num_kv_heads
     if num_programs >= num_sms:
         return 1
-    return min(MAX_DECODE_SPLITS, triton.cdiv(2 * num_sms, num_programs))
+    return min(MAX_DECODE_SPLITS, triton.cdiv(DECODE_PROGRAMS_PER_SM * num_sms, num_programs))
 
 
 def _decode(query, k_cache, v_cache, block_tables, context_lens, scale, out, num_splits):
@@ -307,22 +409,27 @@ def _decode(query, k_cache, v_cache, block_tables, context_lens, scale, out, num
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](
-            out, partial_acc, partial_max, partial_sum, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
-            BLOCK_SPLITS=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=2,
+            out, partial_acc, partial_max, partial_sum, context_lens, out.stride(0),
+            out.stride(1), NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+            BLOCK_SPLITS=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            BLOCK_N=DECODE_CONFIG.block_n, num_warps=2,
         )
 
 
-def _prefill(query, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, out,
-             max_query_len):
+def _varlen(query, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, out,
+            block_m):
+    num_tokens, num_heads, head_dim = query.shape
     num_seqs = block_tables.shape[0]
-    _, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    grid = (triton.cdiv(max_query_len, PREFILL_BLOCK_M), num_heads, num_seqs)
-    _prefill_kernel[grid](
+    group_size = num_heads // num_kv_heads
+    block_m, block_q = varlen_tiling(group_size, block_m)
+    # sequence s's query blocks start at query_start_loc[s] // block_q + s (see the kernel)
+    _varlen_kernel[(num_tokens // block_q + num_seqs, num_kv_heads)](
         query, k_cache, v_cache, block_tables, context_lens, query_start_loc, out, scale,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        NUM_KV_HEADS=num_kv_heads, GROUP_SIZE=num_heads // num_kv_heads, HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N,
-        BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4, num_stages=2,
+        num_seqs, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        block_tables.stride(0),
+        NUM_KV_HEADS=num_kv_heads, GROUP_SIZE=group_size, HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m,
+        BLOCK_N=VARLEN_CONFIG.block_n, BLOCK_D=triton.next_power_of_2(head_dim),
+        num_warps=VARLEN_CONFIG.num_warps, num_stages=VARLEN_CONFIG.num_stages,
     )

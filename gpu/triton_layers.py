@@ -212,13 +212,7 @@ def qk_norm_rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch
 
 
 class FusedCausalLM(CausalLM):
-    """A CausalLM whose forward runs through the fused kernels; see ``fuse_model``.
-
-    ``max_query_len``, when the caller sets it before a forward, is the longest
-    query of the step (it trims the prefill attention grid); None is safe.
-    """
-
-    max_query_len: int | None = None
+    """A CausalLM whose forward runs through the fused kernels; see ``fuse_model``."""
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], metadata: AttentionMetadata) -> torch.Tensor:
@@ -252,7 +246,7 @@ class FusedCausalLM(CausalLM):
             num_kv_heads=attention.num_kv_heads, head_dim=attention.head_dim)
         attended = self.attention_backend.paged_attention(
             query, k_cache, v_cache, metadata.block_tables, metadata.context_lens,
-            metadata.query_start_loc, attention.scale, max_query_len=self.max_query_len)
+            metadata.query_start_loc, attention.scale)
         return attention.o_proj(attended.view(hidden.shape[0], attention.q_size))
 
 

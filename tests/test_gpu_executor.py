@@ -20,10 +20,10 @@ from trio_llm.actors.messages import (  # noqa: E402
     ScheduledBatch,
     ScheduledRequest,
 )
-from trio_llm.gpu import cuda_executor  # noqa: E402
+from trio_llm.gpu import step_packing  # noqa: E402
 from trio_llm.gpu.builtin import resolve_model  # noqa: E402
 from trio_llm.gpu.cuda_executor import CudaExecutorOptions, CudaModelExecutor  # noqa: E402
-from trio_llm.gpu.executor import ModelExecutor  # noqa: E402
+from trio_llm.gpu.executor import ModelExecutor, kv_slots  # noqa: E402
 from trio_llm.gpu.loader import load_model  # noqa: E402
 
 BLOCK_SIZE = 4
@@ -134,6 +134,99 @@ def test_depth_2_on_the_cpu_gives_the_plain_executors_tokens():
     assert "a" not in pipelined.requests  # finished requests are forgotten
 
 
+@pytest.mark.parametrize("run", [run_depth_1, run_depth_2])
+def test_padded_graph_steps_on_the_cpu_give_the_plain_executors_tokens(run):
+    """On the CPU a "graph" runs eagerly on the graphs' static, padded buffers: every
+    step of the script goes through them (mixed steps padded to a varlen token count,
+    decode steps to a batch size), and the tokens are the plain executor's."""
+    cpu = torch.device("cpu")
+    expected = run_depth_1(build(ModelExecutor, cpu), scripted_batches())
+    padded = build(CudaModelExecutor, cpu, use_cuda_graphs=True, use_fused_kernels=False,
+                   max_num_batched_tokens=64)
+    assert sorted(padded.varlen_graphs.graphs) == [16, 32, 64]
+    assert_same_results(run(padded, scripted_batches()), expected)
+    stats = padded.stats
+    assert stats.num_graph_steps == stats.num_steps == 6
+    assert stats.num_steps_by_kind == {"decode": 3, "mixed": 2, "prefill": 1}
+    assert stats.num_graph_steps_by_kind == stats.num_steps_by_kind
+
+
+def test_a_decode_row_fed_from_the_host_makes_a_mixed_step():
+    """At depth 1 the scheduler sends a decode row's token itself (a 1-token chunk)."""
+    executor = build(CudaModelExecutor, torch.device("cpu"), use_cuda_graphs=False,
+                     use_fused_kernels=False)
+    first = executor.execute(scripted_batches()[0])
+    executor.execute(ScheduledBatch(step_id=1, new_requests=[], requests=[
+        scheduled("a", first.sampled_token_ids, computed=6, output_index=1),
+        scheduled("b", [43, 44, 45, 46], computed=3, blocks=[3])],
+        finished_request_ids=[], num_tokens=5))
+    assert executor.stats.num_steps_by_kind == {"decode": 0, "mixed": 1, "prefill": 1}
+
+
+def test_a_step_takes_the_smallest_graph_that_fits():
+    executor = build(CudaModelExecutor, torch.device("cpu"), use_cuda_graphs=True,
+                     use_fused_kernels=False, max_num_batched_tokens=64)
+    varlen = executor.varlen_graphs
+    assert [varlen.num_tokens_for(n, 2) for n in (1, 16, 17, 33, 64, 65)] == [
+        16, 16, 32, 64, 64, None]
+    assert varlen.num_tokens_for(20, 5) is None  # more sequences than max_num_seqs (4)
+    assert [varlen.num_seq_slots(n) for n in (16, 64)] == [5, 5]  # 4 sequences + padding
+    assert [executor.decode_graphs.batch_size_for(n) for n in (1, 3, 4, 5)] == [1, 4, 4, None]
+
+
+def test_steps_beyond_the_largest_graph_run_eagerly():
+    cpu = torch.device("cpu")
+    expected = run_depth_1(build(ModelExecutor, cpu), scripted_batches())
+    executor = build(CudaModelExecutor, cpu, use_cuda_graphs=True, use_fused_kernels=False,
+                     max_num_batched_tokens=8)
+    assert sorted(executor.varlen_graphs.graphs) == [8]
+    assert_same_results(run_depth_2(executor, scripted_batches()), expected)
+    assert executor.stats.num_graph_steps == 5  # the 9-token prefill ran eagerly
+
+
+def test_graph_capture_stops_at_its_budget_and_says_so(caplog):
+    """A capture budget spent before the first graph leaves every step eager, and the
+    log names the budget; the summary line says how many graphs, in how long."""
+    cpu = torch.device("cpu")
+    expected = run_depth_1(build(ModelExecutor, cpu), scripted_batches())
+    with caplog.at_level("INFO", logger="trio_llm.gpu.cuda_executor"):
+        executor = build(CudaModelExecutor, cpu, use_cuda_graphs=True,
+                         use_fused_kernels=False, graph_capture_budget_seconds=-1.0)
+    assert not executor.decode_graphs.graphs and not executor.varlen_graphs.graphs
+    assert "stopped at its -1 s budget" in caplog.text
+    assert "captured 0 decode CUDA graphs" in caplog.text and "0 varlen graphs" in caplog.text
+    assert_same_results(run_depth_1(executor, scripted_batches()), expected)
+    assert executor.stats.num_graph_steps == 0
+
+
+def test_padding_tokens_never_write_the_kv_cache():
+    cpu = torch.device("cpu")
+    executor = build(CudaModelExecutor, cpu, use_cuda_graphs=True, use_fused_kernels=False,
+                     max_num_batched_tokens=64)
+    for k_cache, v_cache in executor.kv_caches:
+        k_cache.fill_(7.0)
+        v_cache.fill_(7.0)
+    run_depth_1(executor, scripted_batches()[:2])  # 9 and 5 tokens, in graphs of 16
+    # a: slots 0-5 then 6; b: slots 8-10 then 11-14 (blocks 0 to 3, 4 slots each)
+    expected_slots = [*range(7), *range(8, 15)]
+    for k_cache, v_cache in executor.kv_caches:
+        for cache in (k_cache, v_cache):
+            written = (cache.flatten(0, 1) != 7.0).flatten(1).any(dim=1)
+            assert written.nonzero().flatten().tolist() == expected_slots
+
+
+def test_the_fused_kernels_in_padded_graph_steps_give_the_eager_steps_tokens():
+    """The varlen and decode kernels (in Triton's interpreter without CUDA), fed the
+    graphs' padded layout, give the tokens of the same kernels on unpadded eager steps."""
+    device = torch.device("cuda" if HAS_CUDA else "cpu")
+    eager = run_depth_1(build(CudaModelExecutor, device, use_cuda_graphs=False,
+                              use_fused_kernels=True), scripted_batches())
+    padded = build(CudaModelExecutor, device, use_cuda_graphs=True, use_fused_kernels=True,
+                   max_num_batched_tokens=32)
+    assert_same_results(run_depth_2(padded, scripted_batches()), eager)
+    assert padded.stats.num_graph_steps == 6
+
+
 def test_the_start_up_warm_up_leaves_no_trace():
     cpu = torch.device("cpu")
     expected = run_depth_1(build(ModelExecutor, cpu), scripted_batches())
@@ -143,12 +236,21 @@ def test_the_start_up_warm_up_leaves_no_trace():
     assert_same_results(run_depth_2(pipelined, scripted_batches()), expected)
 
 
+@pytest.mark.parametrize(("start", "end"), [(0, 1), (5, 6), (3, 130), (17, 300), (0, 512)])
+def test_kv_slots_loop_and_vectorized_agree(start, end):
+    block_size = 16
+    block_ids = [(7 * index + 3) % 97 for index in range(-(-end // block_size))]
+    expected = [block_ids[position // block_size] * block_size + position % block_size
+                for position in range(start, end)]
+    assert kv_slots(block_ids, block_size, start, end) == expected
+
+
 def test_every_upload_segment_starts_16_byte_aligned():
     """Triton specialises kernels on 16-byte-aligned pointers: misaligned views of the
     upload would compile new kernel variants mid-run."""
-    offsets = cuda_executor._offsets({"a": 3, "b": 1, "c": 0, "d": 5, "e": 2})
+    offsets = step_packing.offsets({"a": 3, "b": 1, "c": 0, "d": 5, "e": 2})
     assert [start for start, _ in offsets.values()] == [0, 4, 8, 8, 16]
-    assert cuda_executor._end(offsets) == 18
+    assert step_packing.end(offsets) == 18
     assert all(start * 4 % 16 == 0 for start, _ in offsets.values())
 
 
@@ -200,9 +302,10 @@ def test_gpu_graphs_match_eager_steps():
     cuda = torch.device("cuda")
     eager = run_depth_1(build(CudaModelExecutor, cuda, use_cuda_graphs=False,
                               use_fused_kernels=True), scripted_batches())
-    graphs = run_depth_1(build(CudaModelExecutor, cuda, use_cuda_graphs=True,
-                               use_fused_kernels=True), scripted_batches())
-    assert_same_results(graphs, eager)
+    executor = build(CudaModelExecutor, cuda, use_cuda_graphs=True, use_fused_kernels=True)
+    assert_same_results(run_depth_1(executor, scripted_batches()), eager)
+    # every step replayed a graph: prefill, mixed and decode alike
+    assert executor.stats.num_graph_steps_by_kind == {"decode": 3, "mixed": 2, "prefill": 1}
 
 
 @pytest.mark.gpu

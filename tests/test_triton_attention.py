@@ -102,9 +102,73 @@ def test_prefill_and_mixed_match_reference(num_heads, num_kv_heads, head_dim, bl
                          block_size=block_size)
     scale = head_dim**-0.5
     expected = naive_paged_attention(*batch, scale)
-    for max_query_len in (None, 70):
-        out = triton_attention.paged_attention(*batch, scale, max_query_len=max_query_len)
+    for block_m in (16, 64):  # several query blocks per sequence, and a block per group
+        out = triton_attention.paged_attention(*batch, scale, block_m=block_m)
         assert relative_error(out, expected) < TOLERANCE
+
+
+def test_varlen_grid_depends_on_counts_only():
+    """Query lengths change which program owns which tokens, never how many programs
+    there are: the same launch serves any step of that many tokens and sequences."""
+    for group_size in (1, 2, 3, 4, 8, 32):
+        block_m, block_q = triton_attention.varlen_tiling(group_size, 64)
+        assert block_m & (block_m - 1) == 0 and block_q * group_size <= block_m
+    # every split of 40 tokens over 3 sequences fits num_tokens // block_q + num_seqs blocks
+    block_q = 8
+    for first in range(41):
+        for second in range(41 - first):
+            lens = [first, second, 40 - first - second]
+            starts = [0, first, first + second]
+            last_block = [start // block_q + seq + -(-length // block_q)
+                          for seq, (start, length) in enumerate(zip(starts, lens, strict=True))]
+            assert max(last_block) <= 40 // block_q + 3
+            firsts = [start // block_q + seq for seq, start in enumerate(starts)]
+            assert all(end <= following for end, following in zip(last_block[:-1], firsts[1:],
+                                                                  strict=True))
+
+
+@pytest.mark.parametrize("num_padded", [32, 160])
+def test_varlen_padding_sequence_owns_padding_tokens_and_gives_zeros(num_padded):
+    """A CUDA graph's layout: real sequences, empty padding sequences, and a last padding
+    sequence (context 0) that owns the padding tokens, over several query blocks (it
+    must read nothing: its positions are negative); real rows match the unpadded step."""
+    generator = torch.Generator().manual_seed(5)
+    query_lens, context_lens = [7, 1, 12, 1], [19, 40, 12, 3]
+    batch = random_batch(generator, query_lens=query_lens, context_lens=context_lens,
+                         num_heads=4, num_kv_heads=2, head_dim=32, block_size=8)
+    query, k_cache, v_cache, block_tables, lens, starts = batch
+    expected = triton_attention.paged_attention(*batch, 0.2)
+    num_real, num_seqs = sum(query_lens), 7
+    padded_query = torch.randn(num_padded, 4, 32, generator=generator).to(DTYPE).to(DEVICE)
+    padded_query[:num_real] = query
+    padded_tables = torch.zeros((num_seqs, block_tables.shape[1]), dtype=torch.int32,
+                                device=DEVICE)
+    padded_tables[:4] = block_tables
+    padded_lens = torch.zeros(num_seqs, dtype=torch.int32, device=DEVICE)
+    padded_lens[:4] = lens
+    padded_starts = torch.full((num_seqs + 1,), num_real, dtype=torch.int32, device=DEVICE)
+    padded_starts[:5] = starts
+    padded_starts[-1] = num_padded
+    # poison: a read below position 0 would go through row 0 of the block table
+    padded_tables[4:] = block_tables[0]
+    out = triton_attention.paged_attention(padded_query, k_cache, v_cache, padded_tables,
+                                           padded_lens, padded_starts, 0.2, block_m=16)
+    expected = triton_attention.paged_attention(*batch, 0.2, block_m=16)
+    assert torch.equal(out[:num_real], expected)  # bit for bit: the same programs' work
+    assert out[num_real:].abs().max().item() == 0.0
+
+
+def test_split_kv_equals_unsplit_on_a_long_context():
+    """One sequence of a long context and one short: every split count gives the unsplit
+    result within float32 rounding of the merge."""
+    generator = torch.Generator().manual_seed(9)
+    batch = random_batch(generator, query_lens=[1, 1], context_lens=[700, 40], num_heads=8,
+                         num_kv_heads=2, head_dim=32, block_size=16)
+    unsplit = triton_attention.paged_attention(*batch, 0.15, num_splits=1).double()
+    assert relative_error(unsplit, naive_paged_attention(*batch, 0.15)) < TOLERANCE
+    for num_splits in (3, 64):
+        out = triton_attention.paged_attention(*batch, 0.15, num_splits=num_splits)
+        assert relative_error(out, unsplit) < (1e-2 if HAS_CUDA else 1e-5)
 
 
 def test_padded_decode_sequence_gives_zeros_and_leaves_others_alone():

@@ -1,0 +1,183 @@
+"""One step's inputs on the host, and their layout in the upload buffers.
+
+The host flattens a ScheduledBatch into named int64 and float32 segments, each
+starting at a multiple of SEGMENT_ALIGNMENT elements of one pinned buffer, which
+one copy uploads. Views into the device copy are taken by name (``Segments``).
+
+The per-token layout: the first segments are TOKEN_SEGMENTS, one value per input
+token each (token id, position, KV-cache slot), then the per-sequence ones. A
+step that replays a CUDA graph is padded on the host to the graph's sizes, so
+that these segments have exactly the graph's token count (a multiple of
+SEGMENT_ALIGNMENT) and one copy fills the graph's static [3, num_tokens] input
+(``Segments.leading_rows``):
+padding tokens have token id 0, position 0 and slot -1 (the cache is not written)
+and belong to a padding sequence of context 0 (attention gives zeros).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from trio_llm.gpu.cuda_streams import Event
+from trio_llm.gpu.sampler import SamplingRow
+
+# One value per input token, in this order, at the start of the upload.
+TOKEN_SEGMENTS = ("token_ids", "positions", "slot_mapping")
+# One value per sequence (query_start_loc: one more).
+SEQUENCE_SEGMENTS = ("context_lens", "query_start_loc", "table_rows")
+# Host-side int64 segments of one step's upload, in order.
+INT_SEGMENTS = (*TOKEN_SEGMENTS, *SEQUENCE_SEGMENTS, "logits_indices",
+                "previous_token_positions", "previous_slots", "previous_rows",
+                "update_rows", "update_columns", "update_block_ids", "top_ks", "seed_keys",
+                "output_indices", "banned_rows", "banned_token_ids")
+FLOAT_SEGMENTS = ("temperatures", "top_ps", "min_ps")
+# Segments start at multiples of this many elements (16 bytes or more). Triton compiles
+# a kernel variant per pattern of 16-byte-aligned pointer arguments: views at arbitrary
+# offsets would compile new variants in the middle of a run.
+SEGMENT_ALIGNMENT = 4
+
+
+@dataclass(slots=True)
+class HostStep:
+    """One step's inputs, built on the host from a ScheduledBatch. ``graph_key`` names
+    the captured graph it replays (None: eager)."""
+
+    step_id: int
+    ints: dict[str, list[int]] = field(default_factory=lambda: {name: [] for name in
+                                                                INT_SEGMENTS})
+    num_tokens: int = 0
+    num_seqs: int = 0
+    num_single_token_rows: int = 0  # sequences of one query token: decode rows
+    graph_key: tuple[str, int] | None = None
+    sampling_rows: list[SamplingRow] = field(default_factory=list)
+    sampled_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def kind(self) -> str:
+        """decode (one token per sequence), prefill (no decode row) or mixed. (A prompt's
+        last chunk of one token counts as a decode row.)"""
+        if self.num_tokens == self.num_seqs:
+            return "decode"
+        return "mixed" if self.num_single_token_rows else "prefill"
+
+
+def pad_tokens(step: HostStep, num_tokens: int) -> None:
+    """Padding tokens up to ``num_tokens``: no cache write (slot -1)."""
+    num_padding = num_tokens - step.num_tokens
+    ints = step.ints
+    ints["token_ids"] += [0] * num_padding
+    ints["positions"] += [0] * num_padding
+    ints["slot_mapping"] += [-1] * num_padding
+
+
+def pad_decode_sequences(step: HostStep, num_seqs: int) -> None:
+    """A decode graph's padding: one padding token per padding sequence, context 0."""
+    pad_tokens(step, num_seqs)
+    num_padding = num_seqs - step.num_seqs
+    step.ints["context_lens"] += [0] * num_padding
+    step.ints["table_rows"] += [0] * num_padding
+
+
+def pad_varlen_sequences(step: HostStep, num_tokens: int, num_seqs: int,
+                         num_logits_rows: int) -> None:
+    """A mixed graph's padding: empty padding sequences, the last of which owns every
+    padding token; context 0 for all. Logits rows beyond the sampled ones read token 0."""
+    assert num_seqs > step.num_seqs and num_tokens >= step.num_tokens
+    pad_tokens(step, num_tokens)
+    num_padding = num_seqs - step.num_seqs
+    ints = step.ints
+    ints["context_lens"] += [0] * num_padding
+    ints["table_rows"] += [0] * num_padding
+    ints["query_start_loc"] += [step.num_tokens] * (num_padding - 1) + [num_tokens]
+    ints["logits_indices"] += [0] * (num_logits_rows - len(ints["logits_indices"]))
+
+
+@dataclass(slots=True)
+class InputSlot:
+    """Pinned host and device buffers for one step in flight, and the events guarding them."""
+
+    index: int
+    host_ints: torch.Tensor
+    host_floats: torch.Tensor
+    device_ints: torch.Tensor
+    device_floats: torch.Tensor
+    host_sampled: torch.Tensor
+    upload_done: Event | None = None
+    compute_done: Event | None = None
+    download_done: Event | None = None
+
+
+def new_slot(index: int, device: torch.device, num_ints: int, num_floats: int,
+             num_sampled: int) -> InputSlot:
+    pin = device.type == "cuda"
+
+    def host(size: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(size, dtype=dtype, pin_memory=pin)
+
+    def on_device(size: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(size, dtype=dtype, device=device)
+
+    return InputSlot(index=index, host_ints=host(num_ints, torch.int64),
+                     host_floats=host(num_floats, torch.float32),
+                     device_ints=on_device(num_ints, torch.int64),
+                     device_floats=on_device(num_floats, torch.float32),
+                     host_sampled=host(num_sampled, torch.int64))
+
+
+class Segments:
+    """Views into a flat device buffer by segment name."""
+
+    def __init__(self, buffer: torch.Tensor, offsets: dict[str, tuple[int, int]]) -> None:
+        self._buffer = buffer
+        self._offsets = offsets
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        start, length = self._offsets[name]
+        return self._buffer[start:start + length]
+
+    def length(self, name: str) -> int:
+        return self._offsets[name][1]
+
+    def leading_rows(self, num_rows: int) -> torch.Tensor:
+        """The first ``num_rows`` segments as one [num_rows, length] view: TOKEN_SEGMENTS
+        (and, in a decode step, where tokens and sequences pair up, context_lens), which
+        a graph step's padding made equally long."""
+        length = self._offsets[INT_SEGMENTS[0]][1]
+        stride = aligned(length)
+        assert all(self._offsets[name] == (row * stride, length)
+                   for row, name in enumerate(INT_SEGMENTS[:num_rows]))
+        return self._buffer[:num_rows * stride].view(num_rows, stride)[:, :length]
+
+
+def offsets(lengths: dict[str, int]) -> dict[str, tuple[int, int]]:
+    """(start, length) of each segment, starts aligned."""
+    result: dict[str, tuple[int, int]] = {}
+    start = 0
+    for name, length in lengths.items():
+        result[name] = (start, length)
+        start += aligned(length)
+    return result
+
+
+def aligned(length: int) -> int:
+    return -(-length // SEGMENT_ALIGNMENT) * SEGMENT_ALIGNMENT
+
+
+def end(segment_offsets: dict[str, tuple[int, int]]) -> int:
+    return max((start + length for start, length in segment_offsets.values()), default=0)
+
+
+def fill(target: np.ndarray, segment_offsets: dict[str, tuple[int, int]],
+         values: dict[str, list[Any]]) -> None:
+    for name, (start, length) in segment_offsets.items():
+        if length:
+            target[start:start + length] = values[name]
+
+
+def upload(host: torch.Tensor, device: torch.Tensor, length: int) -> None:
+    if length:
+        device[:length].copy_(host[:length], non_blocking=True)
