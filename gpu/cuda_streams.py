@@ -58,7 +58,7 @@ class Lane:
             return DoneEvent()
         event = self._cupy.cuda.Event(block=blocking, disable_timing=not timing)
         event.record(self._cupy_stream)
-        return event  # type: ignore[no-any-return]
+        return event
 
     def elapsed_seconds(self, start: Event, end: Event) -> float:
         """Device time between two timing events, both complete."""

@@ -53,7 +53,7 @@ def kv_slots(block_ids: list[int], block_size: int, start: int, end: int) -> lis
     first_block = start // block_size
     blocks = np.asarray(block_ids[first_block:(end - 1) // block_size + 1], dtype=np.int64)
     slots = blocks[positions // block_size - first_block] * block_size + positions % block_size
-    return slots.tolist()  # type: ignore[no-any-return]
+    return slots.tolist()
 
 
 @dataclass(frozen=True, slots=True)

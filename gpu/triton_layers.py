@@ -25,6 +25,8 @@ weights.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -34,7 +36,7 @@ from torch import nn
 from trio_llm.gpu import triton_attention
 from trio_llm.gpu.attention import AttentionBackend
 from trio_llm.gpu.layers import Linear
-from trio_llm.gpu.model import AttentionMetadata, CausalLM, KVCache
+from trio_llm.gpu.model import AttentionMetadata, CausalLM, DecoderLayer, KVCache
 from trio_llm.gpu.triton_gemv import gemv
 
 SILU_BLOCK = 1024
@@ -218,7 +220,9 @@ class FusedCausalLM(CausalLM):
                 kv_caches: list[KVCache], metadata: AttentionMetadata) -> torch.Tensor:
         hidden = F.embedding(token_ids, self.embed_tokens)
         residual: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        # nn.ModuleList yields Modules; its items are DecoderLayers (CausalLM builds them).
+        layers = cast(list[DecoderLayer], list(self.layers))
+        for layer, kv_cache in zip(layers, kv_caches, strict=True):
             norm = layer.input_layernorm
             if residual is None:
                 residual = hidden
