@@ -107,6 +107,41 @@ def _tokens_per_split(context_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constex
     return tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
 
 
+# Which keys of a tile _attend_tile hides: none (a tile wholly inside every query's
+# past), those at or past ``end`` (a decode row's last tile), or also those after each
+# query's own position (a prefill tile on the diagonal).
+MASK_NONE: tl.constexpr = tl.constexpr(0)
+MASK_END: tl.constexpr = tl.constexpr(1)
+MASK_CAUSAL: tl.constexpr = tl.constexpr(2)
+
+
+@triton.jit
+def _attend_tile(query, k_cache_ptr, v_cache_ptr, block_table_row_ptr, tile_start, end,
+                 query_positions, kv_head, dims, dim_mask, scale, running_max, running_sum,
+                 acc, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr):
+    """One KV tile of the online softmax, the one loop body of both kernels;
+    ``query_positions`` is read only with ``MASK_CAUSAL``."""
+    positions = tile_start + tl.arange(0, BLOCK_N)
+    position_mask = positions < end
+    key = _load_kv_tile(k_cache_ptr, block_table_row_ptr, positions, position_mask, kv_head,
+                        dims, dim_mask, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
+    scores = tl.dot(query, tl.trans(key)) * scale
+    if MASK == MASK_CAUSAL:
+        visible = (positions[None, :] <= query_positions[:, None]) & position_mask[None, :]
+        scores = tl.where(visible, scores, float("-inf"))
+    elif MASK == MASK_END:
+        scores = tl.where(position_mask[None, :], scores, float("-inf"))
+    new_max = tl.maximum(running_max, tl.max(scores, 1))
+    rescale = tl.exp(running_max - new_max)
+    probs = tl.exp(scores - new_max[:, None])
+    running_sum = running_sum * rescale + tl.sum(probs, 1)
+    value = _load_kv_tile(v_cache_ptr, block_table_row_ptr, positions, position_mask, kv_head,
+                          dims, dim_mask, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
+    acc = acc * rescale[:, None] + tl.dot(probs.to(value.dtype), value)
+    return new_max, running_sum, acc
+
+
 @triton.jit
 def _decode_kernel(
     query_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
@@ -142,20 +177,10 @@ def _decode_kernel(
     running_sum = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     for tile_start in range(start, end, BLOCK_N):
-        positions = tile_start + tl.arange(0, BLOCK_N)
-        position_mask = positions < end
-        key = _load_kv_tile(k_cache_ptr, block_table_row_ptr, positions, position_mask, kv_head,
-                            dims, dim_mask, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
-        scores = tl.dot(query, tl.trans(key)) * scale
-        scores = tl.where(position_mask[None, :], scores, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(scores, 1))
-        rescale = tl.exp(running_max - new_max)
-        probs = tl.exp(scores - new_max[:, None])
-        running_sum = running_sum * rescale + tl.sum(probs, 1)
-        value = _load_kv_tile(v_cache_ptr, block_table_row_ptr, positions, position_mask,
-                              kv_head, dims, dim_mask, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
-        acc = acc * rescale[:, None] + tl.dot(probs.to(value.dtype), value)
-        running_max = new_max
+        running_max, running_sum, acc = _attend_tile(
+            query, k_cache_ptr, v_cache_ptr, block_table_row_ptr, tile_start, end,
+            0, kv_head, dims, dim_mask, scale, running_max, running_sum, acc,
+            NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, MASK_END)
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
@@ -219,31 +244,6 @@ def _find_sequence(query_start_loc_ptr, program, num_seqs, BLOCK_Q: tl.constexpr
 
 
 @triton.jit
-def _attend_tile(query, k_cache_ptr, v_cache_ptr, block_table_row_ptr, tile_start, end,
-                 query_positions, kv_head, dims, dim_mask, scale, running_max, running_sum,
-                 acc, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr):
-    """One KV tile of the online softmax; ``CAUSAL_MASK`` for tiles that reach past a
-    query's own position."""
-    positions = tile_start + tl.arange(0, BLOCK_N)
-    position_mask = positions < end
-    key = _load_kv_tile(k_cache_ptr, block_table_row_ptr, positions, position_mask, kv_head,
-                        dims, dim_mask, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
-    scores = tl.dot(query, tl.trans(key)) * scale
-    if CAUSAL_MASK:
-        visible = (positions[None, :] <= query_positions[:, None]) & position_mask[None, :]
-        scores = tl.where(visible, scores, float("-inf"))
-    new_max = tl.maximum(running_max, tl.max(scores, 1))
-    rescale = tl.exp(running_max - new_max)
-    probs = tl.exp(scores - new_max[:, None])
-    running_sum = running_sum * rescale + tl.sum(probs, 1)
-    value = _load_kv_tile(v_cache_ptr, block_table_row_ptr, positions, position_mask, kv_head,
-                          dims, dim_mask, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
-    acc = acc * rescale[:, None] + tl.dot(probs.to(value.dtype), value)
-    return new_max, running_sum, acc
-
-
-@triton.jit
 def _varlen_kernel(
     query_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
     query_start_loc_ptr, out_ptr, scale, num_seqs,
@@ -299,12 +299,12 @@ def _varlen_kernel(
         running_max, running_sum, acc = _attend_tile(
             query, k_cache_ptr, v_cache_ptr, block_table_row_ptr, tile_start, end,
             query_positions, kv_head, dims, dim_mask, scale, running_max, running_sum, acc,
-            NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False)
+            NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, MASK_NONE)
     for tile_start in range(unmasked_end, end, BLOCK_N):
         running_max, running_sum, acc = _attend_tile(
             query, k_cache_ptr, v_cache_ptr, block_table_row_ptr, tile_start, end,
             query_positions, kv_head, dims, dim_mask, scale, running_max, running_sum, acc,
-            NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True)
+            NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, MASK_CAUSAL)
 
     out = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
     tl.store(out_ptr + tokens[:, None] * out_token_stride + heads[:, None] * out_head_stride
