@@ -282,11 +282,8 @@ def test_the_block_table_grows_past_its_rows():
 
 # -- CUDA -----------------------------------------------------------------------------------
 
-gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-
 
 @pytest.mark.gpu
-@gpu
 def test_gpu_depth_2_with_graphs_matches_depth_1():
     cuda = torch.device("cuda")
     depth_1 = run_depth_1(build(CudaModelExecutor, cuda, use_cuda_graphs=True,
@@ -297,7 +294,6 @@ def test_gpu_depth_2_with_graphs_matches_depth_1():
 
 
 @pytest.mark.gpu
-@gpu
 def test_gpu_graphs_match_eager_steps():
     cuda = torch.device("cuda")
     eager = run_depth_1(build(CudaModelExecutor, cuda, use_cuda_graphs=False,
@@ -309,7 +305,6 @@ def test_gpu_graphs_match_eager_steps():
 
 
 @pytest.mark.gpu
-@gpu
 def test_gpu_greedy_match_rate_against_the_cpu_float32_path():
     """Greedy decoding of the tiny model, float32 on the CPU vs float32 on CUDA (fused
     kernels, graphs). Reported: the share of tokens that match, and the first divergence."""

@@ -118,7 +118,6 @@ def test_greedy_generation_matches_transformers(checkpoint, prompts, block_size)
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("attention_backend", ["torch", "triton"])
 def test_cuda_greedy_generation_matches_transformers(checkpoint, prompts, attention_backend):
     directory, model = checkpoint

@@ -138,7 +138,6 @@ def test_logprobs_are_raw_and_only_where_asked():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_draws_the_same_noise_and_tokens():
     rows = [SamplingRow(_options(seed=seed, top_k=20, top_p=0.9), seed % 4) for seed in range(16)]
     cpu_noise = exponential_noise(rows, 4096, device=torch.device("cpu"))
