@@ -6,6 +6,12 @@ samples a token from a hash of the request's whole context, its output index
 and its seed. Any scheduling mistake that feeds the model a wrong token, a
 wrong position or a wrong output index changes the output; ``reference_output``
 computes what every request must produce, alone and unscheduled.
+
+Its KV cache is real in one respect: every slot keeps the context hash before
+and after its token, so a request that starts after a cached prefix continues
+from what its blocks hold (a wrong or stale block changes its output), the
+chain through its blocks is checked, and a block is written only by its one
+holder.
 """
 
 from __future__ import annotations
@@ -84,14 +90,22 @@ class _FakeSequence:
 
 
 class FakeModel:
-    """Executes batches as the runner would, asserting the protocol on the way."""
+    """Executes batches as the runner would, asserting the protocol on the way.
+
+    Requests run in batch order: a block a request reads from the cache was
+    written in an earlier step or earlier in this batch (a real model writes
+    every layer's KV before attending, so order does not matter there).
+    """
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self.sequences: dict[str, _FakeSequence] = {}
-        self.block_owners: dict[int, str] = {}
+        self.block_holders: dict[int, set[str]] = defaultdict(set)
+        # block id -> per slot: (context hash before its token, after it)
+        self.kv: dict[int, list[tuple[int, int] | None]] = {}
         self.next_step_id = 0
         self.batches: list[ScheduledBatch] = []
+        self.num_cached_tokens_read = 0
 
     def execute(self, batch: ScheduledBatch) -> StepResult:
         assert batch.step_id == self.next_step_id
@@ -107,11 +121,13 @@ class FakeModel:
         for scheduled in batch.requests:
             sequence = self.sequences[scheduled.request_id]
             token_ids = self._input_token_ids(sequence, scheduled, batch.step_id)
+            self._extend_blocks(sequence, scheduled.request_id, scheduled.new_block_ids,
+                                scheduled.num_computed_tokens)
+            if sequence.num_tokens == 0 and scheduled.num_computed_tokens > 0:
+                self._start_from_cache(sequence, scheduled.num_computed_tokens)
             assert scheduled.num_computed_tokens == sequence.num_tokens
-            self._extend_blocks(sequence, scheduled.request_id, scheduled.new_block_ids)
             for token_id in token_ids:
-                sequence.context_hash = extend_hash(sequence.context_hash, token_id)
-            sequence.num_tokens += len(token_ids)
+                self._write(sequence, scheduled.request_id, token_id)
             num_tokens += len(token_ids)
             blocks_needed = -(-sequence.num_tokens // self.block_size)
             assert len(sequence.block_ids) == blocks_needed, "block table does not fit the tokens"
@@ -133,17 +149,48 @@ class FakeModel:
         return [sequence.last_sampled[1]]
 
     def _extend_blocks(self, sequence: _FakeSequence, request_id: str,
-                       new_block_ids: list[int]) -> None:
+                       new_block_ids: list[int], num_computed_tokens: int) -> None:
+        """Blocks it will write must be its alone; blocks of a cached prefix
+        (before ``num_computed_tokens`` on its first step) must be written."""
         for block_id in new_block_ids:
-            assert block_id not in self.block_owners, f"block {block_id} is still in use"
-            self.block_owners[block_id] = request_id
-        sequence.block_ids += new_block_ids
+            start = len(sequence.block_ids) * self.block_size
+            if start >= num_computed_tokens:
+                assert not self.block_holders[block_id], f"block {block_id} is still in use"
+            else:
+                assert all(self.kv.get(block_id, [None])), f"cached block {block_id} is unwritten"
+            self.block_holders[block_id].add(request_id)
+            sequence.block_ids.append(block_id)
+
+    def _start_from_cache(self, sequence: _FakeSequence, num_cached_tokens: int) -> None:
+        """Continue from the cached prefix's KV, checking that its slots chain up."""
+        assert num_cached_tokens % self.block_size == 0, "only full blocks are cached"
+        context_hash = 0
+        for position in range(num_cached_tokens):
+            block_id = sequence.block_ids[position // self.block_size]
+            slot = self.kv[block_id][position % self.block_size]
+            assert slot is not None and slot[0] == context_hash, "cached blocks do not chain"
+            context_hash = slot[1]
+        sequence.context_hash = context_hash
+        sequence.num_tokens = num_cached_tokens
+        self.num_cached_tokens_read += num_cached_tokens
+
+    def _write(self, sequence: _FakeSequence, request_id: str, token_id: int) -> None:
+        position = sequence.num_tokens
+        block_id = sequence.block_ids[position // self.block_size]
+        assert self.block_holders[block_id] == {request_id}, f"block {block_id} is shared"
+        before = sequence.context_hash
+        sequence.context_hash = extend_hash(before, token_id)
+        slots = self.kv.setdefault(block_id, [None] * self.block_size)
+        if position % self.block_size == 0:
+            slots[:] = [None] * self.block_size  # a new owner: old content is gone
+        slots[position % self.block_size] = (before, sequence.context_hash)
+        sequence.num_tokens += 1
 
     def _forget(self, request_id: str) -> None:
         sequence = self.sequences.pop(request_id, None)
         assert sequence is not None, f"told to forget {request_id!r}, which it never had"
         for block_id in sequence.block_ids:
-            del self.block_owners[block_id]
+            self.block_holders[block_id].discard(request_id)
 
 
 def make_request(request_id: str, prompt_token_ids: list[int], *, max_tokens: int = 8,
@@ -565,7 +612,8 @@ def test_priority_preemption_when_blocks_are_short():
     driver.submit(low)
     driver.plan()
     driver.complete()
-    urgent = make_request("urgent", list(range(8)), max_tokens=2, priority=0, arrival_index=1)
+    urgent = make_request("urgent", list(range(30, 38)), max_tokens=2, priority=0,
+                          arrival_index=1)
     driver.submit(urgent)
     batch = driver.plan()
     assert batch is not None and batch.requests[0].request_id == "urgent"
