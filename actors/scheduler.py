@@ -631,8 +631,9 @@ class Scheduler:
             parent_hash = block_hashes[-1] if block_hashes else running.root_hash
             assert parent_hash is not None
             start = index * block_size
-            block_hash = next_block_hash(parent_hash,
-                                         running.token_ids_between(start, start + block_size))
+            token_ids = running.token_ids_between(start, start + block_size)
+            assert len(token_ids) == block_size, "a block with a token still unknown"
+            block_hash = next_block_hash(parent_hash, token_ids)
             block_hashes.append(block_hash)
             self.block_manager.cache_block(running.block_ids[index], block_hash)
 
