@@ -336,3 +336,70 @@ def test_gpu_executor_continues_after_a_cached_prefix() -> None:
             assert ours[0] == theirs[0]
             if must_match_all:
                 assert ours == theirs
+
+
+# -- the flag and the benchmark workload --------------------------------------------------
+
+
+def test_the_flag_turns_prefix_caching_off_and_on() -> None:
+    import argparse
+
+    from trio_llm.api.cli import add_engine_arguments, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    assert engine_config_from_args(parser.parse_args([])).enable_prefix_caching
+    off = engine_config_from_args(parser.parse_args(["--no-enable-prefix-caching"]))
+    assert not off.enable_prefix_caching
+    assert engine_config_from_args(
+        parser.parse_args(["--enable-prefix-caching"])).enable_prefix_caching
+
+
+def test_prefix_repetition_requests_share_their_prefixes() -> None:
+    from trio_llm.api.bench_serve import prefix_repetition_requests
+
+    make = dict(num_prompts=23, prefix_len=12, suffix_len=5, num_prefixes=4, output_len=7,
+                vocab_size=50)
+    requests = prefix_repetition_requests(seed=2, **make)  # type: ignore[arg-type]
+    assert requests == prefix_repetition_requests(seed=2, **make)  # type: ignore[arg-type]
+    assert requests != prefix_repetition_requests(seed=3, **make)  # type: ignore[arg-type]
+    assert len(requests) == 23
+    assert {(len(r.prompt_token_ids), r.max_tokens) for r in requests} == {(17, 7)}
+    by_prefix: dict[tuple[int, ...], int] = {}
+    for request in requests:
+        prefix = tuple(request.prompt_token_ids[:12])
+        by_prefix[prefix] = by_prefix.get(prefix, 0) + 1
+    assert sorted(by_prefix.values()) == [5, 6, 6, 6]
+    assert len({tuple(r.prompt_token_ids[12:]) for r in requests}) == 23
+    assert [tuple(r.prompt_token_ids[:12]) for r in requests[:6]] != [
+        tuple(requests[0].prompt_token_ids[:12])] * 6, "shuffled"
+
+
+async def test_bench_serve_prefix_repetition_reports_the_servers_hit_rate() -> None:
+    from test_http_support import running_server
+
+    from trio_llm.api.bench_serve import (
+        BenchServeOptions,
+        format_report,
+        ideal_prefix_cache_hit_rate,
+        run_benchmark,
+    )
+
+    with trio.fail_after(120):
+        async with Engine.open(AMPLE) as engine, running_server(engine) as url:
+            options = BenchServeOptions(
+                base_url=url, num_prompts=16, max_concurrency=4, show_progress=False,
+                dataset_name="prefix_repetition", prefix_repetition_prefix_len=64,
+                prefix_repetition_suffix_len=8, prefix_repetition_num_prefixes=4,
+                prefix_repetition_output_len=4)
+            report, _ = await run_benchmark(options)
+            statistics = engine.statistics()
+    assert (report.num_completed, report.num_failed) == (16, 0)
+    assert report.total_input_tokens == 16 * 72
+    ideal = ideal_prefix_cache_hit_rate(options)
+    assert ideal == pytest.approx(12 * 64 / (16 * 72))
+    assert report.prefix_cache_hit_rate == pytest.approx(
+        statistics.num_prefix_cache_hits / statistics.num_prefix_cache_queries)
+    assert report.prefix_cache_hit_rate is not None
+    assert 0.8 * ideal <= report.prefix_cache_hit_rate <= ideal
+    assert "Prefix cache hit rate" in format_report(report)
