@@ -29,9 +29,10 @@ import struct
 from collections import OrderedDict
 from collections.abc import Sequence
 
-# Domain separation: a block hash can never equal a root hash.
 _ROOT_PREFIX = b"trio-llm kv root\x00"
-_BLOCK_PREFIX = b"trio-llm kv block\x00"
+# Token ids packed as little-endian uint32 (ids are vocabulary indices), one Struct
+# per block length: the scheduler hashes one block per request every block_size steps.
+_TOKEN_PACKERS: dict[int, struct.Struct] = {}
 
 
 def root_block_hash(model_identity: str, cache_salt: str | None) -> bytes:
@@ -46,10 +47,13 @@ def next_block_hash(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
 
     SHA-256, not Python's ``hash``: a collision would hand one request another
     request's KV, and tenants choose their prompts (vLLM hashes with SHA-256 by
-    default for the same reason).
+    default for the same reason). The input is the 32-byte parent hash, then the
+    tokens, so it never has the shape of a root hash's input.
     """
-    packed = struct.pack(f"<{len(token_ids)}q", *token_ids)
-    return hashlib.sha256(_BLOCK_PREFIX + parent_hash + packed).digest()
+    packer = _TOKEN_PACKERS.get(len(token_ids))
+    if packer is None:
+        packer = _TOKEN_PACKERS[len(token_ids)] = struct.Struct(f"<{len(token_ids)}I")
+    return hashlib.sha256(parent_hash + packer.pack(*token_ids)).digest()
 
 
 class BlockManager:
