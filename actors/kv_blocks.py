@@ -30,9 +30,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 _ROOT_PREFIX = b"trio-llm kv root\x00"
-# Token ids packed as little-endian uint32 (ids are vocabulary indices), one Struct
-# per block length: the scheduler hashes one block per request every block_size steps.
-_TOKEN_PACKERS: dict[int, struct.Struct] = {}
+_TOKEN_ID_BYTES = 4  # token ids are vocabulary indices, packed as little-endian uint32
 
 
 def root_block_hash(model_identity: str, cache_salt: str | None) -> bytes:
@@ -50,10 +48,23 @@ def next_block_hash(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
     default for the same reason). The input is the 32-byte parent hash, then the
     tokens, so it never has the shape of a root hash's input.
     """
-    packer = _TOKEN_PACKERS.get(len(token_ids))
-    if packer is None:
-        packer = _TOKEN_PACKERS[len(token_ids)] = struct.Struct(f"<{len(token_ids)}I")
-    return hashlib.sha256(parent_hash + packer.pack(*token_ids)).digest()
+    return chain_block_hashes(parent_hash, token_ids, len(token_ids))[0]
+
+
+def chain_block_hashes(parent_hash: bytes, token_ids: Sequence[int],
+                       block_size: int) -> list[bytes]:
+    """The hashes of consecutive full blocks of ``token_ids`` (a multiple of
+    ``block_size`` long), the first one's parent being ``parent_hash``: the same
+    as ``next_block_hash`` block by block, with the tokens packed once."""
+    assert len(token_ids) % block_size == 0, "only full blocks are hashed"
+    packed = struct.pack(f"<{len(token_ids)}I", *token_ids)
+    stride = block_size * _TOKEN_ID_BYTES
+    sha256 = hashlib.sha256
+    block_hashes = []
+    for start in range(0, len(packed), stride):
+        parent_hash = sha256(parent_hash + packed[start:start + stride]).digest()
+        block_hashes.append(parent_hash)
+    return block_hashes
 
 
 class BlockManager:

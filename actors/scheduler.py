@@ -20,12 +20,12 @@ One step is planned in three phases:
 
 Prefix caching (on by default): a request starts after the longest run of
 cached full blocks its prompt begins with (``_find_cached_prefix``), never
-the whole prompt, so at least one token is computed and sampled from. Every
-block a request fills is cached as soon as its tokens are known and its
-computation is scheduled (``_cache_full_blocks``): after a prefill chunk, when
-a decode opens a new block, and when the request stops. A step that reads a
-cached block always runs after (or is) the step that writes it: the runner
-executes steps in order and every layer writes its KV before attending.
+the whole prompt, so at least one token is computed and sampled from. The
+blocks a request fills are cached (``_cache_full_blocks``) after each prefill
+chunk, and the blocks its decodes filled when it stops (finished, aborted,
+preempted): the decode hot path never hashes. A step that reads a cached block
+always runs after (or is) the step that writes it: the runner executes steps
+in order and every layer writes its KV before attending.
 
 Depth 2: the next batch is planned while the previous one runs. A decoding
 request whose last token was sampled in the batch in flight takes it as input
@@ -43,7 +43,12 @@ import msgspec
 import trio
 
 from trio_llm.actors.config import EngineConfig
-from trio_llm.actors.kv_blocks import BlockManager, next_block_hash, root_block_hash
+from trio_llm.actors.kv_blocks import (
+    BlockManager,
+    chain_block_hashes,
+    next_block_hash,
+    root_block_hash,
+)
 from trio_llm.actors.messages import (
     Abort,
     AbortOutcome,
@@ -462,8 +467,6 @@ class Scheduler:
         """
         if not running.can_decode:
             return True
-        if self._caches_prefixes:
-            self._cache_full_blocks(running)  # the block it just filled
         if not self._make_room(running, 1, step.step_id):
             return False
         step.add_decode(running, self.block_manager.allocate(1))
@@ -570,7 +573,7 @@ class Scheduler:
         """It leaves the running set (finished, aborted, preempted): free its
         blocks now, and tell the runner in the next batch."""
         if self._caches_prefixes:
-            self._cache_full_blocks(running)  # a last full block, for later requests
+            self._cache_full_blocks(running)  # what its decodes filled, for later requests
         self.block_manager.free(running.block_ids)
         index = bisect.bisect_left(self._running, running.sort_key, key=_sort_key_of)
         assert self._running[index] is running
@@ -623,19 +626,24 @@ class Scheduler:
 
     def _cache_full_blocks(self, running: RunningRequest) -> None:
         """Cache its blocks that are full of known tokens and scheduled, and not
-        hashed yet: O(new full blocks)."""
+        hashed yet: O(new full blocks). (A block whose last token is a
+        placeholder of the step in flight waits: its id is not known yet.)"""
         block_size = self.block_manager.block_size
         num_full_blocks = min(running.num_computed_tokens, running.num_known_tokens) // block_size
         block_hashes = running.block_hashes
-        for index in range(len(block_hashes), num_full_blocks):
-            parent_hash = block_hashes[-1] if block_hashes else running.root_hash
-            assert parent_hash is not None
-            start = index * block_size
-            token_ids = running.token_ids_between(start, start + block_size)
-            assert len(token_ids) == block_size, "a block with a token still unknown"
-            block_hash = next_block_hash(parent_hash, token_ids)
-            block_hashes.append(block_hash)
-            self.block_manager.cache_block(running.block_ids[index], block_hash)
+        num_hashed = len(block_hashes)
+        if num_full_blocks <= num_hashed:
+            return
+        parent_hash = block_hashes[-1] if block_hashes else running.root_hash
+        assert parent_hash is not None
+        new_hashes = chain_block_hashes(
+            parent_hash, running.token_ids_between(num_hashed * block_size,
+                                                   num_full_blocks * block_size), block_size)
+        cache_block = self.block_manager.cache_block
+        for block_id, block_hash in zip(running.block_ids[num_hashed:num_full_blocks],
+                                        new_hashes, strict=True):
+            cache_block(block_id, block_hash)
+        block_hashes += new_hashes
 
     def _root_hash(self, cache_salt: str | None) -> bytes:
         if cache_salt is None:

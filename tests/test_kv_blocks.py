@@ -7,7 +7,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from trio_llm.actors.kv_blocks import BlockManager, next_block_hash, root_block_hash
+from trio_llm.actors.kv_blocks import (
+    BlockManager,
+    chain_block_hashes,
+    next_block_hash,
+    root_block_hash,
+)
 
 
 def test_allocate_hands_out_distinct_blocks_until_none_are_left():
@@ -148,6 +153,17 @@ def test_block_hashes_chain_and_salt():
     assert next_block_hash(first, [3, 4]) != next_block_hash(root, [3, 4])
     assert next_block_hash(root, [2, 1]) != first
     assert next_block_hash(root, [2**32 - 1, 5]) != next_block_hash(root, [0, 5])
+
+
+def test_chained_hashes_are_the_block_by_block_hashes():
+    root = root_block_hash("tiny", None)
+    token_ids = list(range(100, 112))
+    first = next_block_hash(root, token_ids[:4])
+    second = next_block_hash(first, token_ids[4:8])
+    third = next_block_hash(second, token_ids[8:])
+    assert chain_block_hashes(root, token_ids, 4) == [first, second, third]
+    with pytest.raises(AssertionError, match="full blocks"):
+        chain_block_hashes(root, token_ids[:5], 4)
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
