@@ -4,7 +4,8 @@ Workload (a) of `trio-llm bench throughput` (256 requests, prompts and outputs 1
 1,024 tokens) on the null executor, so the engine's own work is the whole step. Runs
 alternate on and off, so a busy machine slows both alike. Per run: wall milliseconds
 per step, process CPU milliseconds per step, and the scheduler's own CPU time
-(``Scheduler.schedule`` and ``on_step_result``, thread CPU time) per step.
+(``Scheduler.schedule`` and ``on_step_result``, thread CPU time) per step; then the
+medians, and the median change of each on run against the off run after it.
 
     OMP_NUM_THREADS=1 python benchmarks/control_plane_ab.py --runs 5
 """
@@ -87,7 +88,11 @@ def main() -> None:
     for name in ("wall_ms_per_step", "cpu_ms_per_step", "scheduler_ms_per_step"):
         on = statistics.median(run[name] for run in runs[True])
         off = statistics.median(run[name] for run in runs[False])
-        print(f"median {name}: on {on:.3f}, off {off:.3f}, change {100 * (on / off - 1):+.1f}%")
+        # Each on run against the off run right after it: robust to the load drifting.
+        paired = statistics.median(a[name] / b[name] - 1
+                                   for a, b in zip(runs[True], runs[False], strict=True))
+        print(f"median {name}: on {on:.3f}, off {off:.3f}, change {100 * (on / off - 1):+.1f}%;"
+              f" median paired change {100 * paired:+.1f}%")
 
 
 if __name__ == "__main__":
