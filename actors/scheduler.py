@@ -626,8 +626,8 @@ class Scheduler:
 
     def _cache_full_blocks(self, running: RunningRequest) -> None:
         """Cache its blocks that are full of known tokens and scheduled, and not
-        hashed yet: O(new full blocks). (A block whose last token is a
-        placeholder of the step in flight waits: its id is not known yet.)"""
+        hashed yet: O(new full blocks). (A block ending in a placeholder, a token
+        the step in flight is still sampling, is left out: its id is unknown.)"""
         block_size = self.block_manager.block_size
         num_full_blocks = min(running.num_computed_tokens, running.num_known_tokens) // block_size
         block_hashes = running.block_hashes
