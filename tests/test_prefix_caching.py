@@ -201,11 +201,21 @@ async def test_metrics_and_cache_salt_over_http() -> None:
                     assert response.status_code == 200
                 empty = await client.post("/v1/completions", json={**request, "cache_salt": ""})
                 metrics = (await client.get("/metrics")).text
+                chat = {"model": "tiny", "max_tokens": 2, "temperature": 0, "messages": [
+                    {"role": "user", "content": "a question long enough to fill a block " * 3}]}
+                hits = []
+                for salt in ("x", "y", "x"):
+                    before = engine.statistics().num_prefix_cache_hits
+                    response = await client.post("/v1/chat/completions",
+                                                 json={**chat, "cache_salt": salt})
+                    assert response.status_code == 200
+                    hits.append(engine.statistics().num_prefix_cache_hits - before)
             statistics = engine.statistics()
     assert empty.status_code == 400 and empty.json()["error"]["param"] == "cache_salt"
-    assert statistics.num_prefix_cache_hits == 32  # the second "a" only
     assert f"trio_llm:prefix_cache_queries_total{{model_name=\"tiny\"}} {3 * 37}.0" in metrics
-    assert 'trio_llm:prefix_cache_hits_total{model_name="tiny"} 32.0' in metrics
+    assert 'trio_llm:prefix_cache_hits_total{model_name="tiny"} 32.0' in metrics  # second "a"
+    assert hits[:2] == [0, 0] and hits[2] > 0
+    assert statistics.num_prefix_cache_hits == 32 + hits[2]
 
 
 # -- the executors: a request whose first chunk starts after cached tokens ---------------
