@@ -9,7 +9,8 @@ One step is planned in three phases:
 1. ``_admit_by_priority``: with policy "priority" and a threshold set, a
    pulled request whose priority value is lower than a running one's by at
    least the threshold (and at least 1, so equals never evict each other)
-   evicts it when seats or blocks are short, and is scheduled first.
+   evicts it when seats or blocks are short, and is scheduled first, leaving
+   room for the running requests ranked above it.
 2. ``_schedule_running``: running requests, best first; a decode takes one
    token, an unfinished prefill a chunk of what is left of the budget. A
    request that cannot get a KV block preempts the worst running request
@@ -411,7 +412,7 @@ class Scheduler:
         """Admit pulled requests that evict running ones at least the threshold worse."""
         while waiting:
             admission = self._plan_admission(waiting[0], step.budget)
-            victims = self._victims_for(waiting[0], admission, step.step_id)
+            victims = self._victims_for(waiting[0], admission, step)
             if not victims:
                 return  # it fits without evicting anyone, or it may evict no one
             for victim in victims:
@@ -530,15 +531,21 @@ class Scheduler:
         return True
 
     def _victims_for(self, waiting: WaitingRequest, admission: _Admission,
-                     step_id: int) -> list[RunningRequest]:
+                     step: _StepBuilder) -> list[RunningRequest]:
         """The running requests ``waiting`` must evict to start now, worst first:
-        empty if it fits anyway, or if the requests it may evict do not make room."""
+        empty if it fits anyway, or if the requests it may evict do not make room.
+
+        Room includes what the running requests that rank above ``waiting`` take
+        in this step: admitted first, it must not make one of them preempt
+        itself (at depth 2 the two could then take turns evicting each other
+        before either's sampled token arrives, and neither would progress)."""
         assert self._preemption_threshold is not None
         if admission.num_tokens <= 0:
             return []  # no budget left: it cannot start whoever makes room
         cached_block_ids = admission.prefix.block_ids
         # A hit on an evictable block takes it from the free ones, like a new block.
-        num_blocks = admission.num_new_blocks + self.block_manager.num_revived(cached_block_ids)
+        num_blocks = (admission.num_new_blocks + self.block_manager.num_revived(cached_block_ids)
+                      + self._num_blocks_wanted_by_better(waiting, step))
         num_free_blocks = self.block_manager.num_free_blocks
         num_free_seats = self.config.max_num_seqs - len(self._running)
         released = _ReleasedBlocks(self.block_manager, cached_block_ids)
@@ -546,7 +553,7 @@ class Scheduler:
         for running in reversed(self._running):
             if num_free_blocks >= num_blocks and num_free_seats >= 1:
                 break
-            if running.scheduled_step_id == step_id:
+            if running.scheduled_step_id == step.step_id:
                 continue
             if running.request.priority - waiting.request.priority < self._preemption_threshold:
                 return []  # the rest rank higher still
@@ -556,6 +563,28 @@ class Scheduler:
         if num_free_blocks < num_blocks or num_free_seats < 1:
             return []
         return victims
+
+    def _num_blocks_wanted_by_better(self, waiting: WaitingRequest, step: _StepBuilder) -> int:
+        """New blocks the running requests ranked above ``waiting`` and not yet
+        scheduled may need in this step: a decode that opens a block, a prefill
+        chunk (at most the budget)."""
+        sort_key = self._sort_key(waiting)
+        block_manager = self.block_manager
+        num_blocks = 0
+        for running in self._running:  # best first
+            if running.sort_key >= sort_key:
+                break
+            if running.scheduled_step_id == step.step_id:
+                continue
+            num_computed_tokens = running.num_computed_tokens
+            if num_computed_tokens >= running.num_prefill_tokens:
+                num_blocks += (num_computed_tokens % block_manager.block_size == 0
+                               and running.can_decode)
+            else:
+                num_tokens = min(running.num_prefill_tokens - num_computed_tokens, step.budget)
+                num_blocks += block_manager.blocks_needed(num_computed_tokens + num_tokens,
+                                                          len(running.block_ids))
+        return num_blocks
 
     def _worst_unscheduled(self, step_id: int) -> RunningRequest | None:
         for running in reversed(self._running):

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from trio_llm.actors.config import EngineConfig
@@ -812,6 +812,28 @@ def test_priority_preemption_counts_shared_blocks_once_their_last_holder_goes():
     assert_reference_outputs(driver, [*low, urgent])
 
 
+def test_priority_admission_leaves_room_for_better_running_requests():
+    # 6 blocks of 4: "best" (priority 0) holds 1 and opens a second with its next
+    # decode; "worst" (3) holds 2; "middle" (1) needs 5. Evicting "worst" frees 5:
+    # enough for "middle", but then "best" would have to preempt itself.
+    driver = Driver(config(scheduling_policy="priority", priority_preemption_threshold=1,
+                           async_scheduling=False), 6)
+    best = make_request("best", [1, 2, 3, 4], max_tokens=6, priority=0)
+    worst = make_request("worst", list(range(10, 18)), max_tokens=6, priority=3, arrival_index=1)
+    driver.submit(best, worst)
+    driver.plan()
+    driver.complete()
+    middle = make_request("middle", list(range(20, 40)), max_tokens=2, priority=1,
+                          arrival_index=2)
+    driver.submit(middle)
+    batch = driver.plan()
+    assert batch is not None
+    assert [r.request_id for r in batch.requests] == ["best", "worst"]
+    assert driver.preempted == []
+    driver.run()
+    assert_reference_outputs(driver, [best, worst, middle])
+
+
 # -- aborts and stop strings ------------------------------------------------------------
 
 
@@ -878,6 +900,11 @@ def test_a_stop_string_hit_frees_the_request_silently():
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# Once a livelock: a priority admission left no block for a better request's decode,
+# which preempted itself, and at depth 2 the two took turns evicting each other.
+@example(seed=39704, block_size=1, num_spare_blocks=0, max_num_batched_tokens=29,
+         max_num_seqs=5, async_scheduling=True, scheduling_policy="priority", threshold=1,
+         num_aborts=0, enable_prefix_caching=True, num_shared_prefixes=3)
 @given(
     seed=st.integers(0, 2**16),
     block_size=st.sampled_from([1, 2, 4, 16]),
