@@ -1118,10 +1118,15 @@ async def test_actors_produce_the_reference_outputs(nursery, async_scheduling, n
             assert engine.scheduler.statistics().num_preemptions > 0
 
 
-async def test_actors_cancel_half_of_many_requests_and_free_every_block(nursery):
+@pytest.mark.parametrize("shared_prefixes", [False, True])
+async def test_actors_cancel_half_of_many_requests_and_free_every_block(nursery,
+                                                                         shared_prefixes):
     with trio.fail_after(30):
         rng = random.Random(9)
-        requests = random_workload(rng, 100, num_priorities=3)
+        prefixes = [[rng.randrange(VOCAB_SIZE) for _ in range(length)] for length in (6, 13)]
+        requests = random_workload(rng, 100, num_priorities=3,
+                                   max_prompt_len=40 - 13 * shared_prefixes,
+                                   shared_prefixes=prefixes if shared_prefixes else None)
         aborting = {r.request_id: rng.randint(1, 4) for r in rng.sample(requests, 50)}
         engine = ActorHarness(config(scheduling_policy="priority", priority_preemption_threshold=1),
                         num_kv_blocks=24, seed=9)
@@ -1137,6 +1142,8 @@ async def test_actors_cancel_half_of_many_requests_and_free_every_block(nursery)
                 assert (got_tokens, got_reason) == (tokens, finish_reason)
         assert sum(reason == "abort" for _, reason in results.values()) > 25
         engine.check_idle()
+        if shared_prefixes:
+            assert engine.model.num_cached_tokens_read > 0
 
 
 async def test_actors_abort_a_request_while_its_step_runs(nursery):
