@@ -10,7 +10,9 @@ PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Everything that shapes an engine. ``num_kv_blocks`` None sizes the cache
     from memory (``gpu_memory_utilization`` on CUDA, ``cpu_kv_cache_gib`` on the
-    CPU). ``async_scheduling`` is pipelining depth 2; False is depth 1."""
+    CPU). ``async_scheduling`` is pipelining depth 2; False is depth 1.
+    ``enable_prefix_caching``: reuse the KV of cached prompt prefixes (full
+    blocks), as vLLM does by default."""
 
     model: str = "tiny"
     revision: str | None = None  # of a Hugging Face id, looked up in the local cache
@@ -32,4 +34,5 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_waiting_requests: PositiveInt = 4096
     async_scheduling: bool = True
     enforce_eager: bool = False
+    enable_prefix_caching: bool = True
     shutdown_grace_seconds: Annotated[float, msgspec.Meta(ge=0.0)] = 5.0

@@ -67,6 +67,7 @@ class Intake:
             raise RequestRejected(f"priority must be an integer, not {submit.priority!r}",
                                   param="priority")
         params = self._validated_params(submit.params)
+        _check_cache_salt(submit.cache_salt)
         prompt_token_ids = self._prompt_token_ids(submit)
         max_tokens = self._max_tokens(len(prompt_token_ids), params, _prompt_param(submit))
         stop_token_ids = self._stop_token_ids(params)
@@ -84,6 +85,7 @@ class Intake:
             priority=submit.priority if self.config.scheduling_policy == "priority" else 0,
             arrival_index=arrival_index,
             arrival_time=submit.arrival_time,
+            cache_salt=submit.cache_salt,
         )
 
     # -- sampling parameters --------------------------------------------------
@@ -239,6 +241,13 @@ class Intake:
             # Below min_tokens no stop token may be sampled (vLLM's semantics).
             banned_token_ids=stop_token_ids if params.min_tokens > 0 else [],
         )
+
+
+def _check_cache_salt(cache_salt: object) -> None:
+    """vLLM's rule: a salt, if given, is a non-empty string."""
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+        raise RequestRejected("cache_salt must be a non-empty string if given",
+                              param="cache_salt")
 
 
 def _prompt_param(submit: Submit) -> str:

@@ -68,7 +68,8 @@ class Request(msgspec.Struct, frozen=True, kw_only=True):
     """An admitted request, as intake validated and tokenized it.
 
     ``stop_token_ids`` already holds EOS ids unless ``ignore_eos``; ``max_tokens``
-    is resolved (never over max_model_len minus the prompt).
+    is resolved (never over max_model_len minus the prompt). ``cache_salt``
+    (vLLM's field) keeps its prefix-cache blocks apart from other salts'.
     """
 
     request_id: str
@@ -80,13 +81,15 @@ class Request(msgspec.Struct, frozen=True, kw_only=True):
     priority: int
     arrival_index: int
     arrival_time: float
+    cache_salt: str | None = None
 
 
 # -- facade -> intake ---------------------------------------------------------
 
 
 class Submit(msgspec.Struct, frozen=True, kw_only=True, tag=True):
-    """A new request from the facade. Exactly one of prompt, prompt_token_ids, messages."""
+    """A new request from the facade. Exactly one of prompt, prompt_token_ids, messages.
+    ``cache_salt``: only requests with the same salt share prefix-cache blocks."""
 
     request_id: str
     prompt: str | None = None
@@ -95,6 +98,7 @@ class Submit(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     params: SamplingParams
     priority: int = 0
     arrival_time: float
+    cache_salt: str | None = None
 
 
 class Abort(msgspec.Struct, frozen=True, kw_only=True, tag=True):

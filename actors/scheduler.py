@@ -9,7 +9,8 @@ One step is planned in three phases:
 1. ``_admit_by_priority``: with policy "priority" and a threshold set, a
    pulled request whose priority value is lower than a running one's by at
    least the threshold (and at least 1, so equals never evict each other)
-   evicts it when seats or blocks are short, and is scheduled first.
+   evicts it when seats or blocks are short, and is scheduled first, leaving
+   room for the running requests ranked above it.
 2. ``_schedule_running``: running requests, best first; a decode takes one
    token, an unfinished prefill a chunk of what is left of the budget. A
    request that cannot get a KV block preempts the worst running request
@@ -17,6 +18,15 @@ One step is planned in three phases:
    kept best first, so the victims always come from the end.
 3. ``_admit_waiting``: pulled requests, in order, while budget, seats and
    blocks allow; the rest go back to the queue.
+
+Prefix caching (on by default): a request starts after the longest run of
+cached full blocks its prompt begins with (``_find_cached_prefix``), never
+the whole prompt, so at least one token is computed and sampled from. The
+blocks a request fills are cached (``_cache_full_blocks``) after each prefill
+chunk, and the blocks its decodes filled when it stops (finished, aborted,
+preempted): the decode hot path never hashes. A step that reads a cached block
+always runs after (or is) the step that writes it: the runner executes steps
+in order and every layer writes its KV before attending.
 
 Depth 2: the next batch is planned while the previous one runs. A decoding
 request whose last token was sampled in the batch in flight takes it as input
@@ -34,7 +44,12 @@ import msgspec
 import trio
 
 from trio_llm.actors.config import EngineConfig
-from trio_llm.actors.kv_blocks import BlockManager
+from trio_llm.actors.kv_blocks import (
+    BlockManager,
+    chain_block_hashes,
+    next_block_hash,
+    root_block_hash,
+)
 from trio_llm.actors.messages import (
     Abort,
     AbortOutcome,
@@ -72,6 +87,31 @@ class SchedulerStatistics(msgspec.Struct, frozen=True, kw_only=True):
     num_steps: int
     num_prompt_tokens: int
     num_generation_tokens: int
+    # In tokens, for requests starting for the first time (vLLM's
+    # prefix_cache_queries and prefix_cache_hits; recomputes are not counted).
+    num_prefix_cache_queries: int = 0
+    num_prefix_cache_hits: int = 0
+
+
+class CachedPrefix:
+    """The cached full blocks a request's tokens start with: their ids and
+    hashes, and the root hash (model and cache salt) their chain starts from."""
+
+    __slots__ = ("root_hash", "block_ids", "block_hashes")
+
+    def __init__(self, root_hash: bytes | None, block_ids: list[int],
+                 block_hashes: list[bytes]) -> None:
+        self.root_hash = root_hash
+        self.block_ids = block_ids
+        self.block_hashes = block_hashes
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids)
+
+
+# With prefix caching off, every request starts from this (never mutated).
+_NO_PREFIX = CachedPrefix(None, [], [])
 
 
 class RunningRequest:
@@ -85,9 +125,10 @@ class RunningRequest:
     __slots__ = ("request", "request_id", "sort_key", "stop_token_ids", "max_tokens",
                  "min_tokens", "output_token_ids", "num_preemptions", "prefill_token_ids",
                  "num_prefill_tokens", "num_computed_tokens", "num_placeholders", "block_ids",
-                 "start_step_id", "scheduled_step_id")
+                 "start_step_id", "scheduled_step_id", "root_hash", "block_hashes")
 
-    def __init__(self, waiting: WaitingRequest, sort_key: tuple[int, ...], step_id: int) -> None:
+    def __init__(self, waiting: WaitingRequest, sort_key: tuple[int, ...], step_id: int,
+                 prefix: CachedPrefix = _NO_PREFIX, num_cached_tokens: int = 0) -> None:
         request = waiting.request
         self.request = request
         self.request_id = request.request_id
@@ -99,12 +140,33 @@ class RunningRequest:
         self.num_preemptions = waiting.num_preemptions
         self.prefill_token_ids = request.prompt_token_ids + self.output_token_ids
         self.num_prefill_tokens = len(self.prefill_token_ids)
-        self.num_computed_tokens = 0
+        # The cached prefix counts as computed; its blocks come with the first chunk.
+        self.num_computed_tokens = num_cached_tokens
         self.num_placeholders = 0
         self.block_ids: list[int] = []
+        # The hashes of its first full blocks (prefix caching): block i's parent
+        # is block i - 1's hash, block 0's is root_hash.
+        self.root_hash = prefix.root_hash
+        self.block_hashes = list(prefix.block_hashes)
         # Results of steps before this one belong to an earlier life of the request.
         self.start_step_id = step_id
         self.scheduled_step_id: int | None = None
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Prompt and confirmed output: the tokens whose ids the scheduler knows."""
+        return len(self.request.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        """The known token ids at positions ``start`` to ``end - 1``."""
+        prompt_token_ids = self.request.prompt_token_ids
+        num_prompt_tokens = len(prompt_token_ids)
+        if end <= num_prompt_tokens:
+            return prompt_token_ids[start:end]
+        output_token_ids = self.output_token_ids
+        if start >= num_prompt_tokens:
+            return output_token_ids[start - num_prompt_tokens:end - num_prompt_tokens]
+        return prompt_token_ids[start:] + output_token_ids[:end - num_prompt_tokens]
 
     @property
     def can_decode(self) -> bool:
@@ -230,10 +292,15 @@ class Scheduler:
         # them, so an abort of one is finished here, not by the queue.
         self._preempted_request_ids: set[str] = set()
         self._next_step_id = 0
+        self._caches_prefixes = config.enable_prefix_caching
+        self._model_identity = model_identity(config)
+        self._unsalted_root_hash = root_block_hash(self._model_identity, None)
         self.num_preemptions = 0
         self.num_steps = 0
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        self.num_prefix_cache_queries = 0
+        self.num_prefix_cache_hits = 0
 
     def statistics(self) -> SchedulerStatistics:
         return SchedulerStatistics(
@@ -244,6 +311,8 @@ class Scheduler:
             num_steps=self.num_steps,
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
+            num_prefix_cache_queries=self.num_prefix_cache_queries,
+            num_prefix_cache_hits=self.num_prefix_cache_hits,
         )
 
     # -- what the shell asks ------------------------------------------------------
@@ -342,13 +411,13 @@ class Scheduler:
     def _admit_by_priority(self, waiting: deque[WaitingRequest], step: _StepBuilder) -> None:
         """Admit pulled requests that evict running ones at least the threshold worse."""
         while waiting:
-            num_tokens = min(_num_prefill_tokens(waiting[0]), step.budget)
-            victims = self._victims_for(waiting[0], num_tokens, step.step_id)
+            admission = self._plan_admission(waiting[0], step.budget)
+            victims = self._victims_for(waiting[0], admission, step)
             if not victims:
                 return  # it fits without evicting anyone, or it may evict no one
             for victim in victims:
                 self._preempt(victim)
-            admitted = self._try_admit(waiting[0], step)
+            admitted = self._try_admit(waiting[0], step, admission)
             assert admitted, "the evicted requests made room"
             waiting.popleft()
 
@@ -387,6 +456,8 @@ class Scheduler:
         if not self._make_room(running, num_blocks, step.step_id):
             return False
         step.add_prefill(running, num_tokens, self.block_manager.allocate(num_blocks))
+        if self._caches_prefixes:
+            self._cache_full_blocks(running)
         return True
 
     def _schedule_decode(self, running: RunningRequest, step: _StepBuilder) -> bool:
@@ -411,12 +482,27 @@ class Scheduler:
 
     # -- helpers ------------------------------------------------------------------
 
-    def _try_admit(self, waiting: WaitingRequest, step: _StepBuilder) -> bool:
-        num_tokens = min(_num_prefill_tokens(waiting), step.budget)
-        num_blocks = self.block_manager.blocks_needed(num_tokens, 0)
-        if num_tokens == 0 or not self.block_manager.can_allocate(num_blocks):
+    def _plan_admission(self, waiting: WaitingRequest, budget: int) -> _Admission:
+        """What starting ``waiting`` now would take: its cached prefix, the tokens
+        of its first chunk and the new blocks they need."""
+        prefix = self._find_cached_prefix(waiting) if self._caches_prefixes else _NO_PREFIX
+        num_cached_tokens = prefix.num_blocks * self.block_manager.block_size
+        num_tokens = min(_num_prefill_tokens(waiting) - num_cached_tokens, budget)
+        num_new_blocks = self.block_manager.blocks_needed(num_cached_tokens + num_tokens,
+                                                          prefix.num_blocks)
+        return _Admission(prefix, num_cached_tokens, num_tokens, num_new_blocks)
+
+    def _try_admit(self, waiting: WaitingRequest, step: _StepBuilder,
+                   admission: _Admission | None = None) -> bool:
+        """Start ``waiting`` with its first chunk (after its cached prefix) if it fits."""
+        if admission is None:
+            admission = self._plan_admission(waiting, step.budget)
+        prefix = admission.prefix
+        if admission.num_tokens <= 0 or not self.block_manager.can_allocate(
+                admission.num_new_blocks, prefix.block_ids):
             return False
-        running = RunningRequest(waiting, self._sort_key(waiting), step.step_id)
+        running = RunningRequest(waiting, self._sort_key(waiting), step.step_id, prefix,
+                                 admission.num_cached_tokens)
         self._preempted_request_ids.discard(running.request_id)
         bisect.insort(self._running, running, key=_sort_key_of)
         self._running_by_id[running.request_id] = running
@@ -424,7 +510,13 @@ class Scheduler:
                                                 sampling=running.request.sampling))
         if waiting.num_preemptions == 0:
             step.tracks.append(Track(request=running.request))
-        step.add_prefill(running, num_tokens, self.block_manager.allocate(num_blocks))
+            if self._caches_prefixes:
+                self.num_prefix_cache_queries += running.num_prefill_tokens
+                self.num_prefix_cache_hits += admission.num_cached_tokens
+        block_ids = self.block_manager.allocate(admission.num_new_blocks, prefix.block_ids)
+        step.add_prefill(running, admission.num_tokens, block_ids)
+        if self._caches_prefixes:
+            self._cache_full_blocks(running)
         return True
 
     def _make_room(self, running: RunningRequest, num_blocks: int, step_id: int) -> bool:
@@ -438,30 +530,61 @@ class Scheduler:
                 return False
         return True
 
-    def _victims_for(self, waiting: WaitingRequest, num_tokens: int,
-                     step_id: int) -> list[RunningRequest]:
+    def _victims_for(self, waiting: WaitingRequest, admission: _Admission,
+                     step: _StepBuilder) -> list[RunningRequest]:
         """The running requests ``waiting`` must evict to start now, worst first:
-        empty if it fits anyway, or if the requests it may evict do not make room."""
+        empty if it fits anyway, or if the requests it may evict do not make room.
+
+        Room includes what the running requests that rank above ``waiting`` take
+        in this step: admitted first, it must not make one of them preempt
+        itself (at depth 2 the two could then take turns evicting each other
+        before either's sampled token arrives, and neither would progress)."""
         assert self._preemption_threshold is not None
-        if num_tokens == 0:
+        if admission.num_tokens <= 0:
             return []  # no budget left: it cannot start whoever makes room
-        num_blocks = self.block_manager.blocks_needed(num_tokens, 0)
+        cached_block_ids = admission.prefix.block_ids
+        # A hit on an evictable block takes it from the free ones, like a new block.
+        num_blocks = (admission.num_new_blocks + self.block_manager.num_revived(cached_block_ids)
+                      + self._num_blocks_wanted_by_better(waiting, step))
         num_free_blocks = self.block_manager.num_free_blocks
         num_free_seats = self.config.max_num_seqs - len(self._running)
+        released = _ReleasedBlocks(self.block_manager, cached_block_ids)
         victims: list[RunningRequest] = []
         for running in reversed(self._running):
             if num_free_blocks >= num_blocks and num_free_seats >= 1:
                 break
-            if running.scheduled_step_id == step_id:
+            if running.scheduled_step_id == step.step_id:
                 continue
             if running.request.priority - waiting.request.priority < self._preemption_threshold:
                 return []  # the rest rank higher still
             victims.append(running)
-            num_free_blocks += len(running.block_ids)
+            num_free_blocks += released.release(running.block_ids)
             num_free_seats += 1
         if num_free_blocks < num_blocks or num_free_seats < 1:
             return []
         return victims
+
+    def _num_blocks_wanted_by_better(self, waiting: WaitingRequest, step: _StepBuilder) -> int:
+        """New blocks the running requests ranked above ``waiting`` and not yet
+        scheduled may need in this step: a decode that opens a block, a prefill
+        chunk (at most the budget)."""
+        sort_key = self._sort_key(waiting)
+        block_manager = self.block_manager
+        num_blocks = 0
+        for running in self._running:  # best first
+            if running.sort_key >= sort_key:
+                break
+            if running.scheduled_step_id == step.step_id:
+                continue
+            num_computed_tokens = running.num_computed_tokens
+            if num_computed_tokens >= running.num_prefill_tokens:
+                num_blocks += (num_computed_tokens % block_manager.block_size == 0
+                               and running.can_decode)
+            else:
+                num_tokens = min(running.num_prefill_tokens - num_computed_tokens, step.budget)
+                num_blocks += block_manager.blocks_needed(num_computed_tokens + num_tokens,
+                                                          len(running.block_ids))
+        return num_blocks
 
     def _worst_unscheduled(self, step_id: int) -> RunningRequest | None:
         for running in reversed(self._running):
@@ -478,6 +601,8 @@ class Scheduler:
     def _stop(self, running: RunningRequest) -> None:
         """It leaves the running set (finished, aborted, preempted): free its
         blocks now, and tell the runner in the next batch."""
+        if self._caches_prefixes:
+            self._cache_full_blocks(running)  # what its decodes filled, for later requests
         self.block_manager.free(running.block_ids)
         index = bisect.bisect_left(self._running, running.sort_key, key=_sort_key_of)
         assert self._running[index] is running
@@ -503,9 +628,101 @@ class Scheduler:
             return (request.priority, request.arrival_index)
         return (request.arrival_index,)
 
+    # -- prefix caching -------------------------------------------------------------
+
+    def _find_cached_prefix(self, waiting: WaitingRequest) -> CachedPrefix:
+        """The longest run of cached full blocks its tokens start with, short of
+        its last token (which must be computed to sample from). Hashes only up
+        to the first miss."""
+        request = waiting.request
+        token_ids = request.prompt_token_ids
+        if waiting.output_token_ids:
+            token_ids = token_ids + waiting.output_token_ids
+        root_hash = self._root_hash(request.cache_salt)
+        block_size = self.block_manager.block_size
+        block_ids: list[int] = []
+        block_hashes: list[bytes] = []
+        parent_hash = root_hash
+        for start in range(0, len(token_ids) - block_size, block_size):
+            block_hash = next_block_hash(parent_hash, token_ids[start:start + block_size])
+            block_id = self.block_manager.cached_block_id(block_hash)
+            if block_id is None:
+                break
+            block_ids.append(block_id)
+            block_hashes.append(block_hash)
+            parent_hash = block_hash
+        return CachedPrefix(root_hash, block_ids, block_hashes)
+
+    def _cache_full_blocks(self, running: RunningRequest) -> None:
+        """Cache its blocks that are full of known tokens and scheduled, and not
+        hashed yet: O(new full blocks). (A block ending in a placeholder, a token
+        the step in flight is still sampling, is left out: its id is unknown.)"""
+        block_size = self.block_manager.block_size
+        num_full_blocks = min(running.num_computed_tokens, running.num_known_tokens) // block_size
+        block_hashes = running.block_hashes
+        num_hashed = len(block_hashes)
+        if num_full_blocks <= num_hashed:
+            return
+        parent_hash = block_hashes[-1] if block_hashes else running.root_hash
+        assert parent_hash is not None
+        new_hashes = chain_block_hashes(
+            parent_hash, running.token_ids_between(num_hashed * block_size,
+                                                   num_full_blocks * block_size), block_size)
+        cache_block = self.block_manager.cache_block
+        for block_id, block_hash in zip(running.block_ids[num_hashed:num_full_blocks],
+                                        new_hashes, strict=True):
+            cache_block(block_id, block_hash)
+        block_hashes += new_hashes
+
+    def _root_hash(self, cache_salt: str | None) -> bytes:
+        if cache_salt is None:
+            return self._unsalted_root_hash
+        return root_block_hash(self._model_identity, cache_salt)
+
 
 def _sort_key_of(running: RunningRequest) -> tuple[int, ...]:
     return running.sort_key
+
+
+class _Admission:
+    """What starting a pulled request now would take (``Scheduler._plan_admission``)."""
+
+    __slots__ = ("prefix", "num_cached_tokens", "num_tokens", "num_new_blocks")
+
+    def __init__(self, prefix: CachedPrefix, num_cached_tokens: int, num_tokens: int,
+                 num_new_blocks: int) -> None:
+        self.prefix = prefix
+        self.num_cached_tokens = num_cached_tokens
+        self.num_tokens = num_tokens
+        self.num_new_blocks = num_new_blocks
+
+
+class _ReleasedBlocks:
+    """Counts the blocks that preempting some requests would free, shared blocks
+    included (a block is freed when its last holder goes). ``kept`` blocks (the
+    waiting request's own cache hits) count as taken, not freed."""
+
+    def __init__(self, block_manager: BlockManager, kept_block_ids: list[int]) -> None:
+        self._block_manager = block_manager
+        self._kept_block_ids = set(kept_block_ids)
+        self._num_released: dict[int, int] = {}
+
+    def release(self, block_ids: list[int]) -> int:
+        """Release one holder's references; how many blocks that frees."""
+        num_freed = 0
+        for block_id in block_ids:
+            num_released = self._num_released.get(block_id, 0) + 1
+            self._num_released[block_id] = num_released
+            if (num_released == self._block_manager.ref_count(block_id)
+                    and block_id not in self._kept_block_ids):
+                num_freed += 1
+        return num_freed
+
+
+def model_identity(config: EngineConfig) -> str:
+    """What besides the tokens decides a block's KV values: the model and how it
+    is loaded (dummy weights come from the seed). Salts every block hash."""
+    return "|".join((config.model, config.dtype, config.load_format, str(config.seed)))
 
 
 def _num_prefill_tokens(waiting: WaitingRequest) -> int:

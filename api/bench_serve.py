@@ -9,7 +9,14 @@ produces exactly its output length. Requests start at the times of a Poisson
 process (``--request-rate``; inf sends them all at once), at most
 ``--max-concurrency`` at a time. Reported: TTFT, TPOT (per request, excluding
 the first token), ITL (between streamed chunks) and end-to-end latency (mean,
-median, p99, in ms), request and token throughput.
+median, p99, in ms), request and token throughput, and the server's prefix
+cache hit rate over the run (from its /metrics).
+
+``--dataset-name prefix_repetition`` is vLLM's shared-prefix workload:
+``--prefix-repetition-num-prefixes`` random prefixes of
+``--prefix-repetition-prefix-len`` tokens, each request one of them plus its
+own ``--prefix-repetition-suffix-len`` random tokens, asking for
+``--prefix-repetition-output-len`` tokens, in shuffled order.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import statistics
 import sys
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import httpx
 import msgspec
@@ -50,6 +57,11 @@ class BenchServeOptions(msgspec.Struct, frozen=True, kw_only=True):
     ignore_eos: bool = True
     vocab_size: int | None = None
     show_progress: bool = True
+    dataset_name: Literal["random", "prefix_repetition"] = "random"
+    prefix_repetition_prefix_len: Annotated[int, msgspec.Meta(ge=0)] = 256
+    prefix_repetition_suffix_len: Annotated[int, msgspec.Meta(ge=0)] = 256
+    prefix_repetition_num_prefixes: Annotated[int, msgspec.Meta(ge=1)] = 10
+    prefix_repetition_output_len: Annotated[int, msgspec.Meta(ge=1)] = 128
 
 
 class BenchRequest(msgspec.Struct, frozen=True):
@@ -92,6 +104,8 @@ class BenchServeReport(msgspec.Struct, frozen=True, kw_only=True):
     tpot_ms: LatencyStats
     itl_ms: LatencyStats
     e2e_latency_ms: LatencyStats
+    # hits / queries of the server's prefix cache over the run; None if it reports none
+    prefix_cache_hit_rate: float | None = None
 
 
 # -- the workload ------------------------------------------------------------------------
@@ -110,6 +124,48 @@ def random_requests(*, seed: int, num_prompts: int, input_len: int, output_len: 
             max_tokens=_random_length(rng, output_len, range_ratio),
         ))
     return requests
+
+
+def prefix_repetition_requests(*, seed: int, num_prompts: int, prefix_len: int,
+                               suffix_len: int, num_prefixes: int, output_len: int,
+                               vocab_size: int) -> list[BenchRequest]:
+    """vLLM's prefix_repetition shape: request ``i`` is prefix ``i % num_prefixes``
+    plus its own random suffix, shuffled. (vLLM makes ``num_prompts // num_prefixes``
+    per prefix and drops the rest; here every prompt is made.)"""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(vocab_size) for _ in range(prefix_len)]
+                for _ in range(num_prefixes)]
+    requests = [BenchRequest(
+        prompt_token_ids=prefixes[index % num_prefixes]
+        + [rng.randrange(vocab_size) for _ in range(suffix_len)],
+        max_tokens=output_len) for index in range(num_prompts)]
+    rng.shuffle(requests)
+    return requests
+
+
+def workload_requests(options: BenchServeOptions, vocab_size: int) -> list[BenchRequest]:
+    if options.dataset_name == "prefix_repetition":
+        return prefix_repetition_requests(
+            seed=options.seed, num_prompts=options.num_prompts,
+            prefix_len=options.prefix_repetition_prefix_len,
+            suffix_len=options.prefix_repetition_suffix_len,
+            num_prefixes=options.prefix_repetition_num_prefixes,
+            output_len=options.prefix_repetition_output_len, vocab_size=vocab_size)
+    return random_requests(
+        seed=options.seed, num_prompts=options.num_prompts,
+        input_len=options.random_input_len, output_len=options.random_output_len,
+        range_ratio=options.random_range_ratio, vocab_size=vocab_size)
+
+
+def ideal_prefix_cache_hit_rate(options: BenchServeOptions) -> float | None:
+    """The hit rate if every request but the first of each prefix found its whole
+    prefix cached (block rounding aside); None for workloads without shared prefixes."""
+    if options.dataset_name != "prefix_repetition" or options.num_prompts == 0:
+        return None
+    num_prefixes = min(options.prefix_repetition_num_prefixes, options.num_prompts)
+    prompt_len = options.prefix_repetition_prefix_len + options.prefix_repetition_suffix_len
+    ideal_hits = (options.num_prompts - num_prefixes) * options.prefix_repetition_prefix_len
+    return ideal_hits / max(options.num_prompts * prompt_len, 1)
 
 
 def _random_length(rng: random.Random, length: int, range_ratio: float) -> int:
@@ -177,10 +233,8 @@ async def run_benchmark(options: BenchServeOptions, *,
     """Run the workload against ``options.base_url``; the report and every result."""
     async with CompletionClient(options.base_url, api_key=options.api_key) as client:
         model, vocab_size = await _served_model(client, options)
-        requests = random_requests(
-            seed=options.seed, num_prompts=options.num_prompts,
-            input_len=options.random_input_len, output_len=options.random_output_len,
-            range_ratio=options.random_range_ratio, vocab_size=vocab_size)
+        requests = workload_requests(options, vocab_size)
+        counters_before = await prefix_cache_counters(options)
         offsets = arrival_offsets(seed=options.seed, num_requests=len(requests),
                                   request_rate=options.request_rate)
         results: list[RequestResult] = [RequestResult(success=False)] * len(requests)
@@ -199,7 +253,35 @@ async def run_benchmark(options: BenchServeOptions, *,
             for index in range(len(requests)):
                 nursery.start_soon(run_one, index)
         duration = trio.current_time() - start
-    return summarize(results, duration, options), results
+        counters_after = await prefix_cache_counters(options)
+    report = summarize(results, duration, options)
+    if counters_before is not None and counters_after is not None:
+        num_queries = counters_after[0] - counters_before[0]
+        num_hits = counters_after[1] - counters_before[1]
+        report = msgspec.structs.replace(
+            report, prefix_cache_hit_rate=num_hits / num_queries if num_queries else 0.0)
+    return report, results
+
+
+async def prefix_cache_counters(options: BenchServeOptions) -> tuple[float, float] | None:
+    """The server's (prefix cache queries, hits) counters, summed over its models, or
+    None if its /metrics has none."""
+    headers = {} if options.api_key is None else {"Authorization": f"Bearer {options.api_key}"}
+    try:
+        async with httpx.AsyncClient(base_url=options.base_url, headers=headers) as client:
+            response = await client.get("/metrics")
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    totals = {"queries": 0.0, "hits": 0.0}
+    found = set()
+    for line in response.text.splitlines():
+        for name in totals:
+            if line.startswith(f"trio_llm:prefix_cache_{name}_total"):
+                totals[name] += float(line.rsplit(" ", 1)[1])
+                found.add(name)
+    return (totals["queries"], totals["hits"]) if len(found) == 2 else None
 
 
 async def _served_model(client: CompletionClient,
@@ -283,6 +365,9 @@ def format_report(report: BenchServeReport) -> str:
         lines += [f"{f'Mean {short} (ms)':<44}{stats.mean:>16.2f}",
                   f"{f'Median {short} (ms)':<44}{stats.median:>16.2f}",
                   f"{f'P99 {short} (ms)':<44}{stats.p99:>16.2f}"]
+    if report.prefix_cache_hit_rate is not None:
+        lines.append("{s:-^60}".format(s=" Prefix Cache "))
+        lines.append(f"{'Prefix cache hit rate (%)':<44}{100 * report.prefix_cache_hit_rate:>16.2f}")
     lines.append("=" * 60)
     return "\n".join(lines)
 
@@ -347,7 +432,8 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
     target.add_argument("--model", default=None, help="model name (default: the served one)")
     target.add_argument("--api-key", default=None)
     workload = parser.add_argument_group("workload")
-    workload.add_argument("--dataset-name", choices=["random"], default="random")
+    workload.add_argument("--dataset-name", choices=["random", "prefix_repetition"],
+                          default="random")
     workload.add_argument("--num-prompts", type=int, default=100)
     workload.add_argument("--random-input-len", type=int, default=1024)
     workload.add_argument("--random-output-len", type=int, default=128)
@@ -360,6 +446,11 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
     workload.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
     workload.add_argument("--vocab-size", type=int, default=None,
                           help="draw prompt ids below this (default: the server's)")
+    prefixes = parser.add_argument_group("prefix_repetition dataset")
+    prefixes.add_argument("--prefix-repetition-prefix-len", type=int, default=256)
+    prefixes.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
+    prefixes.add_argument("--prefix-repetition-num-prefixes", type=int, default=10)
+    prefixes.add_argument("--prefix-repetition-output-len", type=int, default=128)
     output = parser.add_argument_group("output")
     output.add_argument("--json", type=Path, default=None, metavar="PATH")
     output.add_argument("--plot", type=Path, default=None, metavar="PATH.png")
@@ -376,7 +467,11 @@ def options_from_args(args: argparse.Namespace) -> BenchServeOptions:
             "random_range_ratio": args.random_range_ratio, "request_rate": args.request_rate,
             "max_concurrency": args.max_concurrency, "seed": args.seed,
             "ignore_eos": args.ignore_eos, "vocab_size": args.vocab_size,
-            "show_progress": not args.disable_tqdm,
+            "show_progress": not args.disable_tqdm, "dataset_name": args.dataset_name,
+            "prefix_repetition_prefix_len": args.prefix_repetition_prefix_len,
+            "prefix_repetition_suffix_len": args.prefix_repetition_suffix_len,
+            "prefix_repetition_num_prefixes": args.prefix_repetition_num_prefixes,
+            "prefix_repetition_output_len": args.prefix_repetition_output_len,
         }, BenchServeOptions)
     except msgspec.ValidationError as error:
         raise SystemExit(f"trio-llm bench serve: {error}") from None
@@ -404,6 +499,9 @@ def run_bench_serve(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 1
     print(format_report(report))
+    ideal_hit_rate = ideal_prefix_cache_hit_rate(options)
+    if ideal_hit_rate is not None:
+        print(f"{'Ideal prefix cache hit rate (%)':<44}{100 * ideal_hit_rate:>16.2f}")
     if args.json is not None:
         write_json(args.json, options, report, results)
     if args.plot is not None:

@@ -45,6 +45,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="pipeline depth 2 (default) or 1 (--no-async-scheduling)",
     )
     group.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
+    group.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="reuse the KV cache of cached prompt prefixes (default; "
+             "--no-enable-prefix-caching turns it off)",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

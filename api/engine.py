@@ -91,20 +91,24 @@ class Engine:
     # -- requests -------------------------------------------------------------
 
     def generate(self, prompt: str | list[int], params: SamplingParams | None = None, *,
-                 priority: int = 0, request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream the output of one request, as deltas; the last has ``finished``."""
+                 priority: int = 0, request_id: str | None = None,
+                 cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream the output of one request, as deltas; the last has ``finished``.
+        Only requests with the same ``cache_salt`` share prefix-cache blocks."""
         text, token_ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
         submit = Submit(request_id=request_id or self._new_request_id(), prompt=text,
                         prompt_token_ids=token_ids, params=params or SamplingParams(),
-                        priority=priority, arrival_time=trio.current_time())
+                        priority=priority, arrival_time=trio.current_time(),
+                        cache_salt=cache_salt)
         return self._run(submit)
 
     def chat(self, messages: list[dict[str, str]], params: SamplingParams | None = None, *,
-             priority: int = 0, request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+             priority: int = 0, request_id: str | None = None,
+             cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Like generate, for a conversation rendered with the model's chat template."""
         submit = Submit(request_id=request_id or self._new_request_id(), messages=messages,
                         params=params or SamplingParams(), priority=priority,
-                        arrival_time=trio.current_time())
+                        arrival_time=trio.current_time(), cache_salt=cache_salt)
         return self._run(submit)
 
     async def abort(self, request_id: str) -> None:

@@ -1,7 +1,7 @@
 """Prometheus metrics of one server: vLLM's metric names under a ``trio_llm:`` prefix.
 
 Gauges and counters the engine already keeps (running, waiting, KV usage,
-preemptions, token totals) are read from ``engine.statistics()`` at scrape
+preemptions, token totals, prefix cache queries and hits) are read from ``engine.statistics()`` at scrape
 time by a custom collector, so they can never drift from the engine. Latency
 histograms are observed by the HTTP handlers through ``RequestTimer``.
 
@@ -50,6 +50,10 @@ class Statistics(Protocol):
     def num_prompt_tokens(self) -> int: ...
     @property
     def num_generation_tokens(self) -> int: ...
+    @property
+    def num_prefix_cache_queries(self) -> int: ...
+    @property
+    def num_prefix_cache_hits(self) -> int: ...
 
 
 class StatisticsSource(Protocol):
@@ -80,6 +84,12 @@ class EngineCollector:
                            stats.num_prompt_tokens)
         yield self._family(counter, "generation_tokens", "Tokens generated since start.",
                            stats.num_generation_tokens)
+        yield self._family(counter, "prefix_cache_queries",
+                           "Prefix cache queries, in prompt tokens of requests started.",
+                           stats.num_prefix_cache_queries)
+        yield self._family(counter, "prefix_cache_hits",
+                           "Prefix cache hits, in prompt tokens found cached.",
+                           stats.num_prefix_cache_hits)
 
     def _family(self, kind: type[GaugeMetricFamily] | type[CounterMetricFamily], name: str,
                 documentation: str, value: float) -> Metric:

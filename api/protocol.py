@@ -63,6 +63,7 @@ class _GenerationFields(msgspec.Struct, kw_only=True):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0
+    cache_salt: str | None = None
     user: str | None = None
     n: PositiveInt = 1
     best_of: PositiveInt | None = None

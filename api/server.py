@@ -129,7 +129,8 @@ class OpenAIServer:
         builder = protocol.CompletionBuilder(response_id=f"cmpl-{uuid.uuid4().hex}",
                                              model=self.model_name, token_text=self._token_text)
         outputs = self.engine.generate(prompt, params, priority=body.priority,
-                                       request_id=builder.response_id)
+                                       request_id=builder.response_id,
+                                       cache_salt=body.cache_salt)
         return await self.respond(outputs, builder, body)
 
     async def chat_completions(self) -> Response:
@@ -140,7 +141,7 @@ class OpenAIServer:
         builder = protocol.ChatBuilder(response_id=f"chatcmpl-{uuid.uuid4().hex}",
                                        model=self.model_name, token_text=self._token_text)
         outputs = self.engine.chat(messages, params, priority=body.priority,
-                                   request_id=builder.response_id)
+                                   request_id=builder.response_id, cache_salt=body.cache_salt)
         return await self.respond(outputs, builder, body)
 
     async def respond(self, outputs: AsyncIterator[RequestOutput],

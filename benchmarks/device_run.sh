@@ -27,11 +27,30 @@ serve_bench() {  # (d): the server in the background, `trio-llm bench serve` aga
     --json "$OUT/serve-$model.json" --disable-tqdm
   kill $pid; wait $pid
 }
+prefix_serve_bench() {  # shared prefixes (vLLM's prefix_repetition), caching on then off
+  local model=$1 port=8012 caching
+  for caching in enable no-enable; do
+    python3 -m trio_llm.api.cli serve --model "$model" --load-format dummy --port $port \
+      --$caching-prefix-caching > "$OUT/server-prefix-$caching-$model.log" 2>&1 &
+    local pid=$!
+    for _ in $(seq 1 180); do
+      python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/health')" \
+        2>/dev/null && break
+      sleep 1
+    done
+    run "prefix-serve-$caching-$model" 300 python3 -m trio_llm.api.cli bench serve --port $port \
+      --dataset-name prefix_repetition --num-prompts 512 --prefix-repetition-num-prefixes 10 \
+      --prefix-repetition-prefix-len 2000 --prefix-repetition-suffix-len 128 \
+      --prefix-repetition-output-len 128 --max-concurrency 64 \
+      --json "$OUT/prefix-serve-$caching-$model.json" --disable-tqdm
+    kill $pid; wait $pid
+  done
+}
 for part in "$@"; do
   case $part in
     tests) run tests 300 python3 -m pytest -q -s -p no:cacheprovider -rs \
              tests/test_triton_attention.py tests/test_triton_layers.py tests/test_triton_sampling.py tests/test_triton_gemv.py \
-             tests/test_gpu_executor.py ;;
+             tests/test_gpu_executor.py tests/test_prefix_caching.py::test_gpu_executor_continues_after_a_cached_prefix ;;
     profile-*) run "$part" 200 python3 benchmarks/step_profile.py --model "qwen3-${part#profile-}" ;;
     decode-*) run "$part" 240 python3 benchmarks/gpu_bench.py decode --model "qwen3-${part#decode-}" ;;
     mixed-*) run "$part" 300 python3 benchmarks/gpu_bench.py mixed --model "qwen3-${part#mixed-}" ;;
@@ -41,6 +60,8 @@ for part in "$@"; do
     kernels) run kernels 300 python3 benchmarks/kernel_bench.py ;;
     gemv) run gemv 240 python3 benchmarks/gemv_bench.py ;;
     serve-*) serve_bench "qwen3-${part#serve-}" ;;
+    prefix-serve-*) prefix_serve_bench "qwen3-${part#prefix-serve-}" ;;
+    prefix-match-*) run "$part" 300 python3 benchmarks/prefix_match.py --model "qwen3-${part#prefix-match-}" --load-format dummy ;;
     *) echo "unknown part $part" ;;
   esac
 done

@@ -87,17 +87,20 @@ class FakeEngine:
     # -- the facade's interface -------------------------------------------------------
 
     def generate(self, prompt: str | list[int], params: SamplingParams | None = None, *,
-                 priority: int = 0, request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                 priority: int = 0, request_id: str | None = None,
+                 cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         request_id = request_id or f"fake-{len(self.submitted)}"
         self.submitted.append({"prompt": prompt, "params": params or SamplingParams(),
-                               "priority": priority, "request_id": request_id})
+                               "priority": priority, "request_id": request_id,
+                               "cache_salt": cache_salt})
         return self._run(request_id, token_ids, params or SamplingParams())
 
     def chat(self, messages: list[dict[str, str]], params: SamplingParams | None = None, *,
-             priority: int = 0, request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+             priority: int = 0, request_id: str | None = None,
+             cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         return self.generate(self.tokenizer.apply_chat_template(messages), params,
-                             priority=priority, request_id=request_id)
+                             priority=priority, request_id=request_id, cache_salt=cache_salt)
 
     def _run(self, request_id: str, prompt_ids: list[int],
              params: SamplingParams) -> AsyncIterator[RequestOutput]:
