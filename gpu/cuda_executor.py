@@ -60,7 +60,7 @@ from trio_llm.gpu.cuda_sampler import (
     sample_on_device,
 )
 from trio_llm.gpu.cuda_streams import DoneEvent, Event, Lane
-from trio_llm.gpu.executor import ModelExecutor, RequestState, kv_slots
+from trio_llm.gpu.executor import GIB, ModelExecutor, RequestState, kv_slots
 from trio_llm.gpu.model import AttentionMetadata, CausalLM
 from trio_llm.gpu.sampler import SamplingRow, raw_logprobs
 from trio_llm.gpu.step_packing import (
@@ -80,7 +80,6 @@ from trio_llm.gpu.step_packing import (
 
 logger = logging.getLogger(__name__)
 
-GIB = 2**30
 NUM_SLOTS = 2
 
 
