@@ -15,6 +15,7 @@ import trio
 
 from trio_llm.actors.config import EngineConfig
 from trio_llm.actors.errors import RequestRejected
+from trio_llm.actors.grammar import GrammarError, Grammars
 from trio_llm.actors.messages import (
     Abort,
     Admit,
@@ -53,8 +54,9 @@ class Intake:
     """
 
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer, *, max_model_len: int,
-                 num_kv_tokens: int, vocab_size: int) -> None:
+                 num_kv_tokens: int, vocab_size: int, grammars: Grammars | None = None) -> None:
         self.config = config
+        self.grammars = grammars
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.num_kv_tokens = num_kv_tokens
@@ -116,12 +118,39 @@ class Intake:
                                   param="seed")
         if any(not stop for stop in params.stop):
             raise RequestRejected("stop strings must not be empty", param="stop")
+        self._check_structured_outputs(params)
         bad_ids = [token_id for token_id in params.stop_token_ids
                    if not 0 <= token_id < self.vocab_size]
         if bad_ids:
             raise RequestRejected(
                 f"stop_token_ids {bad_ids} are outside the vocabulary "
                 f"(ids 0 to {self.vocab_size - 1})", param="stop_token_ids")
+
+    def _check_structured_outputs(self, params: SamplingParams) -> None:
+        """What a constraint cannot be combined with: the grammar decides when the
+        output may end, so EOS must end it and may not be banned before min_tokens."""
+        if params.structured_outputs is None:
+            return
+        if self.grammars is None:
+            raise RequestRejected("this engine serves no structured outputs",
+                                  param="structured_outputs")
+        for name in ("ignore_eos", "min_tokens"):
+            if getattr(params, name):
+                raise RequestRejected(f"{name} cannot be combined with structured outputs "
+                                      f"(the grammar decides where the output ends)",
+                                      param=name)
+
+    def compile_constraint(self, request: Request) -> None:
+        """Compile the request's constraint into the grammar cache (blocking: call
+        it in a worker thread). Raises RequestRejected naming what does not compile."""
+        constraint = request.params.structured_outputs
+        if constraint is None:
+            return
+        assert self.grammars is not None
+        try:
+            self.grammars.compile(constraint)
+        except GrammarError as error:
+            raise RequestRejected(str(error), param="structured_outputs") from None
 
     # -- the prompt -------------------------------------------------------------
 
@@ -289,6 +318,9 @@ async def _submit(submit: Submit, queue_outbox: trio.MemorySendChannel[QueueInbo
                   streams: RequestStreams, intake: Intake) -> None:
     try:
         request = intake.admit(submit)
+        if request.params.structured_outputs is not None:
+            # seconds for a large schema and vocabulary: never on the event loop
+            await trio.to_thread.run_sync(intake.compile_constraint, request)
     except RequestRejected as rejection:
         streams.fail(submit.request_id, rejection)
         return

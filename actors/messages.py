@@ -22,6 +22,23 @@ NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 
 
+# -- structured outputs (grammar constraints) ----------------------------------
+
+
+class StructuredOutputsParams(msgspec.Struct, frozen=True, kw_only=True):
+    """A constraint on a request's output, as vLLM's ``structured_outputs``: exactly
+    one of ``json`` (a JSON Schema, serialised), ``json_object`` (any JSON object),
+    ``regex``, ``choice`` (one of these strings) or ``grammar`` (EBNF, xgrammar's
+    dialect of GBNF). Compiled by trio_llm.actors.grammar; the scheduler masks every
+    sampled token with it."""
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     """What a caller asks of one request; field names follow vLLM's SamplingParams.
 
@@ -44,6 +61,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     include_stop_str_in_output: bool = False
     logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
 
 class SamplingOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -174,6 +192,9 @@ class ScheduledRequest(msgspec.Struct, frozen=True, kw_only=True, array_like=Tru
     ``new_block_ids`` extend the request's block table. ``sample`` is false for
     a prefill chunk that does not reach the end of the prompt;
     ``output_index`` is the position in the output of the token sampled now.
+    ``token_bitmask`` (constrained requests only, when ``sample`` is set) holds
+    the tokens the grammar allows now: little-endian int32 words, bit j of word
+    w set when token 32 * w + j may be sampled.
     """
 
     request_id: str
@@ -183,6 +204,7 @@ class ScheduledRequest(msgspec.Struct, frozen=True, kw_only=True, array_like=Tru
     new_block_ids: list[int]
     sample: bool
     output_index: int
+    token_bitmask: bytes | None = None
 
 
 class NewRequestData(msgspec.Struct, frozen=True, kw_only=True, array_like=True):

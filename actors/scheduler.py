@@ -22,6 +22,12 @@ Depth 2: the next batch is planned while the previous one runs. A decoding
 request whose last token was sampled in the batch in flight takes it as input
 straight from the runner (``input_from_previous_step``); the scheduler counts
 that token as a placeholder and reconciles when the StepResult arrives.
+
+Constrained requests (structured outputs) carry a grammar: each sampled token
+is masked by what the grammar allows after the confirmed output, so such a
+request never runs on a placeholder. At depth 2 it skips the step planned while
+its token is in flight and runs in the next one (``RunningRequest.can_decode``);
+its tokens are those of depth 1.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import msgspec
 import trio
 
 from trio_llm.actors.config import EngineConfig
+from trio_llm.actors.grammar import GrammarState, Grammars
 from trio_llm.actors.kv_blocks import BlockManager
 from trio_llm.actors.messages import (
     Abort,
@@ -85,7 +92,7 @@ class RunningRequest:
     __slots__ = ("request", "request_id", "sort_key", "stop_token_ids", "max_tokens",
                  "min_tokens", "output_token_ids", "num_preemptions", "prefill_token_ids",
                  "num_prefill_tokens", "num_computed_tokens", "num_placeholders", "block_ids",
-                 "start_step_id", "scheduled_step_id")
+                 "start_step_id", "scheduled_step_id", "grammar")
 
     def __init__(self, waiting: WaitingRequest, sort_key: tuple[int, ...], step_id: int) -> None:
         request = waiting.request
@@ -105,11 +112,19 @@ class RunningRequest:
         # Results of steps before this one belong to an earlier life of the request.
         self.start_step_id = step_id
         self.scheduled_step_id: int | None = None
+        self.grammar: GrammarState | None = None
 
     @property
     def can_decode(self) -> bool:
-        """False while its last output token is still to come from a step in flight."""
+        """False while its last output token is still to come from a step in flight,
+        or while a constrained request waits for the token its next mask depends on."""
+        if self.grammar is not None and self.num_placeholders:
+            return False
         return len(self.output_token_ids) + self.num_placeholders < self.max_tokens
+
+    def _token_bitmask(self) -> bytes | None:
+        """What the grammar allows for the token sampled next (None: unconstrained)."""
+        return None if self.grammar is None else self.grammar.next_bitmask()
 
     def schedule_prefill(self, num_tokens: int, new_block_ids: list[int],
                          step_id: int) -> ScheduledRequest:
@@ -125,6 +140,7 @@ class RunningRequest:
             request_id=self.request_id, token_ids=self.prefill_token_ids[start:start + num_tokens],
             input_from_previous_step=False, num_computed_tokens=start,
             new_block_ids=new_block_ids, sample=sample, output_index=len(self.output_token_ids),
+            token_bitmask=self._token_bitmask() if sample else None,
         )
 
     def schedule_decode(self, new_block_ids: list[int], step_id: int) -> ScheduledRequest:
@@ -143,6 +159,7 @@ class RunningRequest:
             input_from_previous_step=num_placeholders > 0,
             num_computed_tokens=num_computed_tokens, new_block_ids=new_block_ids, sample=True,
             output_index=len(self.output_token_ids) + num_placeholders,
+            token_bitmask=self._token_bitmask(),
         )
 
     def accept_token(self, token_id: int) -> FinishReason | None:
@@ -152,6 +169,9 @@ class RunningRequest:
         self.num_placeholders -= 1
         output_token_ids = self.output_token_ids
         output_token_ids.append(token_id)
+        if self.grammar is not None:
+            accepted = self.grammar.accept(token_id)
+            assert accepted, "the sampler obeys the grammar's mask"
         # A stop token only counts from output index min_tokens on: the
         # runner masks it before that; the rule holds here too.
         if token_id in self.stop_token_ids and len(output_token_ids) > self.min_tokens:
@@ -208,8 +228,10 @@ class Scheduler:
     which KV blocks they get, who is preempted. Driven by ``run_scheduler``
     (and directly by tests); it never waits and never sends anything itself."""
 
-    def __init__(self, config: EngineConfig, num_kv_blocks: int) -> None:
+    def __init__(self, config: EngineConfig, num_kv_blocks: int,
+                 grammars: Grammars | None = None) -> None:
         self.config = config
+        self.grammars = grammars
         self.block_manager = BlockManager(num_kv_blocks, config.block_size)
         self.pipeline_depth = 2 if config.async_scheduling else 1
         self._orders_by_priority = config.scheduling_policy == "priority"
@@ -417,6 +439,7 @@ class Scheduler:
         if num_tokens == 0 or not self.block_manager.can_allocate(num_blocks):
             return False
         running = RunningRequest(waiting, self._sort_key(waiting), step.step_id)
+        running.grammar = self._start_grammar(waiting)
         self._preempted_request_ids.discard(running.request_id)
         bisect.insort(self._running, running, key=_sort_key_of)
         self._running_by_id[running.request_id] = running
@@ -426,6 +449,19 @@ class Scheduler:
             step.tracks.append(Track(request=running.request))
         step.add_prefill(running, num_tokens, self.block_manager.allocate(num_blocks))
         return True
+
+    def _start_grammar(self, waiting: WaitingRequest) -> GrammarState | None:
+        """A constrained request's grammar, advanced past the output it already has
+        (a preempted request resumes where it was)."""
+        constraint = waiting.request.params.structured_outputs
+        if constraint is None:
+            return None
+        assert self.grammars is not None, "intake admits constraints only with grammars"
+        grammar = self.grammars.start(constraint)
+        for token_id in waiting.output_token_ids:
+            accepted = grammar.accept(token_id)
+            assert accepted, "its output was sampled under this grammar"
+        return grammar
 
     def _make_room(self, running: RunningRequest, num_blocks: int, step_id: int) -> bool:
         """Preempt the worst requests not yet scheduled in this step until

@@ -71,7 +71,8 @@ INT_SEGMENTS = ("token_ids", "positions", "slot_mapping", "context_lens", "query
                 "table_rows", "logits_indices", "previous_token_positions", "previous_slots",
                 "previous_rows",
                 "update_rows", "update_columns", "update_block_ids", "top_ks", "seed_keys",
-                "output_indices", "banned_rows", "banned_token_ids")
+                "output_indices", "banned_rows", "banned_token_ids", "bitmask_rows",
+                "bitmask_words")
 FLOAT_SEGMENTS = ("temperatures", "top_ps", "min_ps")
 # Segments start at multiples of this many elements (16 bytes or more). Triton compiles
 # a kernel variant per pattern of 16-byte-aligned pointer arguments: views at arbitrary
@@ -475,7 +476,8 @@ class CudaModelExecutor(ModelExecutor):
         ints["table_rows"].append(self._table_rows[request_id])
         if scheduled.sample:
             ints["logits_indices"].append(len(token_ids) - 1)
-            step.sampling_rows.append(SamplingRow(state.sampling, scheduled.output_index))
+            step.sampling_rows.append(SamplingRow(state.sampling, scheduled.output_index,
+                                                  scheduled.token_bitmask))
             step.sampled_request_ids.append(request_id)
 
     def _add_previous_token(self, step: HostStep, request_id: str, state: RequestState) -> None:
@@ -564,6 +566,8 @@ class CudaModelExecutor(ModelExecutor):
         ints["top_ks"], ints["banned_rows"] = plan.top_ks, plan.banned_rows
         ints["seed_keys"], ints["output_indices"] = plan.seed_keys, plan.output_indices
         ints["banned_token_ids"] = plan.banned_token_ids
+        ints["bitmask_rows"] = plan.bitmask_rows
+        ints["bitmask_words"] = plan.bitmask_words  # type: ignore[assignment]  # an int64 array
         floats = {"temperatures": plan.temperatures, "top_ps": plan.top_ps,
                   "min_ps": plan.min_ps}
         int_offsets = _offsets({name: len(ints[name]) for name in INT_SEGMENTS})
@@ -769,4 +773,5 @@ def _sampling_inputs(ints: Segments, floats: Segments) -> DeviceSamplingInputs:
         temperatures=floats["temperatures"], top_ps=floats["top_ps"], min_ps=floats["min_ps"],
         top_ks=ints["top_ks"], seed_keys=ints["seed_keys"],
         output_indices=ints["output_indices"],
-        banned_rows=ints["banned_rows"], banned_token_ids=ints["banned_token_ids"])
+        banned_rows=ints["banned_rows"], banned_token_ids=ints["banned_token_ids"],
+        bitmask_rows=ints["bitmask_rows"], bitmask_words=ints["bitmask_words"])
