@@ -20,7 +20,12 @@ from typing import Annotated, Any, Literal, TypeVar
 import msgspec
 
 from trio_llm.actors.errors import RequestRejected
-from trio_llm.actors.messages import RequestOutput, SamplingParams, TokenLogprobs
+from trio_llm.actors.messages import (
+    RequestOutput,
+    SamplingParams,
+    StructuredOutputsParams,
+    TokenLogprobs,
+)
 
 T = TypeVar("T")
 
@@ -44,6 +49,34 @@ class StreamOptions(msgspec.Struct, kw_only=True):
     """``include_usage`` adds a last chunk with no choices and the token counts."""
 
     include_usage: bool = False
+
+
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    """OpenAI's ``response_format.json_schema``. The schema is always enforced
+    exactly, ``strict`` or not (constrained decoding has no loose mode)."""
+
+    name: str = "response"
+    description: str | None = None
+    schema: dict[str, Any] | bool | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    """OpenAI's ``response_format``: text, any JSON object, or a JSON Schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's ``structured_outputs`` field: exactly one of these constraints.
+    Unknown keys are refused rather than ignored."""
+
+    json: dict[str, Any] | bool | str | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
 
 class _GenerationFields(msgspec.Struct, kw_only=True):
@@ -71,6 +104,8 @@ class _GenerationFields(msgspec.Struct, kw_only=True):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
 
 
 class CompletionRequest(_GenerationFields, kw_only=True):
@@ -104,7 +139,6 @@ class ChatCompletionRequest(_GenerationFields, kw_only=True):
     top_logprobs: NumLogprobs | None = None
     tools: list[Any] | None = None
     tool_choice: Any | None = None
-    response_format: dict[str, Any] | None = None
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
@@ -338,7 +372,8 @@ def completion_sampling_params(request: CompletionRequest) -> SamplingParams:
     if request.suffix is not None:
         raise RequestRejected("suffix is not supported", param="suffix")
     return _sampling_params(request, max_tokens=request.max_tokens or 16,
-                            num_logprobs=request.logprobs)
+                            num_logprobs=request.logprobs,
+                            structured_outputs=structured_outputs_of(request))
 
 
 def requested_max_tokens(request: ChatCompletionRequest) -> int | None:
@@ -356,11 +391,55 @@ def chat_sampling_params(request: ChatCompletionRequest, *,
     if request.top_logprobs is not None and not request.logprobs:
         raise RequestRejected("top_logprobs needs logprobs set to true", param="top_logprobs")
     num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
-    return _sampling_params(request, max_tokens=max_tokens, num_logprobs=num_logprobs)
+    return _sampling_params(request, max_tokens=max_tokens, num_logprobs=num_logprobs,
+                            structured_outputs=structured_outputs_of(request))
+
+
+def structured_outputs_of(request: _GenerationFields) -> StructuredOutputsParams | None:
+    """The request's output constraint, from ``response_format`` or vLLM's
+    ``structured_outputs`` (not both); None for plain text."""
+    from_format = _response_format_constraint(request.response_format)
+    given = request.structured_outputs
+    if given is None:
+        return from_format
+    if from_format is not None:
+        raise RequestRejected("give response_format or structured_outputs, not both",
+                              param="structured_outputs")
+    return StructuredOutputsParams(
+        json=_schema_text(given.json, "structured_outputs.json"),
+        json_object=bool(given.json_object), regex=given.regex, choice=given.choice,
+        grammar=given.grammar)
+
+
+def _response_format_constraint(response_format: ResponseFormat | None
+                                ) -> StructuredOutputsParams | None:
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if response_format.json_schema is None or response_format.json_schema.schema is None:
+        raise RequestRejected("response_format of type json_schema needs json_schema.schema",
+                              param="response_format.json_schema.schema")
+    return StructuredOutputsParams(json=_schema_text(response_format.json_schema.schema,
+                                                     "response_format.json_schema.schema"))
+
+
+def _schema_text(schema: dict[str, Any] | bool | str | None, param: str) -> str | None:
+    """A JSON Schema as the grammar compiler takes it: serialised JSON."""
+    if schema is None:
+        return None
+    if isinstance(schema, str):
+        try:
+            msgspec.json.decode(schema)
+        except msgspec.DecodeError as error:
+            raise RequestRejected(f"{param} is not valid JSON: {error}", param=param) from None
+        return schema
+    return msgspec.json.encode(schema).decode()
 
 
 def _sampling_params(request: _GenerationFields, *, max_tokens: int | None,
-                     num_logprobs: int | None) -> SamplingParams:
+                     num_logprobs: int | None,
+                     structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
     if max_tokens is not None and request.min_tokens > max_tokens:
         raise RequestRejected(f"min_tokens ({request.min_tokens}) is over max_tokens "
                               f"({max_tokens})", param="min_tokens")
@@ -380,6 +459,7 @@ def _sampling_params(request: _GenerationFields, *, max_tokens: int | None,
         include_stop_str_in_output=request.include_stop_str_in_output,
         logprobs=num_logprobs,
         skip_special_tokens=request.skip_special_tokens,
+        structured_outputs=structured_outputs,
     )
 
 
@@ -405,9 +485,6 @@ def _reject_unsupported(request: _GenerationFields) -> None:
 def _reject_chat_unsupported(request: ChatCompletionRequest) -> None:
     if request.tools or request.tool_choice not in (None, "none"):
         raise RequestRejected("tool calling is not supported", param="tools")
-    if request.response_format and request.response_format.get("type") != "text":
-        raise RequestRejected("only the text response_format is supported",
-                              param="response_format")
 
 
 # -- engine outputs -> responses ------------------------------------------------
