@@ -16,6 +16,7 @@ Why xgrammar and not llguidance: docs/performance.md, "Grammar engine".
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import threading
@@ -93,8 +94,24 @@ class Grammars:
         """xgrammar's compiler, built on first use (seconds for a 150k vocabulary)."""
         with self._lock:
             if self._compiler is None:
-                self._compiler = _new_compiler(self.tokenizer, self.vocab_size)
+                self._compiler = _shared_compiler(self.tokenizer, self.vocab_size)
             return self._compiler
+
+
+# Compilers (and the grammars they cached) outlive an engine: one per tokenizer and
+# vocabulary in the process, so reopening an engine over the same model recompiles nothing.
+_COMPILERS: dict[tuple[str, int, tuple[int, ...]], Any] = {}
+_COMPILERS_LOCK = threading.Lock()
+
+
+def _shared_compiler(tokenizer: Tokenizer, vocab_size: int) -> Any:
+    key = (hashlib.sha256(tokenizer.backend.to_str().encode()).hexdigest(), vocab_size,
+           tuple(tokenizer.eos_token_ids))
+    with _COMPILERS_LOCK:
+        compiler = _COMPILERS.get(key)
+        if compiler is None:
+            compiler = _COMPILERS[key] = _new_compiler(tokenizer, vocab_size)
+        return compiler
 
 
 def _new_compiler(tokenizer: Tokenizer, vocab_size: int) -> Any:
