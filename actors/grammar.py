@@ -11,6 +11,10 @@ token as the scheduler reconciles it, ``next_bitmask`` before each sampled
 token. The bitmask is plain bytes (see ScheduledRequest.token_bitmask), so it
 crosses a channel; the matcher never does.
 
+JSON constraints also forbid every token holding a control character (U+0000 to
+U+001F): xgrammar's JSON strings admit them raw, which strict JSON parsers
+(Python's json, pydantic) refuse. With whitespace bounded no JSON token needs one.
+
 Why xgrammar and not llguidance: docs/performance.md, "Grammar engine".
 """
 
@@ -21,6 +25,8 @@ import json
 import re
 import threading
 from typing import Any
+
+import numpy as np
 
 from trio_llm.actors.messages import StructuredOutputsParams
 from trio_llm.actors.tokenizer import Tokenizer
@@ -50,6 +56,7 @@ class Grammars:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._compiler: Any = None
+        self._json_safe_words: np.ndarray | None = None
         self._lock = threading.Lock()
 
     def compile(self, params: StructuredOutputsParams) -> Any:
@@ -70,7 +77,10 @@ class Grammars:
         """A matcher at the start of the output."""
         import xgrammar
 
-        return GrammarState(xgrammar.GrammarMatcher(self.compile(params)), self.vocab_size)
+        matcher = xgrammar.GrammarMatcher(self.compile(params))
+        is_json = params.json is not None or params.json_object
+        return GrammarState(matcher, self.vocab_size,
+                            allowed_words=self._json_safe_words if is_json else None)
 
     @staticmethod
     def _compile_with(compiler: Any, params: StructuredOutputsParams) -> Any:
@@ -94,17 +104,19 @@ class Grammars:
         """xgrammar's compiler, built on first use (seconds for a 150k vocabulary)."""
         with self._lock:
             if self._compiler is None:
-                self._compiler = _shared_compiler(self.tokenizer, self.vocab_size)
+                self._compiler, self._json_safe_words = _shared_compiler(self.tokenizer,
+                                                                         self.vocab_size)
             return self._compiler
 
 
 # Compilers (and the grammars they cached) outlive an engine: one per tokenizer and
 # vocabulary in the process, so reopening an engine over the same model recompiles nothing.
-_COMPILERS: dict[tuple[str, int, tuple[int, ...]], Any] = {}
+_COMPILERS: dict[tuple[str, int, tuple[int, ...]], tuple[Any, np.ndarray]] = {}
 _COMPILERS_LOCK = threading.Lock()
 
 
-def _shared_compiler(tokenizer: Tokenizer, vocab_size: int) -> Any:
+def _shared_compiler(tokenizer: Tokenizer, vocab_size: int) -> tuple[Any, np.ndarray]:
+    """(compiler, the bitmask words of the tokens free of control characters)."""
     key = (hashlib.sha256(tokenizer.backend.to_str().encode()).hexdigest(), vocab_size,
            tuple(tokenizer.eos_token_ids))
     with _COMPILERS_LOCK:
@@ -114,14 +126,27 @@ def _shared_compiler(tokenizer: Tokenizer, vocab_size: int) -> Any:
         return compiler
 
 
-def _new_compiler(tokenizer: Tokenizer, vocab_size: int) -> Any:
+def _new_compiler(tokenizer: Tokenizer, vocab_size: int) -> tuple[Any, np.ndarray]:
     import transformers
     import xgrammar
 
     wrapped = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend)
     info = xgrammar.TokenizerInfo.from_huggingface(wrapped, vocab_size=vocab_size,
                                                    stop_token_ids=tokenizer.eos_token_ids)
-    return xgrammar.GrammarCompiler(info, cache_enabled=True)
+    return (xgrammar.GrammarCompiler(info, cache_enabled=True),
+            _words_without_control_characters(info.decoded_vocab, vocab_size))
+
+
+_CONTROL_BYTE = re.compile(rb"[\x00-\x1f]")
+
+
+def _words_without_control_characters(decoded_vocab: list[bytes], vocab_size: int
+                                      ) -> np.ndarray:
+    """Bitmask words (int32) allowing every token whose bytes hold no control character."""
+    bits = np.zeros((vocab_size + 31) // 32 * 32, dtype=np.uint8)
+    for token_id, token in enumerate(decoded_vocab[:vocab_size]):
+        bits[token_id] = _CONTROL_BYTE.search(token) is None
+    return np.packbits(bits, bitorder="little").view(np.int32)
 
 
 # xgrammar prefixes its messages with "[time] source-file:line: ".
@@ -136,13 +161,16 @@ def _first_line(error: Exception) -> str:
 class GrammarState:
     """One request's place in its grammar."""
 
-    __slots__ = ("_matcher", "_bitmask")
+    __slots__ = ("_matcher", "_bitmask", "_allowed_words")
 
-    def __init__(self, matcher: Any, vocab_size: int) -> None:
+    def __init__(self, matcher: Any, vocab_size: int, *,
+                 allowed_words: np.ndarray | None = None) -> None:
+        """``allowed_words``: a bitmask every mask is narrowed to (None: the grammar's)."""
         import xgrammar
 
         self._matcher = matcher
         self._bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)
+        self._allowed_words = allowed_words
 
     def accept(self, token_id: int) -> bool:
         """Advance by one sampled token; False if the grammar forbids it."""
@@ -156,4 +184,7 @@ class GrammarState:
     def next_bitmask(self) -> bytes:
         """The tokens allowed next, as ScheduledRequest.token_bitmask bytes."""
         self._matcher.fill_next_token_bitmask(self._bitmask, 0)
-        return self._bitmask.numpy().tobytes()
+        words = self._bitmask.numpy()[0]
+        if self._allowed_words is not None:
+            words = words & self._allowed_words
+        return words.tobytes()

@@ -10,6 +10,8 @@ raises and takes the engine down loudly (the supervisor fails every request).
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 import trio
 
@@ -162,7 +164,7 @@ class Intake:
                 "give exactly one of prompt, prompt_token_ids, messages "
                 f"(got {', '.join(given) or 'none'})", param="prompt")
         if submit.messages is not None:
-            return self._chat_token_ids(submit.messages)
+            return self._chat_token_ids(submit.messages, _template_variables(submit))
         if submit.prompt_token_ids is not None:
             return self._checked_token_ids(submit.prompt_token_ids)
         assert submit.prompt is not None
@@ -188,7 +190,8 @@ class Intake:
                 f"(ids 0 to {self.vocab_size - 1})", param="prompt")
         return list(token_ids)
 
-    def _chat_token_ids(self, messages: list[dict[str, str]]) -> list[int]:
+    def _chat_token_ids(self, messages: list[dict[str, Any]],
+                        template_variables: dict[str, Any] | None = None) -> list[int]:
         if not messages:
             raise RequestRejected("the conversation is empty: no messages", param="messages")
         for index, message in enumerate(messages):
@@ -196,7 +199,8 @@ class Intake:
                 raise RequestRejected(
                     f"message {index} must have a string 'role' and a string 'content'",
                     param="messages")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                  **(template_variables or {}))
         # The template already wrote every special token the model expects.
         token_ids = self.tokenizer.encode(text, add_special_tokens=False)
         if not token_ids:
@@ -268,6 +272,22 @@ class Intake:
             # Below min_tokens no stop token may be sampled (vLLM's semantics).
             banned_token_ids=stop_token_ids if params.min_tokens > 0 else [],
         )
+
+
+# Names the chat template gets from the engine itself; chat_template_kwargs may not set them.
+_RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "tools"})
+
+
+def _template_variables(submit: Submit) -> dict[str, Any]:
+    """``tools`` and ``chat_template_kwargs`` as the chat template's variables."""
+    variables = dict(submit.chat_template_kwargs or {})
+    reserved = sorted(_RESERVED_TEMPLATE_VARIABLES & set(variables))
+    if reserved:
+        raise RequestRejected(f"chat_template_kwargs may not set {', '.join(reserved)}",
+                              param="chat_template_kwargs")
+    if submit.tools:
+        variables["tools"] = submit.tools
+    return variables
 
 
 def _prompt_param(submit: Submit) -> str:

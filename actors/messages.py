@@ -12,7 +12,7 @@ Flow (see docs/architecture.md):
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -104,12 +104,18 @@ class Request(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Submit(msgspec.Struct, frozen=True, kw_only=True, tag=True):
-    """A new request from the facade. Exactly one of prompt, prompt_token_ids, messages."""
+    """A new request from the facade. Exactly one of prompt, prompt_token_ids, messages.
+
+    ``tools`` (OpenAI function definitions) and ``chat_template_kwargs`` reach the chat
+    template with ``messages``; a message may carry ``tool_calls`` or ``tool_call_id``.
+    """
 
     request_id: str
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     params: SamplingParams
     priority: int = 0
     arrival_time: float
