@@ -40,7 +40,7 @@ import msgspec
 import trio
 
 from trio_llm.actors.config import EngineConfig
-from trio_llm.actors.grammar import GrammarState, Grammars
+from trio_llm.actors.grammar import Grammars, GrammarState
 from trio_llm.actors.kv_blocks import BlockManager
 from trio_llm.actors.messages import (
     Abort,

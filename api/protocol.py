@@ -20,13 +20,13 @@ from typing import Annotated, Any, Literal, TypeVar
 import msgspec
 
 from trio_llm.actors.errors import RequestRejected
-from trio_llm.api.tool_calls import ChatOutputParser, ParsedOutput, visible_content
 from trio_llm.actors.messages import (
     RequestOutput,
     SamplingParams,
     StructuredOutputsParams,
     TokenLogprobs,
 )
+from trio_llm.api.tool_calls import ChatOutputParser, ParsedOutput, visible_content
 
 T = TypeVar("T")
 

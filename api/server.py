@@ -42,7 +42,6 @@ from trio_llm.api import protocol
 from trio_llm.api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from trio_llm.api.metrics import RequestTimer, ServerMetrics
 from trio_llm.api.reasoning_parsers import REASONING_PARSERS
-from trio_llm.api.tool_parsers import TOOL_PARSERS
 from trio_llm.api.tool_calls import (
     ChatOutputParser,
     ToolServingOptions,
@@ -50,6 +49,7 @@ from trio_llm.api.tool_calls import (
     plan_tool_calls,
     reasoning_parser_for,
 )
+from trio_llm.api.tool_parsers import TOOL_PARSERS
 
 if TYPE_CHECKING:
     from trio_llm.api.engine import Engine
@@ -164,10 +164,13 @@ class OpenAIServer:
         builder = protocol.ChatBuilder(response_id=f"chatcmpl-{uuid.uuid4().hex}",
                                        model=self.model_name, token_text=self._token_text,
                                        parser=parser)
-        tools = [msgspec.to_builtins(tool) for tool in body.tools] if body.tools else None
+        template_variables: dict[str, Any] = {}
+        if body.tools:
+            template_variables["tools"] = [msgspec.to_builtins(tool) for tool in body.tools]
+        if body.chat_template_kwargs:
+            template_variables["chat_template_kwargs"] = body.chat_template_kwargs
         outputs = self.engine.chat(messages, params, priority=body.priority,
-                                   request_id=builder.response_id, tools=tools,
-                                   chat_template_kwargs=body.chat_template_kwargs)
+                                   request_id=builder.response_id, **template_variables)
         return await self.respond(outputs, builder, body)
 
     async def respond(self, outputs: AsyncIterator[RequestOutput],

@@ -94,9 +94,12 @@ class FakeEngine:
                                "priority": priority, "request_id": request_id})
         return self._run(request_id, token_ids, params or SamplingParams())
 
-    def chat(self, messages: list[dict[str, str]], params: SamplingParams | None = None, *,
-             priority: int = 0, request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        return self.generate(self.tokenizer.apply_chat_template(messages), params,
+    def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None, *,
+             priority: int = 0, request_id: str | None = None,
+             tools: list[dict[str, Any]] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> AsyncIterator[RequestOutput]:
+        variables = {**(chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
+        return self.generate(self.tokenizer.apply_chat_template(messages, **variables), params,
                              priority=priority, request_id=request_id)
 
     def _run(self, request_id: str, prompt_ids: list[int],
