@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -110,6 +110,9 @@ def seed_key(seed: int) -> int:
     return mix32_int((seed & MASK_32) ^ mix32_int(seed >> 32))
 
 
+_NO_INTS = torch.empty(0, dtype=torch.int64)
+
+
 @dataclass(frozen=True, slots=True)
 class DeviceSamplingInputs:
     """The plan's per-row values as device tensors (views into the step's upload)."""
@@ -122,8 +125,9 @@ class DeviceSamplingInputs:
     output_indices: torch.Tensor  # [num_rows] int64
     banned_rows: torch.Tensor  # [num_banned] int64
     banned_token_ids: torch.Tensor  # [num_banned] int64
-    bitmask_rows: torch.Tensor  # [num_constrained] int64
-    bitmask_words: torch.Tensor  # [ceil(num_bitmask_words / 2)] int64 (int32 pairs)
+    # constrained rows only (plan.bitmask_rows); empty where no row is constrained
+    bitmask_rows: torch.Tensor = field(default_factory=lambda: _NO_INTS)  # [num_constrained]
+    bitmask_words: torch.Tensor = field(default_factory=lambda: _NO_INTS)  # int32 pairs
 
 
 def sample_on_device(logits: torch.Tensor, plan: SamplingPlan,
