@@ -424,6 +424,18 @@ def chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
     return [_template_message(message, index) for index, message in enumerate(messages)]
 
 
+# Template variables the server sets itself; chat_template_kwargs may not.
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "tools"})
+
+
+def checked_template_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    reserved = sorted(RESERVED_TEMPLATE_VARIABLES & set(kwargs))
+    if reserved:
+        raise RequestRejected(f"chat_template_kwargs may not set {', '.join(reserved)}",
+                              param="chat_template_kwargs")
+    return kwargs
+
+
 def _template_message(message: ChatMessage, index: int) -> dict[str, Any]:
     rendered: dict[str, Any] = {"role": message.role, "content": _message_text(message, index)}
     if message.tool_calls is not None:

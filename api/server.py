@@ -168,7 +168,8 @@ class OpenAIServer:
         if body.tools:
             template_variables["tools"] = [msgspec.to_builtins(tool) for tool in body.tools]
         if body.chat_template_kwargs:
-            template_variables["chat_template_kwargs"] = body.chat_template_kwargs
+            template_variables["chat_template_kwargs"] = protocol.checked_template_kwargs(
+                body.chat_template_kwargs)
         outputs = self.engine.chat(messages, params, priority=body.priority,
                                    request_id=builder.response_id, **template_variables)
         return await self.respond(outputs, builder, body)

@@ -73,6 +73,7 @@ def plan_tool_calls(tools: list[Any] | None, tool_choice: Any, *, parallel_tool_
         schema = _required_schema(tools, parallel_tool_calls=parallel_tool_calls)
         return ToolPlan(constraint=StructuredOutputsParams(json=schema),
                         parser=RequiredToolCallsParser())
+    assert not isinstance(choice, str), f"tool_choice {choice!r} passed decoding"
     name = choice.function.name
     tool = next((tool for tool in tools if tool.function.name == name), None)
     if tool is None:

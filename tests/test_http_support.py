@@ -42,9 +42,10 @@ class FakeTokenizer:
     def decode(self, token_ids: list[int], *, skip_special_tokens: bool = True) -> str:
         return "".join(chr(token_id) for token_id in token_ids)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], *,
-                            add_generation_prompt: bool = True) -> str:
-        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+    def apply_chat_template(self, messages: list[dict[str, Any]], *,
+                            add_generation_prompt: bool = True, **variables: Any) -> str:
+        names = "".join(f"<{name}>" for name in sorted(variables))
+        return names + "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
 
 
 class FakeEngine:
