@@ -113,6 +113,10 @@ async def test_response_format_and_structured_outputs_on_both_endpoints() -> Non
             regex = await client.completions.create(
                 prompt="Code:", seed=4, extra_body={"structured_outputs": {
                     "regex": "[A-Z]{3}-[0-9]{2}"}}, **fields)
+            streamed_completion = await trio.to_thread.run_sync(lambda: list(
+                sync_client.completions.create(
+                    prompt="Code:", seed=4, stream=True, extra_body={"structured_outputs": {
+                        "regex": "[A-Z]{3}-[0-9]{2}"}}, **fields)))
             completion_schema = await client.completions.create(
                 prompt="Data:", seed=6, extra_body={"response_format": {
                     "type": "json_schema", "json_schema": {"name": "x", "schema": schema}}},
@@ -127,6 +131,8 @@ async def test_response_format_and_structured_outputs_on_both_endpoints() -> Non
     assert isinstance(person, Person)
     assert choice.choices[0].message.content in ("sunny", "rainy")
     assert len(regex.choices[0].text) == 6 and regex.choices[0].text[3] == "-"
+    assert "".join(chunk.choices[0].text for chunk in streamed_completion
+                   if chunk.choices) == regex.choices[0].text
     jsonschema.validate(json.loads(completion_schema.choices[0].text), schema)
 
 

@@ -228,3 +228,13 @@ async def test_fields_that_contradict_a_grammar_are_refused(field: str) -> None:
             with pytest.raises(RequestRejected) as caught:
                 await generate(engine, params)
     assert caught.value.param == field
+
+
+async def test_choices_with_quotes_backslashes_and_accents_come_out_verbatim() -> None:
+    choices = ['say "hi"', "back\\slash", "café", "naïve"]
+    with trio.fail_after(TIMEOUT):
+        async with Engine.open(CONFIG) as engine:
+            results = await generate_all(engine, [(PROMPT, constrained(seed, choice=choices))
+                                                  for seed in range(8)])
+    assert all(finish_reason == "stop" for _, _, finish_reason in results)
+    assert {text for text, _, _ in results} <= set(choices)
