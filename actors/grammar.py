@@ -182,7 +182,12 @@ class GrammarState:
         return bool(self._matcher.is_terminated())
 
     def next_bitmask(self) -> bytes:
-        """The tokens allowed next, as ScheduledRequest.token_bitmask bytes."""
+        """The tokens allowed next, as ScheduledRequest.token_bitmask bytes. After a
+        stop token nothing follows; a mask asked for then (a step already planned
+        when the request finished, whose token is dropped) allows everything."""
+        if self._matcher.is_terminated():
+            self._bitmask.fill_(-1)
+            return self._bitmask.numpy().tobytes()
         self._matcher.fill_next_token_bitmask(self._bitmask, 0)
         words = self._bitmask.numpy()[0]
         if self._allowed_words is not None:

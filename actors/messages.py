@@ -200,7 +200,10 @@ class ScheduledRequest(msgspec.Struct, frozen=True, kw_only=True, array_like=Tru
     ``output_index`` is the position in the output of the token sampled now.
     ``token_bitmask`` (constrained requests only, when ``sample`` is set) holds
     the tokens the grammar allows now: little-endian int32 words, bit j of word
-    w set when token 32 * w + j may be sampled.
+    w set when token 32 * w + j may be sampled. ``bitmask_follows``: a constrained
+    request decoding on a placeholder, whose bitmask depends on the token still in
+    flight; it arrives in a StepBitmasks for this step, and the runner samples the
+    step only then.
     """
 
     request_id: str
@@ -211,6 +214,7 @@ class ScheduledRequest(msgspec.Struct, frozen=True, kw_only=True, array_like=Tru
     sample: bool
     output_index: int
     token_bitmask: bytes | None = None
+    bitmask_follows: bool = False
 
 
 class NewRequestData(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
@@ -232,6 +236,18 @@ class ScheduledBatch(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     requests: list[ScheduledRequest]
     finished_request_ids: list[str]
     num_tokens: int
+
+
+class StepBitmasks(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """The token bitmasks of step ``step_id``'s rows that had ``bitmask_follows``, in
+    batch order. Sent as soon as the step before it is reconciled: the step's forward
+    pass may already run, only its sampling waits for these."""
+
+    step_id: int
+    token_bitmasks: list[bytes]
+
+
+RunnerInbox = ScheduledBatch | StepBitmasks
 
 
 class TokenLogprobs(msgspec.Struct, frozen=True, kw_only=True, array_like=True):

@@ -24,10 +24,11 @@ straight from the runner (``input_from_previous_step``); the scheduler counts
 that token as a placeholder and reconciles when the StepResult arrives.
 
 Constrained requests (structured outputs) carry a grammar: each sampled token
-is masked by what the grammar allows after the confirmed output, so such a
-request never runs on a placeholder. At depth 2 it skips the step planned while
-its token is in flight and runs in the next one (``RunningRequest.can_decode``);
-its tokens are those of depth 1.
+is masked by what the grammar allows after the confirmed output. At depth 2 a
+constrained request decoding on a placeholder is scheduled with
+``bitmask_follows``: its mask is computed once the step in flight is reconciled
+and sent to the runner as StepBitmasks (``step_bitmasks_after``), before the
+runner samples that step. Its tokens are those of depth 1.
 """
 
 from __future__ import annotations
@@ -52,9 +53,11 @@ from trio_llm.actors.messages import (
     Pulled,
     QueueInbox,
     Requeue,
+    RunnerInbox,
     ScheduledBatch,
     ScheduledRequest,
     SchedulerInbox,
+    StepBitmasks,
     StepResult,
     StopStringHit,
     TokenBatch,
@@ -116,13 +119,10 @@ class RunningRequest:
 
     @property
     def can_decode(self) -> bool:
-        """False while its last output token is still to come from a step in flight,
-        or while a constrained request waits for the token its next mask depends on."""
-        if self.grammar is not None and self.num_placeholders:
-            return False
+        """False while its last output token is still to come from a step in flight."""
         return len(self.output_token_ids) + self.num_placeholders < self.max_tokens
 
-    def _token_bitmask(self) -> bytes | None:
+    def next_token_bitmask(self) -> bytes | None:
         """What the grammar allows for the token sampled next (None: unconstrained)."""
         return None if self.grammar is None else self.grammar.next_bitmask()
 
@@ -140,7 +140,7 @@ class RunningRequest:
             request_id=self.request_id, token_ids=self.prefill_token_ids[start:start + num_tokens],
             input_from_previous_step=False, num_computed_tokens=start,
             new_block_ids=new_block_ids, sample=sample, output_index=len(self.output_token_ids),
-            token_bitmask=self._token_bitmask() if sample else None,
+            token_bitmask=self.next_token_bitmask() if sample else None,
         )
 
     def schedule_decode(self, new_block_ids: list[int], step_id: int) -> ScheduledRequest:
@@ -153,13 +153,16 @@ class RunningRequest:
         self.num_computed_tokens = num_computed_tokens + 1
         self.num_placeholders = num_placeholders + 1
         self.scheduled_step_id = step_id
+        # a constrained request's mask waits for the token in flight (StepBitmasks)
+        bitmask_follows = num_placeholders > 0 and self.grammar is not None
         return ScheduledRequest(
             request_id=self.request_id,
             token_ids=_NO_IDS if num_placeholders else [self.output_token_ids[-1]],
             input_from_previous_step=num_placeholders > 0,
             num_computed_tokens=num_computed_tokens, new_block_ids=new_block_ids, sample=True,
             output_index=len(self.output_token_ids) + num_placeholders,
-            token_bitmask=self._token_bitmask(),
+            token_bitmask=None if bitmask_follows else self.next_token_bitmask(),
+            bitmask_follows=bitmask_follows,
         )
 
     def accept_token(self, token_id: int) -> FinishReason | None:
@@ -206,6 +209,8 @@ class _StepBuilder:
         self.new_requests: list[NewRequestData] = []
         self.tracks: list[Track] = []
         self.num_prompt_tokens = 0
+        # constrained requests whose mask follows in StepBitmasks, in batch order
+        self.bitmasks_follow: list[RunningRequest] = []
 
     @property
     def num_tokens(self) -> int:
@@ -219,8 +224,11 @@ class _StepBuilder:
         self.num_prompt_tokens += num_tokens
 
     def add_decode(self, running: RunningRequest, new_block_ids: list[int]) -> None:
-        self.requests.append(running.schedule_decode(new_block_ids, self.step_id))
+        scheduled = running.schedule_decode(new_block_ids, self.step_id)
+        self.requests.append(scheduled)
         self.budget -= 1
+        if scheduled.bitmask_follows:
+            self.bitmasks_follow.append(running)
 
 
 class Scheduler:
@@ -252,6 +260,8 @@ class Scheduler:
         # them, so an abort of one is finished here, not by the queue.
         self._preempted_request_ids: set[str] = set()
         self._next_step_id = 0
+        # step id -> its constrained requests whose bitmasks follow, in batch order
+        self._bitmasks_follow: dict[int, list[RunningRequest]] = {}
         self.num_preemptions = 0
         self.num_steps = 0
         self.num_prompt_tokens = 0
@@ -338,6 +348,18 @@ class Scheduler:
                 self._stop(running)
         self.num_generation_tokens += len(deltas)
         return TokenBatch(deltas=deltas) if deltas else None
+
+    def step_bitmasks_after(self, step_id: int) -> StepBitmasks | None:
+        """The bitmasks step ``step_id + 1`` waits for, once step ``step_id`` is
+        reconciled (each from its request's confirmed output). A request that finished
+        or left since gets its grammar's mask all the same: its token is dropped."""
+        if step_id in self._in_flight_step_ids:
+            return None  # its tokens, which the masks depend on, are still to come
+        waiting = self._bitmasks_follow.pop(step_id + 1, None)
+        if waiting is None:
+            return None
+        return StepBitmasks(step_id=step_id + 1, token_bitmasks=[
+            running.next_token_bitmask() or b"" for running in waiting])
 
     def abort(self, request_id: str) -> TokenBatch | None:
         """Stop a running request, or forget a preempted one; its final (empty)
@@ -527,6 +549,8 @@ class Scheduler:
                                finished_request_ids=self._stopped_request_ids,
                                num_tokens=step.num_tokens)
         self._stopped_request_ids = []
+        if step.bitmasks_follow:
+            self._bitmasks_follow[step.step_id] = step.bitmasks_follow
         self._in_flight_step_ids.append(step.step_id)
         self._next_step_id += 1
         self.num_steps += 1
@@ -564,14 +588,14 @@ class _Outboxes:
 async def run_scheduler(
     inbox: trio.MemoryReceiveChannel[SchedulerInbox],
     queue_outbox: trio.MemorySendChannel[QueueInbox],
-    runner_outbox: trio.MemorySendChannel[ScheduledBatch],
+    runner_outbox: trio.MemorySendChannel[RunnerInbox],
     detokenizer_outbox: trio.MemorySendChannel[DetokenizerInbox],
     scheduler: Scheduler,
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Consume Pulled, StepResult, Abort and StopStringHit; emit Pull, Requeue
-    and AbortOutcome to the queue, ScheduledBatch to the runner, Track and
+    and AbortOutcome to the queue, ScheduledBatch and StepBitmasks to the runner, Track and
     TokenBatch to the detokenizer.
 
     Plans a step whenever fewer than the pipeline depth are in flight; waits
@@ -617,6 +641,9 @@ async def _handle(message: SchedulerInbox, scheduler: Scheduler, outboxes: _Outb
     match message:
         case StepResult():
             tokens = scheduler.on_step_result(message)
+            bitmasks = scheduler.step_bitmasks_after(message.step_id)
+            if bitmasks is not None:  # the runner waits for them: first
+                await outboxes.runner.send(bitmasks)
             if tokens is not None:
                 await outboxes.detokenizer.send(tokens)
         case Abort(request_id=request_id):

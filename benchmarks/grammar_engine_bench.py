@@ -1,6 +1,7 @@
 """xgrammar vs llguidance on the CPU: what a constrained step costs the host.
 
     python benchmarks/grammar_engine_bench.py [--model qwen3-0.6b] [--batch 64] [--steps 40]
+    python benchmarks/grammar_engine_bench.py --through-engine [--steps 60]
 
 For each engine: build its tokenizer view once, compile one JSON schema (cold, then
 again: the cache), start ``--batch`` matchers on it and run ``--steps`` steps. A step
@@ -9,6 +10,10 @@ path), then each row takes a token drawn with a fixed seed from what its mask al
 (a random-weight model: the walk goes wherever the grammar lets it). Prints per-row
 mask microseconds, one batch's milliseconds, sequential and with the engine's own
 thread pool, and the compile times.
+
+``--through-engine`` times what the scheduler itself does per step instead
+(trio_llm.actors.grammar: GrammarState.next_bitmask for every row, control-character
+filter included) on the schema of ``gpu_bench.py structured``; prints each step's ms.
 """
 
 from __future__ import annotations
@@ -145,16 +150,49 @@ def walk(engine: Engine, vocab_size: int, batch: int, steps: int, *, parallel: b
     return seconds
 
 
+STRUCTURED_BENCH_SCHEMA = {"type": "object", "properties": {"text": {"type": "string"},
+                                                           "count": {"type": "integer"}},
+                           "required": ["text", "count"]}
+
+
+def through_engine(tokenizer: Tokenizer, vocab_size: int, batch: int, steps: int) -> None:
+    from trio_llm.actors.grammar import Grammars
+    from trio_llm.actors.messages import StructuredOutputsParams
+
+    grammars = Grammars(tokenizer, vocab_size)
+    constraint = StructuredOutputsParams(json=json.dumps(STRUCTURED_BENCH_SCHEMA))
+    start = time.perf_counter()
+    grammars.compile(constraint)
+    print(f"compile (with the vocabulary view) {time.perf_counter() - start:.2f} s")
+    states = [grammars.start(constraint) for _ in range(batch)]
+    rng = random.Random(0)
+    milliseconds = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        masks = [state.next_bitmask() for state in states]
+        milliseconds.append((time.perf_counter() - start) * 1e3)
+        for state, mask in zip(states, masks, strict=True):
+            allowed = allowed_ids(np.frombuffer(mask, dtype=np.int32), vocab_size)
+            state.accept(int(allowed[rng.randrange(len(allowed))]))
+    print(f"masks for {batch} rows per step: median {statistics.median(milliseconds):.2f} ms, "
+          f"max {max(milliseconds):.2f} ms; every step: "
+          + " ".join(f"{value:.2f}" for value in milliseconds))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen3-0.6b")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--engines", default="xgrammar,llguidance")
+    parser.add_argument("--through-engine", action="store_true")
     args = parser.parse_args()
     model_path = resolve_model(args.model)
     tokenizer = Tokenizer.from_dir(model_path)
     vocab_size = json.loads((model_path / "config.json").read_text())["vocab_size"]
+    if args.through_engine:
+        through_engine(tokenizer, vocab_size, args.batch, args.steps)
+        return
     print(f"model {args.model}: vocab {vocab_size}, batch {args.batch}, steps {args.steps}")
     builders = {"xgrammar": xgrammar_engine, "llguidance": llguidance_engine}
     for name in args.engines.split(","):

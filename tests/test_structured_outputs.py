@@ -3,8 +3,10 @@ every valid document below is the grammar's doing.
 
 20 JSON schemas of different shapes, regex and choice constraints, an EBNF grammar,
 max_tokens ending a constrained request with "length", depth 1 equal to depth 2
-(alone and batched with unconstrained requests), preemption, and constraints the
-engine cannot compile refused with the problem named.
+(alone and batched with unconstrained requests, preempted, through the CPU runner
+and through the pipelined executor's deferred sampling), the scheduler sending a
+pipelined request's bitmask after reconcile, and constraints the engine cannot
+compile refused with the problem named.
 """
 
 from __future__ import annotations
@@ -14,14 +16,29 @@ import re
 from typing import Any
 
 import jsonschema
+import numpy as np
 import pytest
+import torch
 import trio
 from msgspec.structs import replace
 
 from trio_llm.actors.config import EngineConfig
 from trio_llm.actors.errors import RequestRejected
-from trio_llm.actors.messages import SamplingParams, StructuredOutputsParams
+from trio_llm.actors.grammar import Grammars
+from trio_llm.actors.intake import Intake
+from trio_llm.actors.messages import (
+    SamplingParams,
+    StepResult,
+    StructuredOutputsParams,
+    Submit,
+    WaitingRequest,
+)
+from trio_llm.actors.scheduler import Scheduler
+from trio_llm.actors.tokenizer import Tokenizer
 from trio_llm.api.engine import Engine
+from trio_llm.gpu.builtin import resolve_model
+from trio_llm.gpu.cuda_executor import CudaExecutorOptions, CudaModelExecutor
+from trio_llm.gpu.loader import load_model
 
 CONFIG = EngineConfig(model="tiny", num_kv_blocks=512, block_size=16, max_num_seqs=32,
                       max_num_batched_tokens=512, max_model_len=512)
@@ -238,3 +255,72 @@ async def test_choices_with_quotes_backslashes_and_accents_come_out_verbatim() -
                                                   for seed in range(8)])
     assert all(finish_reason == "stop" for _, _, finish_reason in results)
     assert {text for text, _, _ in results} <= set(choices)
+
+
+# -- depth 2 keeps constrained requests in every step ---------------------------------
+
+
+def allowed_ids(token_bitmask: bytes) -> set[int]:
+    bits = np.unpackbits(np.frombuffer(token_bitmask, dtype=np.uint8), bitorder="little")
+    return {int(token_id) for token_id in np.flatnonzero(bits)}
+
+
+def test_the_scheduler_sends_a_pipelined_constrained_request_its_bitmask_after_reconcile(
+        ) -> None:
+    tokenizer = Tokenizer.from_dir(resolve_model("tiny"))
+    grammars = Grammars(tokenizer, vocab_size=2048)
+    scheduler = Scheduler(CONFIG, 64, grammars)
+    params = constrained(0, choice=["yes", "no"])
+    intake = Intake(CONFIG, tokenizer, max_model_len=512, num_kv_tokens=64 * 16,
+                    vocab_size=2048, grammars=grammars)
+    request = intake.admit(Submit(request_id="r", prompt_token_ids=[5, 6, 7], params=params,
+                                  arrival_time=0.0))
+    intake.compile_constraint(request)
+    first = scheduler.schedule([WaitingRequest(request=request)]).batch
+    assert first is not None and first.requests[0].token_bitmask is not None
+    first_allowed = allowed_ids(first.requests[0].token_bitmask)
+    # planned while step 0 is in flight: it runs on the placeholder, its mask follows
+    second = scheduler.schedule([]).batch
+    assert second is not None
+    (scheduled,) = second.requests
+    assert scheduled.input_from_previous_step and scheduled.bitmask_follows
+    assert scheduled.token_bitmask is None
+    assert scheduler.step_bitmasks_after(first.step_id) is None, "not before its result"
+    token_id = min(first_allowed)
+    scheduler.on_step_result(StepResult(step_id=first.step_id, request_ids=["r"],
+                                        sampled_token_ids=[token_id]))
+    bitmasks = scheduler.step_bitmasks_after(first.step_id)
+    assert bitmasks is not None and bitmasks.step_id == second.step_id
+    (mask,) = bitmasks.token_bitmasks
+    expected = grammars.start(params.structured_outputs)  # type: ignore[arg-type]
+    assert expected.accept(token_id)
+    assert allowed_ids(mask) == allowed_ids(expected.next_bitmask())
+    assert scheduler.step_bitmasks_after(first.step_id) is None, "sent once"
+
+
+async def test_the_pipelined_executor_at_depth_two_gives_depth_one_tokens() -> None:
+    """The CUDA executor's launch / supply_bitmasks / collect path (on the CPU its
+    streams are no-ops), driven by the pipelined runner, against depth 1."""
+    workload = mixed_workload()
+    path = resolve_model("tiny")
+    model = load_model(path, dtype=torch.float32, device=torch.device("cpu"))
+    executor = CudaModelExecutor(model, model_path=path, num_kv_blocks=CONFIG.num_kv_blocks or 0,
+                                 block_size=CONFIG.block_size,
+                                 max_model_len=CONFIG.max_model_len or 0)
+    executor.start(CudaExecutorOptions(max_num_seqs=CONFIG.max_num_seqs,
+                                       use_cuda_graphs=False, use_fused_kernels=False))
+    supplied: list[int] = []
+    supply_bitmasks = executor.supply_bitmasks
+
+    def counting_supply(pending: Any, token_bitmasks: list[bytes]) -> None:
+        supplied.append(len(token_bitmasks))
+        supply_bitmasks(pending, token_bitmasks)
+
+    executor.supply_bitmasks = counting_supply  # type: ignore[method-assign]
+    with trio.fail_after(TIMEOUT):
+        async with Engine.open(replace(CONFIG, async_scheduling=False)) as engine:
+            alone = [(await generate(engine, params, prompt))[1] for prompt, params in workload]
+        async with Engine.open(CONFIG, executor=executor) as engine:
+            pipelined = [token_ids for _, token_ids, _ in await generate_all(engine, workload)]
+    assert pipelined == alone
+    assert len(supplied) > 10 and max(supplied) > 1, "constrained rows ran on placeholders"
