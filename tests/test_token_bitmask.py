@@ -4,6 +4,7 @@ is one) only ever pick allowed tokens, leave unconstrained rows alone, and agree
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -187,3 +188,43 @@ def test_the_pipelined_executor_masks_like_the_plain_one(device: str) -> None:
     if plain is not None:
         expected = [plain.execute(batch) for batch in batches]
         assert [r.sampled_token_ids for r in results] == [r.sampled_token_ids for r in expected]
+
+
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_bitmasks_that_follow_a_launched_step_sample_like_inline_ones(device: str) -> None:
+    """Depth 2's deferred sampling (launch, then supply_bitmasks once the previous step
+    is collected) gives the tokens of the same masks sent inline at depth 1."""
+    path = resolve_model("tiny")
+
+    def build() -> CudaModelExecutor:
+        model = load_model(path, dtype=torch.float32, device=torch.device(device))
+        executor = CudaModelExecutor(model, model_path=path, num_kv_blocks=16, block_size=4,
+                                     max_model_len=64)
+        executor.start(CudaExecutorOptions(max_num_seqs=4, use_cuda_graphs=device == "cuda",
+                                           use_fused_kernels=device == "cuda"))
+        return executor
+
+    inline = constrained_batches(build().vocab_size)
+    deferred = [msgspec.structs.replace(batch, requests=[
+        msgspec.structs.replace(scheduled, token_bitmask=None, bitmask_follows=True)
+        if scheduled.token_bitmask is not None and scheduled.input_from_previous_step
+        else scheduled for scheduled in batch.requests]) for batch in inline]
+    reference = build()
+    expected = [reference.collect(reference.launch(batch)) for batch in inline]
+    executor = build()
+    results, previous = [], None
+    for batch, with_masks in zip(deferred, inline, strict=True):
+        pending = executor.launch(batch)
+        if previous is not None:
+            results.append(executor.collect(previous))
+        follows = [original.token_bitmask or b"" for scheduled, original in
+                   zip(batch.requests, with_masks.requests, strict=True)
+                   if scheduled.bitmask_follows]
+        if follows:
+            executor.supply_bitmasks(pending, follows)
+        previous = pending
+    results.append(executor.collect(previous))
+    assert any(s.bitmask_follows for batch in deferred for s in batch.requests)
+    assert [r.sampled_token_ids for r in results] == [r.sampled_token_ids for r in expected]
