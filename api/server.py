@@ -159,7 +159,8 @@ class OpenAIServer:
         params = protocol.chat_sampling_params(body, max_tokens=protocol.requested_max_tokens(body),
                                                tool_constraint=tool_plan.constraint)
         reasoning = reasoning_parser_for(self.tool_options)
-        parser = (ChatOutputParser(reasoning=reasoning, tools=tool_plan.parser)
+        parser = (ChatOutputParser(reasoning=reasoning, tools=tool_plan.parser,
+                                   max_calls=tool_plan.max_calls)
                   if reasoning is not None or tool_plan.parser is not None else None)
         builder = protocol.ChatBuilder(response_id=f"chatcmpl-{uuid.uuid4().hex}",
                                        model=self.model_name, token_text=self._token_text,

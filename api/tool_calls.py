@@ -5,8 +5,9 @@
 
 - ``none`` (or no tools): plain text; the tools still reach the chat template.
 - ``auto`` (the default with tools): the model decides; the server's
-  ``--tool-call-parser`` finds calls in the text. Refused unless the server runs
-  with ``--enable-auto-tool-choice --tool-call-parser NAME``.
+  ``--tool-call-parser`` finds calls in the text (only the first with
+  ``parallel_tool_calls`` false). Refused unless the server runs with
+  ``--enable-auto-tool-choice --tool-call-parser NAME``.
 - ``required``: constrained decoding to a JSON array of ``{"name", "parameters"}``
   objects, one of the tools each (at most one with ``parallel_tool_calls`` false).
 - a named function: constrained decoding to that function's parameters schema;
@@ -50,10 +51,12 @@ class ToolServingOptions(msgspec.Struct, frozen=True, kw_only=True):
 
 @dataclass(frozen=True, slots=True)
 class ToolPlan:
-    """What a chat request's tools need: a constraint on its output, a parser of it."""
+    """What a chat request's tools need: a constraint on its output, a parser of it,
+    and how many calls the message may carry (None: any)."""
 
     constraint: StructuredOutputsParams | None
     parser: ToolParser | None
+    max_calls: int | None = None
 
 
 def plan_tool_calls(tools: list[Any] | None, tool_choice: Any, *, parallel_tool_calls: bool,
@@ -68,7 +71,8 @@ def plan_tool_calls(tools: list[Any] | None, tool_choice: Any, *, parallel_tool_
     if choice == "none":
         return ToolPlan(constraint=None, parser=None)
     if choice == "auto":
-        return ToolPlan(constraint=None, parser=_auto_parser(options))
+        return ToolPlan(constraint=None, parser=_auto_parser(options),
+                        max_calls=None if parallel_tool_calls else 1)
     if choice == "required":
         schema = _required_schema(tools, parallel_tool_calls=parallel_tool_calls)
         return ToolPlan(constraint=StructuredOutputsParams(json=schema),
@@ -150,6 +154,7 @@ class ChatOutputParser:
 
     reasoning: Qwen3ReasoningParser | None = None
     tools: ToolParser | None = None
+    max_calls: int | None = None
     call_ids: list[str] = field(default_factory=list)
 
     def parse(self, text: str, *, is_final: bool) -> ParsedOutput:
@@ -160,7 +165,8 @@ class ChatOutputParser:
         if self.tools is None:
             return ParsedOutput(reasoning=reasoning, content=text, calls=[])
         parsed = self.tools.parse(text, is_final=is_final)
-        return ParsedOutput(reasoning=reasoning, content=parsed.content, calls=parsed.calls)
+        return ParsedOutput(reasoning=reasoning, content=parsed.content,
+                            calls=parsed.calls[:self.max_calls])
 
     def call_id(self, index: int) -> str:
         """The id of the ``index``-th call, made when first asked (streamed or not)."""

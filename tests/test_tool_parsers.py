@@ -157,6 +157,10 @@ def test_tool_choice_plans() -> None:
                             parallel_tool_calls=True, options=auto)
     assert named.constraint is not None
     assert json.loads(named.constraint.json or "") == {"type": "object", "properties": {}}
+    single = plan_tool_calls(tools, "auto", parallel_tool_calls=False, options=auto)
+    assert single.max_calls == 1
+    parser = ChatOutputParser(tools=single.parser, max_calls=single.max_calls)
+    assert [call.name for call in parser.parse(HERMES, is_final=True).calls] == ["get_weather"]
     with pytest.raises(RequestRejected, match="--enable-auto-tool-choice"):
         plan_tool_calls(tools, "auto", parallel_tool_calls=True, options=ToolServingOptions())
     with pytest.raises(RequestRejected, match="unique"):
