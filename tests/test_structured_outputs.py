@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+from contextlib import aclosing
 from typing import Any
 
 import jsonschema
@@ -324,3 +325,35 @@ async def test_the_pipelined_executor_at_depth_two_gives_depth_one_tokens() -> N
             pipelined = [token_ids for _, token_ids, _ in await generate_all(engine, workload)]
     assert pipelined == alone
     assert len(supplied) > 10 and max(supplied) > 1, "constrained rows ran on placeholders"
+
+
+async def test_aborting_constrained_requests_mid_flight_disturbs_no_one() -> None:
+    schema = json.dumps({"type": "object", "properties": {"text": {"type": "string"}},
+                         "required": ["text"]})
+    survivor = constrained(99, max_tokens=30, json=json.dumps(SCHEMAS[7]))
+    with trio.fail_after(TIMEOUT):
+        async with Engine.open(CONFIG) as engine:
+            expected = await generate(engine, survivor)
+
+            async def leave_after(num_outputs: int, seed: int) -> None:
+                async with aclosing(engine.generate(PROMPT, constrained(
+                        seed, max_tokens=200, json=schema))) as outputs:
+                    async for _ in outputs:
+                        num_outputs -= 1
+                        if num_outputs <= 0:
+                            break
+
+            results: list[Any] = []
+
+            async def survive() -> None:
+                results.append(await generate(engine, survivor))
+
+            async with trio.open_nursery() as nursery:
+                for index in range(8):
+                    nursery.start_soon(leave_after, 1 + index % 4, index)
+                nursery.start_soon(survive)
+            # channels are FIFO: once a later request finished, every abort was handled
+            await generate(engine, constrained(0, choice=["ok"]))
+            stats = engine.statistics()
+    assert results == [expected]
+    assert stats.num_running == 0 and stats.num_free_blocks == stats.num_total_blocks
