@@ -10,11 +10,14 @@ raises and takes the engine down loudly (the supervisor fails every request).
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 import trio
 
 from trio_llm.actors.config import EngineConfig
 from trio_llm.actors.errors import RequestRejected
+from trio_llm.actors.grammar import GrammarError, Grammars
 from trio_llm.actors.messages import (
     Abort,
     Admit,
@@ -53,8 +56,9 @@ class Intake:
     """
 
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer, *, max_model_len: int,
-                 num_kv_tokens: int, vocab_size: int) -> None:
+                 num_kv_tokens: int, vocab_size: int, grammars: Grammars | None = None) -> None:
         self.config = config
+        self.grammars = grammars
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.num_kv_tokens = num_kv_tokens
@@ -118,12 +122,39 @@ class Intake:
                                   param="seed")
         if any(not stop for stop in params.stop):
             raise RequestRejected("stop strings must not be empty", param="stop")
+        self._check_structured_outputs(params)
         bad_ids = [token_id for token_id in params.stop_token_ids
                    if not 0 <= token_id < self.vocab_size]
         if bad_ids:
             raise RequestRejected(
                 f"stop_token_ids {bad_ids} are outside the vocabulary "
                 f"(ids 0 to {self.vocab_size - 1})", param="stop_token_ids")
+
+    def _check_structured_outputs(self, params: SamplingParams) -> None:
+        """What a constraint cannot be combined with: the grammar decides when the
+        output may end, so EOS must end it and may not be banned before min_tokens."""
+        if params.structured_outputs is None:
+            return
+        if self.grammars is None:
+            raise RequestRejected("this engine serves no structured outputs",
+                                  param="structured_outputs")
+        for name in ("ignore_eos", "min_tokens"):
+            if getattr(params, name):
+                raise RequestRejected(f"{name} cannot be combined with structured outputs "
+                                      f"(the grammar decides where the output ends)",
+                                      param=name)
+
+    def compile_constraint(self, request: Request) -> None:
+        """Compile the request's constraint into the grammar cache (blocking: call
+        it in a worker thread). Raises RequestRejected naming what does not compile."""
+        constraint = request.params.structured_outputs
+        if constraint is None:
+            return
+        assert self.grammars is not None
+        try:
+            self.grammars.compile(constraint)
+        except GrammarError as error:
+            raise RequestRejected(str(error), param="structured_outputs") from None
 
     # -- the prompt -------------------------------------------------------------
 
@@ -135,7 +166,7 @@ class Intake:
                 "give exactly one of prompt, prompt_token_ids, messages "
                 f"(got {', '.join(given) or 'none'})", param="prompt")
         if submit.messages is not None:
-            return self._chat_token_ids(submit.messages)
+            return self._chat_token_ids(submit.messages, _template_variables(submit))
         if submit.prompt_token_ids is not None:
             return self._checked_token_ids(submit.prompt_token_ids)
         assert submit.prompt is not None
@@ -161,7 +192,8 @@ class Intake:
                 f"(ids 0 to {self.vocab_size - 1})", param="prompt")
         return list(token_ids)
 
-    def _chat_token_ids(self, messages: list[dict[str, str]]) -> list[int]:
+    def _chat_token_ids(self, messages: list[dict[str, Any]],
+                        template_variables: dict[str, Any] | None = None) -> list[int]:
         if not messages:
             raise RequestRejected("the conversation is empty: no messages", param="messages")
         for index, message in enumerate(messages):
@@ -169,7 +201,8 @@ class Intake:
                 raise RequestRejected(
                     f"message {index} must have a string 'role' and a string 'content'",
                     param="messages")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                  **(template_variables or {}))
         # The template already wrote every special token the model expects.
         token_ids = self.tokenizer.encode(text, add_special_tokens=False)
         if not token_ids:
@@ -250,6 +283,22 @@ def _check_cache_salt(cache_salt: object) -> None:
                               param="cache_salt")
 
 
+# Names the chat template gets from the engine itself; chat_template_kwargs may not set them.
+_RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "tools"})
+
+
+def _template_variables(submit: Submit) -> dict[str, Any]:
+    """``tools`` and ``chat_template_kwargs`` as the chat template's variables."""
+    variables = dict(submit.chat_template_kwargs or {})
+    reserved = sorted(_RESERVED_TEMPLATE_VARIABLES & set(variables))
+    if reserved:
+        raise RequestRejected(f"chat_template_kwargs may not set {', '.join(reserved)}",
+                              param="chat_template_kwargs")
+    if submit.tools:
+        variables["tools"] = submit.tools
+    return variables
+
+
 def _prompt_param(submit: Submit) -> str:
     """The request field a prompt-length error points at."""
     return "messages" if submit.messages is not None else "prompt"
@@ -298,6 +347,9 @@ async def _submit(submit: Submit, queue_outbox: trio.MemorySendChannel[QueueInbo
                   streams: RequestStreams, intake: Intake) -> None:
     try:
         request = intake.admit(submit)
+        if request.params.structured_outputs is not None:
+            # seconds for a large schema and vocabulary: never on the event loop
+            await trio.to_thread.run_sync(intake.compile_constraint, request)
     except RequestRejected as rejection:
         streams.fail(submit.request_id, rejection)
         return

@@ -12,7 +12,7 @@ Flow (see docs/architecture.md):
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -20,6 +20,23 @@ FinishReason = Literal["stop", "length", "abort"]
 
 NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+
+
+# -- structured outputs (grammar constraints) ----------------------------------
+
+
+class StructuredOutputsParams(msgspec.Struct, frozen=True, kw_only=True):
+    """A constraint on a request's output, as vLLM's ``structured_outputs``: exactly
+    one of ``json`` (a JSON Schema, serialised), ``json_object`` (any JSON object),
+    ``regex``, ``choice`` (one of these strings) or ``grammar`` (EBNF, xgrammar's
+    dialect of GBNF). Compiled by trio_llm.actors.grammar; the scheduler masks every
+    sampled token with it."""
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -44,6 +61,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     include_stop_str_in_output: bool = False
     logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
 
 class SamplingOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -89,12 +107,18 @@ class Request(msgspec.Struct, frozen=True, kw_only=True):
 
 class Submit(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     """A new request from the facade. Exactly one of prompt, prompt_token_ids, messages.
-    ``cache_salt``: only requests with the same salt share prefix-cache blocks."""
+    ``cache_salt``: only requests with the same salt share prefix-cache blocks.
+
+    ``tools`` (OpenAI function definitions) and ``chat_template_kwargs`` reach the chat
+    template with ``messages``; a message may carry ``tool_calls`` or ``tool_call_id``.
+    """
 
     request_id: str
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     params: SamplingParams
     priority: int = 0
     arrival_time: float
@@ -178,6 +202,12 @@ class ScheduledRequest(msgspec.Struct, frozen=True, kw_only=True, array_like=Tru
     ``new_block_ids`` extend the request's block table. ``sample`` is false for
     a prefill chunk that does not reach the end of the prompt;
     ``output_index`` is the position in the output of the token sampled now.
+    ``token_bitmask`` (constrained requests only, when ``sample`` is set) holds
+    the tokens the grammar allows now: little-endian int32 words, bit j of word
+    w set when token 32 * w + j may be sampled. ``bitmask_follows``: a constrained
+    request decoding on a placeholder, whose bitmask depends on the token still in
+    flight; it arrives in a StepBitmasks for this step, and the runner samples the
+    step only then.
     """
 
     request_id: str
@@ -187,6 +217,8 @@ class ScheduledRequest(msgspec.Struct, frozen=True, kw_only=True, array_like=Tru
     new_block_ids: list[int]
     sample: bool
     output_index: int
+    token_bitmask: bytes | None = None
+    bitmask_follows: bool = False
 
 
 class NewRequestData(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
@@ -208,6 +240,18 @@ class ScheduledBatch(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     requests: list[ScheduledRequest]
     finished_request_ids: list[str]
     num_tokens: int
+
+
+class StepBitmasks(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """The token bitmasks of step ``step_id``'s rows that had ``bitmask_follows``, in
+    batch order. Sent as soon as the step before it is reconciled: the step's forward
+    pass may already run, only its sampling waits for these."""
+
+    step_id: int
+    token_bitmasks: list[bytes]
+
+
+RunnerInbox = ScheduledBatch | StepBitmasks
 
 
 class TokenLogprobs(msgspec.Struct, frozen=True, kw_only=True, array_like=True):

@@ -6,15 +6,29 @@ the scheduler may already have sent the next batch (depth 2), which waits in
 the inbox until this one is done. On CUDA (a PipelinedExecutor) the runner
 launches step N+1 from the trio thread while step N computes, and only waits
 for the device in a worker thread.
+
+A batch with constrained rows whose bitmasks follow (``bitmask_follows``) is
+sampled only once the StepBitmasks for it arrived, which the scheduler sends as
+soon as the previous step is reconciled: the CPU runner waits for them before it
+executes the batch; the pipelined runner launches the forward pass at once and
+hands the bitmasks to the executor (``supply_bitmasks``), which enqueues the
+sampling then.
 """
 
 from __future__ import annotations
 
 from typing import Any, Protocol, cast
 
+import msgspec
 import trio
 
-from trio_llm.actors.messages import ScheduledBatch, SchedulerInbox, StepResult
+from trio_llm.actors.messages import (
+    RunnerInbox,
+    ScheduledBatch,
+    SchedulerInbox,
+    StepBitmasks,
+    StepResult,
+)
 
 
 class Executor(Protocol):
@@ -31,17 +45,22 @@ class PipelinedExecutor(Executor, Protocol):
 
     def launch(self, batch: ScheduledBatch) -> Any: ...
 
+    def supply_bitmasks(self, pending: Any, token_bitmasks: list[bytes]) -> None:
+        """Enqueue the sampling of a launched step whose rows had ``bitmask_follows``."""
+        ...
+
     def collect(self, pending: Any) -> StepResult: ...
 
 
 async def run_runner(
-    inbox: trio.MemoryReceiveChannel[ScheduledBatch],
+    inbox: trio.MemoryReceiveChannel[RunnerInbox],
     scheduler_outbox: trio.MemorySendChannel[SchedulerInbox],
     executor: Executor,
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Consume ScheduledBatch, emit one StepResult each, in order.
+    """Consume ScheduledBatch (and the StepBitmasks some wait for), emit one
+    StepResult per batch, in order.
 
     An exception from the executor ends the actor, and with it the engine.
     """
@@ -51,15 +70,41 @@ async def run_runner(
             await _run_pipelined(inbox, scheduler_outbox, cast(PipelinedExecutor, executor))
             return
         async for batch in inbox:
+            assert isinstance(batch, ScheduledBatch), "StepBitmasks follow their batch"
+            if needs_bitmasks(batch):
+                batch = with_bitmasks(batch, await receive_bitmasks(inbox, batch.step_id))
             result = await trio.to_thread.run_sync(executor.execute, batch)
             await scheduler_outbox.send(result)
+
+
+def needs_bitmasks(batch: ScheduledBatch) -> bool:
+    return any(scheduled.bitmask_follows for scheduled in batch.requests)
+
+
+async def receive_bitmasks(inbox: trio.MemoryReceiveChannel[RunnerInbox],
+                           step_id: int) -> list[bytes]:
+    """The StepBitmasks of ``step_id``: the scheduler sends nothing else before them."""
+    message = await inbox.receive()
+    assert isinstance(message, StepBitmasks) and message.step_id == step_id, \
+        "the bitmasks of a step come right after it"
+    return message.token_bitmasks
+
+
+def with_bitmasks(batch: ScheduledBatch, token_bitmasks: list[bytes]) -> ScheduledBatch:
+    """``batch`` with the bitmasks that followed it in place."""
+    bitmasks = iter(token_bitmasks)
+    requests = [msgspec.structs.replace(scheduled, token_bitmask=next(bitmasks),
+                                        bitmask_follows=False)
+                if scheduled.bitmask_follows else scheduled for scheduled in batch.requests]
+    assert next(bitmasks, None) is None, "one bitmask per row that waited for one"
+    return msgspec.structs.replace(batch, requests=requests)
 
 
 # Steps an executor with launch/collect (gpu/cuda_executor.py) may have in flight.
 MAX_STEPS_IN_FLIGHT = 2
 
 
-async def _run_pipelined(inbox: trio.MemoryReceiveChannel[ScheduledBatch],
+async def _run_pipelined(inbox: trio.MemoryReceiveChannel[RunnerInbox],
                          scheduler_outbox: trio.MemorySendChannel[SchedulerInbox],
                          executor: PipelinedExecutor) -> None:
     """Launch each batch as soon as it arrives (while the previous step still runs on
@@ -77,8 +122,14 @@ async def _run_pipelined(inbox: trio.MemoryReceiveChannel[ScheduledBatch],
     async def launch_each() -> None:
         async with send_pending:
             async for batch in inbox:
+                assert isinstance(batch, ScheduledBatch), "StepBitmasks follow their batch"
                 await free_slots.acquire()
-                await send_pending.send(executor.launch(batch))
+                pending = executor.launch(batch)
+                if needs_bitmasks(batch):
+                    # the forward pass runs meanwhile; step N-1 is collected meanwhile
+                    executor.supply_bitmasks(pending,
+                                             await receive_bitmasks(inbox, batch.step_id))
+                await send_pending.send(pending)
 
     async def collect_each() -> None:
         async for pending in receive_pending:

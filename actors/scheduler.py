@@ -32,6 +32,13 @@ Depth 2: the next batch is planned while the previous one runs. A decoding
 request whose last token was sampled in the batch in flight takes it as input
 straight from the runner (``input_from_previous_step``); the scheduler counts
 that token as a placeholder and reconciles when the StepResult arrives.
+
+Constrained requests (structured outputs) carry a grammar: each sampled token
+is masked by what the grammar allows after the confirmed output. At depth 2 a
+constrained request decoding on a placeholder is scheduled with
+``bitmask_follows``: its mask is computed once the step in flight is reconciled
+and sent to the runner as StepBitmasks (``step_bitmasks_after``), before the
+runner samples that step. Its tokens are those of depth 1.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ import msgspec
 import trio
 
 from trio_llm.actors.config import EngineConfig
+from trio_llm.actors.grammar import Grammars, GrammarState
 from trio_llm.actors.kv_blocks import (
     BlockManager,
     chain_block_hashes,
@@ -60,9 +68,11 @@ from trio_llm.actors.messages import (
     Pulled,
     QueueInbox,
     Requeue,
+    RunnerInbox,
     ScheduledBatch,
     ScheduledRequest,
     SchedulerInbox,
+    StepBitmasks,
     StepResult,
     StopStringHit,
     TokenBatch,
@@ -125,7 +135,7 @@ class RunningRequest:
     __slots__ = ("request", "request_id", "sort_key", "stop_token_ids", "max_tokens",
                  "min_tokens", "output_token_ids", "num_preemptions", "prefill_token_ids",
                  "num_prefill_tokens", "num_computed_tokens", "num_placeholders", "block_ids",
-                 "start_step_id", "scheduled_step_id", "root_hash", "block_hashes")
+                 "start_step_id", "scheduled_step_id", "root_hash", "block_hashes", "grammar")
 
     def __init__(self, waiting: WaitingRequest, sort_key: tuple[int, ...], step_id: int,
                  prefix: CachedPrefix = _NO_PREFIX, num_cached_tokens: int = 0) -> None:
@@ -151,6 +161,7 @@ class RunningRequest:
         # Results of steps before this one belong to an earlier life of the request.
         self.start_step_id = step_id
         self.scheduled_step_id: int | None = None
+        self.grammar: GrammarState | None = None
 
     @property
     def num_known_tokens(self) -> int:
@@ -173,6 +184,10 @@ class RunningRequest:
         """False while its last output token is still to come from a step in flight."""
         return len(self.output_token_ids) + self.num_placeholders < self.max_tokens
 
+    def next_token_bitmask(self) -> bytes | None:
+        """What the grammar allows for the token sampled next (None: unconstrained)."""
+        return None if self.grammar is None else self.grammar.next_bitmask()
+
     def schedule_prefill(self, num_tokens: int, new_block_ids: list[int],
                          step_id: int) -> ScheduledRequest:
         """The next ``num_tokens`` of its prefill run in step ``step_id``; the
@@ -187,6 +202,7 @@ class RunningRequest:
             request_id=self.request_id, token_ids=self.prefill_token_ids[start:start + num_tokens],
             input_from_previous_step=False, num_computed_tokens=start,
             new_block_ids=new_block_ids, sample=sample, output_index=len(self.output_token_ids),
+            token_bitmask=self.next_token_bitmask() if sample else None,
         )
 
     def schedule_decode(self, new_block_ids: list[int], step_id: int) -> ScheduledRequest:
@@ -199,12 +215,16 @@ class RunningRequest:
         self.num_computed_tokens = num_computed_tokens + 1
         self.num_placeholders = num_placeholders + 1
         self.scheduled_step_id = step_id
+        # a constrained request's mask waits for the token in flight (StepBitmasks)
+        bitmask_follows = num_placeholders > 0 and self.grammar is not None
         return ScheduledRequest(
             request_id=self.request_id,
             token_ids=_NO_IDS if num_placeholders else [self.output_token_ids[-1]],
             input_from_previous_step=num_placeholders > 0,
             num_computed_tokens=num_computed_tokens, new_block_ids=new_block_ids, sample=True,
             output_index=len(self.output_token_ids) + num_placeholders,
+            token_bitmask=None if bitmask_follows else self.next_token_bitmask(),
+            bitmask_follows=bitmask_follows,
         )
 
     def accept_token(self, token_id: int) -> FinishReason | None:
@@ -214,6 +234,9 @@ class RunningRequest:
         self.num_placeholders -= 1
         output_token_ids = self.output_token_ids
         output_token_ids.append(token_id)
+        if self.grammar is not None:
+            accepted = self.grammar.accept(token_id)
+            assert accepted, "the sampler obeys the grammar's mask"
         # A stop token only counts from output index min_tokens on: the
         # runner masks it before that; the rule holds here too.
         if token_id in self.stop_token_ids and len(output_token_ids) > self.min_tokens:
@@ -248,6 +271,8 @@ class _StepBuilder:
         self.new_requests: list[NewRequestData] = []
         self.tracks: list[Track] = []
         self.num_prompt_tokens = 0
+        # constrained requests whose mask follows in StepBitmasks, in batch order
+        self.bitmasks_follow: list[RunningRequest] = []
 
     @property
     def num_tokens(self) -> int:
@@ -261,8 +286,11 @@ class _StepBuilder:
         self.num_prompt_tokens += num_tokens
 
     def add_decode(self, running: RunningRequest, new_block_ids: list[int]) -> None:
-        self.requests.append(running.schedule_decode(new_block_ids, self.step_id))
+        scheduled = running.schedule_decode(new_block_ids, self.step_id)
+        self.requests.append(scheduled)
         self.budget -= 1
+        if scheduled.bitmask_follows:
+            self.bitmasks_follow.append(running)
 
 
 class Scheduler:
@@ -270,8 +298,10 @@ class Scheduler:
     which KV blocks they get, who is preempted. Driven by ``run_scheduler``
     (and directly by tests); it never waits and never sends anything itself."""
 
-    def __init__(self, config: EngineConfig, num_kv_blocks: int) -> None:
+    def __init__(self, config: EngineConfig, num_kv_blocks: int,
+                 grammars: Grammars | None = None) -> None:
         self.config = config
+        self.grammars = grammars
         self.block_manager = BlockManager(num_kv_blocks, config.block_size)
         self.pipeline_depth = 2 if config.async_scheduling else 1
         self._orders_by_priority = config.scheduling_policy == "priority"
@@ -295,6 +325,8 @@ class Scheduler:
         self._caches_prefixes = config.enable_prefix_caching
         self._model_identity = model_identity(config)
         self._unsalted_root_hash = root_block_hash(self._model_identity, None)
+        # step id -> its constrained requests whose bitmasks follow, in batch order
+        self._bitmasks_follow: dict[int, list[RunningRequest]] = {}
         self.num_preemptions = 0
         self.num_steps = 0
         self.num_prompt_tokens = 0
@@ -385,6 +417,18 @@ class Scheduler:
                 self._stop(running)
         self.num_generation_tokens += len(deltas)
         return TokenBatch(deltas=deltas) if deltas else None
+
+    def step_bitmasks_after(self, step_id: int) -> StepBitmasks | None:
+        """The bitmasks step ``step_id + 1`` waits for, once step ``step_id`` is
+        reconciled (each from its request's confirmed output). A request that finished
+        or left since gets its grammar's mask all the same: its token is dropped."""
+        if step_id in self._in_flight_step_ids:
+            return None  # its tokens, which the masks depend on, are still to come
+        waiting = self._bitmasks_follow.pop(step_id + 1, None)
+        if waiting is None:
+            return None
+        return StepBitmasks(step_id=step_id + 1, token_bitmasks=[
+            running.next_token_bitmask() or b"" for running in waiting])
 
     def abort(self, request_id: str) -> TokenBatch | None:
         """Stop a running request, or forget a preempted one; its final (empty)
@@ -503,6 +547,7 @@ class Scheduler:
             return False
         running = RunningRequest(waiting, self._sort_key(waiting), step.step_id, prefix,
                                  admission.num_cached_tokens)
+        running.grammar = self._start_grammar(waiting)
         self._preempted_request_ids.discard(running.request_id)
         bisect.insort(self._running, running, key=_sort_key_of)
         self._running_by_id[running.request_id] = running
@@ -518,6 +563,19 @@ class Scheduler:
         if self._caches_prefixes:
             self._cache_full_blocks(running)
         return True
+
+    def _start_grammar(self, waiting: WaitingRequest) -> GrammarState | None:
+        """A constrained request's grammar, advanced past the output it already has
+        (a preempted request resumes where it was)."""
+        constraint = waiting.request.params.structured_outputs
+        if constraint is None:
+            return None
+        assert self.grammars is not None, "intake admits constraints only with grammars"
+        grammar = self.grammars.start(constraint)
+        for token_id in waiting.output_token_ids:
+            accepted = grammar.accept(token_id)
+            assert accepted, "its output was sampled under this grammar"
+        return grammar
 
     def _make_room(self, running: RunningRequest, num_blocks: int, step_id: int) -> bool:
         """Preempt the worst requests not yet scheduled in this step until
@@ -616,6 +674,8 @@ class Scheduler:
                                finished_request_ids=self._stopped_request_ids,
                                num_tokens=step.num_tokens)
         self._stopped_request_ids = []
+        if step.bitmasks_follow:
+            self._bitmasks_follow[step.step_id] = step.bitmasks_follow
         self._in_flight_step_ids.append(step.step_id)
         self._next_step_id += 1
         self.num_steps += 1
@@ -745,14 +805,14 @@ class _Outboxes:
 async def run_scheduler(
     inbox: trio.MemoryReceiveChannel[SchedulerInbox],
     queue_outbox: trio.MemorySendChannel[QueueInbox],
-    runner_outbox: trio.MemorySendChannel[ScheduledBatch],
+    runner_outbox: trio.MemorySendChannel[RunnerInbox],
     detokenizer_outbox: trio.MemorySendChannel[DetokenizerInbox],
     scheduler: Scheduler,
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Consume Pulled, StepResult, Abort and StopStringHit; emit Pull, Requeue
-    and AbortOutcome to the queue, ScheduledBatch to the runner, Track and
+    and AbortOutcome to the queue, ScheduledBatch and StepBitmasks to the runner, Track and
     TokenBatch to the detokenizer.
 
     Plans a step whenever fewer than the pipeline depth are in flight; waits
@@ -798,6 +858,9 @@ async def _handle(message: SchedulerInbox, scheduler: Scheduler, outboxes: _Outb
     match message:
         case StepResult():
             tokens = scheduler.on_step_result(message)
+            bitmasks = scheduler.step_bitmasks_after(message.step_id)
+            if bitmasks is not None:  # the runner waits for them: first
+                await outboxes.runner.send(bitmasks)
             if tokens is not None:
                 await outboxes.detokenizer.send(tokens)
         case Abort(request_id=request_id):

@@ -19,6 +19,7 @@ import trio
 from trio_llm.actors.config import EngineConfig
 from trio_llm.actors.detokenizer import Detokenizer, run_detokenizer
 from trio_llm.actors.errors import EngineDead
+from trio_llm.actors.grammar import Grammars
 from trio_llm.actors.intake import Intake, run_intake
 from trio_llm.actors.messages import IntakeInbox
 from trio_llm.actors.queue import WaitingQueue, run_queue
@@ -81,10 +82,13 @@ async def run_supervisor(
     gets EngineDead, the engine is marked dead, and the supervisor returns:
     the facade makes the failure loud at its exit.
     """
+    # one grammar cache: what intake compiles, the scheduler finds compiled
+    grammars = Grammars(tokenizer, vocab_size)
     intake = Intake(config, tokenizer, max_model_len=max_model_len,
-                    num_kv_tokens=num_kv_blocks * config.block_size, vocab_size=vocab_size)
+                    num_kv_tokens=num_kv_blocks * config.block_size, vocab_size=vocab_size,
+                    grammars=grammars)
     queue = WaitingQueue(config)
-    scheduler = Scheduler(config, num_kv_blocks)
+    scheduler = Scheduler(config, num_kv_blocks, grammars)
     detokenizer = Detokenizer(tokenizer)
     scheduler_buffer = 2 * (config.max_num_seqs + config.max_waiting_requests) + 16
 

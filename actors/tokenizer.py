@@ -87,18 +87,19 @@ class Tokenizer:
     def decode(self, token_ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], *,
-                            add_generation_prompt: bool = True) -> str:
-        """Render a conversation to the prompt text the model was trained on.
+    def apply_chat_template(self, messages: list[dict[str, Any]], *,
+                            add_generation_prompt: bool = True, **variables: Any) -> str:
+        """Render a conversation to the prompt text the model was trained on;
+        ``variables`` (tools, enable_thinking, ...) are the template's too.
 
         Raises RequestRejected when the model has no chat template or the
         template rejects the conversation.
         """
         template = self._template()
         try:
-            return str(template.render(messages=messages,
-                                       add_generation_prompt=add_generation_prompt,
-                                       **self.special_tokens))
+            return str(template.render(**{**self.special_tokens, **variables},
+                                       messages=messages,
+                                       add_generation_prompt=add_generation_prompt))
         except TemplateError as error:
             raise RequestRejected(f"the chat template failed: {error}",
                                   param="messages") from error

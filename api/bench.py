@@ -20,7 +20,12 @@ from typing import Any
 import msgspec
 
 from trio_llm.actors.config import EngineConfig
-from trio_llm.actors.messages import SamplingParams, ScheduledBatch, StepResult
+from trio_llm.actors.messages import (
+    SamplingParams,
+    ScheduledBatch,
+    StepResult,
+    StructuredOutputsParams,
+)
 
 
 class WorkloadItem(msgspec.Struct, frozen=True):
@@ -91,9 +96,13 @@ def progress_bar(**options: Any) -> Any:
 
 async def run_engine_throughput(config: EngineConfig, model: Any, workload: list[WorkloadItem],
                                 *, temperature: float, executor_kind: str,
-                                progress: bool) -> dict[str, Any]:
+                                progress: bool,
+                                constraints: dict[int, StructuredOutputsParams] | None = None,
+                                ) -> dict[str, Any]:
     """Submit the whole workload at once to an engine over ``model`` (a
-    ModelExecutor); return measured figures."""
+    ModelExecutor); return measured figures. ``constraints`` maps a request's index
+    to its structured-outputs constraint (those requests end at EOS too: a grammar
+    decides where its output ends)."""
     import trio
 
     from trio_llm.api.engine import Engine
@@ -105,8 +114,10 @@ async def run_engine_throughput(config: EngineConfig, model: Any, workload: list
 
     async def one(engine: Engine, index: int, item: WorkloadItem) -> None:
         nonlocal num_output_tokens
+        constraint = (constraints or {}).get(index)
         params = SamplingParams(max_tokens=item.max_tokens, temperature=temperature,
-                                ignore_eos=True, seed=index)
+                                ignore_eos=constraint is None, seed=index,
+                                structured_outputs=constraint)
         async for output in engine.generate(item.prompt_token_ids, params):
             num_output_tokens += len(output.token_ids)
             bar.update(len(output.token_ids))

@@ -17,6 +17,7 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
+from typing import Any
 
 import trio
 
@@ -102,11 +103,15 @@ class Engine:
                         cache_salt=cache_salt)
         return self._run(submit)
 
-    def chat(self, messages: list[dict[str, str]], params: SamplingParams | None = None, *,
+    def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None, *,
              priority: int = 0, request_id: str | None = None,
+             tools: list[dict[str, Any]] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None,
              cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Like generate, for a conversation rendered with the model's chat template."""
+        """Like generate, for a conversation rendered with the model's chat template
+        (with ``tools`` and ``chat_template_kwargs``, when given, as template variables)."""
         submit = Submit(request_id=request_id or self._new_request_id(), messages=messages,
+                        tools=tools, chat_template_kwargs=chat_template_kwargs,
                         params=params or SamplingParams(), priority=priority,
                         arrival_time=trio.current_time(), cache_salt=cache_salt)
         return self._run(submit)

@@ -20,7 +20,13 @@ from typing import Annotated, Any, Literal, TypeVar
 import msgspec
 
 from trio_llm.actors.errors import RequestRejected
-from trio_llm.actors.messages import RequestOutput, SamplingParams, TokenLogprobs
+from trio_llm.actors.messages import (
+    RequestOutput,
+    SamplingParams,
+    StructuredOutputsParams,
+    TokenLogprobs,
+)
+from trio_llm.api.tool_calls import ChatOutputParser, ParsedOutput, visible_content
 
 T = TypeVar("T")
 
@@ -44,6 +50,34 @@ class StreamOptions(msgspec.Struct, kw_only=True):
     """``include_usage`` adds a last chunk with no choices and the token counts."""
 
     include_usage: bool = False
+
+
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    """OpenAI's ``response_format.json_schema``. The schema is always enforced
+    exactly, ``strict`` or not (constrained decoding has no loose mode)."""
+
+    name: str = "response"
+    description: str | None = None
+    schema: dict[str, Any] | bool | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    """OpenAI's ``response_format``: text, any JSON object, or a JSON Schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's ``structured_outputs`` field: exactly one of these constraints.
+    Unknown keys are refused rather than ignored."""
+
+    json: dict[str, Any] | bool | str | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
 
 class _GenerationFields(msgspec.Struct, kw_only=True):
@@ -72,6 +106,8 @@ class _GenerationFields(msgspec.Struct, kw_only=True):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
 
 
 class CompletionRequest(_GenerationFields, kw_only=True):
@@ -91,9 +127,42 @@ class ContentPart(msgspec.Struct, kw_only=True):
 
 
 class ChatMessage(msgspec.Struct, kw_only=True):
+    """``tool_calls`` (an assistant's earlier calls) and ``tool_call_id`` (a tool's
+    answer) go to the chat template as they came."""
+
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDefinition(msgspec.Struct, kw_only=True):
+    """A function the model may call; ``parameters`` a JSON Schema of its arguments."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(msgspec.Struct, kw_only=True):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(msgspec.Struct, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True):
+    """``tool_choice`` naming the one function to call."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class ChatCompletionRequest(_GenerationFields, kw_only=True):
@@ -103,9 +172,10 @@ class ChatCompletionRequest(_GenerationFields, kw_only=True):
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
     top_logprobs: NumLogprobs | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
@@ -192,14 +262,49 @@ class ChatLogprobs(msgspec.Struct, kw_only=True):
     content: list[ChatTokenLogprob] = []
 
 
-class ChatResponseMessage(msgspec.Struct, kw_only=True):
-    role: str = "assistant"
-    content: str = ""
+class FunctionCall(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionCallDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A streamed tool call: its first delta has id, type and name; later ones
+    carry argument fragments only."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta | None = None
+
+
+class ChatResponseMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """``reasoning_content`` and ``reasoning`` (vLLM's two names for it) only with a
+    reasoning parser, ``tool_calls`` only when there are calls."""
+
+    role: str
+    content: str | None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):
@@ -312,12 +417,46 @@ def completion_prompt(request: CompletionRequest) -> str | list[int]:
                           "batched prompts are not supported", param="prompt")
 
 
-def chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
-    """Messages as the chat template takes them: text parts joined, one string each."""
+def chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template takes them: text parts joined, one string each
+    (with an assistant's tool calls and a tool answer's call id when they have them)."""
     if not messages:
         raise RequestRejected("messages must not be empty", param="messages")
-    return [{"role": message.role, "content": _message_text(message, index)}
-            for index, message in enumerate(messages)]
+    return [_template_message(message, index) for index, message in enumerate(messages)]
+
+
+# Template variables the server sets itself; chat_template_kwargs may not.
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "tools"})
+
+
+def checked_template_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    reserved = sorted(RESERVED_TEMPLATE_VARIABLES & set(kwargs))
+    if reserved:
+        raise RequestRejected(f"chat_template_kwargs may not set {', '.join(reserved)}",
+                              param="chat_template_kwargs")
+    return kwargs
+
+
+def _template_message(message: ChatMessage, index: int) -> dict[str, Any]:
+    rendered: dict[str, Any] = {"role": message.role, "content": _message_text(message, index)}
+    if message.tool_calls is not None:
+        rendered["tool_calls"] = [_template_tool_call(call) for call in message.tool_calls]
+    if message.tool_call_id is not None:
+        rendered["tool_call_id"] = message.tool_call_id
+    return rendered
+
+
+def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
+    """An earlier call as templates read it: arguments as an object where they parse
+    (Qwen's templates print ``arguments | tojson`` unless it is a string)."""
+    function = dict(call.get("function") or {})
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            function["arguments"] = msgspec.json.decode(arguments)
+        except msgspec.DecodeError:
+            pass
+    return {**call, "function": function}
 
 
 def _message_text(message: ChatMessage, index: int) -> str:
@@ -339,7 +478,8 @@ def completion_sampling_params(request: CompletionRequest) -> SamplingParams:
     if request.suffix is not None:
         raise RequestRejected("suffix is not supported", param="suffix")
     return _sampling_params(request, max_tokens=request.max_tokens or 16,
-                            num_logprobs=request.logprobs)
+                            num_logprobs=request.logprobs,
+                            structured_outputs=structured_outputs_of(request))
 
 
 def requested_max_tokens(request: ChatCompletionRequest) -> int | None:
@@ -347,21 +487,70 @@ def requested_max_tokens(request: ChatCompletionRequest) -> int | None:
     return request.max_completion_tokens or request.max_tokens
 
 
-def chat_sampling_params(request: ChatCompletionRequest, *,
-                         max_tokens: int | None) -> SamplingParams:
+def chat_sampling_params(request: ChatCompletionRequest, *, max_tokens: int | None,
+                         tool_constraint: StructuredOutputsParams | None = None
+                         ) -> SamplingParams:
     """SamplingParams of a chat request. ``max_tokens`` None (no limit asked)
     lets the reply fill what is left of the context, as OpenAI's does: the
-    engine's intake resolves it once it has the prompt's length."""
+    engine's intake resolves it once it has the prompt's length.
+    ``tool_constraint``: what tool_choice required or named constrains it to."""
     _reject_unsupported(request)
-    _reject_chat_unsupported(request)
     if request.top_logprobs is not None and not request.logprobs:
         raise RequestRejected("top_logprobs needs logprobs set to true", param="top_logprobs")
     num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
-    return _sampling_params(request, max_tokens=max_tokens, num_logprobs=num_logprobs)
+    constraint = structured_outputs_of(request)
+    if constraint is not None and tool_constraint is not None:
+        raise RequestRejected("a required or named tool_choice already constrains the output; "
+                              "drop response_format / structured_outputs", param="tool_choice")
+    return _sampling_params(request, max_tokens=max_tokens, num_logprobs=num_logprobs,
+                            structured_outputs=constraint or tool_constraint)
+
+
+def structured_outputs_of(request: _GenerationFields) -> StructuredOutputsParams | None:
+    """The request's output constraint, from ``response_format`` or vLLM's
+    ``structured_outputs`` (not both); None for plain text."""
+    from_format = _response_format_constraint(request.response_format)
+    given = request.structured_outputs
+    if given is None:
+        return from_format
+    if from_format is not None:
+        raise RequestRejected("give response_format or structured_outputs, not both",
+                              param="structured_outputs")
+    return StructuredOutputsParams(
+        json=_schema_text(given.json, "structured_outputs.json"),
+        json_object=bool(given.json_object), regex=given.regex, choice=given.choice,
+        grammar=given.grammar)
+
+
+def _response_format_constraint(response_format: ResponseFormat | None
+                                ) -> StructuredOutputsParams | None:
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if response_format.json_schema is None or response_format.json_schema.schema is None:
+        raise RequestRejected("response_format of type json_schema needs json_schema.schema",
+                              param="response_format.json_schema.schema")
+    return StructuredOutputsParams(json=_schema_text(response_format.json_schema.schema,
+                                                     "response_format.json_schema.schema"))
+
+
+def _schema_text(schema: dict[str, Any] | bool | str | None, param: str) -> str | None:
+    """A JSON Schema as the grammar compiler takes it: serialised JSON."""
+    if schema is None:
+        return None
+    if isinstance(schema, str):
+        try:
+            msgspec.json.decode(schema)
+        except msgspec.DecodeError as error:
+            raise RequestRejected(f"{param} is not valid JSON: {error}", param=param) from None
+        return schema
+    return msgspec.json.encode(schema).decode()
 
 
 def _sampling_params(request: _GenerationFields, *, max_tokens: int | None,
-                     num_logprobs: int | None) -> SamplingParams:
+                     num_logprobs: int | None,
+                     structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
     if max_tokens is not None and request.min_tokens > max_tokens:
         raise RequestRejected(f"min_tokens ({request.min_tokens}) is over max_tokens "
                               f"({max_tokens})", param="min_tokens")
@@ -381,6 +570,7 @@ def _sampling_params(request: _GenerationFields, *, max_tokens: int | None,
         include_stop_str_in_output=request.include_stop_str_in_output,
         logprobs=num_logprobs,
         skip_special_tokens=request.skip_special_tokens,
+        structured_outputs=structured_outputs,
     )
 
 
@@ -401,14 +591,6 @@ def _reject_unsupported(request: _GenerationFields) -> None:
             raise RequestRejected(f"{name} is not supported", param=name)
     if request.logit_bias:
         raise RequestRejected("logit_bias is not supported", param="logit_bias")
-
-
-def _reject_chat_unsupported(request: ChatCompletionRequest) -> None:
-    if request.tools or request.tool_choice not in (None, "none"):
-        raise RequestRejected("tool calling is not supported", param="tools")
-    if request.response_format and request.response_format.get("type") != "text":
-        raise RequestRejected("only the text response_format is supported",
-                              param="response_format")
 
 
 # -- engine outputs -> responses ------------------------------------------------
@@ -524,6 +706,11 @@ class CompletionBuilder(_OutputBuilder):
         return top
 
 
+def _chat_finish_reason(finish_reason: str | None, calls: Sequence[object]) -> str | None:
+    """"tool_calls" for a message that ended by itself with calls in it."""
+    return "tool_calls" if finish_reason == "stop" and calls else finish_reason
+
+
 def _extend_completion_logprobs(total: CompletionLogprobs | None,
                                 delta: CompletionLogprobs) -> CompletionLogprobs:
     if total is None:
@@ -539,16 +726,26 @@ def _extend_completion_logprobs(total: CompletionLogprobs | None,
 class ChatBuilder(_OutputBuilder):
     """Turns one request's outputs into /v1/chat/completions chunks or one response.
 
-    The first chunk carries the role, as OpenAI's streams do.
+    The first chunk carries the role, as OpenAI's streams do. With a ``parser``
+    (reasoning and/or tool calls, api/tool_calls.py) each chunk carries what the
+    parse of the whole text so far adds to the previous one, so the stream
+    reassembles into exactly the non-streamed message.
     """
 
+    parser: ChatOutputParser | None = None
     _logprobs: ChatLogprobs | None = field(default=None, init=False)
     _sent_role: bool = field(default=False, init=False)
+    _text: str = field(default="", init=False)
+    _num_reasoning_sent: int = field(default=0, init=False)
+    _num_content_sent: int = field(default=0, init=False)
+    _num_arguments_sent: list[int] = field(default_factory=list, init=False)
 
     def chunk(self, output: RequestOutput) -> ChatCompletionChunk | None:
         """The chunk to stream for ``output``; None when it carries nothing to send."""
         self._last = output
         logprobs = self._delta_logprobs(output)
+        if self.parser is not None:
+            return self._parsed_chunk(output, logprobs)
         if not (output.text or output.finished or logprobs or not self._sent_role):
             return None
         delta = ChatDelta(content=output.text)
@@ -558,6 +755,53 @@ class ChatBuilder(_OutputBuilder):
                                  finish_reason=output.finish_reason,
                                  stop_reason=output.stop_reason)
         return self._chunk([choice])
+
+    def _parsed_chunk(self, output: RequestOutput,
+                      logprobs: ChatLogprobs | None) -> ChatCompletionChunk | None:
+        assert self.parser is not None
+        self._text += output.text
+        parsed = self.parser.parse(self._text, is_final=output.finished)
+        delta = self._delta_since_last(parsed, is_final=output.finished)
+        is_empty = delta == ChatDelta()
+        if not self._sent_role:
+            delta.role, self._sent_role = "assistant", True
+        elif is_empty and not (output.finished or logprobs):
+            return None
+        finish_reason = _chat_finish_reason(output.finish_reason, parsed.calls)
+        choice = ChatChunkChoice(index=0, delta=delta, logprobs=logprobs,
+                                 finish_reason=finish_reason, stop_reason=output.stop_reason)
+        return self._chunk([choice])
+
+    def _delta_since_last(self, parsed: ParsedOutput, *, is_final: bool) -> ChatDelta:
+        assert self.parser is not None
+        delta = ChatDelta()
+        reasoning = parsed.reasoning or ""
+        if len(reasoning) > self._num_reasoning_sent:
+            delta.reasoning_content = delta.reasoning = reasoning[self._num_reasoning_sent:]
+            self._num_reasoning_sent = len(reasoning)
+        # blank text before tool calls is no content (visible_content): hold it back
+        shown = parsed.content if (parsed.content.strip()
+                                   or (is_final and not parsed.calls)) else ""
+        if len(shown) > self._num_content_sent:
+            delta.content = shown[self._num_content_sent:]
+            self._num_content_sent = len(shown)
+        calls = [call_delta for index, call in enumerate(parsed.calls)
+                 if (call_delta := self._call_delta(index, call.name, call.arguments))]
+        if calls:
+            delta.tool_calls = calls
+        return delta
+
+    def _call_delta(self, index: int, name: str, arguments: str) -> ToolCallDelta | None:
+        assert self.parser is not None
+        sent = self._num_arguments_sent
+        if index == len(sent):
+            sent.append(len(arguments))
+            return ToolCallDelta(index=index, id=self.parser.call_id(index), type="function",
+                                 function=FunctionCallDelta(name=name, arguments=arguments))
+        if len(arguments) <= sent[index]:
+            return None
+        fragment, sent[index] = arguments[sent[index]:], len(arguments)
+        return ToolCallDelta(index=index, function=FunctionCallDelta(arguments=fragment))
 
     def add(self, output: RequestOutput) -> None:
         """Accumulate ``output`` for a non-streamed response."""
@@ -570,9 +814,22 @@ class ChatBuilder(_OutputBuilder):
 
     def response(self) -> ChatCompletionResponse:
         last = self._require_last()
-        message = ChatResponseMessage(content="".join(self._text_parts))
+        text = "".join(self._text_parts)
+        finish_reason = last.finish_reason
+        if self.parser is None:
+            message = ChatResponseMessage(role="assistant", content=text)
+        else:
+            parsed = self.parser.parse(text, is_final=True)
+            message = ChatResponseMessage(
+                role="assistant", content=visible_content(parsed),
+                reasoning_content=parsed.reasoning, reasoning=parsed.reasoning,
+                tool_calls=[ToolCall(id=self.parser.call_id(index),
+                                     function=FunctionCall(name=call.name,
+                                                           arguments=call.arguments))
+                            for index, call in enumerate(parsed.calls)] or None)
+            finish_reason = _chat_finish_reason(finish_reason, parsed.calls)
         choice = ChatChoice(index=0, message=message, logprobs=self._logprobs,
-                            finish_reason=last.finish_reason, stop_reason=last.stop_reason)
+                            finish_reason=finish_reason, stop_reason=last.stop_reason)
         return ChatCompletionResponse(id=self.response_id, created=self.created,
                                       model=self.model, choices=[choice], usage=usage_of(last))
 

@@ -41,6 +41,15 @@ from trio_llm.actors.messages import RequestOutput
 from trio_llm.api import protocol
 from trio_llm.api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from trio_llm.api.metrics import RequestTimer, ServerMetrics
+from trio_llm.api.reasoning_parsers import REASONING_PARSERS
+from trio_llm.api.tool_calls import (
+    ChatOutputParser,
+    ToolServingOptions,
+    check_serving_options,
+    plan_tool_calls,
+    reasoning_parser_for,
+)
+from trio_llm.api.tool_parsers import TOOL_PARSERS
 
 if TYPE_CHECKING:
     from trio_llm.api.engine import Engine
@@ -74,6 +83,10 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_body_bytes: Annotated[int, msgspec.Meta(ge=1)] = DEFAULT_MAX_BODY_BYTES
     shutdown_grace_seconds: Annotated[float, msgspec.Meta(ge=0.0)] = 5.0
     retry_after_seconds: Annotated[int, msgspec.Meta(ge=0)] = 1
+    # tool calling and reasoning (api/tool_calls.py), vLLM's flags
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
 
 
 # -- the app ------------------------------------------------------------------------
@@ -118,6 +131,10 @@ class OpenAIServer:
         self.open_requests = OpenRequests()
         self.created = int(time.time())
         self._api_key = None if config.api_key is None else f"Bearer {config.api_key}".encode()
+        self.tool_options = ToolServingOptions(
+            enable_auto_tool_choice=config.enable_auto_tool_choice,
+            tool_call_parser=config.tool_call_parser, reasoning_parser=config.reasoning_parser)
+        check_serving_options(self.tool_options)
 
     # -- generation ---------------------------------------------------------------
 
@@ -137,11 +154,27 @@ class OpenAIServer:
         body = protocol.decode_request(await request.get_data(), protocol.ChatCompletionRequest)
         self._check_model(body.model)
         messages = protocol.chat_messages(body.messages)
-        params = protocol.chat_sampling_params(body, max_tokens=protocol.requested_max_tokens(body))
+        tool_plan = plan_tool_calls(body.tools, body.tool_choice,
+                                    parallel_tool_calls=body.parallel_tool_calls,
+                                    options=self.tool_options)
+        params = protocol.chat_sampling_params(body, max_tokens=protocol.requested_max_tokens(body),
+                                               tool_constraint=tool_plan.constraint)
+        reasoning = reasoning_parser_for(self.tool_options)
+        parser = (ChatOutputParser(reasoning=reasoning, tools=tool_plan.parser,
+                                   max_calls=tool_plan.max_calls)
+                  if reasoning is not None or tool_plan.parser is not None else None)
         builder = protocol.ChatBuilder(response_id=f"chatcmpl-{uuid.uuid4().hex}",
-                                       model=self.model_name, token_text=self._token_text)
+                                       model=self.model_name, token_text=self._token_text,
+                                       parser=parser)
+        template_variables: dict[str, Any] = {}
+        if body.tools:
+            template_variables["tools"] = [msgspec.to_builtins(tool) for tool in body.tools]
+        if body.chat_template_kwargs:
+            template_variables["chat_template_kwargs"] = protocol.checked_template_kwargs(
+                body.chat_template_kwargs)
         outputs = self.engine.chat(messages, params, priority=body.priority,
-                                   request_id=builder.response_id, cache_salt=body.cache_salt)
+                                   request_id=builder.response_id, cache_salt=body.cache_salt,
+                                   **template_variables)
         return await self.respond(outputs, builder, body)
 
     async def respond(self, outputs: AsyncIterator[RequestOutput],
@@ -502,6 +535,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                        help="largest request body accepted (HTTP 413 above)")
     group.add_argument("--shutdown-grace-seconds", type=float, default=None,
                        help="how long open requests may finish on SIGTERM")
+    group.add_argument("--enable-auto-tool-choice", action="store_true", default=None,
+                       help='serve tool_choice "auto" (needs --tool-call-parser)')
+    group.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                       help="how tool calls are found in generated text")
+    group.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                       help="split reasoning (<think>...</think>) into reasoning_content")
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:

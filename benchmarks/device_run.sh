@@ -50,12 +50,14 @@ for part in "$@"; do
   case $part in
     tests) run tests 300 python3 -m pytest -q -s -p no:cacheprovider -rs \
              tests/test_triton_attention.py tests/test_triton_layers.py tests/test_triton_sampling.py tests/test_triton_gemv.py \
-             tests/test_gpu_executor.py tests/test_prefix_caching.py::test_gpu_executor_continues_after_a_cached_prefix ;;
+             tests/test_gpu_executor.py tests/test_token_bitmask.py \
+             tests/test_prefix_caching.py::test_gpu_executor_continues_after_a_cached_prefix ;;
     profile-*) run "$part" 200 python3 benchmarks/step_profile.py --model "qwen3-${part#profile-}" ;;
     decode-*) run "$part" 240 python3 benchmarks/gpu_bench.py decode --model "qwen3-${part#decode-}" ;;
     mixed-*) run "$part" 300 python3 benchmarks/gpu_bench.py mixed --model "qwen3-${part#mixed-}" ;;
     long-*) run "$part" 200 python3 benchmarks/gpu_bench.py long --model "qwen3-${part#long-}" ;;
     throughput-*) run "$part" 300 python3 benchmarks/gpu_bench.py throughput --model "qwen3-${part#throughput-}" ;;
+    structured-*) run "$part" 420 python3 benchmarks/gpu_bench.py structured --model "qwen3-${part#structured-}" ;;
     transformers-*) run "$part" 240 python3 benchmarks/gpu_bench.py transformers --model "qwen3-${part#transformers-}" --time-limit 120 ;;
     kernels) run kernels 300 python3 benchmarks/kernel_bench.py ;;
     gemv) run gemv 240 python3 benchmarks/gemv_bench.py ;;

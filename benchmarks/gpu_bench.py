@@ -3,6 +3,7 @@
     python3 benchmarks/gpu_bench.py decode --model qwen3-0.6b      # (b) and (c)
     python3 benchmarks/gpu_bench.py throughput --model qwen3-0.6b  # (a), (c) and the profile
     python3 benchmarks/gpu_bench.py transformers --model qwen3-0.6b --time-limit 150  # (e)
+    python3 benchmarks/gpu_bench.py structured --model qwen3-0.6b  # structured outputs cost
 
 decode: one request, a 128-token prompt, 256 new tokens (greedy, ignore_eos),
 through the whole engine at depth 1 and depth 2, and through the executor
@@ -27,6 +28,12 @@ and decodes.
 long: one request of a 32,000-token prompt and 256 new tokens (greedy), through
 the engine at depth 2 and 1: time to the first token (the chunked prefill) and
 milliseconds per output token over the decode steps.
+
+structured: the throughput workload at depth 2 (``--num-prompts`` 256, all at once),
+first unconstrained, then with every fourth request (64 of 256) constrained by a
+JSON schema (an object with a free string field: random weights run it to max_tokens);
+output tokens/s of both and their ratio. An untimed constrained warm-up compiles the
+grammar (and xgrammar's view of the vocabulary) first.
 """
 
 from __future__ import annotations
@@ -229,6 +236,42 @@ def _throughput(args: argparse.Namespace, *, num_prompts: int, prompt_len: tuple
     return results
 
 
+def run_structured(args: argparse.Namespace) -> dict[str, Any]:
+    import trio
+
+    from trio_llm.actors.messages import StructuredOutputsParams
+    from trio_llm.api.bench import random_workload, run_engine_throughput
+
+    schema = {"type": "object", "properties": {"text": {"type": "string"},
+                                               "count": {"type": "integer"}},
+              "required": ["text", "count"]}
+    constraint = StructuredOutputsParams(json=json.dumps(schema))
+    executor = create_executor(engine_config(args.model, depth=2), measure_device_time=True)
+    max_token_id = min(10000, executor.vocab_size)
+    workload = random_workload(seed=0, num_prompts=args.num_prompts, prompt_len=(100, 1024),
+                               output_len=(100, 1024), max_token_id=max_token_id)
+    constrained = {index: constraint for index in range(0, args.num_prompts, 4)}
+    warm_up = random_workload(seed=1, num_prompts=64, prompt_len=(100, 1024),
+                              output_len=(16, 64), max_token_id=max_token_id)
+    config = engine_config(args.model, depth=2)
+
+    def run(items: list[Any], constraints: dict[int, Any]) -> dict[str, Any]:
+        executor.drain()
+        return trio.run(lambda: run_engine_throughput(
+            config, executor, items, temperature=0.6, executor_kind="model", progress=False,
+            constraints=constraints))
+
+    run(warm_up, {index: constraint for index in range(0, 64, 4)})
+    results: dict[str, Any] = {"model": args.model, "num_prompts": args.num_prompts,
+                               "num_constrained": len(constrained), "schema": schema}
+    results["unconstrained"] = run(workload, {})
+    results["constrained"] = run(workload, constrained)
+    results["constrained_over_unconstrained"] = (
+        results["constrained"]["output_tokens_per_second"]
+        / results["unconstrained"]["output_tokens_per_second"])
+    return results
+
+
 def _stats_snapshot(executor: CudaModelExecutor) -> dict[str, float]:
     stats = executor.stats
     snapshot: dict[str, float] = {}
@@ -325,7 +368,7 @@ def main() -> None:
     commands = parser.add_subparsers(dest="command", required=True)
     for name, run in (("decode", run_decode), ("throughput", run_throughput),
                       ("mixed", run_mixed), ("long", run_long),
-                      ("transformers", run_transformers)):
+                      ("transformers", run_transformers), ("structured", run_structured)):
         command = commands.add_parser(name)
         command.add_argument("--model", default="qwen3-0.6b")
         command.add_argument("--num-prompts", type=int, default=None,

@@ -26,18 +26,25 @@ the compute that read them, its pinned inputs only after their upload
 (gpu/cuda_streams.py). The upload's layout and a graph step's padding are in
 gpu/step_packing.py.
 
+A step with constrained rows whose grammar bitmasks follow (``bitmask_follows``:
+they depend on the token the previous step is still sampling) is launched up to
+its logits; ``supply_bitmasks`` enqueues its sampling and download once the
+scheduler sent them, while the forward pass computes.
+
 On the CPU the same code runs with the streams and events reduced to no-ops,
 which is how its bookkeeping is tested without a GPU.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from trio_llm.actors.config import EngineConfig
@@ -62,7 +69,7 @@ from trio_llm.gpu.cuda_sampler import (
 from trio_llm.gpu.cuda_streams import DoneEvent, Event, Lane
 from trio_llm.gpu.executor import GIB, ModelExecutor, RequestState, kv_slots
 from trio_llm.gpu.model import AttentionMetadata, CausalLM
-from trio_llm.gpu.sampler import SamplingRow, raw_logprobs
+from trio_llm.gpu.sampler import SamplingRow, bitmask_rows, raw_logprobs
 from trio_llm.gpu.step_packing import (
     FLOAT_SEGMENTS,
     INT_SEGMENTS,
@@ -136,6 +143,17 @@ class ExecutorStatistics:
 
 
 @dataclass(slots=True)
+class ForwardState:
+    """A step launched up to its logits, whose sampling is still to be enqueued."""
+
+    step: HostStep
+    plan: SamplingPlan
+    inputs: DeviceSamplingInputs
+    logits: torch.Tensor
+    compute_started: Event | None
+
+
+@dataclass(slots=True)
 class PendingStep:
     """A launched step. ``wait`` blocks (call it from a worker thread)."""
 
@@ -148,6 +166,8 @@ class PendingStep:
     num_logprobs: list[int | None] = field(default_factory=list)
     compute_started: Event | None = None
     compute_done: Event | None = None
+    # set while the step waits for supply_bitmasks: its sampling is not enqueued yet
+    forward: ForwardState | None = None
 
     def is_ready(self) -> bool:
         return bool(self.done.done)
@@ -261,6 +281,45 @@ class CudaModelExecutor(ModelExecutor):
         self._num_launches += 1
         self._outstanding.append(pending)
         return pending, kind
+
+    def supply_bitmasks(self, pending: PendingStep, token_bitmasks: list[bytes]) -> None:
+        """Enqueue the sampling of a step launched with rows whose bitmasks follow:
+        ``token_bitmasks`` are theirs, in batch order (StepBitmasks)."""
+        forward = pending.forward
+        assert forward is not None, "this step is not waiting for bitmasks"
+        started = time.perf_counter()
+        rows = list(forward.step.sampling_rows)
+        awaiting = forward.step.rows_awaiting_bitmasks
+        assert len(awaiting) == len(token_bitmasks), "one bitmask per row that waits"
+        for index, token_bitmask in zip(awaiting, token_bitmasks, strict=True):
+            rows[index] = dataclasses.replace(rows[index], token_bitmask=token_bitmask)
+        forward.plan, forward.inputs = self._with_bitmasks(forward, rows)
+        self._enqueue_sampling(pending)
+        self.stats.launch_seconds += time.perf_counter() - started
+
+    def _with_bitmasks(self, forward: ForwardState, rows: list[SamplingRow]
+                       ) -> tuple[SamplingPlan, DeviceSamplingInputs]:
+        """The plan and device inputs of ``forward`` with every row's bitmask (those
+        packed at launch and those that followed), uploaded on the compute stream."""
+        indices, packed = bitmask_rows(rows)
+        num_words = len(packed) // 4
+        if num_words % 2:
+            packed += bytes(4)
+        words = np.frombuffer(packed, dtype=np.int64)
+        plan = dataclasses.replace(forward.plan, bitmask_rows=indices, bitmask_words=words,
+                                   num_bitmask_words=num_words)
+        with self.compute.context():
+            inputs = dataclasses.replace(
+                forward.inputs, bitmask_rows=self._to_device(torch.tensor(indices)),
+                bitmask_words=self._to_device(torch.from_numpy(words.copy())))
+        return plan, inputs
+
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """An asynchronous upload from pinned memory (torch's pinned-memory cache keeps
+        the buffer until the copy is done); a plain copy on the CPU."""
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     def collect(self, pending: PendingStep) -> StepResult:
         """The step's StepResult; waits for it if it is not done yet."""
@@ -384,7 +443,10 @@ class CudaModelExecutor(ModelExecutor):
             table_rows.append(row)
             if scheduled.sample:
                 logits_indices.append(len(token_ids) - 1)
-                sampling_rows.append(SamplingRow(state.sampling, scheduled.output_index))
+                if scheduled.bitmask_follows:
+                    step.rows_awaiting_bitmasks.append(len(sampling_rows))
+                sampling_rows.append(SamplingRow(state.sampling, scheduled.output_index,
+                                                 scheduled.token_bitmask))
                 sampled_request_ids.append(request_id)
         step.num_seqs = len(batch.requests)
         step.num_tokens = len(token_ids)
@@ -450,24 +512,41 @@ class CudaModelExecutor(ModelExecutor):
             ints = Segments(slot.device_ints, int_offsets)
             floats = Segments(slot.device_floats, float_offsets)
             logits = self._compute_logits(step, ints)
-            sampled = sample_on_device(logits, plan, _sampling_inputs(ints, floats))
-            num_rows = len(step.sampled_request_ids)
+        pending = PendingStep(step_id=step.step_id, request_ids=step.sampled_request_ids,
+                              done=DoneEvent(), slot=slot,
+                              forward=ForwardState(step=step, plan=plan,
+                                                   inputs=_sampling_inputs(ints, floats),
+                                                   logits=logits,
+                                                   compute_started=compute_started))
+        if not step.rows_awaiting_bitmasks:
+            self._enqueue_sampling(pending)
+        return pending
+
+    def _enqueue_sampling(self, pending: PendingStep) -> None:
+        """Sample the step's logits on the compute stream, then download the ids."""
+        forward, slot = pending.forward, pending.slot
+        assert forward is not None and slot is not None
+        plan, logits = forward.plan, forward.logits
+        with self.compute.context(), torch.inference_mode():
+            sampled = sample_on_device(logits, plan, forward.inputs)
+            num_rows = len(pending.request_ids)
             self.device_sampled[slot.index, :num_rows].copy_(sampled)
             wants_logprobs = any(count is not None for count in plan.num_logprobs)
             # a graph's logits buffer is rewritten by its next replay, which may come
             # before this step is collected
             kept_logits = logits.clone() if wants_logprobs else None
-            slot.compute_done = self.compute.record(timing=compute_started is not None)
+            slot.compute_done = self.compute.record(
+                timing=forward.compute_started is not None)
         with self.download.context():
             self.download.wait(slot.compute_done)
             slot.host_sampled[:num_rows].copy_(self.device_sampled[slot.index, :num_rows],
                                                non_blocking=True)
             slot.download_done = self.download.record(blocking=True)
-        return PendingStep(step_id=step.step_id, request_ids=step.sampled_request_ids,
-                           done=slot.download_done, slot=slot, logits=kept_logits,
-                           sampled=sampled if wants_logprobs else None,
-                           num_logprobs=plan.num_logprobs, compute_started=compute_started,
-                           compute_done=slot.compute_done)
+        pending.done, pending.logits = slot.download_done, kept_logits
+        pending.sampled = sampled if wants_logprobs else None
+        pending.num_logprobs = plan.num_logprobs
+        pending.compute_started, pending.compute_done = forward.compute_started, slot.compute_done
+        pending.forward = None
 
     def _pack(self, step: HostStep, plan: SamplingPlan,
               slot: InputSlot) -> tuple[dict[str, tuple[int, int]], dict[str, tuple[int, int]]]:
@@ -475,6 +554,8 @@ class CudaModelExecutor(ModelExecutor):
         ints["top_ks"], ints["banned_rows"] = plan.top_ks, plan.banned_rows
         ints["seed_keys"], ints["output_indices"] = plan.seed_keys, plan.output_indices
         ints["banned_token_ids"] = plan.banned_token_ids
+        ints["bitmask_rows"] = plan.bitmask_rows
+        ints["bitmask_words"] = plan.bitmask_words  # type: ignore[assignment]  # an int64 array
         floats = {"temperatures": plan.temperatures, "top_ps": plan.top_ps,
                   "min_ps": plan.min_ps}
         int_offsets = offsets({name: len(ints[name]) for name in INT_SEGMENTS})
@@ -637,4 +718,5 @@ def _sampling_inputs(ints: Segments, floats: Segments) -> DeviceSamplingInputs:
         temperatures=floats["temperatures"], top_ps=floats["top_ps"], min_ps=floats["min_ps"],
         top_ks=ints["top_ks"], seed_keys=ints["seed_keys"],
         output_indices=ints["output_indices"],
-        banned_rows=ints["banned_rows"], banned_token_ids=ints["banned_token_ids"])
+        banned_rows=ints["banned_rows"], banned_token_ids=ints["banned_token_ids"],
+        bitmask_rows=ints["bitmask_rows"], bitmask_words=ints["bitmask_words"])

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from trio_llm.gpu.sampler import (
@@ -23,7 +24,9 @@ from trio_llm.gpu.sampler import (
     SamplingRow,
     _apply_min_p,
     _apply_top_k_top_p,
+    apply_token_bitmasks,
     banned_positions,
+    bitmask_rows,
     mix32,
     mix32_int,
 )
@@ -35,6 +38,9 @@ class SamplingPlan:
     per-row values to upload (temperature 0 rows get neutral values).
 
     ``use_fused_kernel``: sample in one Triton pass (rows without filters only).
+    ``bitmask_words``: the constrained rows' grammar bitmasks (int32 words, row after
+    row) packed in int64s to travel in the int upload; ``num_bitmask_words`` int32
+    words of it are real.
     """
 
     any_sampled: bool
@@ -50,6 +56,9 @@ class SamplingPlan:
     banned_token_ids: list[int]
     num_logprobs: list[int | None]
     use_fused_kernel: bool
+    bitmask_rows: list[int]
+    bitmask_words: np.ndarray
+    num_bitmask_words: int
 
     @classmethod
     def from_rows(cls, rows: Sequence[SamplingRow], vocab_size: int, *,
@@ -66,6 +75,10 @@ class SamplingPlan:
         any_top_k_top_p = any(0 < row.options.top_k < vocab_size or row.options.top_p < 1.0
                               for row in sampled)
         any_min_p = any(row.options.min_p > 0.0 for row in sampled)
+        masked_rows, packed = bitmask_rows(rows)
+        num_bitmask_words = len(packed) // 4
+        if num_bitmask_words % 2:
+            packed += bytes(4)
         return cls(
             any_sampled=bool(sampled),
             any_top_k_top_p=any_top_k_top_p,
@@ -84,6 +97,9 @@ class SamplingPlan:
             banned_token_ids=banned_token_ids,
             num_logprobs=[row.options.num_logprobs for row in rows],
             use_fused_kernel=can_fuse and not any_top_k_top_p and not any_min_p,
+            bitmask_rows=masked_rows,
+            bitmask_words=np.frombuffer(packed, dtype=np.int64),
+            num_bitmask_words=num_bitmask_words,
         )
 
 
@@ -92,6 +108,9 @@ def seed_key(seed: int) -> int:
     """The part of sampler.row_keys that depends on the seed alone (cached per seed)."""
     seed %= 2**64
     return mix32_int((seed & MASK_32) ^ mix32_int(seed >> 32))
+
+
+_NO_INTS = torch.empty(0, dtype=torch.int64)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,14 +125,21 @@ class DeviceSamplingInputs:
     output_indices: torch.Tensor  # [num_rows] int64
     banned_rows: torch.Tensor  # [num_banned] int64
     banned_token_ids: torch.Tensor  # [num_banned] int64
+    # constrained rows only (plan.bitmask_rows); empty where no row is constrained
+    bitmask_rows: torch.Tensor = field(default_factory=lambda: _NO_INTS)  # [num_constrained]
+    bitmask_words: torch.Tensor = field(default_factory=lambda: _NO_INTS)  # int32 pairs
 
 
 def sample_on_device(logits: torch.Tensor, plan: SamplingPlan,
                      inputs: DeviceSamplingInputs) -> torch.Tensor:
     """Token ids [num_rows] int64 for ``logits`` [num_rows, vocab_size] float32."""
     masked = logits
+    if plan.bitmask_rows:
+        words = inputs.bitmask_words.view(torch.int32)[:plan.num_bitmask_words]
+        masked = apply_token_bitmasks(logits, inputs.bitmask_rows,
+                                      words.view(len(plan.bitmask_rows), -1))
     if plan.banned_rows:
-        masked = logits.clone()
+        masked = masked.clone() if masked is logits else masked
         masked[inputs.banned_rows, inputs.banned_token_ids] = float("-inf")
     if plan.use_fused_kernel and plan.any_sampled:
         from trio_llm.gpu.triton_sampling import sample_without_filters

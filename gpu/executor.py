@@ -188,7 +188,8 @@ class ModelExecutor:
         inputs.query_start_loc.append(len(inputs.token_ids))
         if scheduled.sample:
             inputs.logits_indices.append(len(inputs.token_ids) - 1)
-            inputs.sampling_rows.append(SamplingRow(state.sampling, scheduled.output_index))
+            inputs.sampling_rows.append(SamplingRow(state.sampling, scheduled.output_index,
+                                                    scheduled.token_bitmask))
             inputs.sampled_request_ids.append(scheduled.request_id)
 
     @staticmethod

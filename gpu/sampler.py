@@ -7,8 +7,9 @@ is integer arithmetic in int64 torch ops, so the CPU and CUDA draw the same
 noise, and a row's draw never depends on the other rows of the batch nor on
 anything drawn before: the same seed gives the same tokens in any batch.
 
-Filters, in this order: banned ids (while the output is shorter than
-``min_tokens``), temperature, top-k, top-p, min-p. Logprobs are those of the raw
+Filters, in this order: the grammar's token bitmask (structured outputs), banned
+ids (while the output is shorter than ``min_tokens``), temperature, top-k,
+top-p, min-p. Logprobs are those of the raw
 model distribution (before temperature and filters).
 """
 
@@ -34,10 +35,12 @@ ROW_KEY_SALT = 0x9E3779B9
 
 @dataclass(frozen=True, slots=True)
 class SamplingRow:
-    """One row of logits to sample: its request's options and its output position."""
+    """One row of logits to sample: its request's options and its output position;
+    ``token_bitmask`` the grammar's allowed tokens (ScheduledRequest.token_bitmask)."""
 
     options: SamplingOptions
     output_index: int
+    token_bitmask: bytes | None = None
 
 
 @dataclass(slots=True)
@@ -50,7 +53,7 @@ class SamplerOutput:
 
 def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
     """Pick one token for each row of ``logits`` [num_rows, vocab_size] (float32)."""
-    masked = _mask_banned_ids(logits, rows)
+    masked = _mask_banned_ids(mask_disallowed_tokens(logits, rows), rows)
     token_ids = masked.argmax(dim=-1)
     sampled = [index for index, row in enumerate(rows)
                if row.options.temperature >= MIN_SAMPLING_TEMPERATURE]
@@ -60,6 +63,36 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
     num_logprobs = [row.options.num_logprobs for row in rows]
     return SamplerOutput(token_ids=token_ids,
                          logprobs=raw_logprobs(logits, token_ids, num_logprobs))
+
+
+def bitmask_rows(rows: Sequence[SamplingRow]) -> tuple[list[int], bytes]:
+    """(row indices, their bitmasks concatenated) of the constrained rows."""
+    indices = [index for index, row in enumerate(rows) if row.token_bitmask is not None]
+    return indices, b"".join(rows[index].token_bitmask or b"" for index in indices)
+
+
+def apply_token_bitmasks(logits: torch.Tensor, row_indices: torch.Tensor,
+                         words: torch.Tensor) -> torch.Tensor:
+    """``logits`` with every token a row's bitmask forbids at -inf (a copy).
+
+    ``words`` [len(row_indices), num_words] int32 on the logits' device: bit j of
+    word w allows token 32 * w + j. Runs on any device, as plain torch ops.
+    """
+    vocab_size = logits.shape[1]
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab_size].bool()
+    masked = logits.clone()
+    masked[row_indices] = logits[row_indices].masked_fill(~allowed, float("-inf"))
+    return masked
+
+
+def mask_disallowed_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    indices, packed = bitmask_rows(rows)
+    if not indices:
+        return logits
+    words = torch.frombuffer(bytearray(packed), dtype=torch.int32).view(len(indices), -1)
+    return apply_token_bitmasks(logits, torch.tensor(indices, device=logits.device),
+                                words.to(logits.device))
 
 
 def banned_positions(rows: Sequence[SamplingRow], vocab_size: int

@@ -33,7 +33,8 @@ SEQUENCE_SEGMENTS = ("context_lens", "query_start_loc", "table_rows")
 INT_SEGMENTS = (*TOKEN_SEGMENTS, *SEQUENCE_SEGMENTS, "logits_indices",
                 "previous_token_positions", "previous_slots", "previous_rows",
                 "update_rows", "update_columns", "update_block_ids", "top_ks", "seed_keys",
-                "output_indices", "banned_rows", "banned_token_ids")
+                "output_indices", "banned_rows", "banned_token_ids", "bitmask_rows",
+                "bitmask_words")
 FLOAT_SEGMENTS = ("temperatures", "top_ps", "min_ps")
 # Segments start at multiples of this many elements (16 bytes or more). Triton compiles
 # a kernel variant per pattern of 16-byte-aligned pointer arguments: views at arbitrary
@@ -55,6 +56,8 @@ class HostStep:
     graph_key: tuple[str, int] | None = None
     sampling_rows: list[SamplingRow] = field(default_factory=list)
     sampled_request_ids: list[str] = field(default_factory=list)
+    # indices into sampling_rows of the rows whose bitmasks follow (supply_bitmasks)
+    rows_awaiting_bitmasks: list[int] = field(default_factory=list)
 
     @property
     def kind(self) -> str:

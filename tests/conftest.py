@@ -27,5 +27,5 @@ def pytest_collection_modifyitems(config, items):
 
     needs_cuda = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu") is not None:
             item.add_marker(needs_cuda)

@@ -52,8 +52,22 @@ TYPED_FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "ignore_eos": st.booleans(), "stream": st.booleans(),
     "echo": mostly(st.just(False), st.just(True)),
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
-    "tools": mostly(st.just([]), st.just([{"type": "function"}])),
-    "response_format": mostly(st.just({"type": "text"}), st.just({"type": "json_object"})),
+    "tools": mostly(st.sampled_from([[], [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object"}}}]]), st.just([{"type": "function"}])),
+    "response_format": mostly(st.sampled_from([
+        {"type": "text"}, {"type": "json_object"},
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}]),
+        st.just({"type": "json_schema"})),
+    "structured_outputs": mostly(st.sampled_from([
+        {"choice": ["a", "b"]}, {"regex": "a+"}, {"json": {"type": "object"}},
+        {"grammar": 'root ::= "a"'}, {"json_object": True}]),
+        st.dictionaries(st.sampled_from(["json", "regex", "choice", "x"]), st.text(max_size=3),
+                        max_size=2)),
+    "tool_choice": mostly(st.sampled_from(["none", "auto", "required", {
+        "type": "function", "function": {"name": "f"}}]), st.text(max_size=3)),
+    "parallel_tool_calls": st.booleans(),
+    "chat_template_kwargs": mostly(st.just({"enable_thinking": False}),
+                                   st.just({"messages": []})),
     "presence_penalty": mostly(st.just(0.0), probabilities),
     "logit_bias": mostly(st.just({}), st.dictionaries(st.text(max_size=2), probabilities,
                                                        max_size=1)),

@@ -42,9 +42,10 @@ class FakeTokenizer:
     def decode(self, token_ids: list[int], *, skip_special_tokens: bool = True) -> str:
         return "".join(chr(token_id) for token_id in token_ids)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], *,
-                            add_generation_prompt: bool = True) -> str:
-        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+    def apply_chat_template(self, messages: list[dict[str, Any]], *,
+                            add_generation_prompt: bool = True, **variables: Any) -> str:
+        names = "".join(f"<{name}>" for name in sorted(variables))
+        return names + "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
 
 
 class FakeEngine:
@@ -96,10 +97,13 @@ class FakeEngine:
                                "cache_salt": cache_salt})
         return self._run(request_id, token_ids, params or SamplingParams())
 
-    def chat(self, messages: list[dict[str, str]], params: SamplingParams | None = None, *,
+    def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None, *,
              priority: int = 0, request_id: str | None = None,
+             tools: list[dict[str, Any]] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None,
              cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
-        return self.generate(self.tokenizer.apply_chat_template(messages), params,
+        variables = {**(chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
+        return self.generate(self.tokenizer.apply_chat_template(messages, **variables), params,
                              priority=priority, request_id=request_id, cache_salt=cache_salt)
 
     def _run(self, request_id: str, prompt_ids: list[int],

@@ -1,0 +1,359 @@
+"""Structured outputs on the tiny model, whose random weights know nothing of JSON:
+every valid document below is the grammar's doing.
+
+20 JSON schemas of different shapes, regex and choice constraints, an EBNF grammar,
+max_tokens ending a constrained request with "length", depth 1 equal to depth 2
+(alone and batched with unconstrained requests, preempted, through the CPU runner
+and through the pipelined executor's deferred sampling), the scheduler sending a
+pipelined request's bitmask after reconcile, and constraints the engine cannot
+compile refused with the problem named.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from contextlib import aclosing
+from typing import Any
+
+import jsonschema
+import numpy as np
+import pytest
+import torch
+import trio
+from msgspec.structs import replace
+
+from trio_llm.actors.config import EngineConfig
+from trio_llm.actors.errors import RequestRejected
+from trio_llm.actors.grammar import Grammars
+from trio_llm.actors.intake import Intake
+from trio_llm.actors.messages import (
+    SamplingParams,
+    StepResult,
+    StructuredOutputsParams,
+    Submit,
+    WaitingRequest,
+)
+from trio_llm.actors.scheduler import Scheduler
+from trio_llm.actors.tokenizer import Tokenizer
+from trio_llm.api.engine import Engine
+from trio_llm.gpu.builtin import resolve_model
+from trio_llm.gpu.cuda_executor import CudaExecutorOptions, CudaModelExecutor
+from trio_llm.gpu.loader import load_model
+
+CONFIG = EngineConfig(model="tiny", num_kv_blocks=512, block_size=16, max_num_seqs=32,
+                      max_num_batched_tokens=512, max_model_len=512)
+TIMEOUT = 300
+PROMPT = "Write it down:"
+SHORT = {"type": "string", "maxLength": 6}
+
+SCHEMAS: list[dict[str, Any]] = [
+    {"type": "object", "properties": {"name": SHORT}, "required": ["name"]},
+    {"type": "object", "properties": {"age": {"type": "integer", "minimum": 0,
+                                              "maximum": 120}}, "required": ["age"]},
+    {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]},
+    {"type": "object", "properties": {"role": {"enum": ["admin", "user", "guest"]}},
+     "required": ["role"]},
+    {"type": "array", "items": {"type": "integer", "minimum": -9, "maximum": 9},
+     "minItems": 1, "maxItems": 4},
+    {"type": "array", "items": {"type": "boolean"}, "minItems": 2, "maxItems": 2},
+    {"type": "object", "properties": {
+        "user": {"type": "object", "properties": {"id": {"type": "integer", "minimum": 1,
+                                                         "maximum": 999}, "tag": SHORT},
+                 "required": ["id", "tag"]}}, "required": ["user"]},
+    {"type": "object", "properties": {
+        "points": {"type": "array", "maxItems": 3, "items": {
+            "type": "object", "properties": {"x": {"type": "integer", "minimum": 0,
+                                                   "maximum": 9},
+                                             "y": {"type": "integer", "minimum": 0,
+                                                   "maximum": 9}},
+            "required": ["x", "y"]}}}, "required": ["points"]},
+    {"type": "object", "properties": {"a": SHORT, "b": {"type": "boolean"},
+                                      "c": {"type": "null"}}, "required": ["a", "b", "c"]},
+    {"enum": ["red", "green", "blue"]},
+    {"const": "fixed"},
+    {"type": "integer", "minimum": 10, "maximum": 99},
+    {"type": "boolean"},
+    {"type": "object", "properties": {"kind": {"const": "circle"},
+                                      "radius": {"type": "integer", "minimum": 1,
+                                                 "maximum": 50}},
+     "required": ["kind", "radius"], "additionalProperties": False},
+    {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 5}, {"enum": ["none"]}]},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": SHORT,
+                                               "minItems": 1, "maxItems": 3}},
+     "required": ["tags"]},
+    {"type": "object", "properties": {"level": {"type": "integer", "enum": [1, 2, 3]},
+                                      "label": {"type": ["string", "null"], "maxLength": 4}},
+     "required": ["level", "label"]},
+    {"type": "array", "prefixItems": [{"type": "integer", "minimum": 0, "maximum": 3},
+                                      {"enum": ["a", "b"]}],
+     "items": False, "minItems": 2},
+    {"type": "object", "properties": {"deep": {"type": "object", "properties": {
+        "deeper": {"type": "object", "properties": {"deepest": {"type": "boolean"}},
+                   "required": ["deepest"]}}, "required": ["deeper"]}},
+     "required": ["deep"]},
+    {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}$"},
+                                      "count": {"type": "integer", "minimum": 0,
+                                                "maximum": 7}},
+     "required": ["code", "count"]},
+]
+
+
+def constrained(seed: int, max_tokens: int = 160, **constraint: Any) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed,
+                          structured_outputs=StructuredOutputsParams(**constraint))
+
+
+async def generate(engine: Engine, params: SamplingParams,
+                   prompt: str | list[int] = PROMPT) -> tuple[str, list[int], str | None]:
+    text, token_ids, finish_reason = "", [], None
+    async for output in engine.generate(prompt, params):
+        text += output.text
+        token_ids += output.token_ids
+        finish_reason = output.finish_reason
+    return text, token_ids, finish_reason
+
+
+async def generate_all(engine: Engine, requests: list[tuple[Any, SamplingParams]]
+                       ) -> list[tuple[str, list[int], str | None]]:
+    results: list[Any] = [None] * len(requests)
+
+    async def one(index: int) -> None:
+        prompt, params = requests[index]
+        results[index] = await generate(engine, params, prompt)
+
+    async with trio.open_nursery() as nursery:
+        for index in range(len(requests)):
+            nursery.start_soon(one, index)
+    return results
+
+
+async def test_twenty_json_schemas_each_yield_valid_documents() -> None:
+    assert len(SCHEMAS) == 20
+    for schema in SCHEMAS:
+        jsonschema.Draft202012Validator.check_schema(schema)
+    requests = [(PROMPT, constrained(index, json=json.dumps(schema)))
+                for index, schema in enumerate(SCHEMAS)]
+    with trio.fail_after(TIMEOUT):
+        async with Engine.open(CONFIG) as engine:
+            results = await generate_all(engine, requests)
+    for schema, (text, _, finish_reason) in zip(SCHEMAS, results, strict=True):
+        assert finish_reason == "stop", (schema, text)
+        jsonschema.validate(json.loads(text), schema)
+        assert "  " not in text and "\n" not in text, "whitespace is bounded"
+
+
+async def test_regex_choice_grammar_and_json_object() -> None:
+    pattern = r"[a-z]{2,6}@[0-9]{1,3}\.(com|org)"
+    choices = ["yes", "no", "maybe so"]
+    requests = [(PROMPT, constrained(seed, regex=pattern)) for seed in range(3)]
+    requests += [(PROMPT, constrained(seed, choice=choices)) for seed in range(3)]
+    requests += [(PROMPT, constrained(0, grammar='root ::= ("ab" | "cd")+ "!"'))]
+    requests += [(PROMPT, constrained(0, max_tokens=300, json_object=True))]
+    with trio.fail_after(TIMEOUT):
+        async with Engine.open(CONFIG) as engine:
+            results = await generate_all(engine, requests)
+    texts = [text for text, _, _ in results]
+    assert all(finish_reason in ("stop", "length") for _, _, finish_reason in results)
+    for text, _, finish_reason in results[:7]:
+        assert finish_reason == "stop", text
+    assert all(re.fullmatch(pattern, text) for text in texts[:3]), texts[:3]
+    assert all(text in choices for text in texts[3:6]), texts[3:6]
+    assert re.fullmatch(r"(ab|cd)+!", texts[6]), texts[6]
+    text, _, finish_reason = results[7]
+    assert text.startswith("{")
+    if finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+
+
+async def test_max_tokens_ends_a_constrained_request_with_length() -> None:
+    schema = {"type": "object", "properties": {"text": {"type": "string"}},
+              "required": ["text"]}
+    with trio.fail_after(TIMEOUT):
+        async with Engine.open(CONFIG) as engine:
+            text, token_ids, finish_reason = await generate(
+                engine, constrained(0, max_tokens=5, json=json.dumps(schema)))
+    assert finish_reason == "length" and len(token_ids) == 5
+    assert text.startswith('{"text"')  # cut off: not yet a document
+
+
+def mixed_workload() -> list[tuple[list[int], SamplingParams]]:
+    """Constrained and unconstrained requests, greedy and sampled."""
+    workload: list[tuple[list[int], SamplingParams]] = []
+    for index in range(12):
+        prompt = [3 + (index * 37 + offset * 11) % 900 for offset in range(5 + index * 3)]
+        if index % 3 == 0:
+            params = SamplingParams(max_tokens=12 + index, temperature=0.8, seed=index,
+                                    ignore_eos=True)
+        else:
+            schema = SCHEMAS[index % len(SCHEMAS)]
+            params = constrained(index, max_tokens=40 + index, json=json.dumps(schema))
+            if index % 4 == 1:
+                params = replace(params, temperature=0.0)
+        workload.append((prompt, params))
+    return workload
+
+
+async def test_depth_one_equals_depth_two_alone_batched_and_preempted() -> None:
+    workload = mixed_workload()
+    depth_1 = replace(CONFIG, async_scheduling=False)
+    # 12 blocks of 8 tokens: the batch does not fit, requests are preempted and recomputed
+    cramped = replace(CONFIG, num_kv_blocks=12, block_size=8, max_model_len=96)
+    with trio.fail_after(TIMEOUT):
+        async with Engine.open(depth_1) as engine:
+            alone = [(await generate(engine, params, prompt))[1] for prompt, params in workload]
+        async with Engine.open(CONFIG) as engine:
+            batched = [token_ids for _, token_ids, _ in await generate_all(engine, workload)]
+        async with Engine.open(depth_1) as engine:
+            batched_depth_1 = [token_ids for _, token_ids, _ in
+                               await generate_all(engine, workload)]
+        async with Engine.open(cramped) as engine:
+            preempted = [token_ids for _, token_ids, _ in await generate_all(engine, workload)]
+            num_preemptions = engine.statistics().num_preemptions
+    assert all(alone)
+    assert batched == alone
+    assert batched_depth_1 == alone
+    assert num_preemptions > 0
+    assert preempted == alone
+
+
+@pytest.mark.parametrize(("constraint", "named"), [
+    ({"json": '{"type": "objec"}'}, "objec"),
+    ({"regex": "[0-9"}, "Unclosed"),
+    ({"grammar": "root ::= undefined_rule"}, "undefined_rule"),
+    ({"choice": []}, "at least one"),
+    ({}, "exactly one"),
+    ({"regex": "a", "choice": ["b"]}, "exactly one"),
+])
+async def test_uncompilable_constraints_are_refused_naming_the_problem(
+        constraint: dict[str, Any], named: str) -> None:
+    with trio.fail_after(TIMEOUT):
+        async with Engine.open(CONFIG) as engine:
+            with pytest.raises(RequestRejected) as caught:
+                await generate(engine, constrained(0, **constraint))
+            # the engine goes on serving
+            text, _, finish_reason = await generate(engine, constrained(1, choice=["fine"]))
+    assert named in caught.value.message
+    assert caught.value.param == "structured_outputs"
+    assert (text, finish_reason) == ("fine", "stop")
+
+
+@pytest.mark.parametrize("field", ["ignore_eos", "min_tokens"])
+async def test_fields_that_contradict_a_grammar_are_refused(field: str) -> None:
+    params = replace(constrained(0, choice=["a"]), **{field: 1 if field == "min_tokens" else True})
+    with trio.fail_after(TIMEOUT):
+        async with Engine.open(CONFIG) as engine:
+            with pytest.raises(RequestRejected) as caught:
+                await generate(engine, params)
+    assert caught.value.param == field
+
+
+async def test_choices_with_quotes_backslashes_and_accents_come_out_verbatim() -> None:
+    choices = ['say "hi"', "back\\slash", "café", "naïve"]
+    with trio.fail_after(TIMEOUT):
+        async with Engine.open(CONFIG) as engine:
+            results = await generate_all(engine, [(PROMPT, constrained(seed, choice=choices))
+                                                  for seed in range(8)])
+    assert all(finish_reason == "stop" for _, _, finish_reason in results)
+    assert {text for text, _, _ in results} <= set(choices)
+
+
+# -- depth 2 keeps constrained requests in every step ---------------------------------
+
+
+def allowed_ids(token_bitmask: bytes) -> set[int]:
+    bits = np.unpackbits(np.frombuffer(token_bitmask, dtype=np.uint8), bitorder="little")
+    return {int(token_id) for token_id in np.flatnonzero(bits)}
+
+
+def test_the_scheduler_sends_a_pipelined_constrained_request_its_bitmask_after_reconcile(
+        ) -> None:
+    tokenizer = Tokenizer.from_dir(resolve_model("tiny"))
+    grammars = Grammars(tokenizer, vocab_size=2048)
+    scheduler = Scheduler(CONFIG, 64, grammars)
+    params = constrained(0, choice=["yes", "no"])
+    intake = Intake(CONFIG, tokenizer, max_model_len=512, num_kv_tokens=64 * 16,
+                    vocab_size=2048, grammars=grammars)
+    request = intake.admit(Submit(request_id="r", prompt_token_ids=[5, 6, 7], params=params,
+                                  arrival_time=0.0))
+    intake.compile_constraint(request)
+    first = scheduler.schedule([WaitingRequest(request=request)]).batch
+    assert first is not None and first.requests[0].token_bitmask is not None
+    first_allowed = allowed_ids(first.requests[0].token_bitmask)
+    # planned while step 0 is in flight: it runs on the placeholder, its mask follows
+    second = scheduler.schedule([]).batch
+    assert second is not None
+    (scheduled,) = second.requests
+    assert scheduled.input_from_previous_step and scheduled.bitmask_follows
+    assert scheduled.token_bitmask is None
+    assert scheduler.step_bitmasks_after(first.step_id) is None, "not before its result"
+    token_id = min(first_allowed)
+    scheduler.on_step_result(StepResult(step_id=first.step_id, request_ids=["r"],
+                                        sampled_token_ids=[token_id]))
+    bitmasks = scheduler.step_bitmasks_after(first.step_id)
+    assert bitmasks is not None and bitmasks.step_id == second.step_id
+    (mask,) = bitmasks.token_bitmasks
+    expected = grammars.start(params.structured_outputs)  # type: ignore[arg-type]
+    assert expected.accept(token_id)
+    assert allowed_ids(mask) == allowed_ids(expected.next_bitmask())
+    assert scheduler.step_bitmasks_after(first.step_id) is None, "sent once"
+
+
+async def test_the_pipelined_executor_at_depth_two_gives_depth_one_tokens() -> None:
+    """The CUDA executor's launch / supply_bitmasks / collect path (on the CPU its
+    streams are no-ops), driven by the pipelined runner, against depth 1."""
+    workload = mixed_workload()
+    path = resolve_model("tiny")
+    model = load_model(path, dtype=torch.float32, device=torch.device("cpu"))
+    executor = CudaModelExecutor(model, model_path=path, num_kv_blocks=CONFIG.num_kv_blocks or 0,
+                                 block_size=CONFIG.block_size,
+                                 max_model_len=CONFIG.max_model_len or 0)
+    executor.start(CudaExecutorOptions(max_num_seqs=CONFIG.max_num_seqs,
+                                       use_cuda_graphs=False, use_fused_kernels=False))
+    supplied: list[int] = []
+    supply_bitmasks = executor.supply_bitmasks
+
+    def counting_supply(pending: Any, token_bitmasks: list[bytes]) -> None:
+        supplied.append(len(token_bitmasks))
+        supply_bitmasks(pending, token_bitmasks)
+
+    executor.supply_bitmasks = counting_supply  # type: ignore[method-assign]
+    with trio.fail_after(TIMEOUT):
+        async with Engine.open(replace(CONFIG, async_scheduling=False)) as engine:
+            alone = [(await generate(engine, params, prompt))[1] for prompt, params in workload]
+        async with Engine.open(CONFIG, executor=executor) as engine:
+            pipelined = [token_ids for _, token_ids, _ in await generate_all(engine, workload)]
+    assert pipelined == alone
+    assert len(supplied) > 10 and max(supplied) > 1, "constrained rows ran on placeholders"
+
+
+async def test_aborting_constrained_requests_mid_flight_disturbs_no_one() -> None:
+    schema = json.dumps({"type": "object", "properties": {"text": {"type": "string"}},
+                         "required": ["text"]})
+    survivor = constrained(99, max_tokens=30, json=json.dumps(SCHEMAS[7]))
+    with trio.fail_after(TIMEOUT):
+        async with Engine.open(CONFIG) as engine:
+            expected = await generate(engine, survivor)
+
+            async def leave_after(num_outputs: int, seed: int) -> None:
+                async with aclosing(engine.generate(PROMPT, constrained(
+                        seed, max_tokens=200, json=schema))) as outputs:
+                    async for _ in outputs:
+                        num_outputs -= 1
+                        if num_outputs <= 0:
+                            break
+
+            results: list[Any] = []
+
+            async def survive() -> None:
+                results.append(await generate(engine, survivor))
+
+            async with trio.open_nursery() as nursery:
+                for index in range(8):
+                    nursery.start_soon(leave_after, 1 + index % 4, index)
+                nursery.start_soon(survive)
+            # channels are FIFO: once a later request finished, every abort was handled
+            await generate(engine, constrained(0, choice=["ok"]))
+            stats = engine.statistics()
+    assert results == [expected]
+    assert stats.num_running == 0 and stats.num_free_blocks == stats.num_total_blocks

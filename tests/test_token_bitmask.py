@@ -1,0 +1,230 @@
+"""Grammar token bitmasks in the samplers: the reference sampler (gpu/sampler.py) and
+the device-input sampler (gpu/cuda_sampler.py, on the CPU here and on CUDA when there
+is one) only ever pick allowed tokens, leave unconstrained rows alone, and agree."""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+
+from trio_llm.actors.messages import (
+    NewRequestData,
+    SamplingOptions,
+    ScheduledBatch,
+    ScheduledRequest,
+)
+from trio_llm.gpu.builtin import resolve_model
+from trio_llm.gpu.cuda_executor import CudaExecutorOptions, CudaModelExecutor
+from trio_llm.gpu.cuda_sampler import DeviceSamplingInputs, SamplingPlan, sample_on_device
+from trio_llm.gpu.executor import ModelExecutor
+from trio_llm.gpu.loader import load_model
+from trio_llm.gpu.sampler import SamplingRow, sample
+
+VOCAB_SIZE = 3000  # not a multiple of 32: the last word is partly padding
+
+
+def options(temperature: float, **overrides) -> SamplingOptions:
+    fields = dict(temperature=temperature, top_p=1.0, top_k=0, min_p=0.0, seed=5,
+                  num_logprobs=None, min_tokens=0, banned_token_ids=[])
+    fields.update(overrides)
+    return SamplingOptions(**fields)
+
+
+def bitmask(allowed: list[int]) -> bytes:
+    bits = np.zeros((VOCAB_SIZE + 31) // 32 * 32, dtype=np.uint8)
+    bits[allowed] = 1
+    return np.packbits(bits, bitorder="little").tobytes()
+
+
+ALLOWED = [[7], [0, 31, 32, 2999], list(range(100, 200)), [1234, 2500], [5, 6]]
+
+
+def rows_with_masks() -> list[SamplingRow]:
+    return [
+        SamplingRow(options(0.0), 0, bitmask(ALLOWED[0])),
+        SamplingRow(options(1.0, seed=9), 3, bitmask(ALLOWED[1])),
+        SamplingRow(options(0.8), 1),  # unconstrained, between constrained rows
+        SamplingRow(options(0.7, top_k=20, top_p=0.9), 2, bitmask(ALLOWED[2])),
+        SamplingRow(options(0.0), 4),
+        SamplingRow(options(1.2, min_p=0.1), 0, bitmask(ALLOWED[3])),
+        SamplingRow(options(0.9, min_tokens=2, banned_token_ids=[5]), 0, bitmask(ALLOWED[4])),
+    ]
+
+
+def device_inputs(plan: SamplingPlan, device: str) -> DeviceSamplingInputs:
+    def tensor(values, dtype=torch.int64) -> torch.Tensor:
+        return torch.as_tensor(values, dtype=dtype).to(device)
+
+    return DeviceSamplingInputs(
+        temperatures=tensor(plan.temperatures, torch.float32),
+        top_ps=tensor(plan.top_ps, torch.float32), min_ps=tensor(plan.min_ps, torch.float32),
+        top_ks=tensor(plan.top_ks), seed_keys=tensor(plan.seed_keys),
+        output_indices=tensor(plan.output_indices), banned_rows=tensor(plan.banned_rows),
+        banned_token_ids=tensor(plan.banned_token_ids), bitmask_rows=tensor(plan.bitmask_rows),
+        bitmask_words=tensor(plan.bitmask_words.copy()))
+
+
+def logits_for(seed: int, rows: list[SamplingRow]) -> torch.Tensor:
+    logits = 3 * torch.randn(len(rows), VOCAB_SIZE, generator=torch.Generator().manual_seed(seed))
+    logits[0, 8] = 100.0  # the greedy row's favourite is forbidden
+    return logits
+
+
+def test_the_reference_sampler_picks_allowed_tokens_only() -> None:
+    rows = rows_with_masks()
+    unconstrained = [index for index, row in enumerate(rows) if row.token_bitmask is None]
+    for seed in range(8):
+        logits = logits_for(seed, rows)
+        token_ids = sample(logits, rows).token_ids.tolist()
+        constrained = [token_id for index, token_id in enumerate(token_ids)
+                       if index not in unconstrained]
+        assert constrained[0] == 7
+        assert constrained[1] in ALLOWED[1] and constrained[2] in ALLOWED[2]
+        assert constrained[3] in ALLOWED[3]
+        assert constrained[4] == 6, "5 is allowed by the grammar but banned below min_tokens"
+        plain = sample(logits[unconstrained], [rows[index] for index in unconstrained])
+        assert [token_ids[index] for index in unconstrained] == plain.token_ids.tolist()
+
+
+def test_logprobs_stay_those_of_the_raw_distribution() -> None:
+    row = SamplingRow(options(0.0, num_logprobs=1), 0, bitmask([42]))
+    logits = logits_for(0, [row])
+    output = sample(logits, [row])
+    assert output.token_ids.tolist() == [42]
+    assert output.logprobs is not None and output.logprobs[0] is not None
+    expected = logits.log_softmax(dim=-1)[0, 42].item()
+    assert output.logprobs[0].logprob == pytest.approx(expected)
+
+
+def check_device_sampler(device: str) -> None:
+    rows = rows_with_masks()
+    plan = SamplingPlan.from_rows(rows, VOCAB_SIZE, can_fuse=device == "cuda")
+    assert plan.bitmask_rows == [0, 1, 3, 5, 6]
+    for seed in range(8):
+        logits = logits_for(seed, rows)
+        expected = sample(logits, rows).token_ids.tolist()
+        got = sample_on_device(logits.to(device), plan, device_inputs(plan, device))
+        assert got.tolist() == expected
+
+
+def test_the_device_sampler_masks_like_the_reference_on_the_cpu() -> None:
+    check_device_sampler("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_device_sampler_masks_like_the_reference_on_cuda() -> None:
+    check_device_sampler("cuda")
+    # rows without filters take the fused Triton kernel after the mask
+    rows = [SamplingRow(options(1.0, seed=seed), seed, bitmask(ALLOWED[seed % 5]))
+            for seed in range(6)]
+    plan = SamplingPlan.from_rows(rows, VOCAB_SIZE, can_fuse=True)
+    assert plan.use_fused_kernel
+    logits = logits_for(3, rows)
+    got = sample_on_device(logits.cuda(), plan, device_inputs(plan, "cuda")).tolist()
+    assert got == sample(logits, rows).token_ids.tolist()
+
+
+# -- through the executors ------------------------------------------------------------
+
+
+def constrained_batches(vocab_size: int) -> list[ScheduledBatch]:
+    """A greedy and a sampled request, each masked to a few tokens every step, beside an
+    unconstrained one."""
+    def mask(step: int, row: int) -> bytes:
+        bits = np.zeros((vocab_size + 31) // 32 * 32, dtype=np.uint8)
+        bits[[(step * 97 + row * 13 + offset * 211) % vocab_size for offset in range(3)]] = 1
+        return np.packbits(bits, bitorder="little").tobytes()
+
+    def request(request_id: str, token_ids: list[int], computed: int, step: int, row: int,
+                blocks: list[int], constrained: bool) -> ScheduledRequest:
+        return ScheduledRequest(request_id=request_id, token_ids=token_ids,
+                                input_from_previous_step=not token_ids,
+                                num_computed_tokens=computed, new_block_ids=blocks, sample=True,
+                                output_index=step, token_bitmask=mask(step, row)
+                                if constrained else None)
+
+    new = [NewRequestData(request_id="g", sampling=options(0.0)),
+           NewRequestData(request_id="s", sampling=options(1.0, seed=4)),
+           NewRequestData(request_id="u", sampling=options(0.7))]
+    batches = []
+    for step in range(4):
+        prefill = step == 0
+        batches.append(ScheduledBatch(
+            step_id=step, new_requests=new if prefill else [], finished_request_ids=[],
+            requests=[request(name, [5, 6, 7] if prefill else [], 0 if prefill else 2 + step,
+                              step, row, [row * 4, row * 4 + 1] if prefill else [],
+                              constrained=name != "u")
+                      for row, name in enumerate("gsu")],
+            num_tokens=9 if prefill else 3))
+    return batches
+
+
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_the_pipelined_executor_masks_like_the_plain_one(device: str) -> None:
+    path = resolve_model("tiny")
+
+    def build(executor_class):
+        model = load_model(path, dtype=torch.float32, device=torch.device(device))
+        return executor_class(model, model_path=path, num_kv_blocks=16, block_size=4,
+                              max_model_len=64)
+
+    batches = constrained_batches(build(ModelExecutor).vocab_size)
+    plain = build(ModelExecutor) if device == "cpu" else None
+    pipelined = build(CudaModelExecutor)
+    pipelined.start(CudaExecutorOptions(max_num_seqs=4, use_cuda_graphs=device == "cuda",
+                                        use_fused_kernels=device == "cuda"))
+    results = [pipelined.collect(pipelined.launch(batch)) for batch in batches]
+    for batch, result in zip(batches, results, strict=True):
+        for scheduled, token_id in zip(batch.requests, result.sampled_token_ids, strict=True):
+            if scheduled.token_bitmask is not None:
+                allowed = np.unpackbits(np.frombuffer(scheduled.token_bitmask, np.uint8),
+                                        bitorder="little")
+                assert allowed[token_id], (scheduled.request_id, token_id)
+    if plain is not None:
+        expected = [plain.execute(batch) for batch in batches]
+        assert [r.sampled_token_ids for r in results] == [r.sampled_token_ids for r in expected]
+
+
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_bitmasks_that_follow_a_launched_step_sample_like_inline_ones(device: str) -> None:
+    """Depth 2's deferred sampling (launch, then supply_bitmasks once the previous step
+    is collected) gives the tokens of the same masks sent inline at depth 1."""
+    path = resolve_model("tiny")
+
+    def build() -> CudaModelExecutor:
+        model = load_model(path, dtype=torch.float32, device=torch.device(device))
+        executor = CudaModelExecutor(model, model_path=path, num_kv_blocks=16, block_size=4,
+                                     max_model_len=64)
+        executor.start(CudaExecutorOptions(max_num_seqs=4, use_cuda_graphs=device == "cuda",
+                                           use_fused_kernels=device == "cuda"))
+        return executor
+
+    inline = constrained_batches(build().vocab_size)
+    deferred = [msgspec.structs.replace(batch, requests=[
+        msgspec.structs.replace(scheduled, token_bitmask=None, bitmask_follows=True)
+        if scheduled.token_bitmask is not None and scheduled.input_from_previous_step
+        else scheduled for scheduled in batch.requests]) for batch in inline]
+    reference = build()
+    expected = [reference.collect(reference.launch(batch)) for batch in inline]
+    executor = build()
+    results, previous = [], None
+    for batch, with_masks in zip(deferred, inline, strict=True):
+        pending = executor.launch(batch)
+        if previous is not None:
+            results.append(executor.collect(previous))
+        follows = [original.token_bitmask or b"" for scheduled, original in
+                   zip(batch.requests, with_masks.requests, strict=True)
+                   if scheduled.bitmask_follows]
+        if follows:
+            executor.supply_bitmasks(pending, follows)
+        previous = pending
+    results.append(executor.collect(previous))
+    assert any(s.bitmask_follows for batch in deferred for s in batch.requests)
+    assert [r.sampled_token_ids for r in results] == [r.sampled_token_ids for r in expected]
