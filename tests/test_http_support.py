@@ -70,6 +70,7 @@ class FakeEngine:
         self.queue_full = queue_full
         self._num_steps_allowed: int | None = 0 if gated else None
         self._step_lot = trio.lowlevel.ParkingLot()
+        self._ended_lot = trio.lowlevel.ParkingLot()
         self._draining = False
         self._num_prompt_tokens = 0
 
@@ -146,6 +147,10 @@ class FakeEngine:
             num_prompt_tokens=self._num_prompt_tokens, num_generation_tokens=self.num_generated,
         )
 
+    async def fetch_statistics(self) -> EngineStatistics:
+        await trio.lowlevel.checkpoint()
+        return self.statistics()
+
     @property
     def num_open_requests(self) -> int:
         return len(self.running)
@@ -156,6 +161,16 @@ class FakeEngine:
 
     def begin_drain(self) -> None:
         self._draining = True
+
+    async def drain(self, grace_seconds: float | None = None) -> None:
+        """Like the facade's: refuse new requests, wait for the running ones up to
+        the grace period (the server's stop then cancels what is left)."""
+        self.begin_drain()
+        if grace_seconds is None:
+            grace_seconds = self.config.shutdown_grace_seconds
+        with trio.move_on_after(grace_seconds):
+            while self.running:
+                await self._ended_lot.park()
 
     async def wait_dead(self) -> None:
         await trio.sleep_forever()
@@ -214,6 +229,7 @@ class FakeRequest:
     def _end(self, *, finished: bool) -> None:
         self._ended = True
         self._engine.running.discard(self._request_id)
+        self._engine._ended_lot.unpark_all()
         (self._engine.finished if finished else self._engine.aborted).append(self._request_id)
 
 
