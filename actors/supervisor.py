@@ -229,8 +229,9 @@ class _FrontLinks:
         if not self.routes.is_live(front_index):
             return
         aborts = self.routes.front_gone(front_index)
-        logger.warning("API server %d went away: aborting its %d requests", front_index,
-                       len(aborts))
+        if aborts:
+            logger.warning("API server %d went away: aborting its %d requests", front_index,
+                           len(aborts))
         for abort in aborts:
             await self._queue_outbox.send(abort)
         if self.routes.num_live_fronts == 0:
