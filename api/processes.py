@@ -20,8 +20,12 @@ own copies, and watches:
   signal is passed on too (the API servers then stop at once).
 
 Children run in their own session (a terminal's Ctrl-C reaches only the
-supervisor, which passes it on once) and die with it (PR_SET_PDEATHSIG), so
-none is orphaned.
+supervisor, which passes it on once). None is orphaned: each API server holds
+the read end of a pipe whose write end only the supervisor holds; when the
+supervisor dies, however it dies, the pipe ends and the API server stops as on
+SIGTERM; the core stops once every API server has gone. (PR_SET_PDEATHSIG would
+not do: it fires when the *thread* that started the child exits, and trio
+starts processes from worker threads.)
 
 ``open_served_layout`` runs the same layout inside one process (core and
 fronts as tasks, the same wire channels over real socket pairs): the tests
@@ -31,7 +35,6 @@ drive it, and it is the layout without process start-up.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import os
 import shutil
@@ -64,7 +67,6 @@ LISTEN_BACKLOG = 2048
 CHILD_EXIT_SECONDS = 30.0
 # How long the core may take to stop once every API server has gone.
 CORE_STOP_SECONDS = 30.0
-_PR_SET_PDEATHSIG = 1
 
 
 # -- the layout in one process ------------------------------------------------------------
@@ -139,6 +141,7 @@ async def _supervise(engine_config: EngineConfig, server_config: ServerConfig,
                      num_api_servers: int) -> int:
     listeners = _listening_sockets(server_config.host, server_config.port, num_api_servers)
     pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM) for _ in listeners]
+    lifeline_read, lifeline_write = os.pipe()  # see the module docstring
     metrics_dir = tempfile.mkdtemp(prefix="trio-llm-metrics-")
     port = listeners[0].getsockname()[1]
     logger.info("engine core and %d API servers for port %d", num_api_servers, port)
@@ -147,11 +150,13 @@ async def _supervise(engine_config: EngineConfig, server_config: ServerConfig,
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             core = await _start_core(engine_config, [core_end for core_end, _ in pairs])
             api_servers = [await _start_api_server(index, engine_config, server_config,
-                                                   front_end, listener, metrics_dir)
+                                                   front_end, listener, metrics_dir,
+                                                   lifeline_read)
                            for index, ((_, front_end), listener)
                            in enumerate(zip(pairs, listeners, strict=True))]
             for sock in [*listeners, *(end for pair in pairs for end in pair)]:
                 sock.close()  # the children hold them now; a dead child's must really close
+            os.close(lifeline_read)
             async with trio.open_nursery() as nursery:
                 for child in (core, *api_servers):
                     nursery.start_soon(child.wait)
@@ -169,6 +174,7 @@ async def _supervise(engine_config: EngineConfig, server_config: ServerConfig,
                 await _watch(core, api_servers)
                 nursery.cancel_scope.cancel()
     finally:
+        os.close(lifeline_write)
         shutil.rmtree(metrics_dir, ignore_errors=True)
     codes = [child.process.returncode for child in (core, *api_servers)]
     logger.info("exit codes: engine core %s, API servers %s", codes[0], codes[1:])
@@ -181,8 +187,8 @@ async def _watch(core: _Child, api_servers: list[_Child]) -> None:
     async with trio.open_nursery() as nursery:
         async def when_core_exits() -> None:
             await core.exited.wait()
-            if any(api_server.is_running for api_server in api_servers):
-                logger.error("the engine core exited (%s): the API servers stop",
+            if core.process.returncode != 0:
+                logger.error("the engine core exited with %s: the API servers stop",
                              core.process.returncode)
             with trio.move_on_after(CHILD_EXIT_SECONDS):
                 for api_server in api_servers:
@@ -241,11 +247,13 @@ async def _start_core(engine_config: EngineConfig, core_ends: list[socket.socket
 
 async def _start_api_server(index: int, engine_config: EngineConfig,
                             server_config: ServerConfig, front_end: socket.socket,
-                            listener: socket.socket, metrics_dir: str) -> _Child:
-    fds = [front_end.fileno(), listener.fileno()]
+                            listener: socket.socket, metrics_dir: str,
+                            lifeline_fd: int) -> _Child:
+    fds = [front_end.fileno(), listener.fileno(), lifeline_fd]
     command = [*_child_command("api-server", engine_config), "--index", str(index),
                "--server-config", msgspec.json.encode(server_config).decode(),
-               "--core-fd", str(fds[0]), "--listen-fd", str(fds[1])]
+               "--core-fd", str(fds[0]), "--listen-fd", str(fds[1]),
+               "--lifeline-fd", str(lifeline_fd)]
     env = {**os.environ, MULTIPROCESS_DIR_VARIABLE: metrics_dir}
     process = await trio.lowlevel.open_process(command, pass_fds=fds, env=env,
                                                start_new_session=True)
@@ -255,21 +263,11 @@ async def _start_api_server(index: int, engine_config: EngineConfig,
 
 def _child_command(role: str, engine_config: EngineConfig) -> list[str]:
     return [sys.executable, "-m", "trio_llm.api.processes", role,
-            "--parent-pid", str(os.getpid()),
             "--log-level", logging.getLevelName(logging.getLogger().getEffectiveLevel()),
             "--engine-config", msgspec.json.encode(engine_config).decode()]
 
 
 # -- the children -------------------------------------------------------------------------
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """SIGTERM this process when the supervisor dies (Linux), so none is orphaned."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != parent_pid:
-        raise SystemExit("trio-llm: the supervisor is gone")
 
 
 def _stream_of(fd: int) -> trio.SocketStream:
@@ -298,22 +296,33 @@ async def _run_core(engine_config: EngineConfig, fds: list[int]) -> int:
 
 
 async def _run_api_server(engine_config: EngineConfig, server_config: ServerConfig,
-                          core_fd: int, listen_fd: int) -> int:
+                          core_fd: int, listen_fd: int, lifeline_fd: int) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # see _run_core
     open_engine = partial(Engine.open_front, engine_config, _stream_of(core_fd))
-    try:
-        await serve(engine_config, server_config, open_engine=open_engine, listen_fd=listen_fd)
-    except EngineDead as error:
-        logger.error("the engine died: %s", error)
-        return 1
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_stop_when_orphaned, lifeline_fd)
+        try:
+            await serve(engine_config, server_config, open_engine=open_engine,
+                        listen_fd=listen_fd)
+        except EngineDead as error:
+            logger.error("the engine died: %s", error)
+            return 1
+        finally:
+            nursery.cancel_scope.cancel()
     return 0
+
+
+async def _stop_when_orphaned(lifeline_fd: int) -> None:
+    """Stop as on SIGTERM once the supervisor is gone (its end of the pipe closed)."""
+    await trio.lowlevel.wait_readable(lifeline_fd)
+    logger.error("the supervisor is gone: stopping")
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def main(argv: list[str] | None = None) -> int:
     """A child's entry point: `python -m trio_llm.api.processes core|api-server ...`."""
     parser = argparse.ArgumentParser(prog="trio_llm.api.processes")
     parser.add_argument("role", choices=["core", "api-server"])
-    parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--engine-config", required=True)
     parser.add_argument("--fds", default="")
@@ -321,8 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--server-config", default="{}")
     parser.add_argument("--core-fd", type=int, default=-1)
     parser.add_argument("--listen-fd", type=int, default=-1)
+    parser.add_argument("--lifeline-fd", type=int, default=-1)
     args = parser.parse_args(argv)
-    _die_with_parent(args.parent_pid)
     name = "core" if args.role == "core" else f"api-server-{args.index}"
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"%(asctime)s [{name}] %(name)s %(message)s")
@@ -331,7 +340,8 @@ def main(argv: list[str] | None = None) -> int:
         fds = [int(fd) for fd in args.fds.split(",") if fd]
         return trio.run(_run_core, engine_config, fds)
     server_config = msgspec.json.decode(args.server_config, type=ServerConfig)
-    return trio.run(_run_api_server, engine_config, server_config, args.core_fd, args.listen_fd)
+    return trio.run(_run_api_server, engine_config, server_config, args.core_fd, args.listen_fd,
+                    args.lifeline_fd)
 
 
 if __name__ == "__main__":
