@@ -202,8 +202,9 @@ class _FrontLinks:
             self.stream_outboxes.append(send)
             self.stream_inboxes.append(receive)
 
-    async def send(self, front_index: int, message: CoreToFront) -> None:
-        if not self.routes.is_live(front_index):
+    async def send(self, front_index: int, message: CoreToFront, *,
+                   even_if_gone: bool = False) -> None:
+        if not (even_if_gone or self.routes.is_live(front_index)):
             return
         try:
             await self._wires[front_index].send(message)
@@ -314,7 +315,7 @@ async def run_core_supervisor(
         message = f"the engine stopped: {type(cause).__name__}: {cause}"
         with trio.move_on_after(CORE_FAILED_SEND_SECONDS, shield=True):
             for front_index in range(len(fronts)):
-                await links.send(front_index, CoreFailed(message=message))
+                await links.send(front_index, CoreFailed(message=message), even_if_gone=True)
         raise EngineDead(message) from cause
 
 
@@ -340,8 +341,8 @@ async def _read_front(front_index: int, wire: WireReceiveChannel[FrontToCore],
     """A front's messages, into the queue's and the scheduler's inboxes; the
     front's requests aborted once it has gone (its socket ended)."""
     routes = links.routes
-    try:
-        async with queue_outbox, scheduler_outbox:
+    async with queue_outbox, scheduler_outbox:
+        try:
             async for message in wire:
                 match message:
                     case Admit():
@@ -359,11 +360,10 @@ async def _read_front(front_index: int, wire: WireReceiveChannel[FrontToCore],
                         links.send_nowait(front_index, StatisticsReply(
                             query_id=query_id, scheduler=scheduler.statistics(),
                             num_waiting=queue.statistics().num_waiting))
-    except WireError as error:
-        logger.error("API server %d sent a bad frame: %s", front_index, error)
-    finally:
-        with trio.CancelScope(shield=True):
-            await links.front_gone(front_index)
+        except WireError as error:
+            logger.error("API server %d sent a bad frame: %s", front_index, error)
+    # Its socket ended (not cancelled: the core stopping is not a front going).
+    await links.front_gone(front_index)
 
 
 def _id_in_use(admit: Admit) -> StreamFailure:

@@ -53,7 +53,8 @@ class Engine:
     """A running engine. Create it with ``Engine.open(config)``."""
 
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer, actors: EngineActors,
-                 streams: RequestStreams, *, max_model_len: int) -> None:
+                 streams: RequestStreams, *, max_model_len: int,
+                 request_id_prefix: str = "req-") -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.model_name = config.served_model_name or config.model
@@ -61,6 +62,8 @@ class Engine:
         self._actors = actors
         self._streams = streams
         self._request_counter = itertools.count()
+        # Ids are unique across the API servers of one engine core: each has its own prefix.
+        self._request_id_prefix = request_id_prefix
         self._aborted: set[str] = set()
         self._draining = False
 
@@ -114,7 +117,8 @@ class Engine:
                 actors = await nursery.start(partial(
                     run_front_supervisor, config, tokenizer, streams, ready, core))
                 engine = cls(config, tokenizer, actors, streams,
-                             max_model_len=ready.max_model_len)
+                             max_model_len=ready.max_model_len,
+                             request_id_prefix=f"req-{ready.front_index}-")
                 async with engine._running(nursery.cancel_scope):
                     yield engine
         if actors.error is not None:
@@ -182,7 +186,7 @@ class Engine:
             self._aborted.discard(request_id)
 
     def _new_request_id(self) -> str:
-        return f"req-{next(self._request_counter)}"
+        return f"{self._request_id_prefix}{next(self._request_counter)}"
 
     def _check_accepting(self) -> None:
         if self._actors.error is not None:

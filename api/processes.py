@@ -65,8 +65,9 @@ LISTEN_BACKLOG = 2048
 # After the core died, API servers fail their requests and exit at once; one
 # that has not exited after this long is killed.
 CHILD_EXIT_SECONDS = 30.0
-# How long the core may take to stop once every API server has gone.
-CORE_STOP_SECONDS = 30.0
+# How long the core may take to stop once every API server has gone, and
+# again after SIGTERM (then it is killed).
+CORE_STOP_SECONDS = 10.0
 
 
 # -- the layout in one process ------------------------------------------------------------
@@ -97,14 +98,25 @@ async def open_served_layout(config: EngineConfig, num_fronts: int, *,
     front facades, joined by wire channels over socket pairs. Yields the fronts;
     on exit each drains and disconnects, and the core stops."""
     pairs = [trio.socket.socketpair() for _ in range(num_fronts)]
+    core_error: list[EngineDead] = []
+
+    async def run_core(task_status: trio.TaskStatus[None]) -> None:
+        # As a process would: a core that dies does not take the fronts with it;
+        # they learn it over the wire. Its error is raised once they are closed.
+        try:
+            await run_engine_core(config, [trio.SocketStream(core_end) for core_end, _ in pairs],
+                                  executor=executor, task_status=task_status)
+        except EngineDead as error:
+            core_error.append(error)
+
     async with trio.open_nursery() as nursery:
-        await nursery.start(partial(run_engine_core, config,
-                                    [trio.SocketStream(core_end) for core_end, _ in pairs],
-                                    executor=executor))
+        await nursery.start(run_core)
         async with AsyncExitStack() as stack:
             fronts = [await stack.enter_async_context(
                 Engine.open_front(config, trio.SocketStream(front_end))) for _, front_end in pairs]
             yield fronts
+    if core_error:
+        raise core_error[0]
 
 
 # -- the supervisor -----------------------------------------------------------------------
@@ -201,10 +213,12 @@ async def _watch(core: _Child, api_servers: list[_Child]) -> None:
                 nursery.start_soon(_report_exit, api_server)
             for api_server in api_servers:
                 await api_server.exited.wait()
-            core.signal(signal.SIGTERM)
-            with trio.move_on_after(CORE_STOP_SECONDS):
-                await core.exited.wait()
-            core.signal(signal.SIGKILL)
+            # The core stops by itself once every API server has gone; a
+            # signal is only for one that does not.
+            for stop_signal in (signal.SIGTERM, signal.SIGKILL):
+                with trio.move_on_after(CORE_STOP_SECONDS):
+                    await core.exited.wait()
+                core.signal(stop_signal)
 
         nursery.start_soon(when_core_exits)
         nursery.start_soon(when_api_servers_exit)
