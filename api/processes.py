@@ -35,6 +35,7 @@ drive it, and it is the layout without process start-up.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import shutil
@@ -81,6 +82,9 @@ async def run_engine_core(config: EngineConfig, front_streams: list[trio.SocketS
     Raises EngineDead if an actor of the core failed."""
     if executor is None:
         executor = await trio.to_thread.run_sync(create_executor, config)
+    # As Engine.open does: what was allocated so far lives as long as the core.
+    gc.collect()
+    gc.freeze()
     fronts = [open_wire_channel(stream, FrontToCore) for stream in front_streams]
     async with AsyncExitStack() as streams:
         for stream in front_streams:
