@@ -18,7 +18,6 @@ away, which the core aborts.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Literal
 
 import msgspec
@@ -208,9 +207,6 @@ class FrontRoutes:
         self._live[front_index] = False
         request_ids = [rid for rid, owner in self._owners.items() if owner == front_index]
         return [Abort(request_id=request_id) for request_id in request_ids]
-
-    def requests_of(self, front_index: int) -> Iterable[str]:
-        return [rid for rid, owner in self._owners.items() if owner == front_index]
 
 
 def _restamped(request: Request, arrival_index: int) -> Request:

@@ -220,7 +220,12 @@ class _FrontLinks:
             # A front that reads none of thousands of messages is hung: cut it
             # off; its requests are aborted once its reader sees the socket end.
             logger.error("API server %d reads nothing; disconnecting it", front_index)
-            self._wires[front_index].disconnect()
+            self.disconnect(front_index)
+
+    def disconnect(self, front_index: int) -> None:
+        """Cut a front off: both sides see its socket end (and the core aborts
+        its requests when its reader does)."""
+        self._wires[front_index].disconnect()
 
     async def pump(self, front_index: int) -> None:
         async for message in self.stream_inboxes[front_index]:
@@ -289,10 +294,11 @@ async def run_core_supervisor(
     detokenizer_send, detokenizer_receive = trio.open_memory_channel[Any](DETOKENIZER_BUFFER)
     links = _FrontLinks(config, [send for send, _ in fronts], routes, queue_send.clone())
     streams = RemoteStreams(links)
-    for front_index, (wire, _) in enumerate(fronts):
-        await wire.send(CoreReady(front_index=front_index, num_fronts=len(fronts),
-                                  model_path=model_path, max_model_len=max_model_len,
-                                  num_kv_blocks=num_kv_blocks, vocab_size=vocab_size))
+    for front_index in range(len(fronts)):
+        # A front that died while the model loaded is found out by its reader.
+        await links.send(front_index, CoreReady(
+            front_index=front_index, num_fronts=len(fronts), model_path=model_path,
+            max_model_len=max_model_len, num_kv_blocks=num_kv_blocks, vocab_size=vocab_size))
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(run_runner, runner_receive, scheduler_send.clone(), executor)
@@ -361,7 +367,9 @@ async def _read_front(front_index: int, wire: WireReceiveChannel[FrontToCore],
                             query_id=query_id, scheduler=scheduler.statistics(),
                             num_waiting=queue.statistics().num_waiting))
         except WireError as error:
-            logger.error("API server %d sent a bad frame: %s", front_index, error)
+            logger.error("API server %d sent a bad frame: %s; disconnecting it", front_index,
+                         error)
+            links.disconnect(front_index)
     # Its socket ended (not cancelled: the core stopping is not a front going).
     await links.front_gone(front_index)
 
