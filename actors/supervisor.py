@@ -202,10 +202,13 @@ class _FrontLinks:
             self.stream_outboxes.append(send)
             self.stream_inboxes.append(receive)
 
-    async def send(self, front_index: int, message: CoreToFront, *,
-                   even_if_gone: bool = False) -> None:
-        if not (even_if_gone or self.routes.is_live(front_index)):
-            return
+    async def send(self, front_index: int, message: CoreToFront) -> None:
+        if self.routes.is_live(front_index):
+            await self.send_last(front_index, message)
+
+    async def send_last(self, front_index: int, message: CoreToFront) -> None:
+        """Send even to a front marked gone (the core's own failure, which the
+        front must learn however the core's nursery ended)."""
         try:
             await self._wires[front_index].send(message)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -321,7 +324,7 @@ async def run_core_supervisor(
         message = f"the engine stopped: {type(cause).__name__}: {cause}"
         with trio.move_on_after(CORE_FAILED_SEND_SECONDS, shield=True):
             for front_index in range(len(fronts)):
-                await links.send(front_index, CoreFailed(message=message), even_if_gone=True)
+                await links.send_last(front_index, CoreFailed(message=message))
         raise EngineDead(message) from cause
 
 
