@@ -7,8 +7,8 @@
 # set), then, if EXTRA_BENCH_FLAGS is set, a second workload on the same server;
 # stop the server by its pid (SIGTERM; SIGKILL 30 s later). Writes
 # OUT_DIR/serve-layout-N[-extra].json and OUT_DIR/server-layout-N.log. A bench that
-# runs past BENCH_SECONDS gets the server's processes' Python stacks (py-spy dump,
-# if installed) into the log before it is stopped. Loopback only.
+# runs past BENCH_SECONDS gets `top`, `nvidia-smi` and the server's processes' Python
+# stacks (py-spy dump, if installed) into the log before it is stopped. Loopback only.
 set -u
 out=$1; layouts=$2
 mkdir -p "$out"
@@ -36,10 +36,13 @@ for count in $layouts; do
   flags_name="BENCH_FLAGS_$count"
   bench $port "serve-layout-$count" ${!flags_name:-$BENCH_FLAGS} \
     && { [ -z "${EXTRA_BENCH_FLAGS:-}" ] || bench $port "serve-layout-$count-extra" $EXTRA_BENCH_FLAGS; }
-  if [ $? -eq 124 ] && command -v py-spy >/dev/null; then
-    for child in $pid $(grep -oE "pid [0-9]+" "$log" | cut -d' ' -f2); do
-      echo "=== py-spy dump --pid $child" >> "$log"; py-spy dump --pid "$child" >> "$log" 2>&1
-    done
+  if [ $? -eq 124 ]; then  # what every process was doing when the bench gave up
+    { echo "=== top"; top -b -n 1 | head -40; echo "=== nvidia-smi"; nvidia-smi; } >> "$log" 2>&1
+    if command -v py-spy >/dev/null; then
+      for child in $pid $(grep -oE "pid [0-9]+" "$log" | cut -d' ' -f2); do
+        echo "=== py-spy dump --pid $child" >> "$log"; py-spy dump --pid "$child" >> "$log" 2>&1
+      done
+    fi
   fi
   kill -TERM $pid 2>/dev/null
   for _ in $(seq 1 30); do kill -0 $pid 2>/dev/null || break; sleep 1; done
