@@ -4,7 +4,7 @@
 # the 2000 x (128 in, 128 out) workload at concurrency 256 over 8 client processes,
 # and a single stream through each. Carry .whl (see benchmarks/device_setup.sh).
 . benchmarks/device_setup.sh >/dev/null 2>&1 || { echo "setup failed"; exit 1; }
-export TOKENIZERS_PARALLELISM=false
+export TOKENIZERS_PARALLELISM=false PATH="/tmp/site/bin:$PATH"  # py-spy, from the wheelhouse
 echo "cpus: $(nproc)"; nvidia-smi -L
 echo "=== in-process ($(date -u +%T))"
 timeout 150 python3 -m trio_llm.api.cli bench throughput --model qwen3-0.6b --load-format dummy \
