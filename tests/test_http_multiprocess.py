@@ -74,10 +74,14 @@ async def metric(url: str, name: str) -> float:
 
 async def wait_metric(url: str, name: str, value: float) -> None:
     """Ask /metrics until ``name`` reads ``value`` (the engine core is another
-    process: there is no task to wait for)."""
+    process: there is no task to wait for). A connection the kernel had queued
+    for an API server that died is reset: that ask is just asked again."""
     for _ in range(MAX_POLLS):
-        if await metric(url, name) == value:
-            return
+        try:
+            if await metric(url, name) == value:
+                return
+        except httpx.TransportError:
+            pass
         await trio.lowlevel.checkpoint()
     raise AssertionError(f"{name} never read {value}")
 
@@ -106,6 +110,13 @@ async def test_two_api_servers_serve_the_in_process_outputs_and_survive_one_dyin
                     results.append((index, *await streamed(server, requests[index])))
                 for index in range(len(requests)):
                     nursery.start_soon(run, index)
+            # The kernel spreads connections at random: make sure both servers had some.
+            num_extra = 0
+            for api_server in {"api-server-0", "api-server-1"} - {r[1] for r in results}:
+                connection = await open_stream_on(server, api_server, requests[0])
+                await receive_until(connection, b"data: [DONE]")
+                await connection.aclose()
+                num_extra += 1
             num_finished = await metric(server.url, "trio_llm:request_success_total")
 
             # One long stream on each API server; then API server 1 dies.
@@ -126,9 +137,8 @@ async def test_two_api_servers_serve_the_in_process_outputs_and_survive_one_dyin
             exit_code = await server.process.wait()
             still_running = [name for name, pid in server.pids.items() if is_running(pid)]
     assert [text for _, _, text in sorted(results)] == expected
-    assert {api_server for _, api_server, _ in results} == {"api-server-0", "api-server-1"}
     # Whichever API server answered /metrics counted the other's requests too.
-    assert num_finished == len(requests)
+    assert num_finished == len(requests) + num_extra
     assert more
     assert fine == ("api-server-0", expected[0])
     assert kv_usage == 0.0
