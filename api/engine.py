@@ -22,6 +22,7 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -38,7 +39,9 @@ from trio_llm.actors.supervisor import (
 )
 from trio_llm.actors.tokenizer import Tokenizer
 from trio_llm.actors.wire import WireError, open_wire_channel
-from trio_llm.gpu.executor import ModelExecutor, create_executor
+
+if TYPE_CHECKING:
+    from trio_llm.gpu.executor import ModelExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -247,3 +250,12 @@ async def _wait_core_ready(wire: trio.abc.ReceiveChannel[CoreToFront]) -> CoreRe
     if not isinstance(message, CoreReady):
         raise EngineDead(f"the engine core sent {type(message).__name__} before CoreReady")
     return message
+
+
+def create_executor(config: EngineConfig) -> ModelExecutor:
+    """The model executor for ``config`` (trio_llm.gpu.executor). Imported on
+    use: an API server of the served layout never loads a model, and so never
+    imports torch."""
+    from trio_llm.gpu.executor import create_executor as create
+
+    return create(config)

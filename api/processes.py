@@ -46,6 +46,7 @@ import tempfile
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from functools import partial
+from typing import TYPE_CHECKING
 
 import msgspec
 import trio
@@ -55,10 +56,12 @@ from trio_llm.actors.errors import EngineDead
 from trio_llm.actors.fronts import FrontToCore
 from trio_llm.actors.supervisor import run_core_supervisor
 from trio_llm.actors.wire import open_wire_channel
-from trio_llm.api.engine import Engine
+from trio_llm.api.engine import Engine, create_executor
 from trio_llm.api.metrics import MULTIPROCESS_DIR_VARIABLE
 from trio_llm.api.server import ServerConfig, serve
-from trio_llm.gpu.executor import ModelExecutor, create_executor
+
+if TYPE_CHECKING:
+    from trio_llm.gpu.executor import ModelExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -364,3 +367,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
