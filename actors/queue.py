@@ -38,7 +38,7 @@ from trio_llm.actors.messages import (
     SchedulerInbox,
     WaitingRequest,
 )
-from trio_llm.actors.streams import RequestStreams
+from trio_llm.actors.streams import OutputSink
 
 # Rebuild the heap once it holds this many more stale entries (aborted
 # requests) than live ones, so aborts cannot grow it without bound.
@@ -176,7 +176,7 @@ def abort_output(request_id: str) -> RequestOutput:
 async def run_queue(
     inbox: trio.MemoryReceiveChannel[QueueInbox],
     scheduler_outbox: trio.MemorySendChannel[SchedulerInbox],
-    streams: RequestStreams,
+    streams: OutputSink,
     config: EngineConfig,
     queue: WaitingQueue,
     *,

@@ -8,11 +8,21 @@ the detokenizer; deltas it has not read yet are merged into one.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Protocol
 
 import trio
 
 from trio_llm.actors.errors import EngineError
 from trio_llm.actors.messages import RequestOutput
+
+
+class OutputSink(Protocol):
+    """Where an actor publishes requests' output: the RequestStreams of this
+    process, or (in the engine core) the wire to the front that owns the request."""
+
+    def publish(self, output: RequestOutput) -> None: ...
+
+    def fail(self, request_id: str, error: EngineError) -> None: ...
 
 
 class RequestStream:

@@ -7,6 +7,11 @@
 Cancellation belongs to the caller: leaving a `generate` stream early, or a
 cancel scope around it, aborts the request; its KV blocks are free within one
 engine step.
+
+The same facade fronts both layouts (docs/architecture.md, "Processes"):
+``Engine.open`` runs every actor in this process; ``Engine.open_front`` runs
+intake and detokenizer here, in front of an engine core in another process
+(api/processes.py), reached over a local socket.
 """
 
 from __future__ import annotations
@@ -17,17 +22,26 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from trio_llm.actors.config import EngineConfig
 from trio_llm.actors.errors import EngineDead, EngineError
+from trio_llm.actors.fronts import CoreReady, CoreToFront
 from trio_llm.actors.messages import Abort, RequestOutput, SamplingParams, Submit
 from trio_llm.actors.streams import RequestStreams
-from trio_llm.actors.supervisor import EngineActors, EngineStatistics, run_supervisor
+from trio_llm.actors.supervisor import (
+    EngineActors,
+    EngineStatistics,
+    run_front_supervisor,
+    run_supervisor,
+)
 from trio_llm.actors.tokenizer import Tokenizer
-from trio_llm.gpu.executor import ModelExecutor, create_executor
+from trio_llm.actors.wire import WireError, open_wire_channel
+
+if TYPE_CHECKING:
+    from trio_llm.gpu.executor import ModelExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +56,8 @@ class Engine:
     """A running engine. Create it with ``Engine.open(config)``."""
 
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer, actors: EngineActors,
-                 streams: RequestStreams, *, max_model_len: int) -> None:
+                 streams: RequestStreams, *, max_model_len: int,
+                 request_id_prefix: str = "req-") -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.model_name = config.served_model_name or config.model
@@ -50,6 +65,8 @@ class Engine:
         self._actors = actors
         self._streams = streams
         self._request_counter = itertools.count()
+        # Ids are unique across the API servers of one engine core: each has its own prefix.
+        self._request_id_prefix = request_id_prefix
         self._aborted: set[str] = set()
         self._draining = False
 
@@ -76,18 +93,54 @@ class Engine:
                 vocab_size=executor.vocab_size,
             ))
             engine = cls(config, tokenizer, actors, streams, max_model_len=executor.max_model_len)
-            # Everything allocated so far lives as long as the engine: keep it
-            # out of the collector's generations, so full collections stay short.
-            gc.collect()
-            gc.freeze()
-            try:
+            async with engine._running(nursery.cancel_scope):
                 yield engine
-            finally:
-                await engine._drain()
-                nursery.cancel_scope.cancel()
-                gc.unfreeze()
         if actors.error is not None:
             raise actors.error
+
+    @classmethod
+    @asynccontextmanager
+    async def open_front(cls, config: EngineConfig,
+                         core_stream: trio.SocketStream) -> AsyncIterator[Engine]:
+        """The facade of one API server: intake and detokenizer here, in front of
+        the engine core at the other end of ``core_stream`` (served layout).
+
+        Waits for the core's CoreReady (the model is loaded), then behaves as
+        ``Engine.open`` does, drain and failures included: if the core fails or
+        goes away, every open request gets EngineDead and EngineDead is raised
+        at exit. Closing the socket on exit tells the core this front has gone.
+        """
+        async with core_stream:
+            core = open_wire_channel(core_stream, CoreToFront)
+            ready = await _wait_core_ready(core[1])
+            tokenizer = await trio.to_thread.run_sync(
+                Tokenizer.from_dir, config.tokenizer or ready.model_path)
+            streams = RequestStreams()
+            async with trio.open_nursery() as nursery:
+                actors = await nursery.start(partial(
+                    run_front_supervisor, config, tokenizer, streams, ready, core))
+                engine = cls(config, tokenizer, actors, streams,
+                             max_model_len=ready.max_model_len,
+                             request_id_prefix=f"req-{ready.front_index}-")
+                async with engine._running(nursery.cancel_scope):
+                    yield engine
+        if actors.error is not None:
+            raise actors.error
+
+    @asynccontextmanager
+    async def _running(self, actors_scope: trio.CancelScope) -> AsyncIterator[None]:
+        """The engine's lifetime as its caller holds it; on the way out, the one
+        drain, then the actors are cancelled."""
+        # Everything allocated so far lives as long as the engine: keep it
+        # out of the collector's generations, so full collections stay short.
+        gc.collect()
+        gc.freeze()
+        try:
+            yield
+        finally:
+            await self.drain()
+            actors_scope.cancel()
+            gc.unfreeze()
 
     # -- requests -------------------------------------------------------------
 
@@ -144,7 +197,7 @@ class Engine:
             self._aborted.discard(request_id)
 
     def _new_request_id(self) -> str:
-        return f"req-{next(self._request_counter)}"
+        return f"{self._request_id_prefix}{next(self._request_counter)}"
 
     def _check_accepting(self) -> None:
         if self._actors.error is not None:
@@ -155,8 +208,14 @@ class Engine:
     # -- state ----------------------------------------------------------------
 
     def statistics(self) -> EngineStatistics:
-        """A snapshot of the engine's counters (running, waiting, KV blocks, totals)."""
+        """A snapshot of the engine's counters (running, waiting, KV blocks,
+        totals). In-process only: an API server asks the core with
+        ``fetch_statistics``."""
         return self._actors.statistics()
+
+    async def fetch_statistics(self) -> EngineStatistics:
+        """A snapshot of the engine's counters, in either layout."""
+        return await self._actors.fetch_statistics()
 
     @property
     def is_healthy(self) -> bool:
@@ -176,10 +235,35 @@ class Engine:
         """Return once an actor failed and the engine stopped."""
         await self._actors.dead.wait()
 
-    async def _drain(self) -> None:
+    async def drain(self, grace_seconds: float | None = None) -> None:
+        """The one drain, shared by this facade's exit and the HTTP server's stop:
+        take no new requests, let open ones finish for up to ``grace_seconds``
+        (default ``config.shutdown_grace_seconds``), then end the rest with
+        EngineDead. Their callers see the error at once; nothing waits longer."""
         self.begin_drain()
-        with trio.move_on_after(self.config.shutdown_grace_seconds, shield=True):
+        if grace_seconds is None:
+            grace_seconds = self.config.shutdown_grace_seconds
+        with trio.move_on_after(grace_seconds, shield=True):
             await self._streams.wait_empty()
         if len(self._streams):
             logger.warning("shutting down with %d requests still open", len(self._streams))
             self._streams.fail_all(EngineDead("the engine shut down"))
+
+
+async def _wait_core_ready(wire: trio.abc.ReceiveChannel[CoreToFront]) -> CoreReady:
+    try:
+        message = await wire.receive()
+    except (trio.EndOfChannel, WireError) as error:
+        raise EngineDead("the engine core went away before it was ready") from error
+    if not isinstance(message, CoreReady):
+        raise EngineDead(f"the engine core sent {type(message).__name__} before CoreReady")
+    return message
+
+
+def create_executor(config: EngineConfig) -> ModelExecutor:
+    """The model executor for ``config`` (trio_llm.gpu.executor). Imported on
+    use: an API server of the served layout never loads a model, and so never
+    imports torch."""
+    from trio_llm.gpu.executor import create_executor as create
+
+    return create(config)

@@ -1,24 +1,33 @@
 """Prometheus metrics of one server: vLLM's metric names under a ``trio_llm:`` prefix.
 
 Gauges and counters the engine already keeps (running, waiting, KV usage,
-preemptions, token totals, prefix cache queries and hits) are read from ``engine.statistics()`` at scrape
-time by a custom collector, so they can never drift from the engine. Latency
-histograms are observed by the HTTP handlers through ``RequestTimer``.
+preemptions, token totals, prefix cache queries and hits) are read from the
+engine's statistics at scrape time (``engine.fetch_statistics()``, which an API
+server asks of the engine core: the one source, whatever the layout), so they
+can never drift from the engine. Latency histograms are observed by the HTTP
+handlers through ``RequestTimer``.
 
 Each app gets its own CollectorRegistry: two servers in one process (tests)
-never share or collide on metrics.
+never share or collide on metrics. With several API-server processes
+(``--api-server-count``), the histograms and counters are summed over all of
+them by prometheus-client's multiprocess mode: the process supervisor sets
+``PROMETHEUS_MULTIPROC_DIR`` for every API server, each writes its samples
+there, and any of them answers /metrics with the totals.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Protocol
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 
 CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
+MULTIPROCESS_DIR_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
 
 # Bucket edges as vLLM publishes them, so dashboards built for it read ours too.
 TIME_TO_FIRST_TOKEN_BUCKETS = (
@@ -56,21 +65,18 @@ class Statistics(Protocol):
     def num_prefix_cache_hits(self) -> int: ...
 
 
-class StatisticsSource(Protocol):
-    """What the collector needs of an engine."""
-
-    def statistics(self) -> Statistics: ...
-
-
 class EngineCollector:
-    """Reads the engine's counters at scrape time (see the module docstring)."""
+    """Reports the engine's counters (see the module docstring) from the snapshot
+    taken for the scrape; nothing when the engine is dead."""
 
-    def __init__(self, engine: StatisticsSource, model_name: str) -> None:
-        self._engine = engine
+    def __init__(self, model_name: str) -> None:
         self._model_name = model_name
+        self.statistics: Statistics | None = None
 
     def collect(self) -> Iterator[Metric]:
-        stats = self._engine.statistics()
+        stats = self.statistics
+        if stats is None:
+            return
         gauge, counter = GaugeMetricFamily, CounterMetricFamily
         yield self._family(gauge, "num_requests_running", "Requests running in the engine.",
                            stats.num_running)
@@ -101,10 +107,19 @@ class EngineCollector:
 class ServerMetrics:
     """Every metric of one server, in its own registry."""
 
-    def __init__(self, engine: StatisticsSource, model_name: str) -> None:
+    def __init__(self, model_name: str) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
-        self.registry.register(EngineCollector(engine, model_name))
+        self._engine_collector = EngineCollector(model_name)
+        # What a scrape reads: this registry, or in multiprocess mode every API
+        # server's samples from the shared directory (never this registry as
+        # well: its samples are among them).
+        self._scrape_registry = self.registry
+        multiprocess_dir = os.environ.get(MULTIPROCESS_DIR_VARIABLE)
+        if multiprocess_dir:
+            self._scrape_registry = CollectorRegistry()
+            MultiProcessCollector(self._scrape_registry, path=multiprocess_dir)
+        self._scrape_registry.register(self._engine_collector)
         self.time_to_first_token = self._histogram(
             "time_to_first_token_seconds", "Time from request arrival to first token.",
             TIME_TO_FIRST_TOKEN_BUCKETS)
@@ -131,9 +146,14 @@ class ServerMetrics:
     def count_finished(self, finish_reason: str) -> None:
         self._request_success.labels(self.model_name, finish_reason).inc()
 
-    def render(self) -> bytes:
-        """The registry in Prometheus' text format."""
-        return prometheus_client.generate_latest(self.registry)
+    def render(self, statistics: Statistics | None) -> bytes:
+        """Every metric in Prometheus' text format, the engine's counters from
+        ``statistics`` (None: the engine is dead, only the histograms)."""
+        self._engine_collector.statistics = statistics
+        try:
+            return prometheus_client.generate_latest(self._scrape_registry)
+        finally:
+            self._engine_collector.statistics = None
 
     def timer(self, arrival_time: float) -> RequestTimer:
         return RequestTimer(self, arrival_time)

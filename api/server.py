@@ -8,10 +8,14 @@ engine request: however it ends (finished, client gone, shutdown), the
 request's output stream is closed in a shielded, time-bounded ``finally`` and
 the engine aborts it within one step.
 
-Shutdown: SIGINT or SIGTERM drains the engine (new requests get 503 with
-Retry-After, /health turns 503, the socket still answers), lets open requests
-finish for up to ``--shutdown-grace-seconds``, then stops Hypercorn, which
-cancels what is left. A second signal stops at once.
+Shutdown: SIGINT or SIGTERM runs the engine's one drain (``Engine.drain``:
+new requests get 503 with Retry-After, /health turns 503, the socket still
+answers; open requests finish for up to ``--shutdown-grace-seconds``, the rest
+end with an error), then stops Hypercorn. A second signal stops at once.
+
+``--api-server-count N`` (N >= 1) serves the same app from N API-server
+processes in front of one engine-core process (api/processes.py); 0 serves
+everything from this one process.
 """
 
 from __future__ import annotations
@@ -22,8 +26,8 @@ import logging
 import signal
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import aclosing, asynccontextmanager, contextmanager
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, aclosing, asynccontextmanager
 from functools import partial
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -65,6 +69,8 @@ BODY_TIMEOUT_SECONDS = 60.0
 CLOSE_TIMEOUT_SECONDS = 5.0
 # After the drain, Hypercorn lets responses being written go out for this long.
 STRAGGLER_SECONDS = 1.0
+# `trio-llm serve` without --api-server-count (see docs/performance.md, "Process layouts").
+DEFAULT_API_SERVER_COUNT = 0
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 SSE_DONE = b"data: [DONE]\n\n"
 JSON_CONTENT_TYPE = "application/json"
@@ -127,8 +133,7 @@ class OpenAIServer:
         self.config = config
         self.model_name = config.served_model_name or engine.model_name
         self.accepted_model_names = {self.model_name, engine.model_name, engine.config.model}
-        self.metrics = ServerMetrics(engine, self.model_name)
-        self.open_requests = OpenRequests()
+        self.metrics = ServerMetrics(self.model_name)
         self.created = int(time.time())
         self._api_key = None if config.api_key is None else f"Bearer {config.api_key}".encode()
         self.tool_options = ToolServingOptions(
@@ -185,11 +190,10 @@ class OpenAIServer:
         that owns ``outputs`` from here on (closing the body ends the request)."""
         timer = self.metrics.timer(trio.current_time())
         if not body.stream:
-            with self.open_requests.track():
-                async with closing(outputs):
-                    async for output in outputs:
-                        _observe(timer, output)
-                        builder.add(output)
+            async with closing(outputs):
+                async for output in outputs:
+                    _observe(timer, output)
+                    builder.add(output)
             return self._json(builder.response())
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         events = self._events(outputs, builder, timer, include_usage=include_usage)
@@ -212,27 +216,26 @@ class OpenAIServer:
         this generator (GeneratorExit at a yield) or cancels it (Cancelled while
         waiting for output); either way ``closing`` ends the engine request.
         """
-        with self.open_requests.track():
-            async with closing(outputs):
-                output = await anext(outputs)
-                try:
-                    while True:
-                        _observe(timer, output)
-                        chunk = builder.chunk(output)
-                        if chunk is not None:
-                            yield _sse_event(chunk)
-                        if output.finished:
-                            break
-                        output = await anext(outputs)
-                except StopAsyncIteration:
-                    pass
-                except EngineError as error:
-                    yield _error_event(error)
-                    yield SSE_DONE
-                    return
-                if include_usage:
-                    yield _sse_event(builder.usage_chunk())
+        async with closing(outputs):
+            output = await anext(outputs)
+            try:
+                while True:
+                    _observe(timer, output)
+                    chunk = builder.chunk(output)
+                    if chunk is not None:
+                        yield _sse_event(chunk)
+                    if output.finished:
+                        break
+                    output = await anext(outputs)
+            except StopAsyncIteration:
+                pass
+            except EngineError as error:
+                yield _error_event(error)
                 yield SSE_DONE
+                return
+            if include_usage:
+                yield _sse_event(builder.usage_chunk())
+            yield SSE_DONE
 
     def _token_text(self, token_id: int) -> str:
         return self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -257,7 +260,11 @@ class OpenAIServer:
         return self._error(503, "the engine is shutting down or dead")
 
     async def metrics_text(self) -> Response:
-        return Response(self.metrics.render(), content_type=METRICS_CONTENT_TYPE)
+        try:
+            statistics = await self.engine.fetch_statistics()
+        except EngineError:
+            statistics = None  # a dead engine has no counters; the histograms remain
+        return Response(self.metrics.render(statistics), content_type=METRICS_CONTENT_TYPE)
 
     async def tokenize(self) -> Response:
         body = protocol.decode_request(await request.get_data(), protocol.TokenizeRequest)
@@ -388,28 +395,6 @@ async def _resumed(first_event: bytes,
             yield event
 
 
-class OpenRequests:
-    """Counts generation requests in flight, so that a drain can wait for them."""
-
-    def __init__(self) -> None:
-        self.num_open = 0
-        self._emptied = trio.lowlevel.ParkingLot()
-
-    @contextmanager
-    def track(self) -> Iterator[None]:
-        self.num_open += 1
-        try:
-            yield
-        finally:
-            self.num_open -= 1
-            if not self.num_open:
-                self._emptied.unpark_all()
-
-    async def wait_idle(self) -> None:
-        while self.num_open:
-            await self._emptied.park()
-
-
 @asynccontextmanager
 async def closing(outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[None]:
     """Close ``outputs`` on the way out, even when cancelled: the engine aborts
@@ -426,10 +411,12 @@ async def closing(outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[None]:
 # -- serving ------------------------------------------------------------------------
 
 
-def hypercorn_config(config: ServerConfig) -> HypercornConfig:
+def hypercorn_config(config: ServerConfig, *, listen_fd: int | None = None) -> HypercornConfig:
+    """Hypercorn's settings; ``listen_fd`` serves a socket already listening
+    (an API server of the served layout) instead of binding host:port."""
     hyper = HypercornConfig()
     host = f"[{config.host}]" if ":" in config.host else config.host
-    hyper.bind = [f"{host}:{config.port}"]
+    hyper.bind = [f"fd://{listen_fd}" if listen_fd is not None else f"{host}:{config.port}"]
     # The drain happens before Hypercorn is told to stop (see serve_app); this
     # only lets responses being written at that moment go out.
     hyper.graceful_timeout = STRAGGLER_SECONDS
@@ -440,65 +427,72 @@ def hypercorn_config(config: ServerConfig) -> HypercornConfig:
 
 async def serve_app(engine: Engine, config: ServerConfig, *,
                     shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
+                    listen_fd: int | None = None,
                     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
     """Serve the app over ``engine`` until cancelled or until a graceful stop.
 
     Reports the bound URL (``http://host:port``) through ``task_status`` once
-    the socket listens. When ``shutdown_trigger`` returns: the engine drains
-    (new requests get 503 + Retry-After, /health 503, the socket still
-    answers), open requests may finish for up to ``shutdown_grace_seconds``,
-    then Hypercorn stops and cancels what is left.
+    the socket listens. When ``shutdown_trigger`` returns: the engine's one
+    drain (``Engine.drain``: new requests get 503 + Retry-After, /health 503,
+    the socket still answers; open requests may finish for up to
+    ``shutdown_grace_seconds``, the rest end with an error), then Hypercorn
+    stops, letting responses being written go out.
     """
     app = create_app(engine, config)
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
-        binds = await nursery.start(partial(hypercorn_serve, app, hypercorn_config(config),
-                                            shutdown_trigger=stop.wait))
+        binds = await nursery.start(partial(
+            hypercorn_serve, app, hypercorn_config(config, listen_fd=listen_fd),
+            shutdown_trigger=stop.wait))
         url = binds[0]
         logger.info("trio-llm serving %r at %s", app.extensions["trio_llm"].model_name, url)
         if shutdown_trigger is not None:
-            nursery.start_soon(_drain_then_stop, engine, app.extensions["trio_llm"], config,
-                               shutdown_trigger, stop)
+            nursery.start_soon(_drain_then_stop, engine, config, shutdown_trigger, stop)
         task_status.started(url)
 
 
-async def _drain_then_stop(engine: Engine, api: OpenAIServer, config: ServerConfig,
+async def _drain_then_stop(engine: Engine, config: ServerConfig,
                            shutdown_trigger: Callable[[], Awaitable[None]],
                            stop: trio.Event) -> None:
     await shutdown_trigger()
-    engine.begin_drain()
-    logger.info("draining %d open requests for up to %.1f s", api.open_requests.num_open,
+    logger.info("draining %d open requests for up to %.1f s", engine.num_open_requests,
                 config.shutdown_grace_seconds)
-    with trio.move_on_after(config.shutdown_grace_seconds):
-        await api.open_requests.wait_idle()
-    if api.open_requests.num_open:
-        logger.warning("stopping with %d requests still open", api.open_requests.num_open)
+    await engine.drain(config.shutdown_grace_seconds)
     stop.set()
 
 
+EngineOpener = Callable[[], AbstractAsyncContextManager["Engine"]]
+
+
 async def serve(engine_config: Any, config: ServerConfig, *,
+                open_engine: EngineOpener | None = None, listen_fd: int | None = None,
                 task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
     """Open the engine and serve it until SIGINT/SIGTERM (graceful) or the engine dies.
 
+    ``open_engine`` opens the facade (default: ``Engine.open(engine_config)``,
+    the in-process layout; an API server passes its ``Engine.open_front``).
     Raises EngineDead if the engine died.
     """
     from trio_llm.api.engine import Engine
 
+    if open_engine is None:
+        open_engine = partial(Engine.open, engine_config)
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async with Engine.open(engine_config) as engine:
+        async with open_engine() as engine:
             stop = trio.Event()
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_stop_on_signals, signals, stop, nursery.cancel_scope)
                 nursery.start_soon(_stop_when_dead, engine, stop)
                 url = await nursery.start(_serve_then_stop_watchers, engine, config, stop,
-                                          nursery.cancel_scope)
+                                          nursery.cancel_scope, listen_fd)
                 task_status.started(url)
 
 
 async def _serve_then_stop_watchers(engine: Engine, config: ServerConfig, stop: trio.Event,
-                                    watchers: trio.CancelScope, *,
+                                    watchers: trio.CancelScope, listen_fd: int | None, *,
                                     task_status: trio.TaskStatus[str]) -> None:
-    await serve_app(engine, config, shutdown_trigger=stop.wait, task_status=task_status)
+    await serve_app(engine, config, shutdown_trigger=stop.wait, listen_fd=listen_fd,
+                    task_status=task_status)
     watchers.cancel()
 
 
@@ -541,6 +535,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                        help="how tool calls are found in generated text")
     group.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                        help="split reasoning (<think>...</think>) into reasoning_content")
+    group.add_argument("--api-server-count", type=int, default=DEFAULT_API_SERVER_COUNT,
+                       help="API-server processes in front of one engine-core process "
+                            "(0: serve everything from this one process)")
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -559,6 +556,12 @@ def run_serve(args: argparse.Namespace) -> int:
 
     engine_config = engine_config_from_args(args)
     config = server_config_from_args(args)
+    if args.api_server_count < 0:
+        raise SystemExit("trio-llm serve: --api-server-count must be 0 or more")
+    if args.api_server_count > 0:
+        from trio_llm.api.processes import run_served
+
+        return run_served(engine_config, config, num_api_servers=args.api_server_count)
     try:
         trio.run(serve, engine_config, config)
     except EngineDead as error:

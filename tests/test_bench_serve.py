@@ -19,6 +19,7 @@ from trio_llm.api.bench_serve import (
     RequestResult,
     add_bench_serve_arguments,
     arrival_offsets,
+    client_shares,
     latency_stats,
     percentile,
     plot_latencies,
@@ -136,6 +137,37 @@ def test_the_command_prints_the_report_and_writes_json(tmp_path: Path,
     assert document["report"]["total_output_tokens"] == 15
     assert document["options"]["request_rate"] == 500
     assert len(document["requests"]) == 5
+
+
+def test_several_client_processes_make_one_report(tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    engine = FakeEngine()
+    with ServerInAThread(engine) as url:
+        args = _parse(["--base-url", url, "--num-prompts", "7", "--random-input-len", "4",
+                       "--random-output-len", "3", "--max-concurrency", "3",
+                       "--num-client-processes", "2", "--json", str(tmp_path / "bench.json"),
+                       "--disable-tqdm"])
+        assert run_bench_serve(args) == 0
+    document = json.loads((tmp_path / "bench.json").read_text())
+    report = document["report"]
+    assert (report["num_completed"], report["num_failed"]) == (7, 0)
+    assert report["total_output_tokens"] == 21 and report["num_client_processes"] == 2
+    # Every request of the seeded workload was sent once, in whichever process.
+    prompts = sorted(submitted["prompt"] for submitted in engine.submitted)
+    expected = random_requests(seed=0, num_prompts=7, input_len=4, output_len=3,
+                               range_ratio=0.0, vocab_size=256)
+    assert prompts == sorted(request.prompt_token_ids for request in expected)
+    assert [r["output_len"] for r in document["requests"]] == [3] * 7
+    assert engine.max_num_running <= 3
+    assert "Client processes" in capsys.readouterr().out
+
+
+def test_client_shares_split_requests_and_concurrency() -> None:
+    options = BenchServeOptions(base_url="http://x", num_prompts=10, max_concurrency=5,
+                                num_client_processes=3)
+    shares = client_shares(options, "m", 100)
+    assert [share.indices for share in shares] == [[0, 3, 6, 9], [1, 4, 7], [2, 5, 8]]
+    assert [share.max_concurrency for share in shares] == [2, 2, 1]
 
 
 def test_an_unreachable_server_is_a_clear_failure(capsys: pytest.CaptureFixture[str]) -> None:

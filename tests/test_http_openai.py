@@ -1,6 +1,12 @@
 """The server over the real engine and the built-in tiny model, through the
 official `openai` client (async, and sync in a worker thread for streams), raw sockets for
-disconnects, and the serving benchmark."""
+disconnects, and the serving benchmark; each in both process layouts.
+
+"served" is the served layout inside this process (api/processes.py,
+``open_served_layout``): an engine core and two fronts joined by wire channels
+over socket pairs. HTTP goes to the first front; in-process reference requests
+and statistics go through the second, so every test crosses between fronts.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ from typing import Any
 
 import httpx
 import openai
+import pytest
 import trio
 from test_http_support import open_raw_request, receive_until, running_server, wait_until
 
@@ -18,6 +25,7 @@ from trio_llm.actors.config import EngineConfig
 from trio_llm.actors.messages import SamplingParams
 from trio_llm.api.bench_serve import BenchServeOptions, run_benchmark
 from trio_llm.api.engine import Engine
+from trio_llm.api.processes import open_served_layout
 
 CONFIG = EngineConfig(model="tiny", num_kv_blocks=64, block_size=16, max_num_seqs=8,
                       max_num_batched_tokens=256, max_model_len=256)
@@ -26,10 +34,29 @@ PROMPT = "Once upon a time"
 MESSAGES = [{"role": "user", "content": "Tell me a story."}]
 
 
+LAYOUTS = ["in-process", "served"]
+layouts = pytest.mark.parametrize("layout", LAYOUTS)
+
+
+class Served:
+    """A server under test: ``engine`` for in-process requests and statistics,
+    ``http_engine`` the facade behind ``url`` (the same one in-process)."""
+
+    def __init__(self, engine: Engine, http_engine: Engine, url: str) -> None:
+        self.engine = engine
+        self.http_engine = http_engine
+        self.url = url
+
+
 @asynccontextmanager
-async def served_engine(**server_options: Any) -> AsyncIterator[tuple[Engine, str]]:
-    async with Engine.open(CONFIG) as engine, running_server(engine, **server_options) as url:
-        yield engine, url
+async def served_engine(layout: str, **server_options: Any) -> AsyncIterator[Served]:
+    if layout == "in-process":
+        async with Engine.open(CONFIG) as engine, running_server(engine, **server_options) as url:
+            yield Served(engine, engine, url)
+        return
+    async with open_served_layout(CONFIG, 2) as (http_front, other_front):
+        async with running_server(http_front, **server_options) as url:
+            yield Served(other_front, http_front, url)
 
 
 async def in_process_text(outputs: AsyncIterator[Any]) -> str:
@@ -40,9 +67,11 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
-async def test_openai_client_gets_what_the_engine_generates_in_process() -> None:
+@layouts
+async def test_openai_client_gets_what_the_engine_generates_in_process(layout: str) -> None:
     with trio.fail_after(TIMEOUT):
-        async with served_engine(api_key="secret") as (engine, url):
+        async with served_engine(layout, api_key="secret") as served:
+            engine, url = served.engine, served.url
             expected = await in_process_text(engine.generate(PROMPT, greedy(8)))
             expected_chat = await in_process_text(engine.chat(MESSAGES, greedy(6)))
             # Streams are read by the sync client in a worker thread: the async
@@ -88,9 +117,11 @@ async def test_openai_client_gets_what_the_engine_generates_in_process() -> None
     assert [model.id for model in models.data] == ["tiny"]
 
 
-async def test_openai_client_sees_errors_as_exceptions() -> None:
+@layouts
+async def test_openai_client_sees_errors_as_exceptions(layout: str) -> None:
     with trio.fail_after(TIMEOUT):
-        async with served_engine() as (_, url):
+        async with served_engine(layout) as served:
+            url = served.url
             client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
             try:
                 too_long = await _error_of(client.completions.create(
@@ -119,24 +150,26 @@ async def _error_of(call: Any) -> openai.APIStatusError:
     raise AssertionError("the request succeeded")
 
 
-async def test_dropped_connections_free_their_kv_blocks() -> None:
+@layouts
+async def test_dropped_connections_free_their_kv_blocks(layout: str) -> None:
     request = {"model": "tiny", "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True}
     with trio.fail_after(TIMEOUT):
-        async with served_engine() as (engine, url):
+        async with served_engine(layout) as served:
+            engine, url = served.engine, served.url
             # A stream, dropped after its first chunk.
             connection = await open_raw_request(url, "/v1/completions",
                                                 {**request, "stream": True})
             await receive_until(connection, b'"text"')
-            assert engine.statistics().num_running == 1
+            assert (await engine.fetch_statistics()).num_running == 1
             await connection.aclose()
-            await _wait_engine_idle(engine)
-            after_stream = engine.statistics()
+            await _wait_engine_idle(served)
+            after_stream = await engine.fetch_statistics()
             # A plain request, dropped once the engine has it.
             connection = await open_raw_request(url, "/v1/completions", request)
-            await wait_until(lambda: engine.num_open_requests == 1)
+            await wait_until(lambda: served.http_engine.num_open_requests == 1)
             await connection.aclose()
-            await _wait_engine_idle(engine)
-            stats = engine.statistics()
+            await _wait_engine_idle(served)
+            stats = await engine.fetch_statistics()
             async with httpx.AsyncClient(base_url=url) as client:
                 metrics = (await client.get("/metrics")).text
     for snapshot in (after_stream, stats):
@@ -149,22 +182,23 @@ async def test_dropped_connections_free_their_kv_blocks() -> None:
     assert _metric(metrics, "trio_llm:generation_tokens_total") == stats.num_generation_tokens
 
 
-async def _wait_engine_idle(engine: Engine) -> None:
+async def _wait_engine_idle(served: Served) -> None:
     """Wait until the server closed the request's stream (its Abort is sent then),
-    then run one more request: channels are FIFO, so once it finished, the
-    abort was handled."""
-    await wait_until(lambda: engine.num_open_requests == 0)
-    await in_process_text(engine.generate([5, 6, 7], greedy(2)))
+    then run one more request on the same front: channels (and wire channels) are
+    FIFO, so once it finished, the abort was handled."""
+    await wait_until(lambda: served.http_engine.num_open_requests == 0)
+    await in_process_text(served.http_engine.generate([5, 6, 7], greedy(2)))
 
 
-async def test_the_serving_benchmark_against_the_tiny_model() -> None:
+@layouts
+async def test_the_serving_benchmark_against_the_tiny_model(layout: str) -> None:
     with trio.fail_after(TIMEOUT):
-        async with served_engine() as (engine, url):
-            options = BenchServeOptions(base_url=url, num_prompts=6, random_input_len=16,
+        async with served_engine(layout) as served:
+            options = BenchServeOptions(base_url=served.url, num_prompts=6, random_input_len=16,
                                         random_output_len=8, max_concurrency=3,
                                         request_rate=200.0)
             report, _ = await run_benchmark(options)
-            stats = engine.statistics()
+            stats = await served.engine.fetch_statistics()
     assert (report.num_completed, report.num_failed) == (6, 0)
     assert report.total_output_tokens == 48
     assert report.total_input_tokens == 96

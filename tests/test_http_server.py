@@ -360,7 +360,7 @@ def test_serve_flags_fill_the_server_config() -> None:
 def test_request_timer_spreads_a_coalesced_output_over_its_tokens() -> None:
     from trio_llm.api.metrics import ServerMetrics
 
-    metrics = ServerMetrics(FakeEngine(), "fake-model")
+    metrics = ServerMetrics("fake-model")
     timer = metrics.timer(10.0)
     timer.on_output(10.5, num_new_tokens=0, queue_time=0.25)
     timer.on_output(11.0, num_new_tokens=1, queue_time=None)

@@ -1,19 +1,24 @@
 """Graceful stop: the engine drains while the socket still answers (503s),
 open requests finish within the grace period, the rest are cancelled; and the
-`trio-llm serve` process exits 0 on SIGTERM."""
+`trio-llm serve` process exits 0 on SIGTERM after its open streams finished, in
+both layouts (one process; an engine core and two API servers)."""
 
 from __future__ import annotations
 
-import os
-import re
 import signal
-import subprocess
-import sys
 from functools import partial
 
 import httpx
+import pytest
 import trio
-from test_http_support import FakeEngine, open_raw_request, receive_until, wait_until
+from test_http_support import (
+    FakeEngine,
+    is_running,
+    open_raw_request,
+    receive_until,
+    serve_process,
+    wait_until,
+)
 
 from trio_llm.api.server import ServerConfig, serve_app
 
@@ -69,42 +74,22 @@ async def test_a_drain_gives_up_after_the_grace_period() -> None:
     assert len(engine.aborted) == 1
 
 
-async def test_serve_command_exits_0_after_sigterm_and_finishes_open_streams() -> None:
-    command = [sys.executable, "-m", "trio_llm.api.cli", "serve", "--model", "tiny",
-               "--port", "0", "--num-kv-blocks", "64", "--max-model-len", "256",
-               "--shutdown-grace-seconds", "60"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+@pytest.mark.parametrize("num_api_servers", [0, 2])
+async def test_serve_command_exits_0_after_sigterm_and_finishes_open_streams(
+        num_api_servers: int) -> None:
     with trio.fail_after(120):
-        process = await trio.lowlevel.open_process(command, stderr=subprocess.PIPE, env=env)
-        try:
-            assert process.stderr is not None
-            log = await _read_until(process.stderr, rb"serving 'tiny' at (http://\S+)")
-            url = _logged_url(log)
-            connection = await open_raw_request(url, "/v1/completions", {
+        async with serve_process("--shutdown-grace-seconds", "60",
+                                 num_api_servers=num_api_servers) as server:
+            connection = await open_raw_request(server.url, "/v1/completions", {
                 "prompt": "Once upon a time", "max_tokens": 12, "ignore_eos": True,
                 "stream": True})
             await receive_until(connection, b'"text"')
-            process.send_signal(signal.SIGTERM)
+            server.process.send_signal(signal.SIGTERM)
             rest = await receive_until(connection, b"data: [DONE]")
             await connection.aclose()
-            assert await process.wait() == 0
-        finally:
-            if process.returncode is None:
-                process.kill()
-                await process.wait()
+            exit_code = await server.process.wait()
+            still_running = [name for name, pid in server.pids.items() if is_running(pid)]
+    assert exit_code == 0, server.log.decode(errors="replace")
     assert b'"finish_reason":"length"' in rest
-
-
-def _logged_url(log: bytes) -> str:
-    match = re.search(rb"serving 'tiny' at (http://\S+)", log)
-    assert match is not None
-    return match.group(1).decode()
-
-
-async def _read_until(stream: trio.abc.ReceiveStream, pattern: bytes) -> bytes:
-    received = b""
-    while not re.search(pattern, received):
-        data = await stream.receive_some(4096)
-        assert data, f"the server exited before logging {pattern!r}: {received.decode()}"
-        received += data
-    return received
+    assert still_running == []
+    assert len(server.pids) == (num_api_servers + 1 if num_api_servers else 0)

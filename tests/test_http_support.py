@@ -8,8 +8,14 @@ a test decides exactly how far generation has gone.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import queue
+import re
+import signal
+import subprocess
+import sys
 import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -71,6 +77,7 @@ class FakeEngine:
         self.queue_full = queue_full
         self._num_steps_allowed: int | None = 0 if gated else None
         self._step_lot = trio.lowlevel.ParkingLot()
+        self._ended_lot = trio.lowlevel.ParkingLot()
         self._draining = False
         self._num_prompt_tokens = 0
 
@@ -153,6 +160,10 @@ class FakeEngine:
             num_prompt_tokens=self._num_prompt_tokens, num_generation_tokens=self.num_generated,
         )
 
+    async def fetch_statistics(self) -> EngineStatistics:
+        await trio.lowlevel.checkpoint()
+        return self.statistics()
+
     @property
     def num_open_requests(self) -> int:
         return len(self.running)
@@ -163,6 +174,16 @@ class FakeEngine:
 
     def begin_drain(self) -> None:
         self._draining = True
+
+    async def drain(self, grace_seconds: float | None = None) -> None:
+        """Like the facade's: refuse new requests, wait for the running ones up to
+        the grace period (the server's stop then cancels what is left)."""
+        self.begin_drain()
+        if grace_seconds is None:
+            grace_seconds = self.config.shutdown_grace_seconds
+        with trio.move_on_after(grace_seconds):
+            while self.running:
+                await self._ended_lot.park()
 
     async def wait_dead(self) -> None:
         await trio.sleep_forever()
@@ -221,6 +242,7 @@ class FakeRequest:
     def _end(self, *, finished: bool) -> None:
         self._ended = True
         self._engine.running.discard(self._request_id)
+        self._engine._ended_lot.unpark_all()
         (self._engine.finished if finished else self._engine.aborted).append(self._request_id)
 
 
@@ -310,3 +332,103 @@ def sse_events(text: str) -> list[str]:
 def sse_json(text: str) -> list[dict[str, Any]]:
     """Every event but [DONE], decoded."""
     return [json.loads(data) for data in sse_events(text) if data != "[DONE]"]
+
+
+# -- `trio-llm serve` as a child process ----------------------------------------------
+
+
+class ServeProcess:
+    """`trio-llm serve` running in a child process, its log read as it comes.
+
+    ``url`` is known once every API server logged that it serves; ``pids``
+    maps "core", "api-server-0", ... to the children's pids (served layout).
+    """
+
+    def __init__(self, process: trio.Process, num_api_servers: int) -> None:
+        self.process = process
+        self.num_api_servers = num_api_servers
+        self.log = b""
+        self.url = ""
+        self.pids: dict[str, int] = {}
+        self._grew = trio.lowlevel.ParkingLot()
+        self._ended = False
+
+    async def read_log(self) -> None:
+        assert self.process.stderr is not None
+        async for data in self.process.stderr:
+            self.log += data
+            self._grew.unpark_all()
+        self._ended = True
+        self._grew.unpark_all()
+
+    async def wait_for(self, pattern: bytes, *, count: int = 1) -> list[re.Match[bytes]]:
+        """Every match of ``pattern`` in the log, once there are ``count`` of them."""
+        while len(found := list(re.finditer(pattern, self.log))) < count:
+            assert not self._ended, f"the server exited before logging {pattern!r}:\n" + (
+                self.log.decode(errors="replace"))
+            await self._grew.park()
+        return found
+
+    async def wait_serving(self) -> None:
+        serving = await self.wait_for(rb"serving 'tiny' at (http://\S+)",
+                                      count=max(1, self.num_api_servers))
+        self.url = serving[0].group(1).decode()
+        for match in re.finditer(rb"(engine core|API server (\d+)): pid (\d+)", self.log):
+            name = "core" if match.group(2) is None else f"api-server-{int(match.group(2))}"
+            self.pids[name] = int(match.group(3))
+
+
+@asynccontextmanager
+async def serve_process(*flags: str, num_api_servers: int) -> AsyncIterator[ServeProcess]:
+    """`trio-llm serve --model tiny` with ``flags`` on a free port, until the block
+    ends (then killed, with every child, if still running)."""
+    command = [sys.executable, "-m", "trio_llm.api.cli", "serve", "--model", "tiny",
+               "--port", "0", "--num-kv-blocks", "64", "--max-model-len", "256",
+               "--api-server-count", str(num_api_servers), *flags]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    process = await trio.lowlevel.open_process(command, stderr=subprocess.PIPE, env=env)
+    server = ServeProcess(process, num_api_servers)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server.read_log)
+            await server.wait_serving()
+            yield server
+            nursery.cancel_scope.cancel()
+    finally:
+        for pid in [process.pid, *server.pids.values()]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        await process.wait()
+
+
+def is_running(pid: int) -> bool:
+    """True while ``pid`` is a live process (a zombie counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def api_server_of(connection: trio.SocketStream, server: ServeProcess) -> str:
+    """Which API server process holds the other end of ``connection`` (read from
+    /proc: the kernel, not the server, decides where a connection lands). The
+    server must have accepted it already: call this once a response arrived."""
+    local_port = connection.socket.getsockname()[1]
+    inode = _server_side_inode(local_port)
+    for name, pid in server.pids.items():
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == f"socket:[{inode}]":
+                    return name
+    raise AssertionError(f"no API server holds the connection from port {local_port}")
+
+
+def _server_side_inode(client_port: int) -> str:
+    with open("/proc/net/tcp", encoding="ascii") as table:
+        for line in table.readlines()[1:]:
+            fields = line.split()
+            remote_port = int(fields[2].split(":")[1], 16)
+            if remote_port == client_port and fields[9] != "0":
+                return fields[9]
+    raise AssertionError(f"no server socket for client port {client_port}")

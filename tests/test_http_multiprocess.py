@@ -1,0 +1,168 @@
+"""The served layout as `trio-llm serve --api-server-count 2` runs it: an engine-core
+process and two API-server processes behind one port. Outputs equal the
+in-process engine's, metrics add up over the API servers, a dead API server's
+requests are aborted while the other goes on, a dead core ends everything with
+errors, and nothing is left running. (SIGTERM: tests/test_http_shutdown.py.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+
+import httpx
+import trio
+from test_http_support import (
+    ServeProcess,
+    api_server_of,
+    is_running,
+    open_raw_request,
+    receive_until,
+    serve_process,
+    sse_json,
+)
+
+from trio_llm.actors.config import EngineConfig
+from trio_llm.actors.messages import SamplingParams
+from trio_llm.api.engine import Engine
+
+# The engine `serve_process` starts: --num-kv-blocks 64 --max-model-len 256.
+CONFIG = EngineConfig(model="tiny", num_kv_blocks=64, max_model_len=256)
+TIMEOUT = 150
+PROMPTS = ["Once upon a time", "The little dog", "In the morning", "She said"]
+SAMPLINGS = [{"temperature": 0.0}, {"temperature": 1.0, "seed": 11},
+             {"temperature": 0.8, "top_p": 0.9, "seed": 3}]
+NUM_TOKENS = 10
+MAX_POLLS = 2000
+
+
+def workload() -> list[dict[str, object]]:
+    return [{"prompt": prompt, "max_tokens": NUM_TOKENS, "ignore_eos": True, **sampling}
+            for prompt in PROMPTS for sampling in SAMPLINGS]
+
+
+async def in_process_texts(requests: list[dict[str, object]]) -> list[str]:
+    texts = []
+    async with Engine.open(CONFIG) as engine:
+        for request in requests:
+            fields = {k: v for k, v in request.items() if k != "prompt"}
+            params = SamplingParams(**fields)  # type: ignore[arg-type]
+            texts.append("".join([out.text async for out in
+                                  engine.generate(str(request["prompt"]), params)]))
+    return texts
+
+
+async def streamed(server: ServeProcess, request: dict[str, object]) -> tuple[str, str]:
+    """One streamed completion on a fresh connection: (API server, text)."""
+    connection = await open_raw_request(server.url, "/v1/completions",
+                                        {**request, "stream": True})
+    async with connection:
+        body = await receive_until(connection, b"data: [DONE]")
+        api_server = api_server_of(connection, server)
+    events = sse_json(body.decode().split("\r\n\r\n", 1)[1])
+    return api_server, "".join(event["choices"][0]["text"] for event in events)
+
+
+async def metric(url: str, name: str) -> float:
+    async with httpx.AsyncClient(base_url=url) as client:
+        text = (await client.get("/metrics")).text
+    match = re.search(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", text, re.MULTILINE)
+    assert match, f"{name} is not in /metrics"
+    return float(match.group(2))
+
+
+async def wait_metric(url: str, name: str, value: float) -> None:
+    """Ask /metrics until ``name`` reads ``value`` (the engine core is another
+    process: there is no task to wait for). A connection the kernel had queued
+    for an API server that died is reset: that ask is just asked again."""
+    for _ in range(MAX_POLLS):
+        try:
+            if await metric(url, name) == value:
+                return
+        except httpx.TransportError:
+            pass
+        await trio.lowlevel.checkpoint()
+    raise AssertionError(f"{name} never read {value}")
+
+
+async def open_stream_on(server: ServeProcess, api_server: str,
+                         request: dict[str, object]) -> trio.SocketStream:
+    """A streamed request whose connection the kernel gave to ``api_server``."""
+    for _ in range(64):
+        connection = await open_raw_request(server.url, "/v1/completions",
+                                            {**request, "stream": True})
+        await receive_until(connection, b'"text"')  # accepted: its server is known
+        if api_server_of(connection, server) == api_server:
+            return connection
+        await connection.aclose()
+    raise AssertionError(f"no connection landed on {api_server}")
+
+
+async def test_two_api_servers_serve_the_in_process_outputs_and_survive_one_dying() -> None:
+    requests = workload()
+    with trio.fail_after(TIMEOUT):
+        expected = await in_process_texts(requests)
+        async with serve_process(num_api_servers=2) as server:
+            results = []
+            async with trio.open_nursery() as nursery:
+                async def run(index: int) -> None:
+                    results.append((index, *await streamed(server, requests[index])))
+                for index in range(len(requests)):
+                    nursery.start_soon(run, index)
+            # The kernel spreads connections at random: make sure both servers had some.
+            num_extra = 0
+            for api_server in {"api-server-0", "api-server-1"} - {r[1] for r in results}:
+                connection = await open_stream_on(server, api_server, requests[0])
+                await receive_until(connection, b"data: [DONE]")
+                await connection.aclose()
+                num_extra += 1
+            num_finished = await metric(server.url, "trio_llm:request_success_total")
+
+            # One long stream on each API server; then API server 1 dies.
+            long_request = {"prompt": "x", "max_tokens": 200, "ignore_eos": True}
+            survivor = await open_stream_on(server, "api-server-0", long_request)
+            doomed = await open_stream_on(server, "api-server-1", long_request)
+            await wait_metric(server.url, "trio_llm:num_requests_running", 2)
+            os.kill(server.pids["api-server-1"], signal.SIGKILL)
+            # The core aborts the dead server's request; the other streams on.
+            await wait_metric(server.url, "trio_llm:num_requests_running", 1)
+            more = await receive_until(survivor, b'"text"')
+            fine = await streamed(server, requests[0])
+            await survivor.aclose()
+            await doomed.aclose()
+            await wait_metric(server.url, "trio_llm:num_requests_running", 0)
+            kv_usage = await metric(server.url, "trio_llm:kv_cache_usage_perc")
+            server.process.send_signal(signal.SIGTERM)
+            exit_code = await server.process.wait()
+            still_running = [name for name, pid in server.pids.items() if is_running(pid)]
+    assert [text for _, _, text in sorted(results)] == expected
+    # Whichever API server answered /metrics counted the other's requests too.
+    assert num_finished == len(requests) + num_extra
+    assert more
+    assert fine == ("api-server-0", expected[0])
+    assert kv_usage == 0.0
+    assert exit_code == 1  # an API server died: not a clean stop
+    assert still_running == []
+
+
+async def test_a_dead_engine_core_ends_every_request_with_an_error_and_every_process() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with serve_process(num_api_servers=2) as server:
+            request = {"prompt": "x", "max_tokens": 200, "ignore_eos": True}
+            streams = [await open_stream_on(server, f"api-server-{index}", request)
+                       for index in range(2)]
+            os.kill(server.pids["core"], signal.SIGKILL)
+            rests = [await receive_until(stream, b"data: [DONE]") for stream in streams]
+            for stream in streams:
+                await stream.aclose()
+            exit_code = await server.process.wait()
+            await server.wait_for(rb"exit codes")
+            still_running = [name for name, pid in server.pids.items() if is_running(pid)]
+    for rest in rests:
+        errors = [json.loads(line.removeprefix(b"data: ")) for line in rest.split(b"\n")
+                  if line.startswith(b'data: {"error"')]
+        assert errors and "engine core went away" in errors[0]["error"]["message"]
+    assert exit_code == 1
+    assert re.search(rb"API servers \[1, 1\]", server.log)
+    assert still_running == []

@@ -1,0 +1,221 @@
+"""The served layout in one process (api/processes.py, ``open_served_layout``): an
+engine core and fronts joined by wire channels over real socket pairs. What holds
+in-process holds across the boundary: exact outputs, a global priority queue,
+aborts and stop strings freeing blocks, failures reaching every request."""
+
+from __future__ import annotations
+
+from contextlib import aclosing
+from functools import partial
+
+import pytest
+import trio
+
+from trio_llm.actors.config import EngineConfig
+from trio_llm.actors.errors import EngineDead, RequestRejected
+from trio_llm.actors.messages import SamplingParams, ScheduledBatch, StepResult
+from trio_llm.api.engine import Engine
+from trio_llm.api.processes import open_served_layout, run_engine_core
+from trio_llm.gpu.executor import ModelExecutor
+
+CONFIG = EngineConfig(model="tiny", num_kv_blocks=128, block_size=16, max_num_seqs=16,
+                      max_num_batched_tokens=512)
+TIMEOUT = 120
+MAX_POLLS = 10_000
+
+
+def greedy(max_tokens: int, **fields: object) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                          **fields)  # type: ignore[arg-type]
+
+
+async def collect(engine: Engine, prompt: list[int] | str, params: SamplingParams,
+                  **kwargs: object) -> list[int]:
+    return [token_id async for output in engine.generate(prompt, params, **kwargs)  # type: ignore[arg-type]
+            for token_id in output.token_ids]
+
+
+async def wait_statistics(engine: Engine, predicate: object) -> None:
+    """Ask the core until its counters satisfy ``predicate`` (each ask is a round
+    trip over the wire: no sleeping)."""
+    for _ in range(MAX_POLLS):
+        if predicate(await engine.fetch_statistics()):  # type: ignore[operator]
+            return
+    raise AssertionError("the engine's counters never got there")
+
+
+def is_idle(stats: object) -> bool:
+    return (stats.num_running == 0 and stats.num_waiting == 0  # type: ignore[attr-defined]
+            and stats.num_free_blocks == stats.num_total_blocks)  # type: ignore[attr-defined]
+
+
+PROMPTS = [[3 + index, 40, 41, 42 + index] * (1 + index % 3) for index in range(12)]
+SAMPLINGS = [greedy(10), SamplingParams(max_tokens=10, temperature=1.0, seed=5, ignore_eos=True),
+             SamplingParams(max_tokens=10, temperature=0.9, top_k=20, seed=9, ignore_eos=True)]
+
+
+async def test_outputs_over_two_fronts_equal_the_in_process_ones() -> None:
+    requests = [(prompt, SAMPLINGS[index % 3]) for index, prompt in enumerate(PROMPTS)]
+    with trio.fail_after(TIMEOUT):
+        async with Engine.open(CONFIG) as engine:
+            expected = [await collect(engine, prompt, params) for prompt, params in requests]
+        results: dict[int, list[int]] = {}
+        async with open_served_layout(CONFIG, 2) as fronts:
+            async with trio.open_nursery() as nursery:
+                for index, (prompt, params) in enumerate(requests):
+                    async def run(index: int = index, prompt: list[int] = prompt,
+                                  params: SamplingParams = params) -> None:
+                        results[index] = await collect(fronts[index % 2], prompt, params)
+                    nursery.start_soon(run)
+            stats = await fronts[0].fetch_statistics()
+    assert [results[index] for index in range(len(requests))] == expected
+    assert is_idle(stats) and stats.num_generation_tokens == 10 * len(requests)
+
+
+async def test_the_priority_queue_is_global_across_fronts() -> None:
+    config = EngineConfig(model="tiny", max_num_seqs=2, scheduling_policy="priority",
+                          num_kv_blocks=64)
+    order: list[str] = []
+    with trio.fail_after(TIMEOUT):
+        async with open_served_layout(config, 2) as (low_front, high_front):
+            first_tokens = {name: trio.Event() for name in "ABCDH"}
+
+            async def run(engine: Engine, name: str, priority: int, max_tokens: int) -> None:
+                async for _ in engine.generate([10, 11, 12, ord(name)], greedy(max_tokens),
+                                               priority=priority, request_id=name):
+                    if not first_tokens[name].is_set():
+                        first_tokens[name].set()
+                        order.append(name)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(run, low_front, "A", 5, 60)
+                nursery.start_soon(run, low_front, "B", 5, 60)
+                await first_tokens["A"].wait()
+                await first_tokens["B"].wait()
+                for num_waiting, name in enumerate("CD", start=1):
+                    nursery.start_soon(run, low_front, name, 5, 5)
+                    await wait_statistics(low_front,
+                                          lambda stats, n=num_waiting: stats.num_waiting == n)
+                nursery.start_soon(run, high_front, "H", 0, 5)
+    assert order.index("H") < order.index("C") < order.index("D")
+
+
+async def test_aborts_and_stop_strings_free_blocks_across_the_boundary() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with open_served_layout(CONFIG, 2) as fronts:
+            reference = await collect(fronts[1], [5, 6, 7, 8], greedy(30))
+            text = "".join([out.text async for out in fronts[1].generate([5, 6, 7, 8],
+                                                                          greedy(30))])
+            stop = text[len(text) // 2:len(text) // 2 + 3]
+            async with trio.open_nursery() as nursery:
+                for index in range(6):
+                    async def leave_early(index: int = index) -> None:
+                        async with aclosing(fronts[index % 2].generate(
+                                [9, index + 3] * 5, greedy(200))) as stream:
+                            async for _ in stream:
+                                break
+
+                    async def cancelled(index: int = index) -> None:
+                        with trio.CancelScope() as scope:
+                            async for _ in fronts[0].generate([4, index], greedy(200)):
+                                scope.cancel()
+                    nursery.start_soon(leave_early)
+                    nursery.start_soon(cancelled)
+            stopped = [out async for out in fronts[0].generate([5, 6, 7, 8],
+                                                               greedy(30, stop=[stop]))]
+            await wait_statistics(fronts[0], is_idle)
+            again = await collect(fronts[0], [5, 6, 7, 8], greedy(30))
+    assert stopped[-1].finish_reason == "stop" and stopped[-1].stop_reason == stop
+    assert stop not in "".join(out.text for out in stopped)
+    assert again == reference
+
+
+async def test_a_front_that_dies_has_its_requests_aborted_and_the_other_goes_on() -> None:
+    pairs = [trio.socket.socketpair() for _ in range(2)]
+    errors: list[EngineDead] = []
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(partial(run_engine_core, CONFIG,
+                                        [trio.SocketStream(core) for core, _ in pairs]))
+            doomed_end = pairs[0][1]
+            with pytest.raises(EngineDead, match="went away"):
+                async with Engine.open_front(CONFIG, trio.SocketStream(doomed_end)) as doomed, \
+                        Engine.open_front(CONFIG, trio.SocketStream(pairs[1][1])) as survivor:
+                    expected = await collect(survivor, [7, 8, 9], greedy(40))
+                    results = []
+                    async with trio.open_nursery() as requests:
+                        for index in range(3):
+                            async def run(index: int = index) -> None:
+                                try:
+                                    await collect(doomed, [3, index], greedy(200))
+                                except EngineDead as error:
+                                    errors.append(error)
+                            requests.start_soon(run)
+                        await wait_statistics(survivor, lambda stats: stats.num_running == 3)
+
+                        async def survive() -> None:
+                            results.append(await collect(survivor, [7, 8, 9], greedy(40)))
+                        requests.start_soon(survive)
+                        # The doomed front's process dies: its socket ends both ways.
+                        doomed_end.shutdown(trio.socket.SHUT_RDWR)
+                    await wait_statistics(survivor, is_idle)
+                    assert results == [expected]
+                    assert survivor.is_healthy and not doomed.is_healthy
+    assert len(errors) == 3
+
+
+class FaultyExecutor:
+    """The real executor, until step ``fail_at`` raises."""
+
+    def __init__(self, inner: ModelExecutor, fail_at: int) -> None:
+        self.inner = inner
+        self.fail_at = fail_at
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def execute(self, batch: ScheduledBatch) -> StepResult:
+        if batch.step_id >= self.fail_at:
+            raise RuntimeError("injected device failure")
+        return self.inner.execute(batch)
+
+
+def leaves(error: BaseException) -> list[BaseException]:
+    if isinstance(error, BaseExceptionGroup):
+        return [leaf for inner in error.exceptions for leaf in leaves(inner)]
+    return [error]
+
+
+async def test_a_failure_in_the_core_reaches_every_request_on_every_front() -> None:
+    executor = FaultyExecutor(await trio.to_thread.run_sync(ModelExecutor.create, CONFIG), 5)
+    errors: list[EngineDead] = []
+    health: list[bool] = []
+    with trio.fail_after(TIMEOUT):
+        try:
+            async with open_served_layout(CONFIG, 2, executor=executor) as fronts:  # type: ignore[arg-type]
+                async with trio.open_nursery() as nursery:
+                    for index in range(6):
+                        async def run(index: int = index) -> None:
+                            try:
+                                await collect(fronts[index % 2], [index + 3] * 4, greedy(100))
+                            except EngineDead as error:
+                                errors.append(error)
+                        nursery.start_soon(run)
+                health = [front.is_healthy for front in fronts]
+        except* EngineDead as group:
+            failures = leaves(group)
+    assert len(errors) == 6
+    assert all("injected device failure" in str(error) for error in errors)
+    assert health == [False, False]
+    assert failures and all("injected device failure" in str(error) for error in failures)
+
+
+async def test_a_request_id_in_use_on_another_front_is_rejected() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with open_served_layout(CONFIG, 2) as fronts:
+            async with aclosing(fronts[0].generate([3, 4], greedy(100), request_id="same")) as first:
+                await anext(first)
+                with pytest.raises(RequestRejected, match="already in use") as rejected:
+                    await collect(fronts[1], [3, 4], greedy(2), request_id="same")
+            await wait_statistics(fronts[1], is_idle)
+    assert rejected.value.param == "request_id"
