@@ -219,3 +219,21 @@ async def test_a_request_id_in_use_on_another_front_is_rejected() -> None:
                     await collect(fronts[1], [3, 4], greedy(2), request_id="same")
             await wait_statistics(fronts[1], is_idle)
     assert rejected.value.param == "request_id"
+
+
+async def test_constrained_outputs_over_fronts_equal_the_in_process_ones() -> None:
+    from trio_llm.actors.messages import StructuredOutputsParams
+
+    regex = StructuredOutputsParams(regex="[a-z]{3,8}-[0-9]{2}")
+    choice = StructuredOutputsParams(choice=["alpha", "beta", "gamma"])
+    requests = [(prompt, SamplingParams(max_tokens=24, temperature=1.0, seed=index,
+                                        structured_outputs=(regex, choice)[index % 2]))
+                for index, prompt in enumerate(PROMPTS[:6])]
+    with trio.fail_after(TIMEOUT):
+        async with Engine.open(CONFIG) as engine:
+            expected = [await collect(engine, prompt, params) for prompt, params in requests]
+        async with open_served_layout(CONFIG, 2) as fronts:
+            served = [await collect(fronts[index % 2], prompt, params)
+                      for index, (prompt, params) in enumerate(requests)]
+    assert served == expected
+    assert all(expected), "every constrained request produced output"
