@@ -248,9 +248,10 @@ def run_structured(args: argparse.Namespace) -> dict[str, Any]:
     constraint = StructuredOutputsParams(json=json.dumps(schema))
     executor = create_executor(engine_config(args.model, depth=2), measure_device_time=True)
     max_token_id = min(10000, executor.vocab_size)
-    workload = random_workload(seed=0, num_prompts=args.num_prompts, prompt_len=(100, 1024),
+    num_prompts = args.num_prompts or 256
+    workload = random_workload(seed=0, num_prompts=num_prompts, prompt_len=(100, 1024),
                                output_len=(100, 1024), max_token_id=max_token_id)
-    constrained = {index: constraint for index in range(0, args.num_prompts, 4)}
+    constrained = {index: constraint for index in range(0, num_prompts, 4)}
     warm_up = random_workload(seed=1, num_prompts=64, prompt_len=(100, 1024),
                               output_len=(16, 64), max_token_id=max_token_id)
     config = engine_config(args.model, depth=2)
@@ -262,7 +263,7 @@ def run_structured(args: argparse.Namespace) -> dict[str, Any]:
             constraints=constraints))
 
     run(warm_up, {index: constraint for index in range(0, 64, 4)})
-    results: dict[str, Any] = {"model": args.model, "num_prompts": args.num_prompts,
+    results: dict[str, Any] = {"model": args.model, "num_prompts": num_prompts,
                                "num_constrained": len(constrained), "schema": schema}
     results["unconstrained"] = run(workload, {})
     results["constrained"] = run(workload, constrained)

@@ -59,8 +59,11 @@ def first_divergence(ours: list[int], theirs: list[int]) -> int:
 
 
 async def main(args: argparse.Namespace) -> None:
+    # A fixed cache: the engine with caching off still holds its memory when the one
+    # with caching on is sized, so sizing from free memory would leave the second none.
     config = EngineConfig(model=args.model, load_format=args.load_format, device=args.device,
-                          max_model_len=args.prefix_len + args.suffix_len + args.output_len)
+                          max_model_len=args.prefix_len + args.suffix_len + args.output_len,
+                          num_kv_blocks=args.num_kv_blocks)
     from trio_llm.gpu.executor import ModelExecutor
 
     vocab_size = min(ModelExecutor.describe(config).vocab_size, 10000)
@@ -92,4 +95,5 @@ if __name__ == "__main__":
     parser.add_argument("--suffix-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-kv-blocks", type=int, default=8192)
     trio.run(main, parser.parse_args())
