@@ -82,8 +82,8 @@ def run_engine(config: EngineConfig, items: list[WorkloadItem]) -> dict[str, Any
     import trio
 
     from trio_llm.actors.messages import SamplingParams
-    from trio_llm.api.engine import Engine
     from trio_llm.api.bench import TimedExecutor
+    from trio_llm.api.engine import Engine
     from trio_llm.gpu.executor import create_executor
 
     executor = TimedExecutor(create_executor(config))
