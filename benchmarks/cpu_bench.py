@@ -181,8 +181,9 @@ def run_round(model_dir: Path, hf_model: Any, args: argparse.Namespace) -> dict[
                 torch.set_num_threads(num_threads)
                 results[f"{name}/transformers/threads={num_threads}"] = run_transformers(
                     hf_model, items)
-        torch.set_num_threads(args.torch_threads)
-        results[f"{name}/trio-llm"] = run_engine(config, items)
+        for num_threads in args.torch_threads:
+            torch.set_num_threads(num_threads)
+            results[f"{name}/trio-llm/threads={num_threads}"] = run_engine(config, items)
     return results
 
 
@@ -193,11 +194,13 @@ def summarise(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         summary[key] = {"output_tokens_per_second": [round(f) for f in figures],
                         "median": round(statistics.median(figures))}
     for name in WORKLOADS:
-        engine_key = f"{name}/trio-llm"
+        engine_keys = [key for key in rounds[0] if key.startswith(f"{name}/trio-llm")]
         hf_keys = [key for key in rounds[0] if key.startswith(f"{name}/transformers")]
-        if engine_key not in summary or not hf_keys:
+        if not engine_keys or not hf_keys:
             continue
+        engine_key = max(engine_keys, key=lambda key: summary[key]["median"])
         best_hf = max(hf_keys, key=lambda key: summary[key]["median"])
+        summary[f"{name}/best"] = f"{engine_key} against {best_hf}"
         summary[f"{name}/speedup_over_best_transformers"] = round(
             summary[engine_key]["median"] / summary[best_hf]["median"], 2)
         equal, total = count_matching(rounds[0][engine_key]["token_ids"],
@@ -212,8 +215,8 @@ def main() -> None:
                         default=list(WORKLOADS))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--torch-threads", type=int, default=torch.get_num_threads(),
-                        help="torch intra-op threads for the engine's runs")
+    parser.add_argument("--torch-threads", type=int, nargs="+", default=[1, 2],
+                        help="torch intra-op thread counts to run the engine with")
     parser.add_argument("--transformers-threads", type=int, nargs="*", default=[1, 2],
                         help="thread counts to run transformers with (none: skip it)")
     parser.add_argument("--batch-invariant", action="store_true")

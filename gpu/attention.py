@@ -152,13 +152,19 @@ WriteKVCache = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
 PagedAttention = Callable[..., torch.Tensor]
 
 
+def _nothing_to_warm_up() -> None:
+    pass
+
+
 @dataclass(frozen=True, slots=True)
 class AttentionBackend:
-    """A pair of functions with the signatures of this module's reference."""
+    """A pair of functions with the signatures of this module's reference, and what to
+    run once before serving so that the first step pays no compilation."""
 
     name: str
     write_kv_cache: WriteKVCache
     paged_attention: PagedAttention
+    warm_up: Callable[[], None] = _nothing_to_warm_up
 
 
 # Backends whose functions live in another module, imported on first use (Triton
@@ -180,8 +186,9 @@ FALLBACK_BACKENDS = {"cpu": "float64"}
 def get_attention_backend(name: str) -> AttentionBackend:
     if name not in ATTENTION_BACKENDS and name in LAZY_BACKEND_MODULES:
         module = importlib.import_module(LAZY_BACKEND_MODULES[name])
-        ATTENTION_BACKENDS[name] = AttentionBackend(name, module.write_kv_cache,
-                                                    module.paged_attention)
+        ATTENTION_BACKENDS[name] = AttentionBackend(
+            name, module.write_kv_cache, module.paged_attention,
+            getattr(module, "warm_up", _nothing_to_warm_up))
     if name not in ATTENTION_BACKENDS:
         known = sorted(set(ATTENTION_BACKENDS) | set(LAZY_BACKEND_MODULES))
         raise ValueError(f"unknown attention backend {name!r}; known: {', '.join(known)}")

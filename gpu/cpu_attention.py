@@ -33,7 +33,7 @@ from numba.extending import intrinsic
 
 from trio_llm.gpu.attention import float64_paged_attention, write_kv_cache
 
-__all__ = ["paged_attention", "write_kv_cache"]
+__all__ = ["paged_attention", "warm_up", "write_kv_cache"]
 
 # Reassociation lets LLVM vectorize a reduction; its lane split then depends on the
 # reduction's length alone, which is a function of the row's own position. No flag
@@ -183,6 +183,16 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                  block_size, num_heads, num_kv_heads, np.float32(scale),
                  output.view(-1, head_dim).numpy())
     return output
+
+
+def warm_up() -> None:
+    """Compile the kernel (or load it from numba's disk cache) for the executor's
+    argument types: a second or so, better spent at start-up than in the first step."""
+    query = torch.zeros(1, 1, 16)
+    cache = torch.zeros(1, 1, 1, 16)
+    ids = torch.zeros(1, 1, dtype=torch.int32)
+    paged_attention(query, cache, cache, ids, torch.ones(1, dtype=torch.int32),
+                    torch.tensor([0, 1], dtype=torch.int32), 1.0)
 
 
 def _as_array(tensor: torch.Tensor) -> np.ndarray:
