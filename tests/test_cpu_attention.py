@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 
+from trio_llm.actors.config import EngineConfig
 from trio_llm.gpu import cpu_attention
 from trio_llm.gpu.attention import (
     default_attention_backend,
@@ -136,3 +137,21 @@ def test_other_dtypes_take_the_float64_reference():
 
 def test_is_the_cpu_default():
     assert default_attention_backend(torch.device("cpu")).name == "cpu"
+
+
+def test_the_executor_warms_the_kernel_up(monkeypatch):
+    from trio_llm.gpu import attention
+    from trio_llm.gpu.executor import ModelExecutor
+
+    calls = []
+    monkeypatch.setattr(cpu_attention, "warm_up", lambda: calls.append("warm"))
+    # the backend is built anew, with the recording warm-up
+    monkeypatch.delitem(attention.ATTENTION_BACKENDS, "cpu", raising=False)
+    executor = ModelExecutor.create(EngineConfig(model="tiny", device="cpu", num_kv_blocks=8))
+    assert executor.model.attention_backend.name == "cpu"
+    assert calls == ["warm"]
+
+
+def test_warm_up_compiles_the_kernel():
+    cpu_attention.warm_up()
+    assert cpu_attention._attend_rows.signatures
