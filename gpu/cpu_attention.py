@@ -44,12 +44,13 @@ FASTMATH = {"contract", "reassoc", "nsz", "arcp"}
 # 4.2 ms for 64 sequences of ~240 tokens, one layer, on the development machine).
 PREFETCH_DISTANCE = 8
 FLOATS_PER_CACHE_LINE = 16
-JIT = {"fastmath": FASTMATH, "boundscheck": False, "error_model": "numpy", "cache": True,
-       "nogil": True}
+_kernel = numba.njit(fastmath=FASTMATH, boundscheck=False, error_model="numpy", cache=True,
+                     nogil=True)
+_inlined_kernel = numba.njit(fastmath=FASTMATH, boundscheck=False, error_model="numpy",
+                             cache=True, nogil=True, inline="always")
 
 
-@intrinsic
-def _prefetch(typingctx: Any, array: Any, index: Any) -> Any:  # pragma: no cover
+def _prefetch_typing(typingctx: Any, array: Any, index: Any) -> Any:  # pragma: no cover
     """Ask the CPU to bring the cache line holding ``array[index]`` (1D) closer."""
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
         array_type, _ = signature.args
@@ -67,11 +68,16 @@ def _prefetch(typingctx: Any, array: Any, index: Any) -> Any:  # pragma: no cove
     return types.void(array, index), codegen
 
 
-@numba.njit(**JIT)
+# Called in the kernels as ``_prefetch(array, index)``.
+_prefetch: Any = intrinsic(_prefetch_typing)
+
+
+@_kernel
 def _attend_rows(query: np.ndarray, k_rows: np.ndarray, v_rows: np.ndarray,
                  block_tables: np.ndarray, context_lens: np.ndarray,
                  query_start_loc: np.ndarray, block_size: int, num_heads: int,
-                 num_kv_heads: int, scale: float, out: np.ndarray) -> None:  # pragma: no cover
+                 num_kv_heads: int, scale: np.float32,
+                 out: np.ndarray) -> None:  # pragma: no cover
     """``query``/``out`` [num_tokens * num_heads, head_dim]; ``k_rows``/``v_rows``
     [num_slots * num_kv_heads, head_dim]: the caches seen as one row per (slot, KV head)."""
     max_context_len = 0
@@ -94,11 +100,11 @@ def _attend_rows(query: np.ndarray, k_rows: np.ndarray, v_rows: np.ndarray,
             # The token's position is num_keys - 1: it sees every key up to its own.
             num_keys = context_len - (end - token) + 1
             _attend_token(query, k_rows, v_rows, slot_rows, num_keys, token * num_heads,
-                          num_kv_heads, np.float32(scale), scores, maxima, totals, accumulator,
+                          num_kv_heads, scale, scores, maxima, totals, accumulator,
                           out)
 
 
-@numba.njit(inline="always", **JIT)
+@_inlined_kernel
 def _attend_token(query: np.ndarray, k_rows: np.ndarray, v_rows: np.ndarray,
                   slot_rows: np.ndarray, num_keys: int, first_row: int, num_kv_heads: int,
                   scale: np.float32, scores: np.ndarray, maxima: np.ndarray,
@@ -151,7 +157,7 @@ def _attend_token(query: np.ndarray, k_rows: np.ndarray, v_rows: np.ndarray,
             out[first_row + head, dim] = accumulator[head, dim] * inverse_total
 
 
-@numba.njit(inline="always", **JIT)
+@_inlined_kernel
 def _prefetch_slot(k_flat: np.ndarray, v_flat: np.ndarray, first: int,
                    num_floats: int) -> None:  # pragma: no cover
     """Prefetch one slot's keys and values: ``num_floats`` from offset ``first``."""
