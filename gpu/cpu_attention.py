@@ -21,6 +21,8 @@ float64 reference (gpu/attention.py).
 from __future__ import annotations
 
 import math
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numba
@@ -175,32 +177,118 @@ def can_use_kernel(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, context_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
-    """gpu/attention.py's paged_attention, batch-invariant; float64 reference for other dtypes."""
+    """gpu/attention.py's paged_attention, batch-invariant; float64 reference for other dtypes.
+
+    The sequences are split into as many runs of about equal work as torch has intra-op
+    threads, each run on its own thread (the kernel releases the GIL). A row is computed
+    by one thread, the same way whichever, so the split changes no bits.
+    """
     if not can_use_kernel(query, k_cache):
         return float64_paged_attention(query, k_cache, v_cache, block_tables, context_lens,
                                        query_start_loc, scale)
+    _compile_once()
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     # Rows of no sequence (none today) read as zeros, as in the reference.
     output = torch.zeros_like(query)
-    _attend_rows(query.contiguous().view(-1, head_dim).numpy(),
-                 k_cache.view(-1, head_dim).numpy(), v_cache.view(-1, head_dim).numpy(),
-                 _as_array(block_tables), _as_array(context_lens), _as_array(query_start_loc),
-                 block_size, num_heads, num_kv_heads, np.float32(scale),
-                 output.view(-1, head_dim).numpy())
+    tables, lens, starts = (_as_int32(block_tables), _as_int32(context_lens),
+                            _as_int32(query_start_loc))
+    check_layout(tables, lens, starts, num_tokens=num_tokens, num_blocks=k_cache.shape[0],
+                 block_size=block_size)
+    arguments = (query.contiguous().view(-1, head_dim).numpy(),
+                 k_cache.view(-1, head_dim).numpy(), v_cache.view(-1, head_dim).numpy())
+    outputs = output.view(-1, head_dim).numpy()
+
+    def attend(first_seq: int, end_seq: int) -> None:
+        _attend_rows(*arguments, tables[first_seq:end_seq], lens[first_seq:end_seq],
+                     starts[first_seq:end_seq + 1], int(block_size), int(num_heads),
+                     int(num_kv_heads), np.float32(scale), outputs)
+
+    runs = split_by_work(lens, starts, torch.get_num_threads())
+    helpers = [_helper_pool(len(runs) - 1).submit(attend, *run) for run in runs[1:]]
+    attend(*runs[0])
+    for helper in helpers:
+        helper.result()
     return output
+
+
+def check_layout(block_tables: np.ndarray, context_lens: np.ndarray,
+                 query_start_loc: np.ndarray, *, num_tokens: int, num_blocks: int,
+                 block_size: int) -> None:
+    """Raise ValueError where the kernel, which trusts its indices, would read or write
+    outside the tensors."""
+    num_queries = np.diff(query_start_loc)
+    if (len(query_start_loc) != len(context_lens) + 1 or query_start_loc[0] != 0
+            or (num_queries < 0).any() or query_start_loc[-1] > num_tokens):
+        raise ValueError(f"query_start_loc {query_start_loc.tolist()} does not split "
+                         f"{num_tokens} tokens into {len(context_lens)} sequences")
+    if (context_lens < num_queries).any():
+        raise ValueError("a sequence has fewer cached tokens than queries: "
+                         f"context_lens {context_lens.tolist()}, queries {num_queries.tolist()}")
+    if len(context_lens) and context_lens.max() > block_tables.shape[1] * block_size:
+        raise ValueError(f"context length {context_lens.max()} exceeds the block table "
+                         f"({block_tables.shape[1]} blocks of {block_size})")
+    if block_tables.size and (block_tables.min() < 0 or block_tables.max() >= num_blocks):
+        raise ValueError(f"a block id is outside the cache's {num_blocks} blocks")
+
+
+# Below this many (query, key) pairs a run is not worth a thread of its own: a pair costs
+# about 0.1 us (all heads), a hand-off to a helper thread some tens of us.
+MIN_PAIRS_PER_THREAD = 4096
+
+
+def split_by_work(context_lens: np.ndarray, query_start_loc: np.ndarray,
+                  max_runs: int) -> list[tuple[int, int]]:
+    """Contiguous runs of sequences, ``(first, end)``, with about equal numbers of
+    (query, key) pairs, at most ``max_runs`` and each at least MIN_PAIRS_PER_THREAD."""
+    num_queries = np.diff(query_start_loc).astype(np.int64)
+    pairs = np.cumsum(num_queries * context_lens.astype(np.int64))
+    total = int(pairs[-1]) if len(pairs) else 0
+    num_runs = max(1, min(max_runs, total // MIN_PAIRS_PER_THREAD))
+    ends = [int(np.searchsorted(pairs, total * index / num_runs)) + 1
+            for index in range(1, num_runs)]
+    bounds = [0, *sorted({min(end, len(pairs)) for end in ends}), len(pairs)]
+    runs = [(first, end) for first, end in zip(bounds, bounds[1:], strict=False) if end > first]
+    return runs or [(0, 0)]
+
+
+_helper_pools: dict[int, ThreadPoolExecutor] = {}
+_setup_lock = threading.Lock()
+
+
+def _helper_pool(num_threads: int) -> ThreadPoolExecutor:
+    """A pool of ``num_threads`` helper threads, made on first use and kept."""
+    with _setup_lock:
+        if num_threads not in _helper_pools:
+            _helper_pools[num_threads] = ThreadPoolExecutor(
+                max_workers=max(num_threads, 1), thread_name_prefix="cpu-attention")
+        return _helper_pools[num_threads]
+
+
+def _compile_once() -> None:
+    """Compile (or load) the kernel before any thread runs it: numba's first call on two
+    threads at once was seen to corrupt the heap; later concurrent calls are safe. Every
+    call passes the same argument types, so there is one compilation only."""
+    if not _attend_rows.signatures:
+        with _setup_lock:
+            if not _attend_rows.signatures:
+                _run_tiny_step()
 
 
 def warm_up() -> None:
     """Compile the kernel (or load it from numba's disk cache) for the executor's
     argument types: a second or so, better spent at start-up than in the first step."""
-    query = torch.zeros(1, 1, 16)
-    cache = torch.zeros(1, 1, 1, 16)
-    ids = torch.zeros(1, 1, dtype=torch.int32)
-    paged_attention(query, cache, cache, ids, torch.ones(1, dtype=torch.int32),
-                    torch.tensor([0, 1], dtype=torch.int32), 1.0)
+    _compile_once()
 
 
-def _as_array(tensor: torch.Tensor) -> np.ndarray:
-    """An int32 or int64 tensor as a contiguous numpy array (no copy when it already is one)."""
-    return tensor.contiguous().numpy()
+def _run_tiny_step() -> None:
+    query, cache = np.zeros((1, 16), dtype=np.float32), np.zeros((1, 16), dtype=np.float32)
+    ones = np.ones(1, dtype=np.int32)
+    _attend_rows(query, cache, cache, np.zeros((1, 1), dtype=np.int32), ones,
+                 np.array([0, 1], dtype=np.int32), 1, 1, 1, np.float32(1.0),
+                 np.zeros((1, 16), dtype=np.float32))
+
+
+def _as_int32(tensor: torch.Tensor) -> np.ndarray:
+    """An index tensor as a contiguous int32 array: one argument type, one compilation."""
+    return np.ascontiguousarray(tensor.numpy(), dtype=np.int32)

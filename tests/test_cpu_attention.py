@@ -155,3 +155,63 @@ def test_the_executor_warms_the_kernel_up(monkeypatch):
 def test_warm_up_compiles_the_kernel():
     cpu_attention.warm_up()
     assert cpu_attention._attend_rows.signatures
+
+
+def test_split_by_work_balances_contiguous_runs():
+    import numpy as np
+
+    decode = cpu_attention.split_by_work(np.full(64, 300), np.arange(65), 2)
+    assert decode == [(0, 32), (32, 64)]
+    uneven = cpu_attention.split_by_work(np.array([900, 100, 100, 900]),
+                                         np.array([0, 900, 1000, 1100, 2000]), 2)
+    assert uneven == [(0, 2), (2, 4)]
+    assert cpu_attention.split_by_work(np.full(3, 10), np.arange(4), 2) == [(0, 3)]  # too small
+    assert cpu_attention.split_by_work(np.array([], dtype=np.int32), np.array([0]), 2) == [(0, 0)]
+
+
+def test_threads_change_no_bits():
+    shape = (8, 4, 32)
+    lengths = [300, 1, 250, 90, 400, 33]
+    num_queries = [1, 1, 250, 1, 40, 33]
+    num_blocks = [-(-length // 16) for length in lengths]
+    # each sequence gets its own window of the blocks written
+    query, key, value = _sequence(16 * sum(num_blocks), shape, seed=21)
+    k_cache, v_cache, ids = _filled_cache(key, value, block_size=16, seed=8, num_blocks=128)
+    tables, queries, first_block = [], [], 0
+    for length, count, blocks in zip(lengths, num_queries, num_blocks, strict=True):
+        tables.append(ids[first_block:first_block + blocks])
+        start = 16 * first_block
+        queries.append(query[start + length - count:start + length])
+        first_block += blocks
+    batch = torch.cat(queries)
+    starts = torch.tensor([0, *torch.tensor(num_queries).cumsum(0).tolist()])
+    assert len(cpu_attention.split_by_work(torch.tensor(lengths).numpy(), starts.numpy(),
+                                           2)) == 2
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = _attend(batch, k_cache, v_cache, tables, lengths, num_queries)
+        torch.set_num_threads(2)
+        threaded = _attend(batch, k_cache, v_cache, tables, lengths, num_queries)
+    finally:
+        torch.set_num_threads(before)
+    assert not alone.isnan().any()
+    assert torch.equal(threaded, alone)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"num_queries": [1, 5]}, "query_start_loc"),
+    ({"context_lens": [3, 2]}, "fewer cached tokens"),
+    ({"block_ids": [[0], [99]]}, "block id"),
+    ({"context_lens": [3, 40]}, "block table"),
+])
+def test_inconsistent_layouts_are_refused(change, message):
+    """The kernel trusts its indices: the wrapper refuses what would read or write
+    outside the tensors."""
+    query, key, value = _sequence(4, (4, 2, 16), seed=1)
+    k_cache, v_cache, _ = _filled_cache(key, value, block_size=16, seed=1, num_blocks=4)
+    layout = {"block_ids": [[0], [1]], "context_lens": [3, 4], "num_queries": [1, 3]}
+    layout |= change
+    with pytest.raises(ValueError, match=message):
+        _attend(query, k_cache, v_cache, layout["block_ids"], layout["context_lens"],
+                layout["num_queries"])
