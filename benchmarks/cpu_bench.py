@@ -97,13 +97,15 @@ def run_engine(config: EngineConfig, items: list[WorkloadItem]) -> dict[str, Any
 
     async def main() -> dict[str, Any]:
         async with Engine.open(config, executor=executor) as engine:
-            start = time.perf_counter()
+            load, cpu_start, start = os.getloadavg()[0], time.process_time(), time.perf_counter()
             async with trio.open_nursery() as nursery:
                 for index in range(len(items)):
                     nursery.start_soon(one, engine, index)
             elapsed = time.perf_counter() - start
+            cpu_seconds = time.process_time() - cpu_start
             num_steps = engine.statistics().num_steps
-        return {"elapsed_seconds": elapsed, "num_steps": num_steps,
+        return {"elapsed_seconds": elapsed, "num_steps": num_steps, "load_average": load,
+                "cpu_seconds": cpu_seconds,
                 "executor_ms_per_step": 1000 * executor.execute_seconds / max(num_steps, 1)}
 
     result = trio.run(main)
@@ -137,15 +139,17 @@ def run_transformers(model: Any, items: list[WorkloadItem]) -> dict[str, Any]:
     generation_config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens,
                                          min_new_tokens=max_new_tokens, eos_token_id=None,
                                          pad_token_id=0)
-    start = time.perf_counter()
+    load, cpu_start, start = os.getloadavg()[0], time.process_time(), time.perf_counter()
     with torch.inference_mode():
         generated = model.generate(input_ids=input_ids, attention_mask=attention_mask,
                                    generation_config=generation_config)
     elapsed = time.perf_counter() - start
+    cpu_seconds = time.process_time() - cpu_start
     new_tokens = generated[:, max_prompt_len:].tolist()
     outputs = [row[:item.max_tokens] for row, item in zip(new_tokens, items, strict=True)]
     num_output_tokens = sum(len(tokens) for tokens in outputs)
     return {"elapsed_seconds": elapsed, "num_output_tokens": num_output_tokens,
+            "load_average": load, "cpu_seconds": cpu_seconds,
             "num_computed_tokens": len(items) * max_new_tokens,
             "output_tokens_per_second": num_output_tokens / elapsed, "token_ids": outputs}
 
@@ -192,7 +196,12 @@ def summarise(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     for key in rounds[0]:
         figures = [round_[key]["output_tokens_per_second"] for round_ in rounds]
         summary[key] = {"output_tokens_per_second": [round(f) for f in figures],
-                        "median": round(statistics.median(figures))}
+                        "median": round(statistics.median(figures)),
+                        # process CPU seconds, all threads: less sensitive to other load
+                        "output_tokens_per_cpu_second": [
+                            round(r[key]["num_output_tokens"] / r[key]["cpu_seconds"])
+                            for r in rounds],
+                        "load_average": [round(r[key]["load_average"], 1) for r in rounds]}
     for name in WORKLOADS:
         engine_keys = [key for key in rounds[0] if key.startswith(f"{name}/trio-llm")]
         hf_keys = [key for key in rounds[0] if key.startswith(f"{name}/transformers")]
@@ -230,7 +239,8 @@ def main() -> None:
         rounds = []
         for index in range(args.rounds):
             rounds.append(run_round(model_dir, hf_model, args))
-            brief = {key: round(value["output_tokens_per_second"])
+            brief = {key: (round(value["output_tokens_per_second"]),
+                           round(value["load_average"], 1))
                      for key, value in rounds[-1].items()}
             print(f"round {index + 1}: {brief}", file=sys.stderr, flush=True)
     summary = summarise(rounds)

@@ -66,7 +66,8 @@ def test_count_matching_stops_at_the_first_difference(cpu_bench):
 
 def test_summary_takes_the_best_of_each_side(cpu_bench):
     def run(tokens_per_second, token_ids):
-        return {"output_tokens_per_second": tokens_per_second, "token_ids": token_ids}
+        return {"output_tokens_per_second": tokens_per_second, "token_ids": token_ids,
+                "num_output_tokens": 2, "cpu_seconds": 0.5, "load_average": 1.0}
 
     rounds = [{"second/transformers/threads=1": run(100.0, [[1, 2]]),
                "second/transformers/threads=2": run(50.0, [[1, 2]]),
