@@ -186,6 +186,8 @@ def run_round(model_dir: Path, hf_model: Any, args: argparse.Namespace) -> dict[
                 results[f"{name}/transformers/threads={num_threads}"] = run_transformers(
                     hf_model, items)
         for num_threads in args.torch_threads:
+            # The executor takes OMP_NUM_THREADS over its own choice (cores - 1).
+            os.environ["OMP_NUM_THREADS"] = str(num_threads)
             torch.set_num_threads(num_threads)
             results[f"{name}/trio-llm/threads={num_threads}"] = run_engine(config, items)
     return results

@@ -45,9 +45,9 @@ def chunked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
                    num_rows_per_chunk: int) -> torch.Tensor:
     """``F.linear`` over fixed-size chunks of rows: every GEMM has the same shape.
 
-    The chunks go to one batched GEMM (the weight broadcast to every chunk): the same
-    per-chunk products as a loop of ``F.linear`` calls, bit for bit, without the loop
-    and the concatenation (up to 1.8x faster for 8,192 rows on the CPU).
+    The chunks go to one batched GEMM (the weight broadcast to every chunk): every
+    chunk is still a GEMM of the same shape, without a Python loop over chunks and the
+    concatenation after it (benchmarks/cpu_attention_bench.py times both).
     """
     num_rows, num_features = x.shape
     num_padding_rows = -num_rows % num_rows_per_chunk

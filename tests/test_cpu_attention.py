@@ -139,7 +139,39 @@ def test_is_the_cpu_default():
     assert default_attention_backend(torch.device("cpu")).name == "cpu"
 
 
-def test_the_executor_warms_the_kernel_up(monkeypatch):
+@pytest.fixture
+def restore_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize(("num_cores", "expected"), [(1, 1), (2, 1), (8, 7)])
+def test_the_executor_leaves_one_core_to_the_trio_thread(monkeypatch, restore_threads,
+                                                         num_cores, expected):
+    import os
+
+    from trio_llm.gpu.executor import configure_cpu_threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(num_cores)),
+                        raising=False)
+    assert configure_cpu_threads() == expected
+    assert torch.get_num_threads() == expected
+
+
+def test_omp_num_threads_wins(monkeypatch, restore_threads):
+    import os
+
+    from trio_llm.gpu.executor import configure_cpu_threads
+
+    torch.set_num_threads(3)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    assert configure_cpu_threads() == 3
+
+
+def test_the_executor_warms_the_kernel_up(monkeypatch, restore_threads):
     from trio_llm.gpu import attention
     from trio_llm.gpu.executor import ModelExecutor
 
