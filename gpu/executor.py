@@ -225,16 +225,17 @@ def create_executor(config: EngineConfig) -> ModelExecutor:
 
 
 def configure_cpu_threads() -> int:
-    """Set and return torch's intra-op threads for an engine on the CPU: every core but
-    one, which the trio thread (scheduler, detokenizer, request streams) needs while
-    the model runs in the runner's worker thread; never fewer than one. An explicit
+    """Set and return torch's intra-op threads for an engine on the CPU: at most every
+    core but one, which the trio thread (scheduler, detokenizer, request streams) needs
+    while the model runs in the runner's worker thread; never fewer than one, and never
+    more than already set (a process that asked for fewer keeps them). An explicit
     ``OMP_NUM_THREADS`` wins. The attention kernel follows the same count. Measured in
-    docs/performance.md (CPU): on the shared 2-core machine 1 thread was as fast as 2
-    or faster in wall time, and always cheaper in CPU time per token."""
+    docs/performance.md (CPU): on the shared 2-core machine 1 thread was as fast as 2 in
+    wall time within the noise, and cheaper in CPU time per token on the first workload."""
     if "OMP_NUM_THREADS" not in os.environ:
         num_cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                      else os.cpu_count() or 1)
-        torch.set_num_threads(max(1, num_cores - 1))
+        torch.set_num_threads(max(1, min(torch.get_num_threads(), num_cores - 1)))
     return torch.get_num_threads()
 
 

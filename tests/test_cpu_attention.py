@@ -146,13 +146,16 @@ def restore_threads():
     torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize(("num_cores", "expected"), [(1, 1), (2, 1), (8, 7)])
+@pytest.mark.parametrize(("num_cores", "num_threads_before", "expected"),
+                         [(1, 1, 1), (2, 2, 1), (8, 8, 7), (8, 2, 2)])
 def test_the_executor_leaves_one_core_to_the_trio_thread(monkeypatch, restore_threads,
-                                                         num_cores, expected):
+                                                         num_cores, num_threads_before,
+                                                         expected):
     import os
 
     from trio_llm.gpu.executor import configure_cpu_threads
 
+    torch.set_num_threads(num_threads_before)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(num_cores)),
                         raising=False)
