@@ -267,9 +267,9 @@ def _helper_pool(num_threads: int) -> ThreadPoolExecutor:
 
 
 def _compile_once() -> None:
-    """Compile (or load) the kernel before any thread runs it: numba's first call on two
-    threads at once was seen to corrupt the heap; later concurrent calls are safe. Every
-    call passes the same argument types, so there is one compilation only."""
+    """Compile (or load) the kernel once, before any step's threads run it, so that no
+    two threads compile it side by side and no step pays for it. Every call passes the
+    same argument types, so there is one compilation only."""
     if not _attend_rows.signatures:
         with _setup_lock:
             if not _attend_rows.signatures:
