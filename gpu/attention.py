@@ -152,33 +152,43 @@ WriteKVCache = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
 PagedAttention = Callable[..., torch.Tensor]
 
 
+def _nothing_to_warm_up() -> None:
+    pass
+
+
 @dataclass(frozen=True, slots=True)
 class AttentionBackend:
-    """A pair of functions with the signatures of this module's reference."""
+    """A pair of functions with the signatures of this module's reference, and what to
+    run once before serving so that the first step pays no compilation."""
 
     name: str
     write_kv_cache: WriteKVCache
     paged_attention: PagedAttention
+    warm_up: Callable[[], None] = _nothing_to_warm_up
 
 
 # Backends whose functions live in another module, imported on first use (Triton
-# is only importable where CUDA is).
-LAZY_BACKEND_MODULES = {"triton": "trio_llm.gpu.triton_attention"}
+# is only importable where CUDA is; the CPU kernel compiles with numba on first use).
+LAZY_BACKEND_MODULES = {"triton": "trio_llm.gpu.triton_attention",
+                        "cpu": "trio_llm.gpu.cpu_attention"}
 
 ATTENTION_BACKENDS: dict[str, AttentionBackend] = {
     "torch": AttentionBackend("torch", write_kv_cache, paged_attention),
     "float64": AttentionBackend("float64", write_kv_cache, float64_paged_attention),
 }
 
-# The backend a model gets by default, by device type; the CPU needs batch invariance.
-DEFAULT_BACKENDS = {"cpu": "float64", "cuda": "triton"}
+# The backend a model gets by default, by device type, and the one it falls back to
+# where that one cannot load. Both CPU choices are batch-invariant.
+DEFAULT_BACKENDS = {"cpu": "cpu", "cuda": "triton"}
+FALLBACK_BACKENDS = {"cpu": "float64"}
 
 
 def get_attention_backend(name: str) -> AttentionBackend:
     if name not in ATTENTION_BACKENDS and name in LAZY_BACKEND_MODULES:
         module = importlib.import_module(LAZY_BACKEND_MODULES[name])
-        ATTENTION_BACKENDS[name] = AttentionBackend(name, module.write_kv_cache,
-                                                    module.paged_attention)
+        ATTENTION_BACKENDS[name] = AttentionBackend(
+            name, module.write_kv_cache, module.paged_attention,
+            getattr(module, "warm_up", _nothing_to_warm_up))
     if name not in ATTENTION_BACKENDS:
         known = sorted(set(ATTENTION_BACKENDS) | set(LAZY_BACKEND_MODULES))
         raise ValueError(f"unknown attention backend {name!r}; known: {', '.join(known)}")
@@ -186,9 +196,10 @@ def get_attention_backend(name: str) -> AttentionBackend:
 
 
 def default_attention_backend(device: torch.device) -> AttentionBackend:
-    """The default backend for ``device``; the torch reference where Triton cannot load."""
+    """The default backend for ``device``; its fallback (the torch reference unless
+    named) where it cannot load."""
     name = DEFAULT_BACKENDS.get(device.type, "torch")
     try:
         return get_attention_backend(name)
     except ImportError:
-        return get_attention_backend("torch")
+        return get_attention_backend(FALLBACK_BACKENDS.get(device.type, "torch"))

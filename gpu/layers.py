@@ -43,13 +43,23 @@ class Linear(nn.Module):
 
 def chunked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                    num_rows_per_chunk: int) -> torch.Tensor:
-    """``F.linear`` over fixed-size chunks of rows: every GEMM has the same shape."""
-    num_rows = x.shape[0]
+    """``F.linear`` over fixed-size chunks of rows: every GEMM has the same shape.
+
+    The chunks go to one batched GEMM (the weight broadcast to every chunk): every
+    chunk is still a GEMM of the same shape, without a Python loop over chunks and the
+    concatenation after it (benchmarks/cpu_attention_bench.py times both).
+    """
+    num_rows, num_features = x.shape
     num_padding_rows = -num_rows % num_rows_per_chunk
     if num_padding_rows:
-        x = torch.cat([x, x.new_zeros(num_padding_rows, x.shape[1])])
-    chunks = [F.linear(chunk, weight, bias) for chunk in x.split(num_rows_per_chunk)]
-    return torch.cat(chunks)[:num_rows]
+        x = torch.cat([x, x.new_zeros(num_padding_rows, num_features)])
+    chunks = x.view(-1, num_rows_per_chunk, num_features)
+    weights = weight.t().expand(chunks.shape[0], num_features, weight.shape[0])
+    if bias is None:
+        products = torch.bmm(chunks, weights)
+    else:
+        products = torch.baddbmm(bias, chunks, weights)
+    return products.view(-1, weight.shape[0])[:num_rows]
 
 
 class RMSNorm(nn.Module):
