@@ -4,11 +4,21 @@ Every Submit is validated, tokenized (chat messages through the model's chat
 template) and resolved into a Request: stop token ids with EOS, a seed for
 every request, sampling options for the runner. A request that could never be
 served is refused here with a RequestRejected naming the field at fault, so
-nothing waits in the queue forever. Only known bad input is a rejection: a bug
-raises and takes the engine down loudly (the supervisor fails every request).
+nothing waits in the queue forever. Known bad input is a rejection, and so is
+a failure of the tokenizer or the chat template on one request's input (it
+belongs to that request, as vLLM answers it with a 400); any other bug raises
+and takes the engine down loudly (the supervisor fails every request).
+
+Admission runs in a worker thread, one request at a time in arrival order:
+tokenizing and rendering cost time linear in the request's size, and must not
+stall the event loop that streams every other request.
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TypeVar
 
 import msgspec
 import trio
@@ -28,6 +38,16 @@ from trio_llm.actors.messages import (
 from trio_llm.actors.streams import RequestStreams
 from trio_llm.actors.tokenizer import Tokenizer
 
+T = TypeVar("T")
+
+# Stop strings are matched on every step of their request; vLLM bounds
+# neither their number nor their length, so these bounds are ours (OpenAI's
+# API allows 4). A step's matching costs at most about their total length.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+# The device samples in float32: a larger temperature cannot be divided by,
+# and any temperature this large already means a uniform choice.
+MAX_TEMPERATURE = 3.4028234663852886e38
 MAX_SEED = 2**63 - 1
 MIN_SEED = -(2**63)
 _MASK_64 = 2**64 - 1
@@ -102,9 +122,22 @@ class Intake:
         except msgspec.ValidationError as error:
             raise _rejection_from(error, fields) from None
         self._check_sampling_rules(checked)
-        if checked.top_k == -1:
-            checked = msgspec.structs.replace(checked, top_k=0)  # -1 and 0 both mean off
-        return checked
+        return self._normalized(checked)
+
+    def _normalized(self, params: SamplingParams) -> SamplingParams:
+        """Values the device could not hold, mapped to ones that sample the same."""
+        changes: dict[str, object] = {}
+        if params.top_k == -1 or params.top_k >= self.vocab_size:
+            changes["top_k"] = 0  # -1, 0 and a whole vocabulary all mean off (vLLM's)
+        # top_p is float32 on the device, where 1e-300 is 0 and would keep no
+        # token. Any top_p up to the likeliest token's probability (at least
+        # 1/vocab_size) keeps that token alone; half of that is one, in float32.
+        min_top_p = 0.5 / self.vocab_size
+        if params.top_p < min_top_p:
+            changes["top_p"] = min_top_p
+        if params.temperature > MAX_TEMPERATURE:
+            changes["temperature"] = MAX_TEMPERATURE
+        return msgspec.structs.replace(params, **changes) if changes else params
 
     def _check_sampling_rules(self, params: SamplingParams) -> None:
         if params.max_tokens is not None and params.min_tokens > params.max_tokens:
@@ -114,14 +147,27 @@ class Intake:
         if params.seed is not None and not MIN_SEED <= params.seed <= MAX_SEED:
             raise RequestRejected(f"seed {params.seed} does not fit in a signed 64-bit integer",
                                   param="seed")
-        if any(not stop for stop in params.stop):
-            raise RequestRejected("stop strings must not be empty", param="stop")
+        self._check_stop_strings(params.stop)
+        for name in ("temperature", "top_p", "min_p"):
+            if not math.isfinite(getattr(params, name)):
+                raise RequestRejected(f"{name} must be a finite number", param=name)
         bad_ids = [token_id for token_id in params.stop_token_ids
                    if not 0 <= token_id < self.vocab_size]
         if bad_ids:
             raise RequestRejected(
                 f"stop_token_ids {bad_ids} are outside the vocabulary "
                 f"(ids 0 to {self.vocab_size - 1})", param="stop_token_ids")
+
+    def _check_stop_strings(self, stops: list[str]) -> None:
+        if len(stops) > MAX_STOP_STRINGS:
+            raise RequestRejected(f"at most {MAX_STOP_STRINGS} stop strings are allowed, "
+                                  f"not {len(stops)}", param="stop")
+        for stop in stops:
+            if not stop:
+                raise RequestRejected("stop strings must not be empty", param="stop")
+            if len(stop) > MAX_STOP_STRING_CHARS:
+                raise RequestRejected(f"a stop string may have at most {MAX_STOP_STRING_CHARS} "
+                                      f"characters, not {len(stop)}", param="stop")
 
     # -- the prompt -------------------------------------------------------------
 
@@ -143,7 +189,10 @@ class Intake:
         if not isinstance(prompt, str):
             raise RequestRejected(f"the prompt must be a string, not {type(prompt).__name__}",
                                   param="prompt")
-        token_ids = self.tokenizer.encode(prompt, add_special_tokens=True) if prompt else []
+        token_ids = []
+        if prompt:
+            token_ids = _scoped_to_request("tokenizer", "prompt", self.tokenizer.encode, prompt,
+                                           add_special_tokens=True)
         if not token_ids:
             raise RequestRejected("the prompt is empty", param="prompt")
         return token_ids
@@ -167,9 +216,12 @@ class Intake:
                 raise RequestRejected(
                     f"message {index} must have a string 'role' and a string 'content'",
                     param="messages")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        text = _scoped_to_request("chat template", "messages",
+                                  self.tokenizer.apply_chat_template, messages,
+                                  add_generation_prompt=True)
         # The template already wrote every special token the model expects.
-        token_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        token_ids = _scoped_to_request("tokenizer", "messages", self.tokenizer.encode, text,
+                                       add_special_tokens=False)
         if not token_ids:
             raise RequestRejected("the chat template rendered an empty prompt", param="messages")
         return token_ids
@@ -241,6 +293,19 @@ class Intake:
         )
 
 
+def _scoped_to_request(stage: str, param: str, function: Callable[..., T], *args: object,
+                       **kwargs: object) -> T:
+    """Call the tokenizer or the chat template on one request's input; if it
+    raises, that request alone is refused, naming the stage and the error."""
+    try:
+        return function(*args, **kwargs)
+    except RequestRejected:
+        raise
+    except Exception as error:
+        raise RequestRejected(f"the {stage} failed on this request: "
+                              f"{type(error).__name__}: {error}", param=param) from error
+
+
 def _prompt_param(submit: Submit) -> str:
     """The request field a prompt-length error points at."""
     return "messages" if submit.messages is not None else "prompt"
@@ -272,8 +337,11 @@ async def run_intake(
 ) -> None:
     """Consume Submit and Abort; emit Admit (and forward Abort) to the queue.
 
-    A rejected request fails its stream at once and never reaches the queue.
-    Closes the queue outbox when the inbox closes.
+    Each Submit is admitted in a worker thread, one at a time, so arrival
+    order (and with it every derived seed) is kept and an Abort never
+    overtakes the Submit before it. A rejected request fails its stream at
+    once and never reaches the queue. Closes the queue outbox when the inbox
+    closes.
     """
     task_status.started()
     async with queue_outbox:
@@ -287,9 +355,18 @@ async def run_intake(
 
 async def _submit(submit: Submit, queue_outbox: trio.MemorySendChannel[QueueInbox],
                   streams: RequestStreams, intake: Intake) -> None:
-    try:
-        request = intake.admit(submit)
-    except RequestRejected as rejection:
-        streams.fail(submit.request_id, rejection)
+    # Abandoned on cancellation: shutdown does not wait for a long prompt.
+    outcome = await trio.to_thread.run_sync(_admit_or_rejection, intake, submit,
+                                            abandon_on_cancel=True)
+    if isinstance(outcome, RequestRejected):
+        streams.fail(submit.request_id, outcome)
         return
-    await queue_outbox.send(Admit(request=request))
+    await queue_outbox.send(Admit(request=outcome))
+
+
+def _admit_or_rejection(intake: Intake, submit: Submit) -> Request | RequestRejected:
+    """In the worker thread: the admitted request, or why it was refused."""
+    try:
+        return intake.admit(submit)
+    except RequestRejected as rejection:
+        return rejection

@@ -81,11 +81,20 @@ class Tokenizer:
     # -- text <-> ids ---------------------------------------------------------
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        """``add_special_tokens``: let tokenizer.json's post-processor add BOS and the like."""
-        return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+        """``add_special_tokens``: let tokenizer.json's post-processor add BOS and the like.
+
+        Goes through ``encode_batch``, which releases the GIL while it works
+        (``encode`` holds it: a long prompt encoded in a worker thread would
+        still stall the event loop for as long as it takes).
+        """
+        (encoding,) = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)
+        return list(encoding.ids)
 
     def decode(self, token_ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
-        return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+        """Like ``encode``, through the batch call that releases the GIL."""
+        (text,) = self.backend.decode_batch([list(token_ids)],
+                                            skip_special_tokens=skip_special_tokens)
+        return str(text)
 
     def apply_chat_template(self, messages: list[dict[str, str]], *,
                             add_generation_prompt: bool = True) -> str:
