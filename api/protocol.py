@@ -279,6 +279,9 @@ def decode_request(body: bytes, kind: type[T]) -> T:
         raise RequestRejected(str(error), param=param_of_validation_error(str(error))) from None
     except msgspec.DecodeError as error:
         raise RequestRejected(f"the body is not valid JSON: {error}") from None
+    except RecursionError:
+        # msgspec raises this, not DecodeError, on JSON nested too deeply.
+        raise RequestRejected("the body nests JSON arrays or objects too deeply") from None
 
 
 def param_of_validation_error(message: str) -> str | None:

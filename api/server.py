@@ -25,7 +25,7 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import aclosing, asynccontextmanager, contextmanager
 from functools import partial
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import msgspec
 import trio
@@ -36,9 +36,16 @@ from quart_trio import QuartTrio
 from quart_trio.wrappers.response import TrioResponse as Response
 from werkzeug.exceptions import HTTPException
 
-from trio_llm.actors.errors import EngineDead, EngineError, QueueFull, RequestRejected
-from trio_llm.actors.messages import RequestOutput
+from trio_llm.actors.errors import (
+    EngineDead,
+    EngineError,
+    QueueFull,
+    RequestFailed,
+    RequestRejected,
+)
+from trio_llm.actors.messages import RequestOutput, SamplingParams
 from trio_llm.api import protocol
+from trio_llm.api.connections import CompletedResponseGuard
 from trio_llm.api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from trio_llm.api.metrics import RequestTimer, ServerMetrics
 
@@ -46,6 +53,8 @@ if TYPE_CHECKING:
     from trio_llm.api.engine import Engine
 
 logger = logging.getLogger(__name__)
+
+BodyT = TypeVar("BodyT")
 
 # Request bodies are small JSON; 8 MiB leaves room for a long prompt of token ids.
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -122,10 +131,9 @@ class OpenAIServer:
     # -- generation ---------------------------------------------------------------
 
     async def completions(self) -> Response:
-        body = protocol.decode_request(await request.get_data(), protocol.CompletionRequest)
+        body = await _decoded_body(protocol.CompletionRequest)
         self._check_model(body.model)
-        prompt = protocol.completion_prompt(body)
-        params = protocol.completion_sampling_params(body)
+        prompt, params = await trio.to_thread.run_sync(self._completion_arguments, body)
         builder = protocol.CompletionBuilder(response_id=f"cmpl-{uuid.uuid4().hex}",
                                              model=self.model_name, token_text=self._token_text)
         outputs = self.engine.generate(prompt, params, priority=body.priority,
@@ -133,15 +141,24 @@ class OpenAIServer:
         return await self.respond(outputs, builder, body)
 
     async def chat_completions(self) -> Response:
-        body = protocol.decode_request(await request.get_data(), protocol.ChatCompletionRequest)
+        body = await _decoded_body(protocol.ChatCompletionRequest)
         self._check_model(body.model)
-        messages = protocol.chat_messages(body.messages)
-        params = protocol.chat_sampling_params(body, max_tokens=protocol.requested_max_tokens(body))
+        messages, params = await trio.to_thread.run_sync(_chat_arguments, body)
         builder = protocol.ChatBuilder(response_id=f"chatcmpl-{uuid.uuid4().hex}",
                                        model=self.model_name, token_text=self._token_text)
         outputs = self.engine.chat(messages, params, priority=body.priority,
                                    request_id=builder.response_id)
         return await self.respond(outputs, builder, body)
+
+    def _completion_arguments(self, body: protocol.CompletionRequest
+                              ) -> tuple[str | list[int], SamplingParams]:
+        """In a worker thread: the engine's arguments, at a cost linear in the body."""
+        if not isinstance(body.prompt, str) and len(body.prompt) > self.engine.max_model_len:
+            # Refused before anything walks a list the engine would refuse anyway.
+            raise RequestRejected(
+                f"This model's maximum context length is {self.engine.max_model_len} tokens, "
+                f"but the prompt has {len(body.prompt)} tokens", param="prompt")
+        return protocol.completion_prompt(body), protocol.completion_sampling_params(body)
 
     async def respond(self, outputs: AsyncIterator[RequestOutput],
                       builder: protocol.CompletionBuilder | protocol.ChatBuilder,
@@ -226,18 +243,24 @@ class OpenAIServer:
         return Response(self.metrics.render(), content_type=METRICS_CONTENT_TYPE)
 
     async def tokenize(self) -> Response:
-        body = protocol.decode_request(await request.get_data(), protocol.TokenizeRequest)
+        body = await _decoded_body(protocol.TokenizeRequest)
         self._check_model(body.model)
+        return self._json(await trio.to_thread.run_sync(self._tokenized, body))
+
+    def _tokenized(self, body: protocol.TokenizeRequest) -> protocol.TokenizeResponse:
+        """In a worker thread: tokenizing costs time linear in the text."""
         tokenizer = self.engine.tokenizer
         # A rendered conversation already holds its special tokens: the engine
         # encodes it without adding more, and so does this.
         add_special_tokens = body.add_special_tokens and body.messages is None
         token_ids = tokenizer.encode(self._tokenize_text(body),
                                      add_special_tokens=add_special_tokens)
-        token_strs = [self._token_text(token_id) for token_id in token_ids]
-        return self._json(protocol.TokenizeResponse(
-            count=len(token_ids), max_model_len=self.engine.max_model_len, tokens=token_ids,
-            token_strs=token_strs if body.return_token_strs else None))
+        token_strs = None
+        if body.return_token_strs:
+            token_strs = [self._token_text(token_id) for token_id in token_ids]
+        return protocol.TokenizeResponse(count=len(token_ids),
+                                         max_model_len=self.engine.max_model_len,
+                                         tokens=token_ids, token_strs=token_strs)
 
     def _tokenize_text(self, body: protocol.TokenizeRequest) -> str:
         if (body.prompt is None) == (body.messages is None):
@@ -248,14 +271,18 @@ class OpenAIServer:
         return self.engine.tokenizer.apply_chat_template(protocol.chat_messages(body.messages))
 
     async def detokenize(self) -> Response:
-        body = protocol.decode_request(await request.get_data(), protocol.DetokenizeRequest)
+        body = await _decoded_body(protocol.DetokenizeRequest)
         self._check_model(body.model)
+        return self._json(await trio.to_thread.run_sync(self._detokenized, body))
+
+    def _detokenized(self, body: protocol.DetokenizeRequest) -> protocol.DetokenizeResponse:
+        """In a worker thread: decoding costs time linear in the token ids."""
         tokenizer = self.engine.tokenizer
         if any(token_id >= tokenizer.vocab_size for token_id in body.tokens):
             raise RequestRejected(f"token ids must be below {tokenizer.vocab_size}",
                                   param="tokens")
-        text = tokenizer.decode(body.tokens, skip_special_tokens=False)
-        return self._json(protocol.DetokenizeResponse(prompt=text))
+        return protocol.DetokenizeResponse(
+            prompt=tokenizer.decode(body.tokens, skip_special_tokens=False))
 
     # -- guards and errors --------------------------------------------------------
 
@@ -278,6 +305,10 @@ class OpenAIServer:
     async def http_error(self, error: HTTPException) -> Response:
         status = error.code or 500
         response = self._error(status, error.description or error.name)
+        if status in BODY_LEFT_UNREAD_STATUSES:
+            # The rest of the body was never read: this connection cannot
+            # carry another request, so say so (the server closes it).
+            response.headers["Connection"] = "close"
         if status == 405 and error.get_headers():
             response.headers.update({k: v for k, v in error.get_headers() if k == "Allow"})
         return response
@@ -299,6 +330,8 @@ class OpenAIServer:
 
 # -- error mapping --------------------------------------------------------------------
 
+# Statuses sent before the whole request body was read.
+BODY_LEFT_UNREAD_STATUSES = frozenset({408, 413})
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -318,6 +351,8 @@ def _error_info(error: EngineError) -> tuple[int, str, str | None]:
             return 503, error.message, None
         case RequestRejected():
             return 400, error.message, error.param
+        case RequestFailed():
+            return 500, error.message, None
         case _:
             return 503, str(error) or type(error).__name__, None
 
@@ -325,6 +360,35 @@ def _error_info(error: EngineError) -> tuple[int, str, str | None]:
 def _error_body(status: int, message: str, param: str | None) -> protocol.ErrorResponse:
     error_type = ERROR_TYPES.get(status, "invalid_request_error")
     return protocol.error_response(message, error_type=error_type, status=status, param=param)
+
+
+# -- request bodies --------------------------------------------------------------------
+
+# What vLLM (FastAPI) parses as a JSON body: no Content-Type, or a JSON one.
+JSON_SUBTYPE_SUFFIX = "+json"
+
+
+async def _decoded_body(kind: type[BodyT]) -> BodyT:
+    """The request's JSON body as ``kind``; a 400 naming what is wrong otherwise."""
+    _check_content_type(request.mimetype)
+    return protocol.decode_request(await request.get_data(), kind)
+
+
+def _check_content_type(mimetype: str) -> None:
+    if not mimetype or mimetype == JSON_CONTENT_TYPE:
+        return
+    if mimetype.startswith("application/") and mimetype.endswith(JSON_SUBTYPE_SUFFIX):
+        return
+    raise RequestRejected(f"the body must be JSON (Content-Type: application/json), "
+                          f"not {mimetype}", param="Content-Type")
+
+
+def _chat_arguments(body: protocol.ChatCompletionRequest
+                    ) -> tuple[list[dict[str, str]], SamplingParams]:
+    """In a worker thread: the engine's arguments, at a cost linear in the body."""
+    messages = protocol.chat_messages(body.messages)
+    max_tokens = protocol.requested_max_tokens(body)
+    return messages, protocol.chat_sampling_params(body, max_tokens=max_tokens)
 
 
 # -- streaming and request tracking ---------------------------------------------------
@@ -418,7 +482,8 @@ async def serve_app(engine: Engine, config: ServerConfig, *,
     app = create_app(engine, config)
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
-        binds = await nursery.start(partial(hypercorn_serve, app, hypercorn_config(config),
+        guarded_app = CompletedResponseGuard(app)
+        binds = await nursery.start(partial(hypercorn_serve, guarded_app, hypercorn_config(config),
                                             shutdown_trigger=stop.wait))
         url = binds[0]
         logger.info("trio-llm serving %r at %s", app.extensions["trio_llm"].model_name, url)
