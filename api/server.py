@@ -48,6 +48,7 @@ from trio_llm.api import protocol
 from trio_llm.api.connections import CompletedResponseGuard
 from trio_llm.api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from trio_llm.api.metrics import RequestTimer, ServerMetrics
+from trio_llm.api.openapi import openapi_document
 
 if TYPE_CHECKING:
     from trio_llm.api.engine import Engine
@@ -65,7 +66,7 @@ BODY_TIMEOUT_SECONDS = 60.0
 CLOSE_TIMEOUT_SECONDS = 5.0
 # After the drain, Hypercorn lets responses being written go out for this long.
 STRAGGLER_SECONDS = 1.0
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})
 SSE_DONE = b"data: [DONE]\n\n"
 JSON_CONTENT_TYPE = "application/json"
 
@@ -105,6 +106,7 @@ def create_app(engine: Engine, config: ServerConfig) -> QuartTrio:
         ("/metrics", api.metrics_text, "GET"),
         ("/tokenize", api.tokenize, "POST"),
         ("/detokenize", api.detokenize, "POST"),
+        ("/openapi.json", api.openapi, "GET"),
     ]
     for path, view, method in routes:
         app.add_url_rule(path, view_func=view, methods=[method])
@@ -127,6 +129,7 @@ class OpenAIServer:
         self.open_requests = OpenRequests()
         self.created = int(time.time())
         self._api_key = None if config.api_key is None else f"Bearer {config.api_key}".encode()
+        self._openapi_json = msgspec.json.encode(openapi_document(self.model_name))
 
     # -- generation ---------------------------------------------------------------
 
@@ -283,6 +286,9 @@ class OpenAIServer:
                                   param="tokens")
         return protocol.DetokenizeResponse(
             prompt=tokenizer.decode(body.tokens, skip_special_tokens=False))
+
+    async def openapi(self) -> Response:
+        return Response(self._openapi_json, content_type=JSON_CONTENT_TYPE)
 
     # -- guards and errors --------------------------------------------------------
 
