@@ -36,7 +36,7 @@ from trio_llm.actors.messages import (
     Submit,
 )
 from trio_llm.actors.streams import RequestStreams
-from trio_llm.actors.tokenizer import Tokenizer
+from trio_llm.actors.tokenizer import Tokenizer, TooManyTokens
 
 T = TypeVar("T")
 
@@ -191,8 +191,7 @@ class Intake:
                                   param="prompt")
         token_ids = []
         if prompt:
-            token_ids = _scoped_to_request("tokenizer", "prompt", self.tokenizer.encode, prompt,
-                                           add_special_tokens=True)
+            token_ids = self._encoded(prompt, "prompt", add_special_tokens=True)
         if not token_ids:
             raise RequestRejected("the prompt is empty", param="prompt")
         return token_ids
@@ -220,13 +219,28 @@ class Intake:
                                   self.tokenizer.apply_chat_template, messages,
                                   add_generation_prompt=True)
         # The template already wrote every special token the model expects.
-        token_ids = _scoped_to_request("tokenizer", "messages", self.tokenizer.encode, text,
-                                       add_special_tokens=False)
+        token_ids = self._encoded(text, "messages", add_special_tokens=False)
         if not token_ids:
             raise RequestRejected("the chat template rendered an empty prompt", param="messages")
         return token_ids
 
+    def _encoded(self, text: str, param: str, *, add_special_tokens: bool) -> list[int]:
+        """The text's token ids; a prompt over the context is refused from its
+        count, without building its list of ids."""
+        try:
+            return _scoped_to_request("tokenizer", param, self.tokenizer.encode, text,
+                                      add_special_tokens=add_special_tokens,
+                                      max_num_tokens=self.max_model_len)
+        except TooManyTokens as error:
+            raise self._over_the_context(error.num_tokens, param) from None
+
     # -- lengths ----------------------------------------------------------------
+
+    def _over_the_context(self, num_prompt_tokens: int, prompt_param: str) -> RequestRejected:
+        return RequestRejected(
+            f"This model's maximum context length is {self.max_model_len} tokens, but the "
+            f"prompt has {num_prompt_tokens} tokens, which leaves no room for output",
+            param=prompt_param)
 
     def _max_tokens(self, num_prompt_tokens: int, params: SamplingParams,
                     prompt_param: str) -> int:
@@ -235,10 +249,7 @@ class Intake:
         wait in the queue forever)."""
         limit = self.max_model_len
         if num_prompt_tokens >= limit:
-            raise RequestRejected(
-                f"This model's maximum context length is {limit} tokens, but the prompt has "
-                f"{num_prompt_tokens} tokens, which leaves no room for output",
-                param=prompt_param)
+            raise self._over_the_context(num_prompt_tokens, prompt_param)
         if params.max_tokens is not None:
             self._check_total(num_prompt_tokens, params.max_tokens, prompt_param)
             return params.max_tokens
@@ -299,7 +310,7 @@ def _scoped_to_request(stage: str, param: str, function: Callable[..., T], *args
     raises, that request alone is refused, naming the stage and the error."""
     try:
         return function(*args, **kwargs)
-    except RequestRejected:
+    except (RequestRejected, TooManyTokens):
         raise
     except Exception as error:
         raise RequestRejected(f"the {stage} failed on this request: "

@@ -149,10 +149,10 @@ class BlockingTokenizer(Tokenizer):
                          generation_eos_ids=inner.eos_token_ids)
         self.release = release
 
-    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, **kwargs: Any) -> list[int]:
         if text.startswith("slow") and not self.release.wait(timeout=10):
             raise RuntimeError("encode ran on the event loop: the test could never release it")
-        return super().encode(text, add_special_tokens=add_special_tokens)
+        return super().encode(text, **kwargs)
 
 
 async def test_tokenizing_runs_off_the_event_loop_and_keeps_arrival_order() -> None:
@@ -177,6 +177,15 @@ async def test_tokenizing_runs_off_the_event_loop_and_keeps_arrival_order() -> N
             nursery.cancel_scope.cancel()
     assert [request.request_id for request in order] == ["first", "second", "third"]
     assert [request.arrival_index for request in order] == [0, 1, 2]
+
+
+def test_a_prompt_over_the_context_is_refused_from_its_token_count() -> None:
+    intake = make_intake()
+    with pytest.raises(RequestRejected) as caught:
+        intake.admit(submit("Hello world " * 50))
+    assert caught.value.param == "prompt"
+    assert "maximum context length is 64 tokens, but the prompt has 150 tokens" in str(
+        caught.value)
 
 
 def test_encoding_a_long_prompt_releases_the_gil() -> None:
