@@ -44,7 +44,7 @@ T = TypeVar("T")
 # neither their number nor their length, so these bounds are ours (OpenAI's
 # API allows 4). A step's matching costs at most about their total length.
 MAX_STOP_STRINGS = 64
-MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_STRING_CHARS = 256
 # The device samples in float32: a larger temperature cannot be divided by,
 # and any temperature this large already means a uniform choice.
 MAX_TEMPERATURE = 3.4028234663852886e38

@@ -12,6 +12,7 @@ quotes a run of it.
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -19,9 +20,11 @@ from typing import Any
 import httpx
 import trio
 
-from trio_llm.actors.config import EngineConfig
-from trio_llm.api.engine import Engine
-from trio_llm.api.server import ServerConfig, serve_app
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from trio_llm.actors.config import EngineConfig  # noqa: E402
+from trio_llm.api.engine import Engine  # noqa: E402
+from trio_llm.api.server import ServerConfig, serve_app  # noqa: E402
 
 CONFIG = EngineConfig(model="tiny", num_kv_blocks=512, max_model_len=2048)
 LOOP_TICK_SECONDS = 0.001
@@ -129,16 +132,23 @@ async def oversized_then_next(url: str) -> str:
 
 def attacks(client: httpx.AsyncClient, url: str) -> dict[str, Callable[[], Awaitable[str]]]:
     nested = b'{"prompt": "x", "junk": ' + b"[" * 1000 + b"]" * 1000 + b"}"
+    async def nothing() -> str:
+        await trio.sleep(2)
+        return "(no attack: the side stream and /health alone)"
+
     return {
+        "nothing, for comparison": nothing,
         "stop string of 1,000,000 characters": lambda: post(
             client, {"prompt": "hi", "max_tokens": 2, "stop": "x" * 1_000_000}),
         "stop string of 40,000 characters": lambda: post(
             client, {"prompt": "hi", "max_tokens": 2, "stop": "x" * 40_000}),
         "10,000 stop strings": lambda: post(
             client, {"prompt": "hi", "max_tokens": 2, "stop": ["x"] * 10_000}),
-        "64 stop strings of 1,024 characters": lambda: post(
+        "no stop strings, 64 tokens": lambda: post(
+            client, {"prompt": "hi", "max_tokens": 64, "ignore_eos": True}),
+        "64 stop strings of 256 characters, 64 tokens": lambda: post(
             client, {"prompt": "hi", "max_tokens": 64, "ignore_eos": True,
-                     "stop": [chr(65 + i % 26) * 1024 for i in range(64)]}),
+                     "stop": [chr(65 + i % 26) * 255 + chr(97 + i // 26) for i in range(64)]}),
         "prompt of 7 MB (refused as too long)": lambda: post(
             client, {"prompt": "hello world " * 600_000, "max_tokens": 2}),
         "prompt of 90 kB (refused as too long)": lambda: post(

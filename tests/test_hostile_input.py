@@ -72,7 +72,7 @@ def test_the_longest_allowed_stop_strings_cost_memory_linear_in_their_size() -> 
     finally:
         tracemalloc.stop()
     total_chars = sum(map(len, stops))
-    # A prefix set would hold about total_chars * 1024 / 2 characters (33 MB here).
+    # A prefix set would hold about total_chars * MAX_STOP_STRING_CHARS / 2 characters.
     assert peak < 4 * total_chars + 200_000
 
 
