@@ -198,3 +198,56 @@ async def test_a_request_failing_in_the_detokenizer_gets_a_500_and_others_go_on(
         assert "injected stop string failure" in error["message"]
     assert before.json()["choices"] == after.json()["choices"]
     assert health.status_code == 200
+
+
+# -- values decided deliberately, over HTTP -------------------------------------------------
+
+
+GREEDY_FIELDS = {"max_tokens": 4, "ignore_eos": True}
+
+
+@pytest.mark.parametrize(
+    ("path", "fields", "status"),
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 200),
+        ("/v1/completions", {"prompt": "hi", "temperature": 1e308}, 200),
+        ("/v1/completions", {"prompt": "hi", "top_p": 1e-300}, 200),
+        ("/v1/completions", {"prompt": "hi", "top_k": 2**63}, 200),
+        ("/v1/completions", {"prompt": "hi", "priority": 2**63 - 1}, 200),
+        ("/v1/completions", {"prompt": "hi", "stop": ["x"] * 10_000}, 400),
+        ("/v1/completions", {"prompt": [1] * 100_000}, 400),
+    ],
+)
+async def test_each_odd_but_legal_value_gets_the_answer_documented(path: str,
+                                                                  fields: dict[str, Any],
+                                                                  status: int) -> None:
+    config = EngineConfig(model="tiny", num_kv_blocks=64, max_num_seqs=4,
+                          scheduling_policy="priority")
+    with trio.fail_after(60):
+        async with Engine.open(config) as engine, running_server(engine) as url:
+            response = await post(url, path, {**GREEDY_FIELDS, **fields})
+            assert (await get(url, "/health")).status_code == 200
+    assert response.status_code == status, response.text
+    if status == 400:
+        error_of(response)
+
+
+async def test_a_response_to_a_request_asking_to_close_ends_with_the_connection() -> None:
+    """Hypercorn closes such a connection from inside the app's last send, the
+    same path as a 413's: the close must not be cancelled by the disconnect."""
+    outcomes = []
+    with trio.fail_after(8 * 5 + TIMEOUT):
+        async with running_server(FakeEngine()) as url:
+            for _ in range(8):
+                stream = await trio.open_tcp_stream(*host_port(url))
+                await stream.send_all(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                received = b""
+                outcome = "hung"
+                with trio.move_on_after(5):  # real time: a hang is what this looks for
+                    while data := await stream.receive_some(65536):
+                        received += data
+                    outcome = "closed"
+                outcomes.append(outcome)
+                assert received.startswith(b"HTTP/1.1 200")
+                await stream.aclose()
+    assert set(outcomes) == {"closed"}
