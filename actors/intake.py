@@ -354,21 +354,24 @@ async def run_intake(
     once and never reaches the queue. Closes the queue outbox when the inbox
     closes.
     """
+    # Its own thread: trio's shared default limiter could be exhausted by
+    # other work, and admission would wait behind it.
+    thread = trio.CapacityLimiter(1)
     task_status.started()
     async with queue_outbox:
         async for message in inbox:
             match message:
                 case Submit():
-                    await _submit(message, queue_outbox, streams, intake)
+                    await _submit(message, queue_outbox, streams, intake, thread)
                 case Abort():
                     await queue_outbox.send(message)
 
 
 async def _submit(submit: Submit, queue_outbox: trio.MemorySendChannel[QueueInbox],
-                  streams: RequestStreams, intake: Intake) -> None:
+                  streams: RequestStreams, intake: Intake, thread: trio.CapacityLimiter) -> None:
     # Abandoned on cancellation: shutdown does not wait for a long prompt.
     outcome = await trio.to_thread.run_sync(_admit_or_rejection, intake, submit,
-                                            abandon_on_cancel=True)
+                                            abandon_on_cancel=True, limiter=thread)
     if isinstance(outcome, RequestRejected):
         streams.fail(submit.request_id, outcome)
         return

@@ -66,6 +66,13 @@ BODY_TIMEOUT_SECONDS = 60.0
 CLOSE_TIMEOUT_SECONDS = 5.0
 # After the drain, Hypercorn lets responses being written go out for this long.
 STRAGGLER_SECONDS = 1.0
+# Worker threads for converting generation requests, and for /tokenize and
+# /detokenize: limiters of their own. With trio's shared default limiter,
+# enough large requests at once could hold every thread and hold up the
+# runner's steps, stalling every stream; and slow /tokenize calls must not
+# hold up generation requests.
+NUM_CONVERSION_THREADS = 8
+NUM_TOKENIZER_THREADS = 8
 OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})
 SSE_DONE = b"data: [DONE]\n\n"
 JSON_CONTENT_TYPE = "application/json"
@@ -130,13 +137,16 @@ class OpenAIServer:
         self.created = int(time.time())
         self._api_key = None if config.api_key is None else f"Bearer {config.api_key}".encode()
         self._openapi_json = msgspec.json.encode(openapi_document(self.model_name))
+        self._conversion_threads = trio.CapacityLimiter(NUM_CONVERSION_THREADS)
+        self._tokenizer_threads = trio.CapacityLimiter(NUM_TOKENIZER_THREADS)
 
     # -- generation ---------------------------------------------------------------
 
     async def completions(self) -> Response:
         body = await _decoded_body(protocol.CompletionRequest)
         self._check_model(body.model)
-        prompt, params = await trio.to_thread.run_sync(self._completion_arguments, body)
+        prompt, params = await trio.to_thread.run_sync(self._completion_arguments, body,
+                                                       limiter=self._conversion_threads)
         builder = protocol.CompletionBuilder(response_id=f"cmpl-{uuid.uuid4().hex}",
                                              model=self.model_name, token_text=self._token_text)
         outputs = self.engine.generate(prompt, params, priority=body.priority,
@@ -146,7 +156,8 @@ class OpenAIServer:
     async def chat_completions(self) -> Response:
         body = await _decoded_body(protocol.ChatCompletionRequest)
         self._check_model(body.model)
-        messages, params = await trio.to_thread.run_sync(_chat_arguments, body)
+        messages, params = await trio.to_thread.run_sync(_chat_arguments, body,
+                                                         limiter=self._conversion_threads)
         builder = protocol.ChatBuilder(response_id=f"chatcmpl-{uuid.uuid4().hex}",
                                        model=self.model_name, token_text=self._token_text)
         outputs = self.engine.chat(messages, params, priority=body.priority,
@@ -248,7 +259,8 @@ class OpenAIServer:
     async def tokenize(self) -> Response:
         body = await _decoded_body(protocol.TokenizeRequest)
         self._check_model(body.model)
-        return self._json(await trio.to_thread.run_sync(self._tokenized, body))
+        return self._json(await trio.to_thread.run_sync(self._tokenized, body,
+                                                        limiter=self._tokenizer_threads))
 
     def _tokenized(self, body: protocol.TokenizeRequest) -> protocol.TokenizeResponse:
         """In a worker thread: tokenizing costs time linear in the text."""
@@ -276,7 +288,8 @@ class OpenAIServer:
     async def detokenize(self) -> Response:
         body = await _decoded_body(protocol.DetokenizeRequest)
         self._check_model(body.model)
-        return self._json(await trio.to_thread.run_sync(self._detokenized, body))
+        return self._json(await trio.to_thread.run_sync(self._detokenized, body,
+                                                        limiter=self._tokenizer_threads))
 
     def _detokenized(self, body: protocol.DetokenizeRequest) -> protocol.DetokenizeResponse:
         """In a worker thread: decoding costs time linear in the token ids."""

@@ -23,6 +23,8 @@ import trio
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from trio_llm.actors.config import EngineConfig  # noqa: E402
+from trio_llm.actors.detokenizer import StopStrings  # noqa: E402
+from trio_llm.actors.intake import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS  # noqa: E402
 from trio_llm.api.engine import Engine  # noqa: E402
 from trio_llm.api.server import ServerConfig, serve_app  # noqa: E402
 
@@ -160,6 +162,29 @@ def attacks(client: httpx.AsyncClient, url: str) -> dict[str, Callable[[], Await
     }
 
 
+def microseconds_per_call(function: Callable[[], object], num_calls: int) -> float:
+    started = time.perf_counter()
+    for _ in range(num_calls):
+        function()
+    return (time.perf_counter() - started) / num_calls * 1e6
+
+
+def print_stop_string_costs() -> None:
+    """One step's matching at the bounds, against text built to fail every
+    stop string late, and for three short stop strings."""
+    length, count = MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+    worst = StopStrings(["a" * (length - 1) + chr(66 + index) for index in range(count)])
+    text = "a" * (length - 2) + "c"
+    common = StopStrings(["\n\n", "User:", "</s>"])
+    short_text = "hello world, this is"
+    print(f"stop strings, {count} of {length} characters, worst step: held-back check "
+          f"{microseconds_per_call(lambda: worst.num_held_chars(text), 300):.0f} us, search "
+          f"{microseconds_per_call(lambda: worst.find(text, length - 3), 300):.0f} us")
+    print(f"stop strings, 3 short ones: held-back check "
+          f"{microseconds_per_call(lambda: common.num_held_chars(short_text), 20000):.2f} us, "
+          f"search {microseconds_per_call(lambda: common.find(short_text, 10), 20000):.2f} us")
+
+
 async def main() -> None:
     async with Engine.open(CONFIG) as engine, trio.open_nursery() as nursery:
         url = await nursery.start(serve_app, engine, ServerConfig(port=0))
@@ -174,6 +199,7 @@ async def main() -> None:
                       f"| {watch.max_chunk_gap * 1000:.0f} ms "
                       f"({watch.baseline_gap * 1000:.0f} ms) |")  # type: ignore[attr-defined]
         nursery.cancel_scope.cancel()
+    print_stop_string_costs()
 
 
 if __name__ == "__main__":

@@ -5,11 +5,13 @@ the engine, and the OpenAPI document the server publishes."""
 from __future__ import annotations
 
 import json
+from functools import partial
 from typing import Any
 
 import httpx
 import pytest
 import trio
+import trio.testing
 from test_http_server import error_of, get, post
 from test_http_support import FakeEngine, host_port, running_server, sse_json
 
@@ -251,3 +253,38 @@ async def test_a_response_to_a_request_asking_to_close_ends_with_the_connection(
                 assert received.startswith(b"HTTP/1.1 200")
                 await stream.aclose()
     assert set(outcomes) == {"closed"}
+
+
+async def test_requests_stuck_in_worker_threads_never_hold_up_the_engine(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fifty /tokenize calls stuck in their threads at once: with trio's shared
+    thread limiter (40 threads) they would starve the runner's steps; they
+    hold up neither a stream already running nor a new completion."""
+    import threading
+
+    from trio_llm.api.server import OpenAIServer
+
+    release = threading.Event()
+    original = OpenAIServer._tokenized
+
+    def stuck(self: OpenAIServer, body: Any) -> Any:
+        release.wait(timeout=30)
+        return original(self, body)
+
+    monkeypatch.setattr(OpenAIServer, "_tokenized", stuck)
+    config = EngineConfig(model="tiny", num_kv_blocks=64, max_num_seqs=4)
+    request = {"prompt": "hi", "max_tokens": 24, "ignore_eos": True, "temperature": 0}
+    with trio.fail_after(60):
+        async with Engine.open(config) as engine, running_server(engine) as url, \
+                httpx.AsyncClient(base_url=url, timeout=60) as client:
+            reference = (await post(url, "/v1/completions", request)).json()["choices"]
+            async with trio.open_nursery() as nursery:
+                for _ in range(50):
+                    nursery.start_soon(partial(client.post, "/tokenize", json={"prompt": "hi"}))
+                await trio.testing.wait_all_tasks_blocked()
+                try:
+                    with trio.fail_after(20):
+                        response = await client.post("/v1/completions", json=request)
+                finally:
+                    release.set()
+    assert response.json()["choices"] == reference
