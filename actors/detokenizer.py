@@ -9,17 +9,24 @@ what the new token adds, unless it ends in U+FFFD.
 
 Stop strings are held back: text that could still become a stop string is not
 streamed until the following text shows it is not one.
+
+A failure while decoding one request (its decoder, its stop strings) ends
+that request alone with RequestFailed; the engine and every other request go
+on.
 """
 
 from __future__ import annotations
 
 import codecs
+import logging
+from bisect import bisect_left
 from typing import Protocol
 
 import tokenizers
 import trio
 from tokenizers import decoders
 
+from trio_llm.actors.errors import RequestFailed
 from trio_llm.actors.messages import (
     DetokenizerInbox,
     Request,
@@ -32,6 +39,12 @@ from trio_llm.actors.messages import (
 )
 from trio_llm.actors.streams import RequestStreams
 from trio_llm.actors.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+# Requests that failed in the detokenizer are remembered (most recent first
+# out) so that one tracked again after a preemption is freed, not decoded.
+MAX_REMEMBERED_FAILURES = 4096
 
 # Prompt tokens decoded ahead of the output by the window decoder, so the
 # first output token gets the spacing it has in context.
@@ -202,14 +215,21 @@ def _byte_tables(backend: tokenizers.Tokenizer, vocab_size: int) -> tuple[_ByteT
 
 class StopStrings:
     """A request's stop strings: where one first appears, and how much text
-    at the end could still be the start of one (and must be held back)."""
+    at the end could still be the start of one (and must be held back).
 
-    __slots__ = ("stops", "_proper_prefixes", "_first_characters", "_max_prefix_length")
+    Both look only at a tail window of the text (the longest stop string
+    less one character, plus what is new), so a step's cost is bounded by the
+    stop strings' count and length, and nothing is built per prefix: a
+    request's stop strings cost memory linear in their size (intake bounds
+    their count and length).
+    """
+
+    __slots__ = ("stops", "_sorted_stops", "_first_characters", "_max_prefix_length")
 
     def __init__(self, stops: list[str]) -> None:
         self.stops = stops
-        self._proper_prefixes = {stop[:length] for stop in stops for length in range(1, len(stop))}
-        self._first_characters = {prefix[0] for prefix in self._proper_prefixes}
+        self._sorted_stops = sorted(set(stops))
+        self._first_characters = frozenset(stop[0] for stop in stops if len(stop) > 1)
         self._max_prefix_length = max(len(stop) for stop in stops) - 1
 
     def find(self, text: str, num_old_chars: int) -> tuple[int, str] | None:
@@ -226,11 +246,23 @@ class StopStrings:
         return best
 
     def num_held_chars(self, text: str) -> int:
-        """Length of the longest end of ``text`` that begins some stop string."""
-        for start in range(max(0, len(text) - self._max_prefix_length), len(text)):
-            if text[start] in self._first_characters and text[start:] in self._proper_prefixes:
-                return len(text) - start
+        """Length of the longest end of ``text`` that begins some stop string
+        (and is shorter than it: a whole stop string was found already)."""
+        num_chars = len(text)
+        for start in range(max(0, num_chars - self._max_prefix_length), num_chars):
+            if text[start] in self._first_characters and self._begins_a_stop(text[start:]):
+                return num_chars - start
         return 0
+
+    def _begins_a_stop(self, tail: str) -> bool:
+        """Whether ``tail`` is a proper prefix of a stop string. In sorted
+        order the strings ``tail`` begins follow it at once, so one binary
+        search finds the first of them (after ``tail`` itself, if a stop)."""
+        stops = self._sorted_stops
+        index = bisect_left(stops, tail)
+        if index < len(stops) and stops[index] == tail:
+            index += 1
+        return index < len(stops) and stops[index].startswith(tail)
 
 
 # -- per-request state ------------------------------------------------------------
@@ -364,6 +396,8 @@ class Detokenizer:
         if isinstance(self._backend.decoder, decoders.ByteLevel):
             self._byte_tables = _byte_tables(self._backend, tokenizer.vocab_size)
         self._requests: dict[str, _DecodingRequest] = {}
+        self._failed_request_ids: dict[str, None] = {}
+        self._new_failures: list[tuple[str, RequestFailed]] = []
 
     @property
     def num_tracked(self) -> int:
@@ -376,11 +410,38 @@ class Detokenizer:
         Tracking a request already tracked (it is recomputed after a preemption)
         keeps its state: its output so far was streamed already.
         """
-        if request.request_id in self._requests:
+        request_id = request.request_id
+        if request_id in self._requests:
             return
-        decoder = self._new_decoder(request)
-        queue_time = max(0.0, now - request.arrival_time)
-        self._requests[request.request_id] = _DecodingRequest(request, decoder, queue_time)
+        if request_id in self._failed_request_ids:
+            # It failed, was preempted before the scheduler freed it, and runs again.
+            failure = RequestFailed("decoding the output failed earlier", stage="detokenizer")
+            self._new_failures.append((request_id, failure))
+            return
+        try:
+            decoder = self._new_decoder(request)
+            queue_time = max(0.0, now - request.arrival_time)
+            self._requests[request_id] = _DecodingRequest(request, decoder, queue_time)
+        except Exception as error:
+            self._fail(request_id, "track", error)
+
+    def take_failures(self) -> list[tuple[str, RequestFailed]]:
+        """Requests that failed here since the last call, with their errors:
+        each must have its stream failed and be freed by the scheduler."""
+        failures, self._new_failures = self._new_failures, []
+        return failures
+
+    def _fail(self, request_id: str, stage: str, error: Exception) -> None:
+        logger.error("decoding request %s failed (%s); it alone ends", request_id, stage,
+                     exc_info=error)
+        self._requests.pop(request_id, None)
+        self._failed_request_ids[request_id] = None
+        if len(self._failed_request_ids) > MAX_REMEMBERED_FAILURES:
+            del self._failed_request_ids[next(iter(self._failed_request_ids))]
+        failure = RequestFailed(f"decoding the output failed: {type(error).__name__}: {error}",
+                                stage="detokenizer")
+        failure.__cause__ = error
+        self._new_failures.append((request_id, failure))
 
     def process(self, batch: TokenBatch) -> tuple[list[RequestOutput], list[str]]:
         """Decode one step's tokens. Returns the outputs to publish and the ids
@@ -391,8 +452,14 @@ class Detokenizer:
         for delta in batch.deltas:
             state = requests.get(delta.request_id)
             if state is None:
+                if delta.finish_reason is not None:
+                    self._failed_request_ids.pop(delta.request_id, None)
                 continue
-            output = state.advance(delta)
+            try:
+                output = state.advance(delta)
+            except Exception as error:
+                self._fail(delta.request_id, "decode", error)
+                continue
             if output.finished:
                 del requests[delta.request_id]
                 if delta.finish_reason is None:
@@ -422,7 +489,8 @@ async def run_detokenizer(
 ) -> None:
     """Consume Track and TokenBatch; publish RequestOutput deltas to the
     request streams (never blocks) and send StopStringHit to the scheduler for
-    each request a stop string finished. Closes the scheduler outbox when the
+    each request a stop string finished, or whose decoding failed (its stream
+    fails with RequestFailed). Closes the scheduler outbox when the
     inbox closes. Queue time is measured on trio's clock (``trio.current_time``),
     which request arrival times must use too."""
     task_status.started()
@@ -436,3 +504,8 @@ async def run_detokenizer(
                     streams.publish_all(outputs)
                     for request_id in stopped_request_ids:
                         await scheduler_outbox.send(StopStringHit(request_id=request_id))
+            for request_id, failure in detokenizer.take_failures():
+                streams.fail(request_id, failure)
+                # Like a stop string, the failure ended the request here: the
+                # scheduler frees it (if it already finished, nothing happens).
+                await scheduler_outbox.send(StopStringHit(request_id=request_id))

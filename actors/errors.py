@@ -18,6 +18,17 @@ class QueueFull(RequestRejected):
     """The waiting queue is at its bound (HTTP 503 with Retry-After)."""
 
 
+class RequestFailed(EngineError):
+    """One request failed inside the engine after it was admitted (its
+    detokenizer or stop strings raised, HTTP 500); the engine and every other
+    request go on. ``stage`` names the part that failed."""
+
+    def __init__(self, message: str, *, stage: str) -> None:
+        super().__init__(message)
+        self.message = message
+        self.stage = stage
+
+
 class RequestAborted(EngineError):
     """The request was aborted before it finished (engine.abort or shutdown)."""
 

@@ -4,13 +4,21 @@ Every Submit is validated, tokenized (chat messages through the model's chat
 template) and resolved into a Request: stop token ids with EOS, a seed for
 every request, sampling options for the runner. A request that could never be
 served is refused here with a RequestRejected naming the field at fault, so
-nothing waits in the queue forever. Only known bad input is a rejection: a bug
-raises and takes the engine down loudly (the supervisor fails every request).
+nothing waits in the queue forever. Known bad input is a rejection, and so is
+a failure of the tokenizer or the chat template on one request's input (it
+belongs to that request, as vLLM answers it with a 400); any other bug raises
+and takes the engine down loudly (the supervisor fails every request).
+
+Admission runs in a worker thread, one request at a time in arrival order:
+tokenizing and rendering cost time linear in the request's size, and must not
+stall the event loop that streams every other request.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import msgspec
 import trio
@@ -29,8 +37,19 @@ from trio_llm.actors.messages import (
     Submit,
 )
 from trio_llm.actors.streams import RequestStreams
-from trio_llm.actors.tokenizer import Tokenizer
+from trio_llm.actors.tokenizer import Tokenizer, TooManyTokens
 
+T = TypeVar("T")
+
+# Stop strings are matched on every step of their request, in a window as
+# long as the longest of them; vLLM bounds neither their number nor their
+# length, so these bounds are ours (OpenAI's API allows 4). At the bounds a
+# step's matching costs at most about 0.1 ms (docs/http-api.md).
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 256
+# The device samples in float32: a larger temperature cannot be divided by,
+# and any temperature this large already means a uniform choice.
+MAX_TEMPERATURE = 3.4028234663852886e38
 MAX_SEED = 2**63 - 1
 MIN_SEED = -(2**63)
 _MASK_64 = 2**64 - 1
@@ -108,9 +127,22 @@ class Intake:
         except msgspec.ValidationError as error:
             raise _rejection_from(error, fields) from None
         self._check_sampling_rules(checked)
-        if checked.top_k == -1:
-            checked = msgspec.structs.replace(checked, top_k=0)  # -1 and 0 both mean off
-        return checked
+        return self._normalized(checked)
+
+    def _normalized(self, params: SamplingParams) -> SamplingParams:
+        """Values the device could not hold, mapped to ones that sample the same."""
+        changes: dict[str, object] = {}
+        if params.top_k == -1 or params.top_k >= self.vocab_size:
+            changes["top_k"] = 0  # -1, 0 and a whole vocabulary all mean off (vLLM's)
+        # top_p is float32 on the device, where 1e-300 is 0 and would keep no
+        # token. Any top_p up to the likeliest token's probability (at least
+        # 1/vocab_size) keeps that token alone; half of that is one, in float32.
+        min_top_p = 0.5 / self.vocab_size
+        if params.top_p < min_top_p:
+            changes["top_p"] = min_top_p
+        if params.temperature > MAX_TEMPERATURE:
+            changes["temperature"] = MAX_TEMPERATURE
+        return msgspec.structs.replace(params, **changes) if changes else params
 
     def _check_sampling_rules(self, params: SamplingParams) -> None:
         if params.max_tokens is not None and params.min_tokens > params.max_tokens:
@@ -120,8 +152,10 @@ class Intake:
         if params.seed is not None and not MIN_SEED <= params.seed <= MAX_SEED:
             raise RequestRejected(f"seed {params.seed} does not fit in a signed 64-bit integer",
                                   param="seed")
-        if any(not stop for stop in params.stop):
-            raise RequestRejected("stop strings must not be empty", param="stop")
+        self._check_stop_strings(params.stop)
+        for name in ("temperature", "top_p", "min_p"):
+            if not math.isfinite(getattr(params, name)):
+                raise RequestRejected(f"{name} must be a finite number", param=name)
         self._check_structured_outputs(params)
         bad_ids = [token_id for token_id in params.stop_token_ids
                    if not 0 <= token_id < self.vocab_size]
@@ -155,6 +189,16 @@ class Intake:
             self.grammars.compile(constraint)
         except GrammarError as error:
             raise RequestRejected(str(error), param="structured_outputs") from None
+    def _check_stop_strings(self, stops: list[str]) -> None:
+        if len(stops) > MAX_STOP_STRINGS:
+            raise RequestRejected(f"at most {MAX_STOP_STRINGS} stop strings are allowed, "
+                                  f"not {len(stops)}", param="stop")
+        for stop in stops:
+            if not stop:
+                raise RequestRejected("stop strings must not be empty", param="stop")
+            if len(stop) > MAX_STOP_STRING_CHARS:
+                raise RequestRejected(f"a stop string may have at most {MAX_STOP_STRING_CHARS} "
+                                      f"characters, not {len(stop)}", param="stop")
 
     # -- the prompt -------------------------------------------------------------
 
@@ -176,7 +220,9 @@ class Intake:
         if not isinstance(prompt, str):
             raise RequestRejected(f"the prompt must be a string, not {type(prompt).__name__}",
                                   param="prompt")
-        token_ids = self.tokenizer.encode(prompt, add_special_tokens=True) if prompt else []
+        token_ids = []
+        if prompt:
+            token_ids = self._encoded(prompt, "prompt", add_special_tokens=True)
         if not token_ids:
             raise RequestRejected("the prompt is empty", param="prompt")
         return token_ids
@@ -201,15 +247,32 @@ class Intake:
                 raise RequestRejected(
                     f"message {index} must have a string 'role' and a string 'content'",
                     param="messages")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                  **(template_variables or {}))
+        text = _scoped_to_request("chat template", "messages",
+                                  self.tokenizer.apply_chat_template, messages,
+                                  add_generation_prompt=True, **(template_variables or {}))
         # The template already wrote every special token the model expects.
-        token_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        token_ids = self._encoded(text, "messages", add_special_tokens=False)
         if not token_ids:
             raise RequestRejected("the chat template rendered an empty prompt", param="messages")
         return token_ids
 
+    def _encoded(self, text: str, param: str, *, add_special_tokens: bool) -> list[int]:
+        """The text's token ids; a prompt over the context is refused from its
+        count, without building its list of ids."""
+        try:
+            return _scoped_to_request("tokenizer", param, self.tokenizer.encode, text,
+                                      add_special_tokens=add_special_tokens,
+                                      max_num_tokens=self.max_model_len)
+        except TooManyTokens as error:
+            raise self._over_the_context(error.num_tokens, param) from None
+
     # -- lengths ----------------------------------------------------------------
+
+    def _over_the_context(self, num_prompt_tokens: int, prompt_param: str) -> RequestRejected:
+        return RequestRejected(
+            f"This model's maximum context length is {self.max_model_len} tokens, but the "
+            f"prompt has {num_prompt_tokens} tokens, which leaves no room for output",
+            param=prompt_param)
 
     def _max_tokens(self, num_prompt_tokens: int, params: SamplingParams,
                     prompt_param: str) -> int:
@@ -218,10 +281,7 @@ class Intake:
         wait in the queue forever)."""
         limit = self.max_model_len
         if num_prompt_tokens >= limit:
-            raise RequestRejected(
-                f"This model's maximum context length is {limit} tokens, but the prompt has "
-                f"{num_prompt_tokens} tokens, which leaves no room for output",
-                param=prompt_param)
+            raise self._over_the_context(num_prompt_tokens, prompt_param)
         if params.max_tokens is not None:
             self._check_total(num_prompt_tokens, params.max_tokens, prompt_param)
             return params.max_tokens
@@ -297,6 +357,17 @@ def _template_variables(submit: Submit) -> dict[str, Any]:
     if submit.tools:
         variables["tools"] = submit.tools
     return variables
+def _scoped_to_request(stage: str, param: str, function: Callable[..., T], *args: object,
+                       **kwargs: object) -> T:
+    """Call the tokenizer or the chat template on one request's input; if it
+    raises, that request alone is refused, naming the stage and the error."""
+    try:
+        return function(*args, **kwargs)
+    except (RequestRejected, TooManyTokens):
+        raise
+    except Exception as error:
+        raise RequestRejected(f"the {stage} failed on this request: "
+                              f"{type(error).__name__}: {error}", param=param) from error
 
 
 def _prompt_param(submit: Submit) -> str:
@@ -330,27 +401,42 @@ async def run_intake(
 ) -> None:
     """Consume Submit and Abort; emit Admit (and forward Abort) to the queue.
 
-    A rejected request fails its stream at once and never reaches the queue.
-    Closes the queue outbox when the inbox closes.
+    Each Submit is admitted in a worker thread, one at a time, so arrival
+    order (and with it every derived seed) is kept and an Abort never
+    overtakes the Submit before it. A rejected request fails its stream at
+    once and never reaches the queue. Closes the queue outbox when the inbox
+    closes.
     """
+    # Its own thread: trio's shared default limiter could be exhausted by
+    # other work, and admission would wait behind it.
+    thread = trio.CapacityLimiter(1)
     task_status.started()
     async with queue_outbox:
         async for message in inbox:
             match message:
                 case Submit():
-                    await _submit(message, queue_outbox, streams, intake)
+                    await _submit(message, queue_outbox, streams, intake, thread)
                 case Abort():
                     await queue_outbox.send(message)
 
 
 async def _submit(submit: Submit, queue_outbox: trio.MemorySendChannel[QueueInbox],
-                  streams: RequestStreams, intake: Intake) -> None:
+                  streams: RequestStreams, intake: Intake, thread: trio.CapacityLimiter) -> None:
+    # Abandoned on cancellation: shutdown does not wait for a long prompt.
+    outcome = await trio.to_thread.run_sync(_admit_or_rejection, intake, submit,
+                                            abandon_on_cancel=True, limiter=thread)
+    if isinstance(outcome, RequestRejected):
+        streams.fail(submit.request_id, outcome)
+        return
+    await queue_outbox.send(Admit(request=outcome))
+
+
+def _admit_or_rejection(intake: Intake, submit: Submit) -> Request | RequestRejected:
+    """In the worker thread: the admitted request, or why it was refused."""
     try:
         request = intake.admit(submit)
-        if request.params.structured_outputs is not None:
-            # seconds for a large schema and vocabulary: never on the event loop
-            await trio.to_thread.run_sync(intake.compile_constraint, request)
+        # seconds for a large schema and vocabulary: here, never on the event loop
+        intake.compile_constraint(request)
+        return request
     except RequestRejected as rejection:
-        streams.fail(submit.request_id, rejection)
-        return
-    await queue_outbox.send(Admit(request=request))
+        return rejection

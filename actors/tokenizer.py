@@ -26,6 +26,14 @@ from trio_llm.actors.errors import RequestRejected
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
+class TooManyTokens(ValueError):
+    """A text encodes to more tokens than the caller can use."""
+
+    def __init__(self, num_tokens: int) -> None:
+        super().__init__(f"{num_tokens} tokens")
+        self.num_tokens = num_tokens
+
+
 class Tokenizer:
     """Text <-> token ids, chat templates and EOS ids for one model.
 
@@ -80,12 +88,27 @@ class Tokenizer:
 
     # -- text <-> ids ---------------------------------------------------------
 
-    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        """``add_special_tokens``: let tokenizer.json's post-processor add BOS and the like."""
-        return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+    def encode(self, text: str, *, add_special_tokens: bool = True,
+               max_num_tokens: int | None = None) -> list[int]:
+        """``add_special_tokens``: let tokenizer.json's post-processor add BOS and the like.
+
+        Goes through ``encode_batch_fast``, which releases the GIL while it
+        works (``encode`` holds it: a long prompt encoded in a worker thread
+        would still stall the event loop for as long as it takes). Raises
+        TooManyTokens, before building the list of ids (which holds the GIL),
+        when there are more than ``max_num_tokens``.
+        """
+        (encoding,) = self.backend.encode_batch_fast([text],
+                                                     add_special_tokens=add_special_tokens)
+        if max_num_tokens is not None and len(encoding) > max_num_tokens:
+            raise TooManyTokens(len(encoding))
+        return list(encoding.ids)
 
     def decode(self, token_ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
-        return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+        """Like ``encode``, through the batch call that releases the GIL."""
+        (text,) = self.backend.decode_batch([list(token_ids)],
+                                            skip_special_tokens=skip_special_tokens)
+        return str(text)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], *,
                             add_generation_prompt: bool = True, **variables: Any) -> str:

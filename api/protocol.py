@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal, TypeVar
 import msgspec
 
 from trio_llm.actors.errors import RequestRejected
+from trio_llm.actors.intake import MAX_SEED, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MIN_SEED
 from trio_llm.actors.messages import (
     RequestOutput,
     SamplingParams,
@@ -37,6 +38,10 @@ TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
 TopK = Annotated[int, msgspec.Meta(ge=-1)]
 MinP = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 NumLogprobs = Annotated[int, msgspec.Meta(ge=0, le=20)]
+Seed = Annotated[int, msgspec.Meta(ge=MIN_SEED, le=MAX_SEED)]
+# Stop strings are bounded (vLLM does not bound them): see docs/http-api.md.
+StopString = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
+StopStrings = Annotated[list[StopString], msgspec.Meta(max_length=MAX_STOP_STRINGS)]
 
 # Token ids in a prompt: one prompt as a list of ints; a list of one string or
 # of one list of ints is accepted too, since clients send batches of one.
@@ -89,8 +94,8 @@ class _GenerationFields(msgspec.Struct, kw_only=True):
     top_p: TopP | None = None
     top_k: TopK | None = None
     min_p: MinP | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    seed: Seed | None = None
+    stop: StopString | StopStrings | None = None
     stop_token_ids: list[NonNegativeInt] | None = None
     ignore_eos: bool = False
     min_tokens: NonNegativeInt = 0
@@ -385,6 +390,9 @@ def decode_request(body: bytes, kind: type[T]) -> T:
         raise RequestRejected(str(error), param=param_of_validation_error(str(error))) from None
     except msgspec.DecodeError as error:
         raise RequestRejected(f"the body is not valid JSON: {error}") from None
+    except RecursionError:
+        # msgspec raises this, not DecodeError, on JSON nested too deeply.
+        raise RequestRejected("the body nests JSON arrays or objects too deeply") from None
 
 
 def param_of_validation_error(message: str) -> str | None:

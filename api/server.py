@@ -29,7 +29,7 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, aclosing, asynccontextmanager
 from functools import partial
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import msgspec
 import trio
@@ -40,11 +40,19 @@ from quart_trio import QuartTrio
 from quart_trio.wrappers.response import TrioResponse as Response
 from werkzeug.exceptions import HTTPException
 
-from trio_llm.actors.errors import EngineDead, EngineError, QueueFull, RequestRejected
-from trio_llm.actors.messages import RequestOutput
+from trio_llm.actors.errors import (
+    EngineDead,
+    EngineError,
+    QueueFull,
+    RequestFailed,
+    RequestRejected,
+)
+from trio_llm.actors.messages import RequestOutput, SamplingParams, StructuredOutputsParams
 from trio_llm.api import protocol
+from trio_llm.api.connections import CompletedResponseGuard
 from trio_llm.api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from trio_llm.api.metrics import RequestTimer, ServerMetrics
+from trio_llm.api.openapi import openapi_document
 from trio_llm.api.reasoning_parsers import REASONING_PARSERS
 from trio_llm.api.tool_calls import (
     ChatOutputParser,
@@ -60,6 +68,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+BodyT = TypeVar("BodyT")
+ResultT = TypeVar("ResultT")
+
 # Request bodies are small JSON; 8 MiB leaves room for a long prompt of token ids.
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 # A client gets this long to send its request body (HTTP 408 after that).
@@ -71,7 +82,18 @@ CLOSE_TIMEOUT_SECONDS = 5.0
 STRAGGLER_SECONDS = 1.0
 # `trio-llm serve` without --api-server-count (see docs/performance.md, "Process layouts").
 DEFAULT_API_SERVER_COUNT = 0
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+# Worker threads for converting generation requests, and for /tokenize and
+# /detokenize: limiters of their own. With trio's shared default limiter,
+# enough large requests at once could hold every thread and hold up the
+# runner's steps, stalling every stream; and slow /tokenize calls must not
+# hold up generation requests.
+NUM_CONVERSION_THREADS = 8
+# Converting a generation request costs time linear in its body; a body up to
+# this size is converted on the loop (at most about 0.2 ms), sparing the
+# thread round trip that most requests would otherwise pay.
+MAX_INLINE_CONVERSION_BYTES = 16 * 1024
+NUM_TOKENIZER_THREADS = 8
+OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})
 SSE_DONE = b"data: [DONE]\n\n"
 JSON_CONTENT_TYPE = "application/json"
 
@@ -115,6 +137,7 @@ def create_app(engine: Engine, config: ServerConfig) -> QuartTrio:
         ("/metrics", api.metrics_text, "GET"),
         ("/tokenize", api.tokenize, "POST"),
         ("/detokenize", api.detokenize, "POST"),
+        ("/openapi.json", api.openapi, "GET"),
     ]
     for path, view, method in routes:
         app.add_url_rule(path, view_func=view, methods=[method])
@@ -140,14 +163,16 @@ class OpenAIServer:
             enable_auto_tool_choice=config.enable_auto_tool_choice,
             tool_call_parser=config.tool_call_parser, reasoning_parser=config.reasoning_parser)
         check_serving_options(self.tool_options)
+        self._openapi_json = msgspec.json.encode(openapi_document(self.model_name))
+        self._conversion_threads = trio.CapacityLimiter(NUM_CONVERSION_THREADS)
+        self._tokenizer_threads = trio.CapacityLimiter(NUM_TOKENIZER_THREADS)
 
     # -- generation ---------------------------------------------------------------
 
     async def completions(self) -> Response:
-        body = protocol.decode_request(await request.get_data(), protocol.CompletionRequest)
+        body = await _decoded_body(protocol.CompletionRequest)
         self._check_model(body.model)
-        prompt = protocol.completion_prompt(body)
-        params = protocol.completion_sampling_params(body)
+        prompt, params = await self._converted(self._completion_arguments, body)
         builder = protocol.CompletionBuilder(response_id=f"cmpl-{uuid.uuid4().hex}",
                                              model=self.model_name, token_text=self._token_text)
         outputs = self.engine.generate(prompt, params, priority=body.priority,
@@ -156,14 +181,13 @@ class OpenAIServer:
         return await self.respond(outputs, builder, body)
 
     async def chat_completions(self) -> Response:
-        body = protocol.decode_request(await request.get_data(), protocol.ChatCompletionRequest)
+        body = await _decoded_body(protocol.ChatCompletionRequest)
         self._check_model(body.model)
-        messages = protocol.chat_messages(body.messages)
         tool_plan = plan_tool_calls(body.tools, body.tool_choice,
                                     parallel_tool_calls=body.parallel_tool_calls,
                                     options=self.tool_options)
-        params = protocol.chat_sampling_params(body, max_tokens=protocol.requested_max_tokens(body),
-                                               tool_constraint=tool_plan.constraint)
+        messages, params = await self._converted(
+            partial(_chat_arguments, tool_constraint=tool_plan.constraint), body)
         reasoning = reasoning_parser_for(self.tool_options)
         parser = (ChatOutputParser(reasoning=reasoning, tools=tool_plan.parser,
                                    max_calls=tool_plan.max_calls)
@@ -181,6 +205,23 @@ class OpenAIServer:
                                    request_id=builder.response_id, cache_salt=body.cache_salt,
                                    **template_variables)
         return await self.respond(outputs, builder, body)
+
+    async def _converted(self, convert: Callable[[BodyT], ResultT], body: BodyT) -> ResultT:
+        """``convert(body)``: on the loop for a small body, else in a worker thread."""
+        num_body_bytes = request.content_length
+        if num_body_bytes is not None and num_body_bytes <= MAX_INLINE_CONVERSION_BYTES:
+            return convert(body)
+        return await trio.to_thread.run_sync(convert, body, limiter=self._conversion_threads)
+
+    def _completion_arguments(self, body: protocol.CompletionRequest
+                              ) -> tuple[str | list[int], SamplingParams]:
+        """The engine's arguments, at a cost linear in the body."""
+        if not isinstance(body.prompt, str) and len(body.prompt) > self.engine.max_model_len:
+            # Refused before anything walks a list the engine would refuse anyway.
+            raise RequestRejected(
+                f"This model's maximum context length is {self.engine.max_model_len} tokens, "
+                f"but the prompt has {len(body.prompt)} tokens", param="prompt")
+        return protocol.completion_prompt(body), protocol.completion_sampling_params(body)
 
     async def respond(self, outputs: AsyncIterator[RequestOutput],
                       builder: protocol.CompletionBuilder | protocol.ChatBuilder,
@@ -267,18 +308,25 @@ class OpenAIServer:
         return Response(self.metrics.render(statistics), content_type=METRICS_CONTENT_TYPE)
 
     async def tokenize(self) -> Response:
-        body = protocol.decode_request(await request.get_data(), protocol.TokenizeRequest)
+        body = await _decoded_body(protocol.TokenizeRequest)
         self._check_model(body.model)
+        return self._json(await trio.to_thread.run_sync(self._tokenized, body,
+                                                        limiter=self._tokenizer_threads))
+
+    def _tokenized(self, body: protocol.TokenizeRequest) -> protocol.TokenizeResponse:
+        """In a worker thread: tokenizing costs time linear in the text."""
         tokenizer = self.engine.tokenizer
         # A rendered conversation already holds its special tokens: the engine
         # encodes it without adding more, and so does this.
         add_special_tokens = body.add_special_tokens and body.messages is None
         token_ids = tokenizer.encode(self._tokenize_text(body),
                                      add_special_tokens=add_special_tokens)
-        token_strs = [self._token_text(token_id) for token_id in token_ids]
-        return self._json(protocol.TokenizeResponse(
-            count=len(token_ids), max_model_len=self.engine.max_model_len, tokens=token_ids,
-            token_strs=token_strs if body.return_token_strs else None))
+        token_strs = None
+        if body.return_token_strs:
+            token_strs = [self._token_text(token_id) for token_id in token_ids]
+        return protocol.TokenizeResponse(count=len(token_ids),
+                                         max_model_len=self.engine.max_model_len,
+                                         tokens=token_ids, token_strs=token_strs)
 
     def _tokenize_text(self, body: protocol.TokenizeRequest) -> str:
         if (body.prompt is None) == (body.messages is None):
@@ -289,14 +337,22 @@ class OpenAIServer:
         return self.engine.tokenizer.apply_chat_template(protocol.chat_messages(body.messages))
 
     async def detokenize(self) -> Response:
-        body = protocol.decode_request(await request.get_data(), protocol.DetokenizeRequest)
+        body = await _decoded_body(protocol.DetokenizeRequest)
         self._check_model(body.model)
+        return self._json(await trio.to_thread.run_sync(self._detokenized, body,
+                                                        limiter=self._tokenizer_threads))
+
+    def _detokenized(self, body: protocol.DetokenizeRequest) -> protocol.DetokenizeResponse:
+        """In a worker thread: decoding costs time linear in the token ids."""
         tokenizer = self.engine.tokenizer
         if any(token_id >= tokenizer.vocab_size for token_id in body.tokens):
             raise RequestRejected(f"token ids must be below {tokenizer.vocab_size}",
                                   param="tokens")
-        text = tokenizer.decode(body.tokens, skip_special_tokens=False)
-        return self._json(protocol.DetokenizeResponse(prompt=text))
+        return protocol.DetokenizeResponse(
+            prompt=tokenizer.decode(body.tokens, skip_special_tokens=False))
+
+    async def openapi(self) -> Response:
+        return Response(self._openapi_json, content_type=JSON_CONTENT_TYPE)
 
     # -- guards and errors --------------------------------------------------------
 
@@ -319,6 +375,10 @@ class OpenAIServer:
     async def http_error(self, error: HTTPException) -> Response:
         status = error.code or 500
         response = self._error(status, error.description or error.name)
+        if status in BODY_LEFT_UNREAD_STATUSES:
+            # The rest of the body was never read: this connection cannot
+            # carry another request, so say so (the server closes it).
+            response.headers["Connection"] = "close"
         if status == 405 and error.get_headers():
             response.headers.update({k: v for k, v in error.get_headers() if k == "Allow"})
         return response
@@ -340,6 +400,8 @@ class OpenAIServer:
 
 # -- error mapping --------------------------------------------------------------------
 
+# Statuses sent before the whole request body was read.
+BODY_LEFT_UNREAD_STATUSES = frozenset({408, 413})
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -359,6 +421,8 @@ def _error_info(error: EngineError) -> tuple[int, str, str | None]:
             return 503, error.message, None
         case RequestRejected():
             return 400, error.message, error.param
+        case RequestFailed():
+            return 500, error.message, None
         case _:
             return 503, str(error) or type(error).__name__, None
 
@@ -366,6 +430,37 @@ def _error_info(error: EngineError) -> tuple[int, str, str | None]:
 def _error_body(status: int, message: str, param: str | None) -> protocol.ErrorResponse:
     error_type = ERROR_TYPES.get(status, "invalid_request_error")
     return protocol.error_response(message, error_type=error_type, status=status, param=param)
+
+
+# -- request bodies --------------------------------------------------------------------
+
+# What vLLM (FastAPI) parses as a JSON body: no Content-Type, or a JSON one.
+JSON_SUBTYPE_SUFFIX = "+json"
+
+
+async def _decoded_body(kind: type[BodyT]) -> BodyT:
+    """The request's JSON body as ``kind``; a 400 naming what is wrong otherwise."""
+    _check_content_type(request.mimetype)
+    return protocol.decode_request(await request.get_data(), kind)
+
+
+def _check_content_type(mimetype: str) -> None:
+    if not mimetype or mimetype == JSON_CONTENT_TYPE:
+        return
+    if mimetype.startswith("application/") and mimetype.endswith(JSON_SUBTYPE_SUFFIX):
+        return
+    raise RequestRejected(f"the body must be JSON (Content-Type: application/json), "
+                          f"not {mimetype}", param="Content-Type")
+
+
+def _chat_arguments(body: protocol.ChatCompletionRequest, *,
+                    tool_constraint: StructuredOutputsParams | None = None,
+                    ) -> tuple[list[dict[str, Any]], SamplingParams]:
+    """The engine's arguments, at a cost linear in the body."""
+    messages = protocol.chat_messages(body.messages)
+    max_tokens = protocol.requested_max_tokens(body)
+    return messages, protocol.chat_sampling_params(body, max_tokens=max_tokens,
+                                                   tool_constraint=tool_constraint)
 
 
 # -- streaming and request tracking ---------------------------------------------------
@@ -441,8 +536,9 @@ async def serve_app(engine: Engine, config: ServerConfig, *,
     app = create_app(engine, config)
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
+        guarded_app = CompletedResponseGuard(app)
         binds = await nursery.start(partial(
-            hypercorn_serve, app, hypercorn_config(config, listen_fd=listen_fd),
+            hypercorn_serve, guarded_app, hypercorn_config(config, listen_fd=listen_fd),
             shutdown_trigger=stop.wait))
         url = binds[0]
         logger.info("trio-llm serving %r at %s", app.extensions["trio_llm"].model_name, url)
