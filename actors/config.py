@@ -1,16 +1,20 @@
 """The engine's configuration: one frozen struct, fields named as `vllm serve` names its flags."""
 
-from typing import Annotated, Literal
+from typing import Annotated, Final, Literal
 
 import msgspec
 
-PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+from trio_llm.actors.messages import PositiveInt
+
+# Steps in flight at most: the scheduler plans one step ahead of the device, never more.
+# The runner, its inbox and the CUDA executor's input slots are sized by it.
+MAX_PIPELINE_DEPTH: Final = 2
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Everything that shapes an engine. ``num_kv_blocks`` None sizes the cache
     from memory (``gpu_memory_utilization`` on CUDA, ``cpu_kv_cache_gib`` on the
-    CPU). ``async_scheduling`` is pipelining depth 2; False is depth 1.
+    CPU). ``pipeline_depth`` 2 plans step N+1 while N runs; 1 plans after N.
     ``enable_prefix_caching``: reuse the KV of cached prompt prefixes (full
     blocks), as vLLM does by default."""
 
@@ -32,7 +36,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     priority_preemption_threshold: int | None = None
     max_waiting_requests: PositiveInt = 4096
-    async_scheduling: bool = True
+    pipeline_depth: Literal[1, 2] = MAX_PIPELINE_DEPTH
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
     shutdown_grace_seconds: Annotated[float, msgspec.Meta(ge=0.0)] = 5.0

@@ -29,9 +29,5 @@ class RequestFailed(EngineError):
         self.stage = stage
 
 
-class RequestAborted(EngineError):
-    """The request was aborted before it finished (engine.abort or shutdown)."""
-
-
 class EngineDead(EngineError):
     """The engine stopped: an actor failed or it was shut down."""

@@ -26,7 +26,6 @@ from trio_llm.actors.errors import (
     EngineDead,
     EngineError,
     QueueFull,
-    RequestAborted,
     RequestRejected,
 )
 from trio_llm.actors.intake import derive_seed
@@ -66,7 +65,7 @@ class StreamOutput(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     output: RequestOutput
 
 
-ErrorKind = Literal["rejected", "queue_full", "aborted", "dead"]
+ErrorKind = Literal["rejected", "queue_full", "dead"]
 
 
 class StreamFailure(msgspec.Struct, frozen=True, kw_only=True, tag=True):
@@ -91,7 +90,8 @@ class StatisticsReply(msgspec.Struct, frozen=True, kw_only=True, tag=True):
 
 
 FrontToCore = Admit | Abort | StopStringHit | StatisticsQuery
-CoreToFront = CoreReady | CoreFailed | Track | TokenBatch | StreamOutput | StreamFailure | StatisticsReply
+CoreToFront = (CoreReady | CoreFailed | Track | TokenBatch | StreamOutput | StreamFailure
+               | StatisticsReply)
 
 
 def stream_failure(request_id: str, error: EngineError) -> StreamFailure:
@@ -102,8 +102,6 @@ def stream_failure(request_id: str, error: EngineError) -> StreamFailure:
         case RequestRejected():
             return StreamFailure(request_id=request_id, kind="rejected", message=error.message,
                                  param=error.param)
-        case RequestAborted():
-            return StreamFailure(request_id=request_id, kind="aborted", message=str(error))
         case _:
             return StreamFailure(request_id=request_id, kind="dead", message=str(error))
 
@@ -115,8 +113,6 @@ def engine_error(failure: StreamFailure) -> EngineError:
             return QueueFull(failure.message)
         case "rejected":
             return RequestRejected(failure.message, param=failure.param)
-        case "aborted":
-            return RequestAborted(failure.message)
         case _:
             return EngineDead(failure.message)
 
@@ -189,7 +185,8 @@ class FrontRoutes:
                 by_front[front_index] = [delta]
             else:
                 deltas.append(delta)
-        return [(front_index, TokenBatch(deltas=deltas)) for front_index, deltas in by_front.items()]
+        return [(front_index, TokenBatch(deltas=deltas))
+                for front_index, deltas in by_front.items()]
 
     def end_output(self, output: RequestOutput) -> int | None:
         """The front a stream output goes to; forgets the request if it finished."""

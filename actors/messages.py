@@ -44,8 +44,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
 
     ``max_tokens`` None means as many as fit: the rest of the context window
     (and of the KV cache). ``top_k`` 0 or -1 and ``top_p`` 1.0 disable those
-    filters; ``temperature`` 0 is greedy. ``seed`` None draws a seed from the engine's own seed at intake,
-    so every request samples from randomness keyed by (seed, output position).
+    filters; ``temperature`` 0 is greedy. ``seed`` None draws a seed from the
+    engine's own seed at intake, so every request samples from randomness keyed
+    by (seed, output position).
     """
 
     max_tokens: PositiveInt | None = 16

@@ -17,11 +17,13 @@ sampling then.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Protocol, cast
 
 import msgspec
 import trio
 
+from trio_llm.actors.config import MAX_PIPELINE_DEPTH
 from trio_llm.actors.messages import (
     RunnerInbox,
     ScheduledBatch,
@@ -35,6 +37,23 @@ class Executor(Protocol):
     """What the runner drives: trio_llm.gpu.executor.ModelExecutor, or a test double."""
 
     def execute(self, batch: ScheduledBatch) -> StepResult: ...
+
+
+class LoadedExecutor(Executor, Protocol):
+    """An executor with its model loaded, as the facade starts an engine over it: the
+    sizes the other actors are configured with."""
+
+    @property
+    def model_path(self) -> Path: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def num_kv_blocks(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int: ...
 
 
 class PipelinedExecutor(Executor, Protocol):
@@ -101,7 +120,6 @@ def with_bitmasks(batch: ScheduledBatch, token_bitmasks: list[bytes]) -> Schedul
 
 
 # Steps an executor with launch/collect (gpu/cuda_executor.py) may have in flight.
-MAX_STEPS_IN_FLIGHT = 2
 
 
 async def _run_pipelined(inbox: trio.MemoryReceiveChannel[RunnerInbox],
@@ -116,8 +134,8 @@ async def _run_pipelined(inbox: trio.MemoryReceiveChannel[RunnerInbox],
     whole switch interval behind the trio thread). Only the wait for a step's event,
     which holds no GIL, goes to a worker thread.
     """
-    send_pending, receive_pending = trio.open_memory_channel[Any](MAX_STEPS_IN_FLIGHT)
-    free_slots = trio.Semaphore(MAX_STEPS_IN_FLIGHT)
+    send_pending, receive_pending = trio.open_memory_channel[Any](MAX_PIPELINE_DEPTH)
+    free_slots = trio.Semaphore(MAX_PIPELINE_DEPTH)
 
     async def launch_each() -> None:
         async with send_pending:

@@ -303,7 +303,7 @@ class Scheduler:
         self.config = config
         self.grammars = grammars
         self.block_manager = BlockManager(num_kv_blocks, config.block_size)
-        self.pipeline_depth = 2 if config.async_scheduling else 1
+        self.pipeline_depth = config.pipeline_depth
         self._orders_by_priority = config.scheduling_policy == "priority"
         # A waiting request evicts only a strictly worse one: with equals
         # allowed (threshold 0), two requests could evict each other forever.

@@ -24,7 +24,7 @@ from typing import Any
 import msgspec
 import trio
 
-from trio_llm.actors.config import EngineConfig
+from trio_llm.actors.config import MAX_PIPELINE_DEPTH, EngineConfig
 from trio_llm.actors.detokenizer import Detokenizer, run_detokenizer
 from trio_llm.actors.errors import EngineDead, EngineError
 from trio_llm.actors.fronts import (
@@ -64,12 +64,11 @@ logger = logging.getLogger(__name__)
 INTAKE_BUFFER = 64
 QUEUE_BUFFER = 64
 DETOKENIZER_BUFFER = 8
-RUNNER_BUFFER = 2  # the pipeline depth at most: the scheduler never has more in flight
 # Telling the fronts that the core failed is best effort: bounded.
 CORE_FAILED_SEND_SECONDS = 1.0
 
 
-class EngineStatistics(SchedulerStatistics):
+class EngineStatistics(SchedulerStatistics, frozen=True, kw_only=True):
     """A snapshot of the engine's counters: the scheduler's, and the queue's length
     (frozen and keyword-only, as its base)."""
 
@@ -156,7 +155,7 @@ async def run_supervisor(
     intake_send, intake_receive = trio.open_memory_channel[Any](INTAKE_BUFFER)
     queue_send, queue_receive = trio.open_memory_channel[Any](QUEUE_BUFFER)
     scheduler_send, scheduler_receive = trio.open_memory_channel[Any](_scheduler_buffer(config))
-    runner_send, runner_receive = trio.open_memory_channel[Any](RUNNER_BUFFER)
+    runner_send, runner_receive = trio.open_memory_channel[Any](MAX_PIPELINE_DEPTH)
     detokenizer_send, detokenizer_receive = trio.open_memory_channel[Any](DETOKENIZER_BUFFER)
     actors = EngineActors(intake_send, queue, scheduler)
     started = False
@@ -300,7 +299,7 @@ async def run_core_supervisor(
 
     queue_send, queue_receive = trio.open_memory_channel[Any](QUEUE_BUFFER)
     scheduler_send, scheduler_receive = trio.open_memory_channel[Any](_scheduler_buffer(config))
-    runner_send, runner_receive = trio.open_memory_channel[Any](RUNNER_BUFFER)
+    runner_send, runner_receive = trio.open_memory_channel[Any](MAX_PIPELINE_DEPTH)
     detokenizer_send, detokenizer_receive = trio.open_memory_channel[Any](DETOKENIZER_BUFFER)
     links = _FrontLinks(config, [send for send, _ in fronts], routes, queue_send.clone())
     streams = RemoteStreams(links)
@@ -345,9 +344,9 @@ async def _route_to_fronts(inbox: trio.MemoryReceiveChannel[Any], links: _FrontL
                 for front_index, batch in routes.split(message):
                     await links.send(front_index, batch)
             case Track(request=request):
-                front_index = routes.owner(request.request_id)
-                if front_index is not None:
-                    await links.send(front_index, message)
+                owner = routes.owner(request.request_id)
+                if owner is not None:
+                    await links.send(owner, message)
 
 
 async def _read_front(front_index: int, wire: WireReceiveChannel[FrontToCore],

@@ -176,9 +176,10 @@ class WireReceiveChannel(trio.abc.ReceiveChannel[MessageType]):
 
 
 def open_wire_channel(
-    stream: trio.SocketStream, receive_type: type[MessageType], *,
+    stream: trio.SocketStream, receive_type: Any, *,
     wire_format: WireFormat = DEFAULT_WIRE_FORMAT,
-) -> tuple[WireSendChannel[Any], WireReceiveChannel[MessageType]]:
-    """Both halves of a wire channel over one connected local socket."""
+) -> tuple[WireSendChannel[Any], WireReceiveChannel[Any]]:
+    """Both halves of a wire channel over one connected local socket. ``receive_type``
+    is a message type or a union of them (which ``type[...]`` cannot spell)."""
     return (WireSendChannel(stream, wire_format),
             WireReceiveChannel(stream, receive_type, wire_format))

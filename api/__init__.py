@@ -17,7 +17,6 @@ _EXPORTS = {
     "EngineError": "trio_llm.actors.errors",
     "EngineDead": "trio_llm.actors.errors",
     "QueueFull": "trio_llm.actors.errors",
-    "RequestAborted": "trio_llm.actors.errors",
     "RequestRejected": "trio_llm.actors.errors",
 }
 

@@ -71,6 +71,10 @@ class TimedExecutor:
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
+        self.model_path = inner.model_path
+        self.num_kv_blocks = inner.num_kv_blocks
+        self.max_model_len = inner.max_model_len
+        self.vocab_size = inner.vocab_size
         self.execute_seconds = 0.0
 
     def __getattr__(self, name: str) -> Any:

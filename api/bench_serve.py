@@ -507,7 +507,8 @@ def format_report(report: BenchServeReport) -> str:
                   f"{f'P99 {short} (ms)':<44}{stats.p99:>16.2f}"]
     if report.prefix_cache_hit_rate is not None:
         lines.append("{s:-^60}".format(s=" Prefix Cache "))
-        lines.append(f"{'Prefix cache hit rate (%)':<44}{100 * report.prefix_cache_hit_rate:>16.2f}")
+        hit_rate = 100 * report.prefix_cache_hit_rate
+        lines.append(f"{'Prefix cache hit rate (%)':<44}{hit_rate:>16.2f}")
     lines.append("=" * 60)
     return "\n".join(lines)
 

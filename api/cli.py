@@ -40,9 +40,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         group.add_argument(flag, type=kind, default=None, help=help_text)
     group.add_argument(
         "--async-scheduling",
-        action=argparse.BooleanOptionalAction,
+        dest="pipeline_depth",
+        action=_PipelineDepthAction,
         default=None,
-        help="pipeline depth 2 (default) or 1 (--no-async-scheduling)",
+        help="pipeline depth 2 (default) or 1 (--no-async-scheduling); vLLM's name",
     )
     group.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
     group.add_argument(
@@ -52,6 +53,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="reuse the KV cache of cached prompt prefixes (default; "
              "--no-enable-prefix-caching turns it off)",
     )
+
+
+class _PipelineDepthAction(argparse.BooleanOptionalAction):
+    """``--async-scheduling`` / ``--no-async-scheduling`` as EngineConfig.pipeline_depth."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: object, option_string: str | None = None) -> None:
+        depth = 1 if option_string is not None and option_string.startswith("--no-") else 2
+        setattr(namespace, self.dest, depth)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

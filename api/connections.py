@@ -19,37 +19,34 @@ hangs up mid-stream) is passed on at once, as before.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
-
-Message = dict[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-App = Callable[[dict[str, Any], Receive, Send], Awaitable[None]]
+from hypercorn.typing import ASGIReceiveCallable, ASGIReceiveEvent, ASGISendCallable, Scope
+from quart_trio import QuartTrio
 
 
 class CompletedResponseGuard:
     """Wraps an ASGI app; see the module docstring."""
 
-    def __init__(self, app: App) -> None:
+    def __init__(self, app: QuartTrio) -> None:
         self.app = app
 
-    async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+    async def __call__(self, scope: Scope, receive: ASGIReceiveCallable,
+                       send: ASGISendCallable) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         response_complete = False
 
-        async def send_tracked(message: Message) -> None:
+        async def send_tracked(message: Any) -> None:
             nonlocal response_complete
             if message["type"] == "http.response.body" and not message.get("more_body", False):
                 # Before the send: the disconnect is delivered inside it.
                 response_complete = True
             await send(message)
 
-        async def receive_guarded() -> Message:
+        async def receive_guarded() -> ASGIReceiveEvent:
             message = await receive()
             if message["type"] == "http.disconnect" and response_complete:
                 await trio.sleep_forever()  # cancelled by the app once its send returns

@@ -30,6 +30,7 @@ from trio_llm.actors.config import EngineConfig
 from trio_llm.actors.errors import EngineDead, EngineError
 from trio_llm.actors.fronts import CoreReady, CoreToFront
 from trio_llm.actors.messages import Abort, RequestOutput, SamplingParams, Submit
+from trio_llm.actors.runner import LoadedExecutor
 from trio_llm.actors.streams import RequestStreams
 from trio_llm.actors.supervisor import (
     EngineActors,
@@ -73,7 +74,7 @@ class Engine:
     @classmethod
     @asynccontextmanager
     async def open(cls, config: EngineConfig | None = None, *,
-                   executor: ModelExecutor | None = None) -> AsyncIterator[Engine]:
+                   executor: LoadedExecutor | None = None) -> AsyncIterator[Engine]:
         """Load the model, start the actors, and shut them down on exit.
 
         On exit: stop taking requests, let in-flight ones finish for up to

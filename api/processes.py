@@ -46,7 +46,6 @@ import tempfile
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from functools import partial
-from typing import TYPE_CHECKING
 
 import msgspec
 import trio
@@ -54,14 +53,12 @@ import trio
 from trio_llm.actors.config import EngineConfig
 from trio_llm.actors.errors import EngineDead
 from trio_llm.actors.fronts import FrontToCore
+from trio_llm.actors.runner import LoadedExecutor
 from trio_llm.actors.supervisor import run_core_supervisor
 from trio_llm.actors.wire import open_wire_channel
 from trio_llm.api.engine import Engine, create_executor
 from trio_llm.api.metrics import MULTIPROCESS_DIR_VARIABLE
 from trio_llm.api.server import ServerConfig, serve
-
-if TYPE_CHECKING:
-    from trio_llm.gpu.executor import ModelExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +75,7 @@ CORE_STOP_SECONDS = 10.0
 
 
 async def run_engine_core(config: EngineConfig, front_streams: list[trio.SocketStream], *,
-                          executor: ModelExecutor | None = None,
+                          executor: LoadedExecutor | None = None,
                           task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
     """Load the model (unless ``executor`` is given) and run the engine core for
     the fronts at the other end of ``front_streams``; returns once all have gone.
@@ -100,7 +97,7 @@ async def run_engine_core(config: EngineConfig, front_streams: list[trio.SocketS
 
 @asynccontextmanager
 async def open_served_layout(config: EngineConfig, num_fronts: int, *,
-                             executor: ModelExecutor | None = None) -> AsyncIterator[list[Engine]]:
+                             executor: LoadedExecutor | None = None) -> AsyncIterator[list[Engine]]:
     """The served layout in this process: an engine core task and ``num_fronts``
     front facades, joined by wire channels over socket pairs. Yields the fronts;
     on exit each drains and disconnects, and the core stops."""

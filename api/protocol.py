@@ -22,6 +22,7 @@ import msgspec
 from trio_llm.actors.errors import RequestRejected
 from trio_llm.actors.intake import MAX_SEED, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MIN_SEED
 from trio_llm.actors.messages import (
+    PositiveInt,
     RequestOutput,
     SamplingParams,
     StructuredOutputsParams,
@@ -32,7 +33,6 @@ from trio_llm.api.tool_calls import ChatOutputParser, ParsedOutput, visible_cont
 T = TypeVar("T")
 
 NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
-PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 Temperature = Annotated[float, msgspec.Meta(ge=0.0)]
 TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
 TopK = Annotated[int, msgspec.Meta(ge=-1)]
@@ -382,7 +382,7 @@ _PATH_PATTERN = re.compile(r"at `\$\.?([^`]*)`")
 _MISSING_PATTERN = re.compile(r"missing required field `([^`]+)`")
 
 
-def decode_request(body: bytes, kind: type[T]) -> T:
+def decode_request(body: bytes | str, kind: type[T]) -> T:
     """Decode a JSON body into ``kind``; RequestRejected names the field at fault."""
     try:
         return msgspec.json.decode(body, type=kind)
@@ -823,7 +823,7 @@ class ChatBuilder(_OutputBuilder):
     def response(self) -> ChatCompletionResponse:
         last = self._require_last()
         text = "".join(self._text_parts)
-        finish_reason = last.finish_reason
+        finish_reason: str | None = last.finish_reason
         if self.parser is None:
             message = ChatResponseMessage(role="assistant", content=text)
         else:

@@ -70,7 +70,7 @@ DTYPE = "bfloat16" if DEVICE == "cuda" else "float32"
 
 def engine_config(model: str, *, depth: int, **overrides: Any) -> EngineConfig:
     fields: dict[str, Any] = {"model": model, "load_format": "dummy", "dtype": DTYPE,
-                              "device": DEVICE, "async_scheduling": depth == 2}
+                              "device": DEVICE, "pipeline_depth": depth}
     fields.update(overrides)
     return EngineConfig(**fields)
 

@@ -88,7 +88,8 @@ def llguidance_engine(tokenizer: Tokenizer, vocab_size: int, batch: int) -> tupl
             lltorch.fill_next_token_bitmask(matcher, engine.bitmask, index)
 
     def fill_parallel() -> None:
-        lltorch.fill_next_token_bitmask_par(executor, list(zip(matchers, range(batch), strict=True)),
+        lltorch.fill_next_token_bitmask_par(executor,
+                                            list(zip(matchers, range(batch), strict=True)),
                                             engine.bitmask)
 
     def accept(index: int, token_id: int) -> None:

@@ -100,7 +100,8 @@ def reference(query, k_cache, v_cache, block_tables, context_lens, query_start_l
         start, end = int(query_start_loc[seq]), int(query_start_loc[seq + 1])
         context_len = int(context_lens[seq])
         positions = torch.arange(context_len, device="cuda")
-        slots = block_tables[seq, positions // BLOCK_SIZE].long() * BLOCK_SIZE + positions % BLOCK_SIZE
+        blocks = block_tables[seq, positions // BLOCK_SIZE].long()
+        slots = blocks * BLOCK_SIZE + positions % BLOCK_SIZE
         keys = k_cache.flatten(0, 1)[slots].double().repeat_interleave(group, 1)
         values = v_cache.flatten(0, 1)[slots].double().repeat_interleave(group, 1)
         scores = torch.einsum("qhd,khd->hqk", query[start:end].double(), keys) * scale

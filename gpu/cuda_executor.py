@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from trio_llm.actors.config import EngineConfig
+from trio_llm.actors.config import MAX_PIPELINE_DEPTH, EngineConfig
 from trio_llm.actors.messages import (
     NewRequestData,
     SamplingOptions,
@@ -87,7 +87,8 @@ from trio_llm.gpu.step_packing import (
 
 logger = logging.getLogger(__name__)
 
-NUM_SLOTS = 2
+# One input slot per step in flight.
+NUM_SLOTS = MAX_PIPELINE_DEPTH
 
 
 @dataclass(frozen=True, slots=True)

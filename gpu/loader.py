@@ -167,7 +167,8 @@ def _load_safetensors(model: CausalLM, directory: Path) -> None:
         loaded.add(tensor_name)
     missing = [name for name in targets if name not in loaded]
     if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        shown = ", ".join(missing[:5]) + more
         raise ModelLoadError(f"{directory}: missing tensor(s) in the checkpoint: {shown}")
 
 

@@ -176,7 +176,8 @@ class CausalLM(nn.Module):
         return 2 * config.num_layers * config.num_kv_heads * config.head_dim * self.dtype.itemsize
 
     def allocate_kv_caches(self, num_blocks: int, block_size: int) -> list[KVCache]:
-        """One (key, value) cache pair per layer, each [num_blocks, block_size, kv_heads, head_dim]."""
+        """One (key, value) cache pair per layer, each
+        [num_blocks, block_size, kv_heads, head_dim]."""
         shape = (num_blocks, block_size, self.config.num_kv_heads, self.config.head_dim)
         # Slots are always written before they are read, so the CPU skips zeroing
         # (and committing) memory it may never touch.

@@ -121,7 +121,7 @@ def _mask_banned_ids(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch
 
 
 def _sample_rows(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    def column(values: list[float]) -> torch.Tensor:
+    def column(values: Sequence[float]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.float32, device=logits.device).unsqueeze(1)
 
     vocab_size = logits.shape[1]

@@ -76,12 +76,12 @@ AMPLE = EngineConfig(model="tiny", num_kv_blocks=512, block_size=16, max_num_seq
 async def test_same_tokens_under_every_batching(sampled: bool) -> None:
     workload = make_workload(sampled=sampled)
     with trio.fail_after(300):
-        reference = await run_alone(replace(AMPLE, async_scheduling=False), workload)
+        reference = await run_alone(replace(AMPLE, pipeline_depth=1), workload)
         assert all(reference), "every request produced output"
 
         variants = {
             "together, fcfs, depth 2": AMPLE,
-            "together, fcfs, depth 1": replace(AMPLE, async_scheduling=False),
+            "together, fcfs, depth 1": replace(AMPLE, pipeline_depth=1),
             "together, priority, depth 2": replace(AMPLE, scheduling_policy="priority"),
             "together, small chunks": replace(AMPLE, max_num_batched_tokens=37),
         }
@@ -92,8 +92,8 @@ async def test_same_tokens_under_every_batching(sampled: bool) -> None:
         # 40 blocks of 4 tokens: far less than 32 requests need at once.
         tight = EngineConfig(model="tiny", num_kv_blocks=40, block_size=4, max_num_seqs=32,
                              max_num_batched_tokens=64, scheduling_policy="priority")
-        for depth_two in (True, False):
+        for depth in (2, 1):
             results, num_preemptions = await run_together(
-                replace(tight, async_scheduling=depth_two), workload)
+                replace(tight, pipeline_depth=depth), workload)
             assert num_preemptions > 0, "the small KV cache forced preemption"
-            assert results == reference, f"preempted, depth {'2' if depth_two else '1'}"
+            assert results == reference, f"preempted, depth {depth}"

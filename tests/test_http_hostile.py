@@ -242,7 +242,8 @@ async def test_a_response_to_a_request_asking_to_close_ends_with_the_connection(
         async with running_server(FakeEngine()) as url:
             for _ in range(8):
                 stream = await trio.open_tcp_stream(*host_port(url))
-                await stream.send_all(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                await stream.send_all(b"GET /health HTTP/1.1\r\nHost: x\r\n"
+                                      b"Connection: close\r\n\r\n")
                 received = b""
                 outcome = "hung"
                 with trio.move_on_after(5):  # real time: a hang is what this looks for

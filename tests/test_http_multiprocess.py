@@ -34,7 +34,6 @@ PROMPTS = ["Once upon a time", "The little dog", "In the morning", "She said"]
 SAMPLINGS = [{"temperature": 0.0}, {"temperature": 1.0, "seed": 11},
              {"temperature": 0.8, "top_p": 0.9, "seed": 3}]
 NUM_TOKENS = 10
-MAX_POLLS = 2000
 
 
 def workload() -> list[dict[str, object]]:
@@ -76,14 +75,13 @@ async def wait_metric(url: str, name: str, value: float) -> None:
     """Ask /metrics until ``name`` reads ``value`` (the engine core is another
     process: there is no task to wait for). A connection the kernel had queued
     for an API server that died is reset: that ask is just asked again."""
-    for _ in range(MAX_POLLS):
+    while True:  # bounded by the test's fail_after: a loaded machine may need many asks
         try:
             if await metric(url, name) == value:
                 return
         except httpx.TransportError:
             pass
         await trio.lowlevel.checkpoint()
-    raise AssertionError(f"{name} never read {value}")
 
 
 async def open_stream_on(server: ServeProcess, api_server: str,

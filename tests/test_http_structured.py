@@ -283,7 +283,8 @@ async def test_the_qwen3_reasoning_parser_splits_thinking_streamed_or_not() -> N
 
 TEMPLATE = ("{%- if tools %}{{ 'TOOLS ' + (tools | map(attribute='function') "
             "| map(attribute='name') | join(',')) + '\\n' }}{%- endif %}"
-            "{%- for message in messages %}{{ message['role'] + ': ' + message['content'] + '\\n' }}"
+            "{%- for message in messages %}"
+            "{{ message['role'] + ': ' + message['content'] + '\\n' }}"
             "{%- endfor %}{%- if enable_thinking is defined and not enable_thinking %}"
             "{{ 'no thinking\\n' }}{%- endif %}assistant:")
 

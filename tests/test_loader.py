@@ -128,7 +128,8 @@ def test_config_missing_a_field(model_dir):
     config = dict(SMALL_CONFIG)
     del config["hidden_size"]
     (model_dir / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match=r"config\.json: missing or malformed field.*hidden_size"):
+    with pytest.raises(ModelLoadError,
+                       match=r"config\.json: missing or malformed field.*hidden_size"):
         _load(model_dir)
 
 

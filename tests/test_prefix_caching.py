@@ -97,14 +97,14 @@ async def test_caching_on_gives_the_tokens_of_caching_off(sampled: bool) -> None
     workload = shared_prefix_workload(sampled=sampled)
     with trio.fail_after(300):
         reference = await run_alone(
-            replace(AMPLE, enable_prefix_caching=False, async_scheduling=False), workload)
+            replace(AMPLE, enable_prefix_caching=False, pipeline_depth=1), workload)
         assert all(reference)
         assert await run_alone(AMPLE, workload) == reference, "alone, caching on"
 
         variants = {"together, depth 2": AMPLE,
-                    "together, depth 1": replace(AMPLE, async_scheduling=False),
+                    "together, depth 1": replace(AMPLE, pipeline_depth=1),
                     "preempted, depth 2": TIGHT,
-                    "preempted, depth 1": replace(TIGHT, async_scheduling=False)}
+                    "preempted, depth 1": replace(TIGHT, pipeline_depth=1)}
         if sampled:  # the seeded run checks the two that differ most
             del variants["together, depth 1"], variants["preempted, depth 1"]
         for name, config in variants.items():

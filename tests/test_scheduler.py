@@ -357,22 +357,22 @@ def run_workload(requests: list[Request], num_kv_blocks: int, **overrides: Any) 
 # -- exactness ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("pipeline_depth", [1, 2])
 @pytest.mark.parametrize("scheduling_policy", ["fcfs", "priority"])
-def test_mixed_workload_matches_the_reference(async_scheduling, scheduling_policy):
+def test_mixed_workload_matches_the_reference(pipeline_depth, scheduling_policy):
     requests = random_workload(random.Random(1), 32, num_priorities=3)
-    driver = run_workload(requests, num_kv_blocks=512, async_scheduling=async_scheduling,
+    driver = run_workload(requests, num_kv_blocks=512, pipeline_depth=pipeline_depth,
                           scheduling_policy=scheduling_policy)
     assert_reference_outputs(driver, requests)
     assert {reason for reason, _ in driver.finishes.values()} == {"stop", "length"}
     assert driver.scheduler.statistics().num_preemptions == 0
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_a_tiny_kv_cache_preempts_and_changes_no_output(async_scheduling):
+@pytest.mark.parametrize("pipeline_depth", [1, 2])
+def test_a_tiny_kv_cache_preempts_and_changes_no_output(pipeline_depth):
     requests = random_workload(random.Random(2), 32)
     # Just enough for the longest request alone: 40 + 24 tokens in blocks of 4.
-    driver = run_workload(requests, num_kv_blocks=16, async_scheduling=async_scheduling)
+    driver = run_workload(requests, num_kv_blocks=16, pipeline_depth=pipeline_depth)
     assert driver.scheduler.statistics().num_preemptions > 0
     assert_reference_outputs(driver, requests)
 
@@ -400,7 +400,7 @@ def test_statistics_count_steps_and_tokens():
 def test_long_prompts_are_prefilled_in_chunks_under_the_budget():
     request = make_request("long", list(range(50)), max_tokens=3)
     driver = run_workload([request], num_kv_blocks=64, max_num_batched_tokens=16,
-                          async_scheduling=False)
+                          pipeline_depth=1)
     chunks = [batch.requests[0] for batch in driver.model.batches]
     assert [len(chunk.token_ids) for chunk in chunks[:4]] == [16, 16, 16, 2]
     assert [chunk.num_computed_tokens for chunk in chunks[:4]] == [0, 16, 32, 48]
@@ -418,7 +418,7 @@ def test_no_batch_exceeds_the_token_budget_or_the_seats():
 
 
 def test_running_decodes_go_before_a_new_prefill():
-    driver = Driver(config(max_num_batched_tokens=8, async_scheduling=False), 64)
+    driver = Driver(config(max_num_batched_tokens=8, pipeline_depth=1), 64)
     driver.submit(make_request("first", [1, 2, 3], max_tokens=10))
     assert driver.plan() is not None
     driver.complete()
@@ -475,7 +475,7 @@ def test_max_tokens_ends_with_length():
 
 
 def test_depth_two_plans_the_next_step_with_a_placeholder():
-    driver = Driver(config(async_scheduling=True), 16)
+    driver = Driver(config(pipeline_depth=2), 16)
     driver.submit(make_request("r", [1, 2, 3], max_tokens=4))
     first = driver.plan()
     second = driver.plan()  # planned before the first result arrived
@@ -488,7 +488,7 @@ def test_depth_two_plans_the_next_step_with_a_placeholder():
 
 
 def test_depth_two_never_plans_beyond_max_tokens():
-    driver = Driver(config(async_scheduling=True), 16)
+    driver = Driver(config(pipeline_depth=2), 16)
     driver.submit(make_request("r", [1, 2, 3], max_tokens=1))
     assert driver.plan() is not None
     assert driver.plan() is None
@@ -499,14 +499,14 @@ def test_depth_two_never_plans_beyond_max_tokens():
 def test_depth_two_drops_the_token_computed_after_a_stop():
     every_token = list(range(VOCAB_SIZE))
     request = make_request("r", [1, 2], max_tokens=8, stop_token_ids=every_token, min_tokens=2)
-    driver = run_workload([request], num_kv_blocks=16, async_scheduling=True)
+    driver = run_workload([request], num_kv_blocks=16, pipeline_depth=2)
     assert driver.outputs["r"] == reference_output(request)[0]
     num_sampled = sum(r.sample for b in driver.model.batches for r in b.requests)
     assert num_sampled == len(driver.outputs["r"]) + 1
 
 
 def test_depth_one_has_one_batch_in_flight():
-    driver = Driver(config(async_scheduling=False), 16)
+    driver = Driver(config(pipeline_depth=1), 16)
     driver.submit(make_request("r", [1, 2, 3], max_tokens=4))
     assert driver.plan() is not None
     assert not driver.scheduler.can_plan_step()
@@ -515,8 +515,8 @@ def test_depth_one_has_one_batch_in_flight():
 @pytest.mark.parametrize("num_kv_blocks", [16, 512])
 def test_depth_one_and_two_give_identical_tokens(num_kv_blocks):
     requests = random_workload(random.Random(7), 24)
-    depth_one = run_workload(requests, num_kv_blocks, async_scheduling=False)
-    depth_two = run_workload(requests, num_kv_blocks, async_scheduling=True)
+    depth_one = run_workload(requests, num_kv_blocks, pipeline_depth=1)
+    depth_two = run_workload(requests, num_kv_blocks, pipeline_depth=2)
     assert depth_one.outputs == depth_two.outputs
     assert depth_one.finishes == depth_two.finishes
 
@@ -545,7 +545,7 @@ def test_fcfs_ignores_priority():
 
 def test_preemption_takes_the_latest_arrival_under_fcfs():
     # Two requests that each grow past half of a 4-block cache.
-    driver = Driver(config(async_scheduling=False), 4)
+    driver = Driver(config(pipeline_depth=1), 4)
     early = make_request("early", [1] * 4, max_tokens=8, arrival_index=0)
     late = make_request("late", [2] * 4, max_tokens=8, arrival_index=1)
     driver.submit(early, late)
@@ -556,7 +556,7 @@ def test_preemption_takes_the_latest_arrival_under_fcfs():
 
 
 def test_preemption_takes_the_lowest_priority_under_priority():
-    driver = Driver(config(async_scheduling=False, scheduling_policy="priority"), 4)
+    driver = Driver(config(pipeline_depth=1, scheduling_policy="priority"), 4)
     important = make_request("important", [1] * 4, max_tokens=8, priority=0, arrival_index=1)
     other = make_request("other", [2] * 4, max_tokens=8, priority=1, arrival_index=0)
     driver.submit(important, other)
@@ -578,7 +578,7 @@ def _fill_seats(driver: Driver, priority: int, num_requests: int) -> list[Reques
 
 def test_priority_preemption_evicts_a_running_request_beyond_the_threshold():
     driver = Driver(config(scheduling_policy="priority", priority_preemption_threshold=5,
-                           max_num_seqs=2, async_scheduling=False), 64)
+                           max_num_seqs=2, pipeline_depth=1), 64)
     low = _fill_seats(driver, priority=10, num_requests=2)
     urgent = make_request("urgent", [7, 8], max_tokens=3, priority=4, arrival_index=10)
     driver.submit(urgent)
@@ -592,7 +592,7 @@ def test_priority_preemption_evicts_a_running_request_beyond_the_threshold():
 
 def test_priority_below_the_threshold_waits_for_a_seat():
     driver = Driver(config(scheduling_policy="priority", priority_preemption_threshold=7,
-                           max_num_seqs=2, async_scheduling=False), 64)
+                           max_num_seqs=2, pipeline_depth=1), 64)
     _fill_seats(driver, priority=10, num_requests=2)
     driver.submit(make_request("urgent", [7, 8], max_tokens=3, priority=4, arrival_index=10))
     batch = driver.plan()
@@ -603,7 +603,7 @@ def test_priority_below_the_threshold_waits_for_a_seat():
 
 def test_priority_preemption_needs_the_setting():
     driver = Driver(config(scheduling_policy="priority", max_num_seqs=2,
-                           async_scheduling=False), 64)
+                           pipeline_depth=1), 64)
     _fill_seats(driver, priority=10, num_requests=2)
     driver.submit(make_request("urgent", [7, 8], max_tokens=3, priority=-100, arrival_index=10))
     assert driver.scheduler.next_pull() is None
@@ -614,7 +614,7 @@ def test_priority_preemption_needs_the_setting():
 def test_priority_preemption_when_blocks_are_short():
     # Seats are free but the cache is full of a low-priority request.
     driver = Driver(config(scheduling_policy="priority", priority_preemption_threshold=1,
-                           async_scheduling=False), 8)
+                           pipeline_depth=1), 8)
     low = make_request("low", list(range(28)), max_tokens=4, priority=5)
     driver.submit(low)
     driver.plan()
@@ -643,16 +643,16 @@ def first_chunks(driver: Driver) -> dict[str, Any]:
     return chunks
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("pipeline_depth", [1, 2])
 @pytest.mark.parametrize("num_kv_blocks", [20, 512])
 @pytest.mark.parametrize("scheduling_policy", ["fcfs", "priority"])
-def test_prefix_caching_changes_no_output(async_scheduling, num_kv_blocks, scheduling_policy):
+def test_prefix_caching_changes_no_output(pipeline_depth, num_kv_blocks, scheduling_policy):
     rng = random.Random(11)
     prefixes = [[rng.randrange(VOCAB_SIZE) for _ in range(length)] for length in (9, 17, 30)]
     requests = random_workload(rng, 32, max_prompt_len=12, num_priorities=3,
                                shared_prefixes=prefixes)
     threshold = 1 if scheduling_policy == "priority" else None
-    runs = {enabled: run_workload(requests, num_kv_blocks, async_scheduling=async_scheduling,
+    runs = {enabled: run_workload(requests, num_kv_blocks, pipeline_depth=pipeline_depth,
                                   scheduling_policy=scheduling_policy,
                                   priority_preemption_threshold=threshold,
                                   enable_prefix_caching=enabled)
@@ -670,7 +670,7 @@ def test_prefix_caching_changes_no_output(async_scheduling, num_kv_blocks, sched
 
 def test_a_second_request_starts_after_the_first_ones_cached_blocks():
     first = make_request("first", list(range(10)), max_tokens=3)
-    driver = run_workload([first], 64, async_scheduling=False)
+    driver = run_workload([first], 64, pipeline_depth=1)
     first_block_ids = first_chunks(driver)["first"].new_block_ids
     second = make_request("second", list(range(10)) + [50, 51], max_tokens=3, arrival_index=1)
     driver.submit(second)
@@ -687,7 +687,7 @@ def test_a_second_request_starts_after_the_first_ones_cached_blocks():
 
 def test_an_identical_prompt_still_computes_its_last_block():
     prompt = list(range(8))
-    driver = run_workload([make_request("a", prompt)], 64, async_scheduling=False)
+    driver = run_workload([make_request("a", prompt)], 64, pipeline_depth=1)
     driver.submit(make_request("b", prompt, arrival_index=1))
     driver.run()
     chunk = first_chunks(driver)["b"]
@@ -695,10 +695,10 @@ def test_an_identical_prompt_still_computes_its_last_block():
     assert driver.outputs["a"] == driver.outputs["b"]
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_blocks_filled_by_decoding_are_cached_for_the_next_turn(async_scheduling):
+@pytest.mark.parametrize("pipeline_depth", [1, 2])
+def test_blocks_filled_by_decoding_are_cached_for_the_next_turn(pipeline_depth):
     first = make_request("turn1", list(range(6)), max_tokens=10)
-    driver = run_workload([first], 64, async_scheduling=async_scheduling)
+    driver = run_workload([first], 64, pipeline_depth=pipeline_depth)
     history = first.prompt_token_ids + driver.outputs["turn1"]
     second = make_request("turn2", history + [60, 61], max_tokens=2, arrival_index=1)
     driver.submit(second)
@@ -708,9 +708,9 @@ def test_blocks_filled_by_decoding_are_cached_for_the_next_turn(async_scheduling
     assert_reference_outputs(driver, [first, second])
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_decoded_blocks_are_cached_when_the_request_stops(async_scheduling):
-    driver = Driver(config(async_scheduling=async_scheduling), 64)
+@pytest.mark.parametrize("pipeline_depth", [1, 2])
+def test_decoded_blocks_are_cached_when_the_request_stops(pipeline_depth):
+    driver = Driver(config(pipeline_depth=pipeline_depth), 64)
     block_manager = driver.scheduler.block_manager
     driver.submit(make_request("r", [1, 2, 3, 4, 5], max_tokens=20))
     while driver.run_once() and "r" not in driver.finishes:
@@ -720,7 +720,7 @@ def test_decoded_blocks_are_cached_when_the_request_stops(async_scheduling):
 
 
 def test_a_block_whose_last_token_is_still_in_flight_is_not_cached():
-    driver = Driver(config(async_scheduling=True), 64)
+    driver = Driver(config(pipeline_depth=2), 64)
     driver.submit(make_request("r", [1, 2, 3], max_tokens=8))
     driver.plan()
     driver.plan()  # decodes position 3 with the token step 0 is still sampling
@@ -733,7 +733,7 @@ def test_a_request_shares_blocks_scheduled_earlier_in_the_same_step():
     shared = list(range(12))
     a = make_request("a", shared + [40], max_tokens=4)
     b = make_request("b", shared + [41], max_tokens=4, arrival_index=1)
-    driver = Driver(config(async_scheduling=True), 64)
+    driver = Driver(config(pipeline_depth=2), 64)
     driver.submit(a, b)
     batch = driver.plan()
     assert batch is not None
@@ -771,7 +771,7 @@ def test_with_prefix_caching_off_nothing_is_shared_or_counted():
 
 
 def test_cached_blocks_are_evicted_oldest_first_when_memory_runs_short():
-    driver = Driver(config(async_scheduling=False, max_num_seqs=1), 8)  # 8 blocks of 4
+    driver = Driver(config(pipeline_depth=1, max_num_seqs=1), 8)  # 8 blocks of 4
     block_manager = driver.scheduler.block_manager
     old = make_request("old", list(range(16)), max_tokens=1)
     driver.submit(old)
@@ -793,7 +793,7 @@ def test_cached_blocks_are_evicted_oldest_first_when_memory_runs_short():
 def test_priority_preemption_counts_shared_blocks_once_their_last_holder_goes():
     # Two low-priority requests share a 2-block prefix; each holds 2 blocks of its own.
     driver = Driver(config(scheduling_policy="priority", priority_preemption_threshold=1,
-                           async_scheduling=False), 8)
+                           pipeline_depth=1), 8)
     shared = [60, 61, 62, 63, 60, 61, 62, 63]
     low = [make_request(f"low{index}", shared + [index] * 4, max_tokens=6, priority=5,
                         arrival_index=index) for index in range(2)]
@@ -817,7 +817,7 @@ def test_priority_admission_leaves_room_for_better_running_requests():
     # decode; "worst" (3) holds 2; "middle" (1) needs 5. Evicting "worst" frees 5:
     # enough for "middle", but then "best" would have to preempt itself.
     driver = Driver(config(scheduling_policy="priority", priority_preemption_threshold=1,
-                           async_scheduling=False), 6)
+                           pipeline_depth=1), 6)
     best = make_request("best", [1, 2, 3, 4], max_tokens=6, priority=0)
     worst = make_request("worst", list(range(10, 18)), max_tokens=6, priority=3, arrival_index=1)
     driver.submit(best, worst)
@@ -837,9 +837,9 @@ def test_priority_admission_leaves_room_for_better_running_requests():
 # -- aborts and stop strings ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_abort_of_a_running_request_frees_it_and_ends_its_output(async_scheduling):
-    driver = Driver(config(async_scheduling=async_scheduling), 16)
+@pytest.mark.parametrize("pipeline_depth", [1, 2])
+def test_abort_of_a_running_request_frees_it_and_ends_its_output(pipeline_depth):
+    driver = Driver(config(pipeline_depth=pipeline_depth), 16)
     driver.submit(make_request("r", [1, 2, 3], max_tokens=20),
                   make_request("other", [4, 5], max_tokens=12, arrival_index=1))
     for _ in range(5):
@@ -865,7 +865,7 @@ def test_abort_of_a_waiting_request_never_runs_it():
 
 
 def test_abort_of_a_preempted_request_is_finished_by_the_scheduler():
-    driver = Driver(config(async_scheduling=False), 4)
+    driver = Driver(config(pipeline_depth=1), 4)
     driver.submit(make_request("early", [1] * 4, max_tokens=8),
                   make_request("late", [2] * 4, max_tokens=8, arrival_index=1))
     while not driver.preempted:
@@ -885,7 +885,7 @@ def test_abort_of_an_unknown_request_is_harmless():
 
 
 def test_a_stop_string_hit_frees_the_request_silently():
-    driver = Driver(config(async_scheduling=False), 16)
+    driver = Driver(config(pipeline_depth=1), 16)
     driver.submit(make_request("r", [1, 2, 3], max_tokens=20))
     while len(driver.outputs["r"]) < 3:
         driver.run_once()
@@ -903,7 +903,7 @@ def test_a_stop_string_hit_frees_the_request_silently():
 # Once a livelock: a priority admission left no block for a better request's decode,
 # which preempted itself, and at depth 2 the two took turns evicting each other.
 @example(seed=39704, block_size=1, num_spare_blocks=0, max_num_batched_tokens=29,
-         max_num_seqs=5, async_scheduling=True, scheduling_policy="priority", threshold=1,
+         max_num_seqs=5, pipeline_depth=2, scheduling_policy="priority", threshold=1,
          num_aborts=0, enable_prefix_caching=True, num_shared_prefixes=3)
 @given(
     seed=st.integers(0, 2**16),
@@ -911,7 +911,7 @@ def test_a_stop_string_hit_frees_the_request_silently():
     num_spare_blocks=st.integers(0, 12),
     max_num_batched_tokens=st.integers(1, 48),
     max_num_seqs=st.integers(1, 6),
-    async_scheduling=st.booleans(),
+    pipeline_depth=st.sampled_from([1, 2]),
     scheduling_policy=st.sampled_from(["fcfs", "priority"]),
     threshold=st.sampled_from([None, 0, 1, 3]),
     num_aborts=st.integers(0, 4),
@@ -920,7 +920,7 @@ def test_a_stop_string_hit_frees_the_request_silently():
 )
 def test_random_schedules_conserve_blocks_and_lose_no_request(
         seed, block_size, num_spare_blocks, max_num_batched_tokens, max_num_seqs,
-        async_scheduling, scheduling_policy, threshold, num_aborts, enable_prefix_caching,
+        pipeline_depth, scheduling_policy, threshold, num_aborts, enable_prefix_caching,
         num_shared_prefixes):
     rng = random.Random(seed)
     prefixes = [[rng.randrange(VOCAB_SIZE) for _ in range(rng.randint(1, 12))]
@@ -929,7 +929,7 @@ def test_random_schedules_conserve_blocks_and_lose_no_request(
                                max_output_len=12, num_priorities=4, shared_prefixes=prefixes)
     num_kv_blocks = -(-32 // block_size) + num_spare_blocks  # the longest request fits alone
     driver = Driver(config(block_size=block_size, max_num_batched_tokens=max_num_batched_tokens,
-                           max_num_seqs=max_num_seqs, async_scheduling=async_scheduling,
+                           max_num_seqs=max_num_seqs, pipeline_depth=pipeline_depth,
                            scheduling_policy=scheduling_policy,
                            priority_preemption_threshold=threshold,
                            enable_prefix_caching=enable_prefix_caching), num_kv_blocks)
@@ -1102,12 +1102,12 @@ async def run_all(engine: ActorHarness, requests: list[Request],
     return results
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("pipeline_depth", [1, 2])
 @pytest.mark.parametrize("num_kv_blocks", [16, 512])
-async def test_actors_produce_the_reference_outputs(nursery, async_scheduling, num_kv_blocks):
+async def test_actors_produce_the_reference_outputs(nursery, pipeline_depth, num_kv_blocks):
     with trio.fail_after(20):
         requests = random_workload(random.Random(8), 32)
-        engine = ActorHarness(config(async_scheduling=async_scheduling), num_kv_blocks)
+        engine = ActorHarness(config(pipeline_depth=pipeline_depth), num_kv_blocks)
         await engine.start(nursery)
         results = await run_all(engine, requests)
         for request in requests:
@@ -1148,7 +1148,7 @@ async def test_actors_cancel_half_of_many_requests_and_free_every_block(nursery,
 
 async def test_actors_abort_a_request_while_its_step_runs(nursery):
     with trio.fail_after(5):
-        engine = ActorHarness(config(async_scheduling=True), 16)
+        engine = ActorHarness(config(pipeline_depth=2), 16)
         await engine.start(nursery)
         results: dict[str, Any] = {}
         engine.gate.close()

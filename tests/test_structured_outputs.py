@@ -196,7 +196,7 @@ def mixed_workload() -> list[tuple[list[int], SamplingParams]]:
 
 async def test_depth_one_equals_depth_two_alone_batched_and_preempted() -> None:
     workload = mixed_workload()
-    depth_1 = replace(CONFIG, async_scheduling=False)
+    depth_1 = replace(CONFIG, pipeline_depth=1)
     # 12 blocks of 8 tokens: the batch does not fit, requests are preempted and recomputed
     cramped = replace(CONFIG, num_kv_blocks=12, block_size=8, max_model_len=96)
     with trio.fail_after(TIMEOUT):
@@ -319,7 +319,7 @@ async def test_the_pipelined_executor_at_depth_two_gives_depth_one_tokens() -> N
 
     executor.supply_bitmasks = counting_supply  # type: ignore[method-assign]
     with trio.fail_after(TIMEOUT):
-        async with Engine.open(replace(CONFIG, async_scheduling=False)) as engine:
+        async with Engine.open(replace(CONFIG, pipeline_depth=1)) as engine:
             alone = [(await generate(engine, params, prompt))[1] for prompt, params in workload]
         async with Engine.open(CONFIG, executor=executor) as engine:
             pipelined = [token_ids for _, token_ids, _ in await generate_all(engine, workload)]

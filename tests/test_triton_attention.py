@@ -32,7 +32,8 @@ def naive_paged_attention(query, k_cache, v_cache, block_tables, context_lens, q
         start, end = int(query_start_loc[seq]), int(query_start_loc[seq + 1])
         context_len, query_len = int(context_lens[seq]), end - start
         positions = torch.arange(context_len, device=query.device)
-        slots = block_tables[seq, positions // block_size].long() * block_size + positions % block_size
+        blocks = block_tables[seq, positions // block_size].long()
+        slots = blocks * block_size + positions % block_size
         keys = k_cache.flatten(0, 1)[slots].double().repeat_interleave(group_size, dim=1)
         values = v_cache.flatten(0, 1)[slots].double().repeat_interleave(group_size, dim=1)
         queries = query[start:end].double()

@@ -129,7 +129,8 @@ def test_fused_model_handles_llama_without_qk_norm():
             block_tables=torch.tensor([[0]], dtype=torch.int32, device=DEVICE),
             context_lens=torch.tensor([3], dtype=torch.int32, device=DEVICE),
             query_start_loc=torch.tensor([0, 3], dtype=torch.int32, device=DEVICE))
-        token_ids, positions = torch.tensor([1, 2, 3], device=DEVICE), torch.arange(3, device=DEVICE)
+        token_ids = torch.tensor([1, 2, 3], device=DEVICE)
+        positions = torch.arange(3, device=DEVICE)
         expected = plain(token_ids, positions, plain.allocate_kv_caches(1, 4), metadata)
         out = fused(token_ids, positions, fused.allocate_kv_caches(1, 4), metadata)
     assert close(out, expected, 3e-2 if HAS_CUDA else 1e-4)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import trio
 
-from trio_llm.actors.errors import EngineDead, QueueFull, RequestAborted, RequestRejected
+from trio_llm.actors.errors import EngineDead, QueueFull, RequestRejected
 from trio_llm.actors.fronts import (
     CoreToFront,
     FrontRoutes,
@@ -129,7 +129,7 @@ async def test_a_peer_gone_mid_frame_is_a_wire_error() -> None:
 
 @pytest.mark.parametrize("error", [
     QueueFull("the queue is full"), RequestRejected("bad id", param="request_id"),
-    RequestAborted("aborted"), EngineDead("dead")])
+    EngineDead("dead")])
 def test_errors_cross_the_wire_as_what_they_were(error: Exception) -> None:
     failure = stream_failure("r", error)  # type: ignore[arg-type]
     decoded = WireDecoder(CoreToFront).feed(WireEncoder().frame(failure))[0]

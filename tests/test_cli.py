@@ -1,0 +1,28 @@
+"""The engine flags of `trio-llm serve`, `generate` and `bench` become one EngineConfig."""
+
+import argparse
+
+import pytest
+
+from trio_llm.api.cli import add_engine_arguments, engine_config_from_args
+
+
+def config_from(*flags: str):
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    return engine_config_from_args(parser.parse_args(list(flags)))
+
+
+@pytest.mark.parametrize(("flags", "depth"), [((), 2), (("--async-scheduling",), 2),
+                                              (("--no-async-scheduling",), 1)])
+def test_async_scheduling_is_the_pipeline_depth(flags: tuple[str, ...], depth: int) -> None:
+    assert config_from(*flags).pipeline_depth == depth
+
+
+def test_a_pipeline_depth_other_than_1_or_2_is_refused() -> None:
+    import msgspec
+
+    from trio_llm.actors.config import EngineConfig
+
+    with pytest.raises(msgspec.ValidationError, match="pipeline_depth"):
+        msgspec.convert({"pipeline_depth": 3}, EngineConfig)
