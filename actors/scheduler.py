@@ -321,6 +321,8 @@ class Scheduler:
         # Preempted and not running again yet: the detokenizer still tracks
         # them, so an abort of one is finished here, not by the queue.
         self._preempted_request_ids: set[str] = set()
+        # preempted requests a stop string ended while they waited: dropped when pulled
+        self._stopped_while_waiting: set[str] = set()
         self._next_step_id = 0
         self._caches_prefixes = config.enable_prefix_caching
         self._model_identity = model_identity(config)
@@ -382,7 +384,7 @@ class Scheduler:
         """Plan the next step from the running requests and the ``pulled`` ones."""
         assert self.can_plan_step()
         step = _StepBuilder(self._next_step_id, self.config.max_num_batched_tokens)
-        waiting = deque(pulled)
+        waiting = deque(w for w in pulled if not self._was_stopped_while_waiting(w))
         if self._preemption_threshold is not None:
             self._admit_by_priority(waiting, step)
         self._schedule_running(step)
@@ -440,15 +442,28 @@ class Scheduler:
         elif request_id in self._preempted_request_ids:
             self._preempted_request_ids.remove(request_id)
         else:
+            self._stopped_while_waiting.discard(request_id)  # the queue dropped it
             return None
         return TokenBatch(deltas=[TokenDelta(request_id=request_id, token_ids=[], logprobs=None,
                                              finish_reason="abort")])
 
     def on_stop_string_hit(self, request_id: str) -> None:
-        """The detokenizer already finished the request: just free it."""
+        """The detokenizer already finished the request: just free it. One that was
+        preempted waits in the queue (or travels there): it is dropped when pulled,
+        never recomputed into a closed stream."""
         running = self._running_by_id.get(request_id)
         if running is not None:
             self._stop(running)
+        elif request_id in self._preempted_request_ids:
+            self._preempted_request_ids.remove(request_id)
+            self._stopped_while_waiting.add(request_id)
+
+    def _was_stopped_while_waiting(self, waiting: WaitingRequest) -> bool:
+        request_id = waiting.request.request_id
+        if request_id not in self._stopped_while_waiting:
+            return False
+        self._stopped_while_waiting.remove(request_id)
+        return True
 
     # -- the three phases ---------------------------------------------------------
 

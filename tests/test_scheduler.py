@@ -1203,3 +1203,20 @@ async def test_idle_scheduler_asks_once_and_waits():
             nursery.cancel_scope.cancel()
         with pytest.raises(trio.EndOfChannel):
             await runner_receive.receive()
+
+
+def test_a_stop_string_hit_while_preempted_drops_the_request_when_pulled():
+    # "late" is preempted (see the test above), then a stop string ends it while it
+    # waits: it must never run again, and the cache ends empty.
+    driver = Driver(config(pipeline_depth=1), 4)
+    early = make_request("early", [1] * 4, max_tokens=8, arrival_index=0)
+    late = make_request("late", [2] * 4, max_tokens=8, arrival_index=1)
+    driver.submit(early, late)
+    while "late" not in driver.preempted:
+        assert driver.run_once(), "late was never preempted"
+    num_late_tokens = len(driver.outputs["late"])
+    driver.scheduler.on_stop_string_hit("late")
+    driver.run()  # ends with the cache empty and the queue empty
+    assert len(driver.outputs["late"]) == num_late_tokens
+    assert "late" not in driver.finishes  # the detokenizer finished it, not the scheduler
+    assert driver.outputs["early"] and driver.finishes["early"][0] == "length"
