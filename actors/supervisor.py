@@ -11,8 +11,8 @@ Channel bounds follow one rule that keeps the actor graph free of deadlock
 although it has cycles (queue <-> scheduler, scheduler <-> detokenizer):
 every message *towards the scheduler* fits in its inbox without blocking,
 because each one is bounded by the number of requests in the engine (one
-forwarded Abort and one StopStringHit per request at most, one Pulled per Pull,
-one StepResult per batch in flight). Every other edge applies backpressure.
+forwarded Abort per request, one StopStringHit per request each time the
+detokenizer tracks it, one Pulled per Pull, one StepResult per batch in flight). Every other edge applies backpressure.
 """
 
 from __future__ import annotations
