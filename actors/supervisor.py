@@ -12,7 +12,8 @@ although it has cycles (queue <-> scheduler, scheduler <-> detokenizer):
 every message *towards the scheduler* fits in its inbox without blocking,
 because each one is bounded by the number of requests in the engine (one
 forwarded Abort per request, one StopStringHit per request each time the
-detokenizer tracks it, one Pulled per Pull, one StepResult per batch in flight). Every other edge applies backpressure.
+detokenizer tracks it, one Pulled per Pull, one StepResult per batch in
+flight). Every other edge applies backpressure.
 """
 
 from __future__ import annotations
