@@ -14,6 +14,10 @@ class RequestRejected(EngineError):
         self.param = param
 
 
+class ModelNotFound(RequestRejected):
+    """The request names a model this server does not serve (HTTP 404, as vLLM)."""
+
+
 class QueueFull(RequestRejected):
     """The waiting queue is at its bound (HTTP 503 with Retry-After)."""
 

@@ -16,6 +16,7 @@ JSON = "application/json"
 ERROR_STATUSES = {
     "400": "invalid request: a field, the body or its Content-Type",
     "401": "missing or wrong API key",
+    "404": "the request names a model this server does not serve",
     "413": "body over --max-body-bytes (the connection is closed)",
     "503": "queue full or shutting down (with Retry-After)",
 }
@@ -62,7 +63,7 @@ def openapi_document(title: str) -> dict[str, Any]:
                          protocol.CompletionResponse, protocol.ChatCompletionResponse,
                          protocol.ChatCompletionChunk, protocol.ModelList,
                          protocol.TokenizeResponse, protocol.DetokenizeResponse,
-                         protocol.ErrorResponse]
+                         protocol.ErrorResponse, protocol.VersionResponse]
     _, components = msgspec.json.schema_components(kinds, ref_template=REF_TEMPLATE)
     paths = {
         "/v1/completions": _post("Create a completion", protocol.CompletionRequest,
@@ -79,6 +80,9 @@ def openapi_document(title: str) -> dict[str, Any]:
         "/health": _get("200 while the engine serves (503 draining or dead)", {},
                         error_statuses=("503",)),
         "/metrics": _get("Prometheus metrics", {"text/plain": {"schema": {"type": "string"}}}),
+        "/version": _get("trio-llm's version", {JSON: {"schema": _ref(protocol.VersionResponse)}}),
+        "/ping": _get("/health by vLLM's (and SageMaker's) other name", {},
+                      error_statuses=("503",)),
     }
     return {"openapi": "3.1.0",
             "info": {"title": f"trio-llm serving {title}", "version": "1"},

@@ -346,6 +346,12 @@ class ChatCompletionChunk(msgspec.Struct, kw_only=True):
     usage: Usage | None = None
 
 
+class VersionResponse(msgspec.Struct, kw_only=True):
+    """GET /version, as vLLM answers it."""
+
+    version: str
+
+
 class ModelCard(msgspec.Struct, kw_only=True):
     """One served model. ``vocab_size`` is ours (not in OpenAI's or vLLM's card):
     the serving benchmark draws random prompt token ids below it."""

@@ -29,6 +29,7 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, aclosing, asynccontextmanager
 from functools import partial
+from importlib.metadata import version as package_version
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import msgspec
@@ -43,6 +44,7 @@ from werkzeug.exceptions import HTTPException
 from trio_llm.actors.errors import (
     EngineDead,
     EngineError,
+    ModelNotFound,
     QueueFull,
     RequestFailed,
     RequestRejected,
@@ -93,7 +95,11 @@ NUM_CONVERSION_THREADS = 8
 # thread round trip that most requests would otherwise pay.
 MAX_INLINE_CONVERSION_BYTES = 16 * 1024
 NUM_TOKENIZER_THREADS = 8
-OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})
+OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json", "/version", "/ping"})
+# OpenAI endpoints trio-llm does not serve: a clear 404 instead of "URL not found".
+NOT_SUPPORTED_PATHS = ("/v1/embeddings", "/v1/responses", "/v1/audio/<path:rest>",
+                       "/v1/images/<path:rest>", "/v1/moderations", "/v1/rerank",
+                       "/v1/score", "/pooling", "/classify")
 SSE_DONE = b"data: [DONE]\n\n"
 JSON_CONTENT_TYPE = "application/json"
 
@@ -138,9 +144,15 @@ def create_app(engine: Engine, config: ServerConfig) -> QuartTrio:
         ("/tokenize", api.tokenize, "POST"),
         ("/detokenize", api.detokenize, "POST"),
         ("/openapi.json", api.openapi, "GET"),
+        ("/version", api.version, "GET"),
+        ("/ping", api.ping, "GET"),
+        ("/ping", api.ping, "POST"),
     ]
     for path, view, method in routes:
-        app.add_url_rule(path, view_func=view, methods=[method])
+        app.add_url_rule(path, view_func=view, methods=[method], endpoint=f"{method} {path}")
+    for path in NOT_SUPPORTED_PATHS:
+        app.add_url_rule(path, view_func=api.not_supported, methods=["GET", "POST"],
+                         endpoint=f"not supported {path}")
     app.before_request(api.check_api_key)
     app.register_error_handler(EngineError, api.engine_error)
     app.register_error_handler(HTTPException, api.http_error)
@@ -283,8 +295,9 @@ class OpenAIServer:
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model not in self.accepted_model_names:
-            raise RequestRejected(f"the model {model!r} is not served here; "
-                                  f"this server serves {self.model_name!r}", param="model")
+            # vLLM's message, and its 404; ours adds what is served instead.
+            raise ModelNotFound(f"The model `{model}` does not exist. This server serves "
+                                f"`{self.model_name}`.", param="model")
 
     # -- the rest of the API ------------------------------------------------------
 
@@ -354,6 +367,19 @@ class OpenAIServer:
     async def openapi(self) -> Response:
         return Response(self._openapi_json, content_type=JSON_CONTENT_TYPE)
 
+    async def version(self) -> Response:
+        return self._json(protocol.VersionResponse(version=package_version("trio-llm")))
+
+    async def ping(self) -> Response:
+        """vLLM's (and SageMaker's) liveness probe: /health by another name."""
+        return await self.health()
+
+    async def not_supported(self, **_: object) -> Response:
+        """Endpoints of the OpenAI API that trio-llm does not serve: say so, rather
+        than a bare "URL not found"."""
+        return self._error(404, f"{request.path} is not supported by trio-llm: it serves "
+                                "/v1/completions and /v1/chat/completions (docs/http-api.md)")
+
     # -- guards and errors --------------------------------------------------------
 
     async def check_api_key(self) -> Response | None:
@@ -419,6 +445,8 @@ def _error_info(error: EngineError) -> tuple[int, str, str | None]:
     match error:
         case QueueFull():
             return 503, error.message, None
+        case ModelNotFound():
+            return 404, error.message, error.param
         case RequestRejected():
             return 400, error.message, error.param
         case RequestFailed():

@@ -138,7 +138,9 @@ async def test_openai_client_sees_errors_as_exceptions(layout: str) -> None:
     assert too_long.body["param"] == "prompt"  # type: ignore[index]
     assert "maximum context length" in too_long.body["message"]  # type: ignore[index]
     assert no_room.body["param"] == "max_tokens"  # type: ignore[index]
+    assert isinstance(wrong_model, openai.NotFoundError)  # 404, as vLLM
     assert wrong_model.body["param"] == "model"  # type: ignore[index]
+    assert "The model `gpt-4` does not exist" in wrong_model.body["message"]  # type: ignore[index]
     assert fine.usage is not None and fine.usage.completion_tokens == 2
 
 

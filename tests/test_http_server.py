@@ -204,7 +204,6 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}},
      "stream_options"),
     ("/v1/completions", {"prompt": "x", "min_tokens": 5, "max_tokens": 2}, "min_tokens"),
-    ("/v1/completions", {"prompt": "x", "model": "other"}, "model"),
     ("/v1/completions", {"prompt": "x" * 100}, "prompt"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, "messages[0].role"),
@@ -376,3 +375,26 @@ def test_request_timer_spreads_a_coalesced_output_over_its_tokens() -> None:
     assert sample("trio_llm:inter_token_latency_seconds_sum") == 2.0
     assert sample("trio_llm:e2e_request_latency_seconds_sum") == 3.0
     assert sample("trio_llm:request_success_total", finished_reason="length") == 1
+
+
+async def test_version_ping_and_endpoints_not_served() -> None:
+    from importlib.metadata import version
+
+    engine = FakeEngine()
+    with trio.fail_after(TIMEOUT):
+        async with running_server(engine, api_key="secret") as url:
+            served_version = await get(url, "/version")
+            pings = [await get(url, "/ping"), await post(url, "/ping", {})]
+            embeddings = await post(url, "/v1/embeddings", {"model": "tiny", "input": "x"},
+                                    headers={"Authorization": "Bearer secret"})
+            speech = await post(url, "/v1/audio/speech", {"input": "x"},
+                                headers={"Authorization": "Bearer secret"})
+            unknown = await get(url, "/v1/nothing-here", headers={"Authorization": "Bearer secret"})
+    assert served_version.status_code == 200
+    assert served_version.json() == {"version": version("trio-llm")}
+    assert [ping.status_code for ping in pings] == [200, 200]  # open, like /health
+    for response, path in ((embeddings, "/v1/embeddings"), (speech, "/v1/audio/speech")):
+        assert response.status_code == 404
+        assert f"{path} is not supported by trio-llm" in error_of(response)["message"]
+    assert unknown.status_code == 404
+    assert "not supported by trio-llm" not in error_of(unknown)["message"]
