@@ -23,7 +23,9 @@ from __future__ import annotations
 import argparse
 import hmac
 import logging
+import os
 import signal
+import threading
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
@@ -95,6 +97,10 @@ NUM_CONVERSION_THREADS = 8
 # thread round trip that most requests would otherwise pay.
 MAX_INLINE_CONVERSION_BYTES = 16 * 1024
 NUM_TOKENIZER_THREADS = 8
+# After a second signal the server stops at once; should a send that cannot be
+# cancelled still hold it this long later, the process exits (EXIT_FORCED).
+FORCED_STOP_SECONDS = 2.0
+EXIT_FORCED = 3
 OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json", "/version", "/ping"})
 # OpenAI endpoints trio-llm does not serve: a clear 404 instead of "URL not found".
 NOT_SUPPORTED_PATHS = ("/v1/embeddings", "/v1/responses", "/v1/audio/<path:rest>",
@@ -627,9 +633,26 @@ async def _stop_on_signals(signals: Any, stop: trio.Event,
         if stop.is_set():
             logger.warning("second %s: stopping now", name)
             force_scope.cancel()
+            _exit_unless_stopped_within(FORCED_STOP_SECONDS)
             return
         logger.info("%s: stopping gracefully (again to stop at once)", name)
         stop.set()
+
+
+def _exit_unless_stopped_within(seconds: float) -> None:
+    """The last resort of a second signal: Hypercorn sends with the connection's
+    task shielded from cancellation, so a client that stops reading keeps a
+    cancelled server from ever ending (benchmarks/slow_reader_shutdown.py). A
+    daemon timer ends the process, non-zero, if it is still running then."""
+    def exit_now() -> None:
+        logger.error("still not stopped %.0f s after the second signal (a client that "
+                     "does not read holds a send): exiting without cleanup", seconds)
+        logging.shutdown()
+        os._exit(EXIT_FORCED)
+
+    timer = threading.Timer(seconds, exit_now)
+    timer.daemon = True
+    timer.start()
 
 
 async def _stop_when_dead(engine: Engine, stop: trio.Event) -> None:

@@ -7,7 +7,8 @@ streams of 400 tokens with 20 logprobs each into 4 KiB receive buffers and
 never reads them, then sends SIGTERM, then SIGINT, then closes the clients,
 printing the server's return code after each. Hypercorn 0.18 sends with the
 task shielded from cancellation and closes a connection only after its app
-task has ended, so a send into a full socket buffer blocks the stop forever
+task has ended, so a send into a full socket buffer blocks the graceful stop;
+a second signal ends the process with code 3 two seconds later
 (docs/reliability.md, "Not solved").
 """
 

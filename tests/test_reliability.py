@@ -33,6 +33,7 @@ from trio_llm.actors.intake import Intake
 from trio_llm.actors.queue import WaitingQueue
 from trio_llm.actors.scheduler import Scheduler
 from trio_llm.api.engine import Engine
+from trio_llm.api.server import EXIT_FORCED
 from trio_llm.gpu.executor import ModelExecutor
 
 CONFIG = EngineConfig(model="tiny", num_kv_blocks=256, block_size=16, max_num_seqs=32,
@@ -373,6 +374,36 @@ async def test_a_second_sigint_under_load_stops_at_once() -> None:
             ends = [await receive_until(stream, b"data: [DONE]") for stream in streams]
         assert returncode == 0
         assert not any(b'"finish_reason":"length"' in end for end in ends)
+
+    with trio.fail_after(TIMEOUT):
+        await run_signals_test(body)
+
+
+async def test_a_second_signal_ends_a_server_held_by_clients_that_stop_reading() -> None:
+    """Hypercorn's sends cannot be cancelled: without the forced exit a client that
+    never reads kept the stopped server alive for ever."""
+    async def body(process: trio.Process, url: str) -> None:
+        readers = []
+        for index in range(3):  # 20 logprobs a token: far beyond a 4 KiB receive buffer
+            stream = await open_connection(url, receive_buffer=4096)
+            head, body = request_bytes(greedy_request(index, 400, stream=True, logprobs=20))
+            await stream.send_all(head + body)
+            await receive_until(stream, b"data: ")
+            readers.append(stream)
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            # Once the engine is done, all that is left of the readers' requests
+            # is their handlers' blocked sends.
+            while "trio_llm:num_requests_running{" not in (text := (
+                    await client.get("/metrics")).text) or not re.search(
+                    r'^trio_llm:num_requests_running\{[^}]*\} 0\.0$', text, re.MULTILINE):
+                await trio.lowlevel.checkpoint()
+        process.send_signal(signal.SIGTERM)
+        process.send_signal(signal.SIGINT)
+        with trio.fail_after(20):
+            returncode = await process.wait()
+        assert returncode == EXIT_FORCED, returncode
+        for stream in readers:
+            await stream.aclose()
 
     with trio.fail_after(TIMEOUT):
         await run_signals_test(body)
