@@ -12,16 +12,19 @@ run() {  # run NAME SECONDS COMMAND...
   timeout "$seconds" "$@" 2>&1 | tee -a "$log" | grep -vE '^(INFO|DEBUG)' | tail -n 40
   echo "=== $name: exit ${PIPESTATUS[0]}" | tee -a "$log"
 }
+wait_healthy() {  # wait_healthy PORT: until the server there answers /health (180 s at most)
+  for _ in $(seq 1 180); do
+    python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$1/health')" \
+      2>/dev/null && return
+    sleep 1
+  done
+}
 serve_bench() {  # (d): the server in the background, `trio-llm bench serve` against it
   local model=$1 port=8011
   python3 -m trio_llm.api.cli serve --model "$model" --load-format dummy --port $port \
     > "$OUT/server-$model.log" 2>&1 &
   local pid=$!
-  for _ in $(seq 1 180); do
-    python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/health')" \
-      2>/dev/null && break
-    sleep 1
-  done
+  wait_healthy $port
   run "serve-$model" 300 python3 -m trio_llm.api.cli bench serve --port $port \
     --num-prompts 512 --random-input-len 1024 --random-output-len 128 --max-concurrency 64 \
     --json "$OUT/serve-$model.json" --disable-tqdm
@@ -33,11 +36,7 @@ prefix_serve_bench() {  # shared prefixes (vLLM's prefix_repetition), caching on
     python3 -m trio_llm.api.cli serve --model "$model" --load-format dummy --port $port \
       --$caching-prefix-caching > "$OUT/server-prefix-$caching-$model.log" 2>&1 &
     local pid=$!
-    for _ in $(seq 1 180); do
-      python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/health')" \
-        2>/dev/null && break
-      sleep 1
-    done
+    wait_healthy $port
     run "prefix-serve-$caching-$model" 300 python3 -m trio_llm.api.cli bench serve --port $port \
       --dataset-name prefix_repetition --num-prompts 512 --prefix-repetition-num-prefixes 10 \
       --prefix-repetition-prefix-len 2000 --prefix-repetition-suffix-len 128 \

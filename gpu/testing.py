@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -185,3 +185,21 @@ def record_logits(executor: ModelExecutor) -> dict[tuple[str, int], torch.Tensor
     executor.execute = recording_execute  # type: ignore[method-assign]
     executor.model.compute_logits = recording_compute_logits  # type: ignore[method-assign]
     return recorded
+
+
+def run_depth_1(executor: ModelExecutor, batches: Sequence[ScheduledBatch]) -> list[StepResult]:
+    """Each step executed and collected before the next."""
+    return [executor.execute(batch) for batch in batches]
+
+
+def run_depth_2(executor: Any, batches: Sequence[ScheduledBatch]) -> list[StepResult]:
+    """Launch each step before collecting the previous one, as the runner does at depth 2
+    (``executor``: gpu/cuda_executor.py's CudaModelExecutor, on any device)."""
+    results, pending = [], None
+    for batch in batches:
+        launched = executor.launch(batch)
+        if pending is not None:
+            results.append(executor.collect(pending))
+        pending = launched
+    results.append(executor.collect(pending))
+    return results

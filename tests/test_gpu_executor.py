@@ -25,6 +25,7 @@ from trio_llm.gpu.builtin import resolve_model  # noqa: E402
 from trio_llm.gpu.cuda_executor import CudaExecutorOptions, CudaModelExecutor  # noqa: E402
 from trio_llm.gpu.executor import ModelExecutor, kv_slots  # noqa: E402
 from trio_llm.gpu.loader import load_model  # noqa: E402
+from trio_llm.gpu.testing import run_depth_1, run_depth_2  # noqa: E402
 
 BLOCK_SIZE = 4
 NUM_KV_BLOCKS = 64
@@ -90,22 +91,6 @@ def build(executor_class, device, **start_options):
     if start_options:
         executor.start(CudaExecutorOptions(max_num_seqs=4, **start_options))
     return executor
-
-
-def run_depth_1(executor, batches):
-    return [executor.execute(batch) for batch in batches]
-
-
-def run_depth_2(executor, batches):
-    """Launch each step before collecting the previous one, as the runner does at depth 2."""
-    results, pending = [], None
-    for batch in batches:
-        launched = executor.launch(batch)
-        if pending is not None:
-            results.append(executor.collect(pending))
-        pending = launched
-    results.append(executor.collect(pending))
-    return results
 
 
 def assert_same_results(results, expected):

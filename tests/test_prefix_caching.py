@@ -31,6 +31,7 @@ from trio_llm.api.engine import Engine
 from trio_llm.gpu.builtin import resolve_model
 from trio_llm.gpu.executor import ModelExecutor
 from trio_llm.gpu.loader import load_model
+from trio_llm.gpu.testing import run_depth_1, run_depth_2
 
 VOCAB_LIMIT = 1000  # the tiny model's vocabulary is larger; stay clear of special ids
 BLOCK_SIZE = 16
@@ -302,26 +303,11 @@ def first_logprobs(results) -> dict[str, list[float]]:
 
 
 def run_steps(executor, batches) -> dict[str, list[int]]:
-    return sampled_tokens(run_results(executor, batches))
-
-
-def run_results(executor, batches):
-    return [executor.execute(batch) for batch in batches]
-
-
-def run_results_depth_2(executor, batches):
-    results, pending = [], None
-    for batch in batches:
-        launched = executor.launch(batch)
-        if pending is not None:
-            results.append(executor.collect(pending))
-        pending = launched
-    results.append(executor.collect(pending))
-    return results
+    return sampled_tokens(run_depth_1(executor, batches))
 
 
 def run_steps_depth_2(executor, batches) -> dict[str, list[int]]:
-    return sampled_tokens(run_results_depth_2(executor, batches))
+    return sampled_tokens(run_depth_2(executor, batches))
 
 
 def test_the_cpu_executor_continues_exactly_after_a_cached_prefix() -> None:
@@ -356,9 +342,9 @@ def test_gpu_executor_continues_after_a_cached_prefix(fast: bool) -> None:
     cuda = torch.device("cuda")
     sampling = replace(GREEDY, num_logprobs=5)
     start_options = {"use_cuda_graphs": fast, "use_fused_kernels": fast}
-    uncached = run_results(build_executor(CudaModelExecutor, cuda, **start_options),
+    uncached = run_depth_1(build_executor(CudaModelExecutor, cuda, **start_options),
                            uncached_batches(sampling))
-    cached = run_results_depth_2(build_executor(CudaModelExecutor, cuda, **start_options),
+    cached = run_depth_2(build_executor(CudaModelExecutor, cuda, **start_options),
                                  cached_prefix_batches(sampling))
     ours, theirs = sampled_tokens(cached), sampled_tokens(uncached)
     for request_id in ("b", "c"):
