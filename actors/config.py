@@ -21,6 +21,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     model: str = "tiny"
     revision: str | None = None  # of a Hugging Face id, looked up in the local cache
     tokenizer: str | None = None
+    # a file, or the template inline: replaces the model's chat template
+    chat_template: str | None = None
     served_model_name: str | None = None
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"

@@ -284,7 +284,7 @@ async def prefix_cache_counters(options: BenchServeOptions) -> tuple[float, floa
     found = set()
     for line in response.text.splitlines():
         for name in totals:
-            if line.startswith(f"trio_llm:prefix_cache_{name}_total"):
+            if line.startswith(f"vllm:prefix_cache_{name}_total"):
                 totals[name] += float(line.rsplit(" ", 1)[1])
                 found.add(name)
     return (totals["queries"], totals["hits"]) if len(found) == 2 else None

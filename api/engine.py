@@ -29,7 +29,13 @@ import trio
 from trio_llm.actors.config import EngineConfig
 from trio_llm.actors.errors import EngineDead, EngineError
 from trio_llm.actors.fronts import CoreReady, CoreToFront
-from trio_llm.actors.messages import Abort, RequestOutput, SamplingParams, Submit
+from trio_llm.actors.messages import (
+    Abort,
+    ChatTemplateOptions,
+    RequestOutput,
+    SamplingParams,
+    Submit,
+)
 from trio_llm.actors.runner import LoadedExecutor
 from trio_llm.actors.streams import RequestStreams
 from trio_llm.actors.supervisor import (
@@ -85,7 +91,8 @@ class Engine:
         config = config or EngineConfig()
         if executor is None:
             executor = await trio.to_thread.run_sync(create_executor, config)
-        tokenizer = Tokenizer.from_dir(config.tokenizer or executor.model_path)
+        tokenizer = Tokenizer.from_dir(config.tokenizer or executor.model_path,
+                                       chat_template=config.chat_template)
         streams = RequestStreams()
         async with trio.open_nursery() as nursery:
             actors = await nursery.start(partial(
@@ -114,8 +121,9 @@ class Engine:
         async with core_stream:
             core = open_wire_channel(core_stream, CoreToFront)
             ready = await _wait_core_ready(core[1])
-            tokenizer = await trio.to_thread.run_sync(
-                Tokenizer.from_dir, config.tokenizer or ready.model_path)
+            tokenizer = await trio.to_thread.run_sync(partial(
+                Tokenizer.from_dir, config.tokenizer or ready.model_path,
+                chat_template=config.chat_template))
             streams = RequestStreams()
             async with trio.open_nursery() as nursery:
                 actors = await nursery.start(partial(
@@ -160,12 +168,18 @@ class Engine:
     def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None, *,
              priority: int = 0, request_id: str | None = None,
              tools: list[dict[str, Any]] | None = None,
+             documents: list[dict[str, Any]] | None = None,
              chat_template_kwargs: dict[str, Any] | None = None,
+             template_options: ChatTemplateOptions | None = None,
              cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Like generate, for a conversation rendered with the model's chat template
-        (with ``tools`` and ``chat_template_kwargs``, when given, as template variables)."""
+        (with ``tools``, ``documents`` and ``chat_template_kwargs``, when given, as
+        template variables; ``template_options``: add_generation_prompt or
+        continue_final_message)."""
         submit = Submit(request_id=request_id or self._new_request_id(), messages=messages,
-                        tools=tools, chat_template_kwargs=chat_template_kwargs,
+                        tools=tools, documents=documents,
+                        chat_template_kwargs=chat_template_kwargs,
+                        template_options=template_options or ChatTemplateOptions(),
                         params=params or SamplingParams(), priority=priority,
                         arrival_time=trio.current_time(), cache_salt=cache_salt)
         return self._run(submit)

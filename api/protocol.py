@@ -22,6 +22,7 @@ import msgspec
 from trio_llm.actors.errors import RequestRejected
 from trio_llm.actors.intake import MAX_SEED, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MIN_SEED
 from trio_llm.actors.messages import (
+    ChatTemplateOptions,
     PositiveInt,
     RequestOutput,
     SamplingParams,
@@ -181,6 +182,11 @@ class ChatCompletionRequest(_GenerationFields, kw_only=True):
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's chat-template options. add_generation_prompt None: true, unless
+    # continue_final_message (which cannot be combined with it).
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool = False
+    documents: list[dict[str, Any]] | None = None
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
@@ -440,7 +446,8 @@ def chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
 
 
 # Template variables the server sets itself; chat_template_kwargs may not.
-RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "tools"})
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "tools",
+                                         "documents"})
 
 
 def checked_template_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -449,6 +456,18 @@ def checked_template_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
         raise RequestRejected(f"chat_template_kwargs may not set {', '.join(reserved)}",
                               param="chat_template_kwargs")
     return kwargs
+
+
+def template_options(request: ChatCompletionRequest) -> ChatTemplateOptions:
+    """How the chat template renders the conversation (vLLM's request fields)."""
+    if request.continue_final_message and request.add_generation_prompt:
+        raise RequestRejected("Cannot set both `continue_final_message` and "
+                              "`add_generation_prompt` to True.", param="continue_final_message")
+    add_generation_prompt = (not request.continue_final_message
+                             if request.add_generation_prompt is None
+                             else request.add_generation_prompt)
+    return ChatTemplateOptions(add_generation_prompt=add_generation_prompt,
+                               continue_final_message=request.continue_final_message)
 
 
 def _template_message(message: ChatMessage, index: int) -> dict[str, Any]:

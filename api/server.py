@@ -52,7 +52,7 @@ from trio_llm.actors.errors import (
     RequestRejected,
 )
 from trio_llm.actors.messages import RequestOutput, SamplingParams, StructuredOutputsParams
-from trio_llm.api import protocol
+from trio_llm.api import protocol, request_fields
 from trio_llm.api.connections import CompletedResponseGuard
 from trio_llm.api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from trio_llm.api.metrics import RequestTimer, ServerMetrics
@@ -174,7 +174,7 @@ class OpenAIServer:
         self.config = config
         self.model_name = config.served_model_name or engine.model_name
         self.accepted_model_names = {self.model_name, engine.model_name, engine.config.model}
-        self.metrics = ServerMetrics(self.model_name)
+        self.metrics = ServerMetrics(self.model_name, max_model_len=engine.max_model_len)
         self.created = int(time.time())
         self._api_key = None if config.api_key is None else f"Bearer {config.api_key}".encode()
         self.tool_options = ToolServingOptions(
@@ -188,7 +188,8 @@ class OpenAIServer:
     # -- generation ---------------------------------------------------------------
 
     async def completions(self) -> Response:
-        body = await _decoded_body(protocol.CompletionRequest)
+        body = await _decoded_body(protocol.CompletionRequest,
+                                   refused=request_fields.REFUSED_COMPLETION_FIELDS)
         self._check_model(body.model)
         prompt, params = await self._converted(self._completion_arguments, body)
         builder = protocol.CompletionBuilder(response_id=f"cmpl-{uuid.uuid4().hex}",
@@ -199,7 +200,8 @@ class OpenAIServer:
         return await self.respond(outputs, builder, body)
 
     async def chat_completions(self) -> Response:
-        body = await _decoded_body(protocol.ChatCompletionRequest)
+        body = await _decoded_body(protocol.ChatCompletionRequest,
+                                   refused=request_fields.REFUSED_CHAT_FIELDS)
         self._check_model(body.model)
         tool_plan = plan_tool_calls(body.tools, body.tool_choice,
                                     parallel_tool_calls=body.parallel_tool_calls,
@@ -221,6 +223,8 @@ class OpenAIServer:
                 body.chat_template_kwargs)
         outputs = self.engine.chat(messages, params, priority=body.priority,
                                    request_id=builder.response_id, cache_salt=body.cache_salt,
+                                   documents=body.documents,
+                                   template_options=protocol.template_options(body),
                                    **template_variables)
         return await self.respond(outputs, builder, body)
 
@@ -472,10 +476,16 @@ def _error_body(status: int, message: str, param: str | None) -> protocol.ErrorR
 JSON_SUBTYPE_SUFFIX = "+json"
 
 
-async def _decoded_body(kind: type[BodyT]) -> BodyT:
-    """The request's JSON body as ``kind``; a 400 naming what is wrong otherwise."""
+async def _decoded_body(kind: type[BodyT], *,
+                        refused: dict[str, request_fields.Refusal] | None = None) -> BodyT:
+    """The request's JSON body as ``kind``; a 400 naming what is wrong otherwise:
+    a field of the OpenAI or vLLM schema that ``kind`` does not honour
+    (``refused``) among them. Fields of neither schema are ignored, with a warning."""
     _check_content_type(request.mimetype)
-    return protocol.decode_request(await request.get_data(), kind)
+    data = await request.get_data()
+    body = protocol.decode_request(data, kind)
+    request_fields.check_fields(data, kind, refused or {})
+    return body
 
 
 def _check_content_type(mimetype: str) -> None:
@@ -504,7 +514,8 @@ def _observe(timer: RequestTimer, output: RequestOutput) -> None:
     now = trio.current_time()
     timer.on_output(now, num_new_tokens=len(output.token_ids), queue_time=output.queue_time)
     if output.finished:
-        timer.on_finish(now, output.finish_reason)
+        timer.on_finish(now, output.finish_reason, num_prompt_tokens=output.num_prompt_tokens,
+                        num_output_tokens=output.num_output_tokens)
 
 
 def _sse_event(body: msgspec.Struct) -> bytes:
