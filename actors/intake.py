@@ -158,12 +158,22 @@ class Intake:
             if not math.isfinite(getattr(params, name)):
                 raise RequestRejected(f"{name} must be a finite number", param=name)
         self._check_structured_outputs(params)
+        self._check_logprobs(params.logprobs)
         bad_ids = [token_id for token_id in params.stop_token_ids
                    if not 0 <= token_id < self.vocab_size]
         if bad_ids:
             raise RequestRejected(
                 f"stop_token_ids {bad_ids} are outside the vocabulary "
                 f"(ids 0 to {self.vocab_size - 1})", param="stop_token_ids")
+
+    def _check_logprobs(self, num_logprobs: int | None) -> None:
+        limit = self.config.max_logprobs
+        if limit == -1:
+            limit = self.vocab_size
+        if num_logprobs is not None and num_logprobs > limit:
+            # vLLM's message
+            raise RequestRejected(f"Requested sample logprobs of {num_logprobs}, which is "
+                                  f"greater than max allowed: {limit}", param="logprobs")
 
     def _check_structured_outputs(self, params: SamplingParams) -> None:
         """What a constraint cannot be combined with: the grammar decides when the

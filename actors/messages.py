@@ -60,7 +60,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
-    logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
+    logprobs: NonNegativeInt | None = None  # at most EngineConfig.max_logprobs
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
 

@@ -15,6 +15,11 @@ _ENGINE_FLAGS: list[tuple[str, type, str]] = [
                      "built-in name (tiny, qwen3-0.6b, qwen3-8b)"),
     ("--revision", str, "revision of a Hugging Face id (branch, tag or commit)"),
     ("--tokenizer", str, "tokenizer directory (default: the model's)"),
+    ("--chat-template", str, "chat template replacing the model's: a file, or the template "
+                             "itself"),
+    ("--generation-config", str, "default sampling parameters: 'auto' (the model's "
+                                 "generation_config.json), 'vllm' (none) or a directory"),
+    ("--max-logprobs", int, "most logprobs a request may ask for (-1: the vocabulary)"),
     ("--served-model-name", str, "model name reported by the API"),
     ("--dtype", str, "auto, float32, bfloat16 or float16"),
     ("--device", str, "auto, cpu or cuda"),
@@ -70,10 +75,29 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
     fields = {f.name for f in msgspec.structs.fields(EngineConfig)}
     given = {k: v for k, v in vars(args).items() if k in fields and v is not None}
+    model_tag = getattr(args, "model_tag", None)
+    if model_tag is not None:
+        if given.get("model", model_tag) != model_tag:
+            raise SystemExit(f"trio-llm: the model is given twice: {model_tag} and "
+                             f"--model {given['model']}")
+        given["model"] = model_tag
     try:
-        return msgspec.convert(given, EngineConfig)
+        config = msgspec.convert(given, EngineConfig)
     except msgspec.ValidationError as error:
         raise SystemExit(f"trio-llm: invalid engine option: {error}") from None
+    _check_chat_template(config.chat_template)
+    return config
+
+
+def _check_chat_template(template: str | None) -> None:
+    """Fail at the command line, not when the engine starts."""
+    from trio_llm.actors.tokenizer import load_chat_template
+
+    if template is not None:
+        try:
+            load_chat_template(template)
+        except ValueError as error:
+            raise SystemExit(f"trio-llm: {error}") from None
 
 
 def _run_generate(args: argparse.Namespace) -> int:
@@ -113,12 +137,16 @@ def _build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--temperature", type=float, default=0.0)
     generate.add_argument("--sampling-seed", type=int, default=None)
     generate.add_argument("--chat", action="store_true", help="apply the chat template")
+    _add_log_level(generate)
     add_engine_arguments(generate)
     generate.set_defaults(run=_run_generate)
 
     from trio_llm.api import bench, server
 
     serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
+    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                       help="the model, as --model takes it (vLLM's `serve MODEL`)")
+    _add_log_level(serve)
     add_engine_arguments(serve)
     server.add_serve_arguments(serve)
     serve.set_defaults(run=server.run_serve)
@@ -129,9 +157,16 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_log_level(parser: argparse.ArgumentParser) -> None:
+    """``--log-level`` after the command too (`trio-llm serve --log-level debug`)."""
+    parser.add_argument("--log-level", dest="command_log_level", default=None,
+                        help="log level (debug, info, warning, error)")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    level = (getattr(args, "command_log_level", None) or args.log_level).upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(message)s")
     return int(args.run(args) or 0)
 
 

@@ -29,6 +29,7 @@ import trio
 from trio_llm.actors.config import EngineConfig
 from trio_llm.actors.errors import EngineDead, EngineError
 from trio_llm.actors.fronts import CoreReady, CoreToFront
+from trio_llm.actors.generation_defaults import GenerationDefaults, read_generation_defaults
 from trio_llm.actors.messages import (
     Abort,
     ChatTemplateOptions,
@@ -64,9 +65,12 @@ class Engine:
 
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer, actors: EngineActors,
                  streams: RequestStreams, *, max_model_len: int,
-                 request_id_prefix: str = "req-") -> None:
+                 request_id_prefix: str = "req-",
+                 generation_defaults: GenerationDefaults | None = None) -> None:
         self.config = config
         self.tokenizer = tokenizer
+        # the checkpoint's default sampling parameters (--generation-config)
+        self.generation_defaults = generation_defaults or GenerationDefaults()
         self.model_name = config.served_model_name or config.model
         self.max_model_len = max_model_len
         self._actors = actors
@@ -93,6 +97,7 @@ class Engine:
             executor = await trio.to_thread.run_sync(create_executor, config)
         tokenizer = Tokenizer.from_dir(config.tokenizer or executor.model_path,
                                        chat_template=config.chat_template)
+        defaults = read_generation_defaults(config.generation_config, executor.model_path)
         streams = RequestStreams()
         async with trio.open_nursery() as nursery:
             actors = await nursery.start(partial(
@@ -100,7 +105,8 @@ class Engine:
                 max_model_len=executor.max_model_len, num_kv_blocks=executor.num_kv_blocks,
                 vocab_size=executor.vocab_size,
             ))
-            engine = cls(config, tokenizer, actors, streams, max_model_len=executor.max_model_len)
+            engine = cls(config, tokenizer, actors, streams, max_model_len=executor.max_model_len,
+                         generation_defaults=defaults)
             async with engine._running(nursery.cancel_scope):
                 yield engine
         if actors.error is not None:
@@ -124,13 +130,15 @@ class Engine:
             tokenizer = await trio.to_thread.run_sync(partial(
                 Tokenizer.from_dir, config.tokenizer or ready.model_path,
                 chat_template=config.chat_template))
+            defaults = read_generation_defaults(config.generation_config, ready.model_path)
             streams = RequestStreams()
             async with trio.open_nursery() as nursery:
                 actors = await nursery.start(partial(
                     run_front_supervisor, config, tokenizer, streams, ready, core))
                 engine = cls(config, tokenizer, actors, streams,
                              max_model_len=ready.max_model_len,
-                             request_id_prefix=f"req-{ready.front_index}-")
+                             request_id_prefix=f"req-{ready.front_index}-",
+                             generation_defaults=defaults)
                 async with engine._running(nursery.cancel_scope):
                     yield engine
         if actors.error is not None:
@@ -157,10 +165,12 @@ class Engine:
                  priority: int = 0, request_id: str | None = None,
                  cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream the output of one request, as deltas; the last has ``finished``.
-        Only requests with the same ``cache_salt`` share prefix-cache blocks."""
+        Only requests with the same ``cache_salt`` share prefix-cache blocks.
+        ``params`` None: ``default_sampling_params()``."""
         text, token_ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
         submit = Submit(request_id=request_id or self._new_request_id(), prompt=text,
-                        prompt_token_ids=token_ids, params=params or SamplingParams(),
+                        prompt_token_ids=token_ids,
+                        params=params or self.default_sampling_params(),
                         priority=priority, arrival_time=trio.current_time(),
                         cache_salt=cache_salt)
         return self._run(submit)
@@ -180,7 +190,7 @@ class Engine:
                         tools=tools, documents=documents,
                         chat_template_kwargs=chat_template_kwargs,
                         template_options=template_options or ChatTemplateOptions(),
-                        params=params or SamplingParams(), priority=priority,
+                        params=params or self.default_sampling_params(), priority=priority,
                         arrival_time=trio.current_time(), cache_salt=cache_salt)
         return self._run(submit)
 
@@ -210,6 +220,11 @@ class Engine:
                 with trio.move_on_after(ABORT_SEND_TIMEOUT, shield=True):
                     await self._actors.intake_outbox.send(Abort(request_id=request_id))
             self._aborted.discard(request_id)
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with the checkpoint's defaults (``--generation-config``),
+        as vLLM's ``get_default_sampling_params``."""
+        return self.generation_defaults.sampling_params()
 
     def _new_request_id(self) -> str:
         return f"{self._request_id_prefix}{next(self._request_counter)}"

@@ -203,14 +203,19 @@ class RequestTimer:
     def __init__(self, metrics: ServerMetrics, arrival_time: float) -> None:
         self._metrics = metrics
         self._arrival_time = arrival_time
+        self._first_token_time: float | None = None
         self._last_token_time: float | None = None
+        self.num_output_tokens = 0
+        self.summary: str | None = None  # how it finished, for the request's log line
 
     def on_output(self, now: float, *, num_new_tokens: int, queue_time: float | None) -> None:
         if queue_time is not None:
             self._metrics.request_queue_time.observe(queue_time)
         if num_new_tokens <= 0:
             return
+        self.num_output_tokens += num_new_tokens
         if self._last_token_time is None:
+            self._first_token_time = now
             self._metrics.time_to_first_token.observe(now - self._arrival_time)
         else:
             interval = (now - self._last_token_time) / num_new_tokens
@@ -225,3 +230,8 @@ class RequestTimer:
         self._metrics.request_prompt_tokens.observe(num_prompt_tokens)
         self._metrics.request_generation_tokens.observe(num_output_tokens)
         self._metrics.count_finished(finish_reason or "unknown")
+        first_token = ("" if self._first_token_time is None
+                       else f", first token {self._first_token_time - self._arrival_time:.3f} s")
+        self.summary = (f"finished ({finish_reason}), {num_prompt_tokens} prompt + "
+                        f"{num_output_tokens} output tokens{first_token}, "
+                        f"{now - self._arrival_time:.3f} s in all")

@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal, TypeVar
 import msgspec
 
 from trio_llm.actors.errors import RequestRejected
+from trio_llm.actors.generation_defaults import GenerationDefaults
 from trio_llm.actors.intake import MAX_SEED, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MIN_SEED
 from trio_llm.actors.messages import (
     ChatTemplateOptions,
@@ -38,7 +39,7 @@ Temperature = Annotated[float, msgspec.Meta(ge=0.0)]
 TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
 TopK = Annotated[int, msgspec.Meta(ge=-1)]
 MinP = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
-NumLogprobs = Annotated[int, msgspec.Meta(ge=0, le=20)]
+NumLogprobs = Annotated[int, msgspec.Meta(ge=0)]  # at most --max-logprobs (intake)
 Seed = Annotated[int, msgspec.Meta(ge=MIN_SEED, le=MAX_SEED)]
 # Stop strings are bounded (vLLM does not bound them): see docs/http-api.md.
 StopString = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
@@ -503,16 +504,21 @@ def _message_text(message: ChatMessage, index: int) -> str:
     return "".join(part.text or "" for part in content)
 
 
-def completion_sampling_params(request: CompletionRequest) -> SamplingParams:
-    """SamplingParams of a completion request (max_tokens defaults to 16, as OpenAI's)."""
+def completion_sampling_params(request: CompletionRequest,
+                               defaults: GenerationDefaults | None = None) -> SamplingParams:
+    """SamplingParams of a completion request (max_tokens defaults to 16, as OpenAI's);
+    ``defaults`` (the checkpoint's) fill what the request leaves out."""
     _reject_unsupported(request)
     if request.echo:
         raise RequestRejected("echo is not supported", param="echo")
     if request.suffix is not None:
         raise RequestRejected("suffix is not supported", param="suffix")
-    return _sampling_params(request, max_tokens=request.max_tokens or 16,
+    defaults = defaults or GenerationDefaults()
+    return _sampling_params(request, max_tokens=defaults.capped_max_tokens(
+                                request.max_tokens or 16),
                             num_logprobs=request.logprobs,
-                            structured_outputs=structured_outputs_of(request))
+                            structured_outputs=structured_outputs_of(request),
+                            defaults=defaults)
 
 
 def requested_max_tokens(request: ChatCompletionRequest) -> int | None:
@@ -521,12 +527,15 @@ def requested_max_tokens(request: ChatCompletionRequest) -> int | None:
 
 
 def chat_sampling_params(request: ChatCompletionRequest, *, max_tokens: int | None,
-                         tool_constraint: StructuredOutputsParams | None = None
-                         ) -> SamplingParams:
+                         tool_constraint: StructuredOutputsParams | None = None,
+                         defaults: GenerationDefaults | None = None) -> SamplingParams:
     """SamplingParams of a chat request. ``max_tokens`` None (no limit asked)
     lets the reply fill what is left of the context, as OpenAI's does: the
     engine's intake resolves it once it has the prompt's length.
-    ``tool_constraint``: what tool_choice required or named constrains it to."""
+    ``tool_constraint``: what tool_choice required or named constrains it to.
+    ``defaults`` (the checkpoint's) fill what the request leaves out."""
+    defaults = defaults or GenerationDefaults()
+    max_tokens = defaults.capped_max_tokens(max_tokens)
     _reject_unsupported(request)
     if request.top_logprobs is not None and not request.logprobs:
         raise RequestRejected("top_logprobs needs logprobs set to true", param="top_logprobs")
@@ -536,7 +545,7 @@ def chat_sampling_params(request: ChatCompletionRequest, *, max_tokens: int | No
         raise RequestRejected("a required or named tool_choice already constrains the output; "
                               "drop response_format / structured_outputs", param="tool_choice")
     return _sampling_params(request, max_tokens=max_tokens, num_logprobs=num_logprobs,
-                            structured_outputs=constraint or tool_constraint)
+                            structured_outputs=constraint or tool_constraint, defaults=defaults)
 
 
 def structured_outputs_of(request: _GenerationFields) -> StructuredOutputsParams | None:
@@ -583,19 +592,21 @@ def _schema_text(schema: dict[str, Any] | bool | str | None, param: str) -> str 
 
 def _sampling_params(request: _GenerationFields, *, max_tokens: int | None,
                      num_logprobs: int | None,
-                     structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
+                     structured_outputs: StructuredOutputsParams | None = None,
+                     defaults: GenerationDefaults) -> SamplingParams:
     if max_tokens is not None and request.min_tokens > max_tokens:
         raise RequestRejected(f"min_tokens ({request.min_tokens}) is over max_tokens "
                               f"({max_tokens})", param="min_tokens")
-    defaults = SamplingParams()
+    # SamplingParams' defaults, with the checkpoint's where it has them
+    default = defaults.sampling_params()
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
     return SamplingParams(
         max_tokens=max_tokens,
         min_tokens=request.min_tokens,
-        temperature=_or(request.temperature, defaults.temperature),
-        top_p=_or(request.top_p, defaults.top_p),
-        top_k=_or(request.top_k, defaults.top_k),
-        min_p=_or(request.min_p, defaults.min_p),
+        temperature=_or(request.temperature, default.temperature),
+        top_p=_or(request.top_p, default.top_p),
+        top_k=_or(request.top_k, default.top_k),
+        min_p=_or(request.min_p, default.min_p),
         seed=request.seed,
         stop=stop,
         stop_token_ids=list(request.stop_token_ids or []),

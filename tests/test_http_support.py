@@ -27,6 +27,7 @@ from trio.testing import wait_all_tasks_blocked
 
 from trio_llm.actors.config import EngineConfig
 from trio_llm.actors.errors import EngineDead, QueueFull, RequestRejected
+from trio_llm.actors.generation_defaults import GenerationDefaults
 from trio_llm.actors.messages import (
     ChatTemplateOptions,
     RequestOutput,
@@ -74,6 +75,7 @@ class FakeEngine:
         self.model_name = "fake-model"
         self.max_model_len = max_model_len
         self.tokenizer = FakeTokenizer()
+        self.generation_defaults = GenerationDefaults()
         self.running: set[str] = set()
         self.finished: list[str] = []
         self.aborted: list[str] = []
