@@ -45,6 +45,7 @@ import quart_cors
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
+from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, Scope
 from quart import has_request_context, request
 from quart_trio import QuartTrio
 from quart_trio.wrappers.response import TrioResponse as Response
@@ -620,7 +621,6 @@ def hypercorn_config(config: ServerConfig, *, listen_fd: int | None = None) -> H
     # The drain happens before Hypercorn is told to stop (see serve_app); this
     # only lets responses being written at that moment go out.
     hyper.graceful_timeout = STRAGGLER_SECONDS
-    hyper.root_path = config.root_path
     # vLLM's --uvicorn-log-level: the web server's own logger; at debug (or
     # trace) its access log too, beside the request lines the app writes.
     level = logging.DEBUG if config.uvicorn_log_level == "trace" else (
@@ -649,7 +649,8 @@ async def serve_app(engine: Engine, config: ServerConfig, *,
     app = create_app(engine, config)
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
-        guarded_app = CompletedResponseGuard(app)
+        guard = CompletedResponseGuard(app)
+        guarded_app = RootPath(guard, config.root_path) if config.root_path else guard
         binds = await nursery.start(partial(
             _serve_then_cancel, guarded_app, hypercorn_config(config, listen_fd=listen_fd),
             stop, nursery.cancel_scope))
@@ -663,7 +664,27 @@ async def serve_app(engine: Engine, config: ServerConfig, *,
         task_status.started(url)
 
 
-async def _serve_then_cancel(app: CompletedResponseGuard, config: HypercornConfig,
+class RootPath:
+    """``--root-path`` as uvicorn (and so vLLM) has it: the server sits behind a
+    proxy that strips the prefix, so ``/v1/models`` is served, and the app sees
+    it under the prefix (ASGI's root_path). A request that still carries the
+    prefix (no proxy in front) is served too."""
+
+    def __init__(self, app: CompletedResponseGuard, root_path: str) -> None:
+        self.app = app
+        self.root_path = "/" + root_path.strip("/")
+
+    async def __call__(self, scope: Scope, receive: ASGIReceiveCallable,
+                       send: ASGISendCallable) -> None:
+        if scope["type"] == "http":
+            path = scope["path"]
+            if not (path == self.root_path or path.startswith(self.root_path + "/")):
+                path = self.root_path + path
+            scope = {**scope, "root_path": self.root_path, "path": path}
+        await self.app(scope, receive, send)
+
+
+async def _serve_then_cancel(app: CompletedResponseGuard | RootPath, config: HypercornConfig,
                              stop: trio.Event, scope: trio.CancelScope, *,
                              task_status: trio.TaskStatus[list[str]]) -> None:
     """Hypercorn until it stops, then the tasks beside it (the stats line)."""
