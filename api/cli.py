@@ -108,7 +108,8 @@ def _run_generate(args: argparse.Namespace) -> int:
 
     config = engine_config_from_args(args)
     params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.sampling_seed
+        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.sampling_seed,
+        ignore_eos=args.ignore_eos,
     )
 
     async def generate() -> None:
@@ -136,6 +137,8 @@ def _build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--max-tokens", type=int, default=32)
     generate.add_argument("--temperature", type=float, default=0.0)
     generate.add_argument("--sampling-seed", type=int, default=None)
+    generate.add_argument("--ignore-eos", action="store_true",
+                          help="go on to --max-tokens past the end-of-sequence token")
     generate.add_argument("--chat", action="store_true", help="apply the chat template")
     _add_log_level(generate)
     add_engine_arguments(generate)
@@ -163,11 +166,43 @@ def _add_log_level(parser: argparse.ArgumentParser) -> None:
                         help="log level (debug, info, warning, error)")
 
 
+# The shell's convention for a command ended by SIGINT.
+EXIT_INTERRUPTED = 130
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _build_parser().parse_args(argv)
-    level = (getattr(args, "command_log_level", None) or args.log_level).upper()
-    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(message)s")
-    return int(args.run(args) or 0)
+    """Ctrl-C ends any command with one line and EXIT_INTERRUPTED, not tracebacks
+    (`serve` handles it itself first: a graceful stop)."""
+    try:
+        args = _build_parser().parse_args(argv)
+        level = (getattr(args, "command_log_level", None) or args.log_level).upper()
+        logging.basicConfig(level=level, format="%(asctime)s %(name)s %(message)s")
+        return int(args.run(args) or 0)
+    except BaseException as error:
+        if not is_interrupt(error):
+            raise
+        print("trio-llm: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def is_interrupt(error: BaseException) -> bool:
+    """A KeyboardInterrupt, alone or in exception groups (trio's nurseries wrap it),
+    with nothing else but the cancellations it caused."""
+    if isinstance(error, KeyboardInterrupt):
+        return True
+    if not isinstance(error, BaseExceptionGroup):
+        return False
+    import trio
+
+    leaves = [leaf for leaf in _leaves(error) if not isinstance(leaf, trio.Cancelled)]
+    return bool(leaves) and all(isinstance(leaf, KeyboardInterrupt) for leaf in leaves)
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
+    leaves: list[BaseException] = []
+    for error in group.exceptions:
+        leaves += _leaves(error) if isinstance(error, BaseExceptionGroup) else [error]
+    return leaves
 
 
 if __name__ == "__main__":
