@@ -86,8 +86,24 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     except msgspec.ValidationError as error:
         raise SystemExit(f"trio-llm: invalid engine option: {error}") from None
     _check_chat_template(config.chat_template)
+    _check_hugging_face_model(config)
     return config
 
+
+def _check_hugging_face_model(config: EngineConfig) -> None:
+    """An ORG/NAME model not in the local cache: one line saying where it was
+    looked for, at the command line rather than as a traceback from the engine."""
+    from pathlib import Path
+
+    parts = config.model.split("/")
+    if Path(config.model).expanduser().exists() or len(parts) != 2 or not all(parts):
+        return
+    from trio_llm.gpu.builtin import resolve_model
+
+    try:
+        resolve_model(config.model, config.revision)
+    except ValueError as error:
+        raise SystemExit(f"trio-llm: {error}") from None
 
 def _check_chat_template(template: str | None) -> None:
     """Fail at the command line, not when the engine starts."""

@@ -411,3 +411,20 @@ async def test_root_path_serves_behind_a_proxy_that_strips_it_and_without_one() 
     assert stripped.status_code == prefixed.status_code == 200
     assert stripped.json()["data"][0]["id"] == "fake-model"
     assert elsewhere.status_code == 404
+
+
+def test_a_model_id_not_in_the_cache_is_one_line_saying_where_it_looked(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from huggingface_hub import constants
+
+    from trio_llm.api.cli import _build_parser, engine_config_from_args
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    args = _build_parser().parse_args(["serve", "Qwen/Qwen3-0.6B", "--revision", "main"])
+    with pytest.raises(SystemExit) as raised:
+        engine_config_from_args(args)
+    message = str(raised.value)
+    assert message.startswith("trio-llm: model 'Qwen/Qwen3-0.6B' at revision 'main' is not "
+                              f"in the local Hugging Face cache ({tmp_path}")
+    assert "hf download Qwen/Qwen3-0.6B" in message
