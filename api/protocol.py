@@ -54,9 +54,16 @@ PromptItem = int | str | list[int]
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
-    """``include_usage`` adds a last chunk with no choices and the token counts."""
+    """``include_usage`` adds a last chunk with no choices and the token counts.
+    vLLM's ``continuous_usage_stats`` (usage in every chunk) is refused."""
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+    def __post_init__(self) -> None:
+        if self.continuous_usage_stats:
+            raise ValueError("continuous_usage_stats is not supported by trio-llm: the usage "
+                             "comes in the last chunk, with include_usage")
 
 
 class JsonSchemaFormat(msgspec.Struct, kw_only=True):

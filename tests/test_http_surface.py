@@ -81,6 +81,12 @@ async def test_openai_and_vllm_fields_not_honoured_are_a_400_naming_them() -> No
                     model="fake-model", prompt="x", max_tokens=2,
                     extra_body={"truncate_prompt_tokens": 4})),
             }
+            usage_stats = await refusal(client.completions.create(
+                model="fake-model", prompt="x", max_tokens=2, stream=True,
+                stream_options={"include_usage": True,
+                                "continuous_usage_stats": True}))  # type: ignore[typeddict-unknown-key]
+    assert usage_stats["param"] == "stream_options"
+    assert "continuous_usage_stats is not supported by trio-llm" in usage_stats["message"]
     for name, body in refused.items():
         assert body["param"] == name
         assert f"{name} is not supported by trio-llm" in body["message"]
