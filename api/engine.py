@@ -59,7 +59,8 @@ logger = logging.getLogger(__name__)
 # since it runs shielded in cleanup.
 ABORT_SEND_TIMEOUT = 5.0
 
-__all__ = ["Engine", "EngineConfig", "EngineStatistics", "RequestOutput", "SamplingParams"]
+__all__ = ["Engine", "EngineConfig", "EngineStatistics", "RequestOutput", "RequestOutputStream",
+           "SamplingParams"]
 
 
 class Engine:

@@ -8,8 +8,9 @@ Every field of OpenAI's or vLLM's request schema is one of:
   is accepted, since clients send defaults;
 - **without effect** (``NO_EFFECT_FIELDS``): it never changes the output
   (an end user's id, a cache routing key), so it is accepted;
-- **pending** (``PENDING_SAMPLING_FIELDS``): vLLM sampling fields the engine
-  does not honour yet; accepted and ignored with the warning below, as before.
+- **not honoured yet**: vLLM's sampling fields ``repetition_penalty``,
+  ``allowed_token_ids``, ``bad_words``, ``prompt_logprobs`` and chat's ``echo``
+  are not declared yet, so they get the warning below, as any unknown field.
 
 A field in neither schema is ignored with one warning log line naming it,
 as vLLM does.
@@ -106,12 +107,6 @@ NO_EFFECT_FIELDS = frozenset({
     "metadata",  # tags of a stored completion; nothing is stored (see store)
     "prompt_cache_key",  # a cache routing hint: the prefix cache needs none
     "safety_identifier",  # an end user's id for abuse monitoring, like user
-})
-
-# vLLM's sampling fields the engine does not honour yet: ignored with the
-# warning, as before (docs/http-api.md lists them).
-PENDING_SAMPLING_FIELDS = frozenset({
-    "repetition_penalty", "allowed_token_ids", "bad_words", "prompt_logprobs", "echo",
 })
 
 
