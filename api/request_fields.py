@@ -118,7 +118,7 @@ def check_fields(body: bytes | str, kind: type[Any],
     Raises RequestRejected naming the first refused field.
     """
     fields = msgspec.json.decode(body, type=dict[str, msgspec.Raw])
-    declared = {field.name for field in msgspec.structs.fields(kind)}
+    declared = _declared_fields(kind)
     ignored = []
     for name, raw in fields.items():
         if name in declared or name in NO_EFFECT_FIELDS:
@@ -135,6 +135,16 @@ def check_fields(body: bytes | str, kind: type[Any],
         # vLLM's message, so log searches built for it find ours.
         logger.warning("The following fields were present in the request but ignored: %s",
                        ", ".join(sorted(ignored)))
+
+
+_DECLARED: dict[type[Any], frozenset[str]] = {}
+
+
+def _declared_fields(kind: type[Any]) -> frozenset[str]:
+    """The field names ``kind`` decodes (its Struct fields, inherited ones too)."""
+    if kind not in _DECLARED:
+        _DECLARED[kind] = frozenset(kind.__struct_fields__)
+    return _DECLARED[kind]
 
 
 def _same(value: Any, accepted: Any) -> bool:

@@ -214,9 +214,24 @@ class OpenAIServer:
 
     # -- generation ---------------------------------------------------------------
 
+    async def _decoded_body(self, kind: type[BodyT],
+                            refused: dict[str, request_fields.Refusal] | None = None) -> BodyT:
+        """The request's JSON body as ``kind``; a 400 naming what is wrong: a field
+        of the OpenAI or vLLM schema that ``kind`` does not honour (``refused``)
+        among them. Fields of neither schema are ignored, with a warning. The
+        check reads the body's top level again: a large body's in a worker
+        thread (docs/performance.md, "Request field check")."""
+        body, data = await _decoded_body(kind)
+        check = partial(request_fields.check_fields, data, kind, refused or {})
+        if len(data) <= MAX_INLINE_CONVERSION_BYTES:
+            check()
+        else:
+            await trio.to_thread.run_sync(check, limiter=self._conversion_threads)
+        return body
+
     async def completions(self) -> Response:
-        body = await _decoded_body(protocol.CompletionRequest,
-                                   refused=request_fields.REFUSED_COMPLETION_FIELDS)
+        body = await self._decoded_body(protocol.CompletionRequest,
+                                        request_fields.REFUSED_COMPLETION_FIELDS)
         self._check_model(body.model)
         prompt, params = await self._converted(self._completion_arguments, body)
         builder = protocol.CompletionBuilder(response_id=f"cmpl-{uuid.uuid4().hex}",
@@ -227,8 +242,8 @@ class OpenAIServer:
         return await self.respond(outputs, builder, body)
 
     async def chat_completions(self) -> Response:
-        body = await _decoded_body(protocol.ChatCompletionRequest,
-                                   refused=request_fields.REFUSED_CHAT_FIELDS)
+        body = await self._decoded_body(protocol.ChatCompletionRequest,
+                                        request_fields.REFUSED_CHAT_FIELDS)
         self._check_model(body.model)
         tool_plan = plan_tool_calls(body.tools, body.tool_choice,
                                     parallel_tool_calls=body.parallel_tool_calls,
@@ -386,7 +401,7 @@ class OpenAIServer:
         return Response(self.metrics.render(statistics), content_type=METRICS_CONTENT_TYPE)
 
     async def tokenize(self) -> Response:
-        body = await _decoded_body(protocol.TokenizeRequest)
+        body = await self._decoded_body(protocol.TokenizeRequest)
         self._check_model(body.model)
         return self._json(await trio.to_thread.run_sync(self._tokenized, body,
                                                         limiter=self._tokenizer_threads))
@@ -415,7 +430,7 @@ class OpenAIServer:
         return self.engine.tokenizer.apply_chat_template(protocol.chat_messages(body.messages))
 
     async def detokenize(self) -> Response:
-        body = await _decoded_body(protocol.DetokenizeRequest)
+        body = await self._decoded_body(protocol.DetokenizeRequest)
         self._check_model(body.model)
         return self._json(await trio.to_thread.run_sync(self._detokenized, body,
                                                         limiter=self._tokenizer_threads))
@@ -535,16 +550,12 @@ def _error_body(status: int, message: str, param: str | None) -> protocol.ErrorR
 JSON_SUBTYPE_SUFFIX = "+json"
 
 
-async def _decoded_body(kind: type[BodyT], *,
-                        refused: dict[str, request_fields.Refusal] | None = None) -> BodyT:
-    """The request's JSON body as ``kind``; a 400 naming what is wrong otherwise:
-    a field of the OpenAI or vLLM schema that ``kind`` does not honour
-    (``refused``) among them. Fields of neither schema are ignored, with a warning."""
+async def _decoded_body(kind: type[BodyT]) -> tuple[BodyT, bytes | str]:
+    """The request's JSON body as ``kind``, and its bytes; a 400 naming what is
+    wrong otherwise."""
     _check_content_type(request.mimetype)
     data = await request.get_data()
-    body = protocol.decode_request(data, kind)
-    request_fields.check_fields(data, kind, refused or {})
-    return body
+    return protocol.decode_request(data, kind), data
 
 
 def _check_content_type(mimetype: str) -> None:
