@@ -198,13 +198,19 @@ class ChatCompletionRequest(_GenerationFields, kw_only=True):
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
-    """POST /tokenize: exactly one of ``prompt`` and ``messages``."""
+    """POST /tokenize: exactly one of ``prompt`` and ``messages``; a conversation
+    is rendered as a chat request with the same template fields would be."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     return_token_strs: bool = False
+    tools: list[ToolDefinition] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool = False
+    documents: list[dict[str, Any]] | None = None
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
@@ -466,7 +472,7 @@ def checked_template_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
-def template_options(request: ChatCompletionRequest) -> ChatTemplateOptions:
+def template_options(request: ChatCompletionRequest | TokenizeRequest) -> ChatTemplateOptions:
     """How the chat template renders the conversation (vLLM's request fields)."""
     if request.continue_final_message and request.add_generation_prompt:
         raise RequestRejected("Cannot set both `continue_final_message` and "
@@ -476,6 +482,17 @@ def template_options(request: ChatCompletionRequest) -> ChatTemplateOptions:
                              else request.add_generation_prompt)
     return ChatTemplateOptions(add_generation_prompt=add_generation_prompt,
                                continue_final_message=request.continue_final_message)
+
+
+def template_variables(request: ChatCompletionRequest | TokenizeRequest) -> dict[str, Any]:
+    """The chat template's variables a request sets: its chat_template_kwargs
+    (checked), then tools and documents."""
+    variables = dict(checked_template_kwargs(request.chat_template_kwargs or {}))
+    if request.tools:
+        variables["tools"] = [msgspec.to_builtins(tool) for tool in request.tools]
+    if request.documents is not None:
+        variables["documents"] = request.documents
+    return variables
 
 
 def _template_message(message: ChatMessage, index: int) -> dict[str, Any]:

@@ -427,7 +427,12 @@ class OpenAIServer:
         if body.prompt is not None:
             return body.prompt
         assert body.messages is not None
-        return self.engine.tokenizer.apply_chat_template(protocol.chat_messages(body.messages))
+        options = protocol.template_options(body)
+        return self.engine.tokenizer.apply_chat_template(
+            protocol.chat_messages(body.messages),
+            add_generation_prompt=options.add_generation_prompt,
+            continue_final_message=options.continue_final_message,
+            **protocol.template_variables(body))
 
     async def detokenize(self) -> Response:
         body = await self._decoded_body(protocol.DetokenizeRequest)

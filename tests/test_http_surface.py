@@ -186,6 +186,11 @@ async def test_template_options_over_http_reach_the_engine_chat_template() -> No
                 "continued": await prompt_tokens(prefilled, continue_final_message=True),
                 "documents": await prompt_tokens(MESSAGES, documents=documents),
             }
+            async with httpx.AsyncClient(base_url=str(client.base_url).removesuffix("/v1/")
+                                         ) as http:
+                tokenized = (await http.post("/tokenize", json={
+                    "messages": prefilled, "continue_final_message": True,
+                    "documents": documents})).json()
             both = await refusal(client.chat.completions.create(
                 model="tiny", messages=prefilled, max_tokens=1,  # type: ignore[arg-type]
                 extra_body={"continue_final_message": True, "add_generation_prompt": True}))
@@ -196,6 +201,9 @@ async def test_template_options_over_http_reach_the_engine_chat_template() -> No
         "documents": num_tokens("DOCS a\nuser: hi END\nassistant:"),
     }
     assert both["param"] == "continue_final_message"
+    # /tokenize renders a conversation with the same fields (vLLM's)
+    assert tokenized["tokens"] == tokenizer.encode("DOCS a\nuser: hi END\nassistant: Sure",
+                                                   add_special_tokens=False)
 
 
 # -- defaults from the checkpoint, --max-logprobs -----------------------------------------
