@@ -430,6 +430,7 @@ def run_benchmark_in_processes(options: BenchServeOptions
             return await _served_model(client, options)
 
     model, pool = trio.run(served_model)
+    logger.info("prompt ids drawn from %s", pool.source)
     counters_before = trio.run(prefix_cache_counters, options)
     shares = client_shares(options, model, pool)
     context = multiprocessing.get_context("spawn")
@@ -440,6 +441,7 @@ def run_benchmark_in_processes(options: BenchServeOptions
                  for share in shares]
     for process in processes:
         process.start()
+    logger.info("%d client processes started", len(processes))
     outcomes: list[ClientOutcome] = []
     try:
         while len(outcomes) < len(processes):
@@ -449,6 +451,10 @@ def run_benchmark_in_processes(options: BenchServeOptions
             except queue_module.Empty:
                 if any(process.exitcode not in (None, 0) for process in processes):
                     raise CompletionError("a client process failed (see its error above)") from None
+    except BaseException:
+        for process in processes:  # interrupted, or one failed: the rest stop now
+            process.kill()
+        raise
     finally:
         for process in processes:
             process.join(timeout=5)

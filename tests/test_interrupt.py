@@ -82,3 +82,20 @@ def test_interrupts_are_told_from_other_errors_in_groups() -> None:
     assert not is_interrupt(ValueError())
     with pytest.raises(ValueError):
         raise ValueError
+
+
+@pytest.mark.parametrize("num_client_processes", [1, 2])
+async def test_ctrl_c_ends_bench_serve_with_one_line(num_client_processes: int) -> None:
+    from test_http_support import FakeEngine, running_server
+
+    with trio.fail_after(TIMEOUT):
+        async with running_server(FakeEngine(max_model_len=4096)) as url:
+            command = [sys.executable, "-m", "trio_llm.api.cli", "bench", "serve",
+                       "--base-url", url, "--num-prompts", "100000", "--random-input-len", "4",
+                       "--random-output-len", "2000", "--max-concurrency", "8",
+                       "--num-client-processes", str(num_client_processes)]
+            # its progress bar is up (one process), or the clients are (several)
+            marker = b"it/s" if num_client_processes == 1 else b"client processes started"
+            returncode, stderr = await _interrupted_while_working(command,
+                                                                  stderr_marker=marker)
+    _assert_one_line(returncode, stderr)
