@@ -21,6 +21,13 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     model: str = "tiny"
     revision: str | None = None  # of a Hugging Face id, looked up in the local cache
     tokenizer: str | None = None
+    # a file, or the template inline: replaces the model's chat template
+    chat_template: str | None = None
+    # default sampling parameters: "auto" (the model's generation_config.json),
+    # "vllm" (none) or a directory (actors/generation_defaults.py)
+    generation_config: str = "auto"
+    # most logprobs a request may ask for; -1: the whole vocabulary (vLLM's)
+    max_logprobs: Annotated[int, msgspec.Meta(ge=-1)] = 20
     served_model_name: str | None = None
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"

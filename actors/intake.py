@@ -29,6 +29,7 @@ from trio_llm.actors.grammar import GrammarError, Grammars
 from trio_llm.actors.messages import (
     Abort,
     Admit,
+    ChatTemplateOptions,
     IntakeInbox,
     QueueInbox,
     Request,
@@ -157,12 +158,22 @@ class Intake:
             if not math.isfinite(getattr(params, name)):
                 raise RequestRejected(f"{name} must be a finite number", param=name)
         self._check_structured_outputs(params)
+        self._check_logprobs(params.logprobs)
         bad_ids = [token_id for token_id in params.stop_token_ids
                    if not 0 <= token_id < self.vocab_size]
         if bad_ids:
             raise RequestRejected(
                 f"stop_token_ids {bad_ids} are outside the vocabulary "
                 f"(ids 0 to {self.vocab_size - 1})", param="stop_token_ids")
+
+    def _check_logprobs(self, num_logprobs: int | None) -> None:
+        limit = self.config.max_logprobs
+        if limit == -1:
+            limit = self.vocab_size
+        if num_logprobs is not None and num_logprobs > limit:
+            # vLLM's message
+            raise RequestRejected(f"Requested sample logprobs of {num_logprobs}, which is "
+                                  f"greater than max allowed: {limit}", param="logprobs")
 
     def _check_structured_outputs(self, params: SamplingParams) -> None:
         """What a constraint cannot be combined with: the grammar decides when the
@@ -210,7 +221,8 @@ class Intake:
                 "give exactly one of prompt, prompt_token_ids, messages "
                 f"(got {', '.join(given) or 'none'})", param="prompt")
         if submit.messages is not None:
-            return self._chat_token_ids(submit.messages, _template_variables(submit))
+            return self._chat_token_ids(submit.messages, _template_variables(submit),
+                                        submit.template_options)
         if submit.prompt_token_ids is not None:
             return self._checked_token_ids(submit.prompt_token_ids)
         assert submit.prompt is not None
@@ -239,7 +251,8 @@ class Intake:
         return list(token_ids)
 
     def _chat_token_ids(self, messages: list[dict[str, Any]],
-                        template_variables: dict[str, Any] | None = None) -> list[int]:
+                        template_variables: dict[str, Any] | None = None,
+                        options: ChatTemplateOptions | None = None) -> list[int]:
         if not messages:
             raise RequestRejected("the conversation is empty: no messages", param="messages")
         for index, message in enumerate(messages):
@@ -247,9 +260,15 @@ class Intake:
                 raise RequestRejected(
                     f"message {index} must have a string 'role' and a string 'content'",
                     param="messages")
+        options = options or ChatTemplateOptions()
+        if options.add_generation_prompt and options.continue_final_message:
+            raise RequestRejected("continue_final_message and add_generation_prompt exclude "
+                                  "each other", param="continue_final_message")
         text = _scoped_to_request("chat template", "messages",
                                   self.tokenizer.apply_chat_template, messages,
-                                  add_generation_prompt=True, **(template_variables or {}))
+                                  add_generation_prompt=options.add_generation_prompt,
+                                  continue_final_message=options.continue_final_message,
+                                  **(template_variables or {}))
         # The template already wrote every special token the model expects.
         token_ids = self._encoded(text, "messages", add_special_tokens=False)
         if not token_ids:
@@ -344,11 +363,13 @@ def _check_cache_salt(cache_salt: object) -> None:
 
 
 # Names the chat template gets from the engine itself; chat_template_kwargs may not set them.
-_RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "tools"})
+_RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "tools",
+                                          "documents"})
 
 
 def _template_variables(submit: Submit) -> dict[str, Any]:
-    """``tools`` and ``chat_template_kwargs`` as the chat template's variables."""
+    """``tools``, ``documents`` and ``chat_template_kwargs`` as the chat template's
+    variables."""
     variables = dict(submit.chat_template_kwargs or {})
     reserved = sorted(_RESERVED_TEMPLATE_VARIABLES & set(variables))
     if reserved:
@@ -356,6 +377,8 @@ def _template_variables(submit: Submit) -> dict[str, Any]:
                               param="chat_template_kwargs")
     if submit.tools:
         variables["tools"] = submit.tools
+    if submit.documents is not None:
+        variables["documents"] = submit.documents
     return variables
 def _scoped_to_request(stage: str, param: str, function: Callable[..., T], *args: object,
                        **kwargs: object) -> T:

@@ -60,7 +60,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
-    logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
+    logprobs: NonNegativeInt | None = None  # at most EngineConfig.max_logprobs
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
 
@@ -106,12 +106,23 @@ class Request(msgspec.Struct, frozen=True, kw_only=True):
 # -- facade -> intake ---------------------------------------------------------
 
 
+class ChatTemplateOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """How a conversation is rendered (vLLM's request fields of the same names):
+    ``add_generation_prompt`` opens the assistant's turn after the messages;
+    ``continue_final_message`` leaves the last message open instead (no end of
+    turn), for the model to continue it. The two exclude each other."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+
 class Submit(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     """A new request from the facade. Exactly one of prompt, prompt_token_ids, messages.
     ``cache_salt``: only requests with the same salt share prefix-cache blocks.
 
-    ``tools`` (OpenAI function definitions) and ``chat_template_kwargs`` reach the chat
-    template with ``messages``; a message may carry ``tool_calls`` or ``tool_call_id``.
+    ``tools`` (OpenAI function definitions), ``documents`` (for retrieval-augmented
+    templates) and ``chat_template_kwargs`` reach the chat template with
+    ``messages``; a message may carry ``tool_calls`` or ``tool_call_id``.
     """
 
     request_id: str
@@ -119,7 +130,9 @@ class Submit(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     prompt_token_ids: list[int] | None = None
     messages: list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
+    documents: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    template_options: ChatTemplateOptions = msgspec.field(default_factory=ChatTemplateOptions)
     params: SamplingParams
     priority: int = 0
     arrival_time: float

@@ -52,8 +52,10 @@ class Tokenizer:
         self._compiled_template: Any = None
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> Tokenizer:
-        """Load the tokenizer of the model directory ``path``."""
+    def from_dir(cls, path: str | Path, *, chat_template: str | None = None) -> Tokenizer:
+        """Load the tokenizer of the model directory ``path``; ``chat_template``
+        (a file or the template itself, as ``--chat-template`` takes it) replaces
+        the model's."""
         directory = Path(path)
         tokenizer_file = directory / "tokenizer.json"
         if not tokenizer_file.is_file():
@@ -65,7 +67,8 @@ class Tokenizer:
         return cls(
             backend,
             special_tokens=_special_tokens(config),
-            chat_template=_read_chat_template(directory, config),
+            chat_template=(load_chat_template(chat_template) if chat_template is not None
+                           else _read_chat_template(directory, config)),
             generation_eos_ids=_as_id_list(generation_config.get("eos_token_id")),
         )
 
@@ -111,21 +114,27 @@ class Tokenizer:
         return str(text)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], *,
-                            add_generation_prompt: bool = True, **variables: Any) -> str:
+                            add_generation_prompt: bool = True,
+                            continue_final_message: bool = False, **variables: Any) -> str:
         """Render a conversation to the prompt text the model was trained on;
-        ``variables`` (tools, enable_thinking, ...) are the template's too.
+        ``variables`` (tools, documents, enable_thinking, ...) are the template's too.
+        ``continue_final_message``: the text ends with the last message's content,
+        left open for the model to continue (transformers' rule).
 
         Raises RequestRejected when the model has no chat template or the
         template rejects the conversation.
         """
         template = self._template()
         try:
-            return str(template.render(**{**self.special_tokens, **variables},
+            text = str(template.render(**{**self.special_tokens, **variables},
                                        messages=messages,
                                        add_generation_prompt=add_generation_prompt))
         except TemplateError as error:
             raise RequestRejected(f"the chat template failed: {error}",
                                   param="messages") from error
+        if continue_final_message:
+            return _cut_after_final_message(text, messages)
+        return text
 
     def _template(self) -> Any:
         if self.chat_template is None:
@@ -222,6 +231,34 @@ def _vocab_size(backend: tokenizers.Tokenizer) -> int:
 
 
 # -- chat templates ------------------------------------------------------------
+
+
+def _cut_after_final_message(text: str, messages: list[dict[str, Any]]) -> str:
+    """``text`` up to the end of the last message's content, as transformers cuts it
+    for continue_final_message: what the template writes after it (an end of turn)
+    goes, so the model continues the message."""
+    final = str(messages[-1].get("content") or "") if messages else ""
+    if not final.strip() or final.strip() not in text:
+        raise RequestRejected("continue_final_message is set, but the chat template does not "
+                              "write the final message's content", param="messages")
+    start = text.rindex(final.strip())
+    if text[start:start + len(final.lstrip())] == final.lstrip():
+        return text[:start + len(final.lstrip())]
+    # the template trimmed the message's trailing space: cut after what it kept
+    return text[:start + len(final.strip())]
+
+
+def load_chat_template(template: str) -> str:
+    """``--chat-template``: a file's text, or the template itself given inline (vLLM's rule)."""
+    path = Path(template)
+    try:
+        if path.is_file():
+            return path.read_text(encoding="utf-8")
+    except OSError:
+        pass  # a long inline template is no file name
+    if "{{" in template or "{%" in template:
+        return template
+    raise ValueError(f"--chat-template {template!r} is neither a file nor a Jinja template")
 
 
 def _raise_exception(message: str) -> None:

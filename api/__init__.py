@@ -11,6 +11,8 @@ from typing import Any
 _EXPORTS = {
     "Engine": "trio_llm.api.engine",
     "EngineStatistics": "trio_llm.api.engine",
+    "RequestOutputStream": "trio_llm.api.engine",
+    "ChatTemplateOptions": "trio_llm.actors.messages",
     "EngineConfig": "trio_llm.actors.config",
     "SamplingParams": "trio_llm.actors.messages",
     "RequestOutput": "trio_llm.actors.messages",

@@ -126,14 +126,14 @@ async def run_engine_throughput(config: EngineConfig, model: Any, workload: list
             num_output_tokens += len(output.token_ids)
             bar.update(len(output.token_ids))
 
-    async with Engine.open(config, executor=executor) as engine:
-        start = time.perf_counter()
-        async with trio.open_nursery() as nursery:
-            for index, item in enumerate(workload):
-                nursery.start_soon(one, engine, index, item)
-        elapsed = time.perf_counter() - start
-        stats = engine.statistics()
-    bar.close()
+    with bar:  # closed however the run ends (a Ctrl-C too), before anything is printed
+        async with Engine.open(config, executor=executor) as engine:
+            start = time.perf_counter()
+            async with trio.open_nursery() as nursery:
+                for index, item in enumerate(workload):
+                    nursery.start_soon(one, engine, index, item)
+            elapsed = time.perf_counter() - start
+            stats = engine.statistics()
     return {
         "executor": executor_kind,
         "num_requests": len(workload),

@@ -35,9 +35,11 @@ import math
 import multiprocessing
 import queue as queue_module
 import random
+import signal
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -55,7 +57,10 @@ CLIENT_START_SECONDS = 120.0
 
 
 class BenchServeOptions(msgspec.Struct, frozen=True, kw_only=True):
-    """Everything one run depends on; ``vocab_size`` None asks the server."""
+    """Everything one run depends on. Prompt ids are drawn below ``vocab_size``;
+    None finds the vocabulary (``token_pool``): the server's vocab_size (trio-llm
+    reports it), else the tokenizer of ``tokenizer`` or the model (a directory,
+    or a Hugging Face id in the local cache), else the ids /tokenize gives."""
 
     base_url: str
     model: str | None = None
@@ -69,6 +74,7 @@ class BenchServeOptions(msgspec.Struct, frozen=True, kw_only=True):
     seed: int = 0
     ignore_eos: bool = True
     vocab_size: int | None = None
+    tokenizer: str | None = None
     show_progress: bool = True
     dataset_name: Literal["random", "prefix_repetition"] = "random"
     prefix_repetition_prefix_len: Annotated[int, msgspec.Meta(ge=0)] = 256
@@ -83,6 +89,18 @@ class BenchRequest(msgspec.Struct, frozen=True):
     max_tokens: int
 
 
+class TokenPool(msgspec.Struct, frozen=True, kw_only=True):
+    """The ids prompts are drawn from: every id below ``vocab_size``, or
+    ``token_ids`` (those /tokenize gave); ``source`` says where they came from."""
+
+    vocab_size: int = 0
+    token_ids: list[int] = []
+    source: str = ""
+
+    def ids(self) -> Sequence[int]:
+        return self.token_ids or range(self.vocab_size)
+
+
 class RequestResult(msgspec.Struct, kw_only=True):
     """One request as the client saw it; times in seconds."""
 
@@ -90,6 +108,7 @@ class RequestResult(msgspec.Struct, kw_only=True):
     error: str = ""
     prompt_len: int = 0
     output_len: int = 0
+    start: float = 0.0  # when it was sent, from the run's start
     ttft: float = 0.0
     itl: list[float] = []
     latency: float = 0.0
@@ -127,15 +146,19 @@ class BenchServeReport(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def random_requests(*, seed: int, num_prompts: int, input_len: int, output_len: int,
-                    range_ratio: float, vocab_size: int) -> list[BenchRequest]:
-    """Random prompts from a seed. Lengths are uniform in
-    [len * (1 - range_ratio), len * (1 + range_ratio)], at least 1."""
+                    range_ratio: float, vocab_size: int = 0,
+                    token_ids: Sequence[int] = ()) -> list[BenchRequest]:
+    """Random prompts from a seed, their ids below ``vocab_size`` (or drawn from
+    ``token_ids``). Lengths are uniform in [len * (1 - range_ratio),
+    len * (1 + range_ratio)], at least 1."""
     rng = random.Random(seed)
+    pool = token_ids or range(vocab_size)
     requests = []
     for _ in range(num_prompts):
         num_prompt_tokens = _random_length(rng, input_len, range_ratio)
         requests.append(BenchRequest(
-            prompt_token_ids=[rng.randrange(vocab_size) for _ in range(num_prompt_tokens)],
+            # choice over a range draws what randrange would: the same prompts
+            prompt_token_ids=[rng.choice(pool) for _ in range(num_prompt_tokens)],
             max_tokens=_random_length(rng, output_len, range_ratio),
         ))
     return requests
@@ -143,33 +166,35 @@ def random_requests(*, seed: int, num_prompts: int, input_len: int, output_len: 
 
 def prefix_repetition_requests(*, seed: int, num_prompts: int, prefix_len: int,
                                suffix_len: int, num_prefixes: int, output_len: int,
-                               vocab_size: int) -> list[BenchRequest]:
+                               vocab_size: int = 0,
+                               token_ids: Sequence[int] = ()) -> list[BenchRequest]:
     """vLLM's prefix_repetition shape: request ``i`` is prefix ``i % num_prefixes``
     plus its own random suffix, shuffled. (vLLM makes ``num_prompts // num_prefixes``
     per prefix and drops the rest; here every prompt is made.)"""
     rng = random.Random(seed)
-    prefixes = [[rng.randrange(vocab_size) for _ in range(prefix_len)]
+    pool = token_ids or range(vocab_size)
+    prefixes = [[rng.choice(pool) for _ in range(prefix_len)]
                 for _ in range(num_prefixes)]
     requests = [BenchRequest(
         prompt_token_ids=prefixes[index % num_prefixes]
-        + [rng.randrange(vocab_size) for _ in range(suffix_len)],
+        + [rng.choice(pool) for _ in range(suffix_len)],
         max_tokens=output_len) for index in range(num_prompts)]
     rng.shuffle(requests)
     return requests
 
 
-def workload_requests(options: BenchServeOptions, vocab_size: int) -> list[BenchRequest]:
+def workload_requests(options: BenchServeOptions, pool: TokenPool) -> list[BenchRequest]:
     if options.dataset_name == "prefix_repetition":
         return prefix_repetition_requests(
             seed=options.seed, num_prompts=options.num_prompts,
             prefix_len=options.prefix_repetition_prefix_len,
             suffix_len=options.prefix_repetition_suffix_len,
             num_prefixes=options.prefix_repetition_num_prefixes,
-            output_len=options.prefix_repetition_output_len, vocab_size=vocab_size)
+            output_len=options.prefix_repetition_output_len, token_ids=pool.ids())
     return random_requests(
         seed=options.seed, num_prompts=options.num_prompts,
         input_len=options.random_input_len, output_len=options.random_output_len,
-        range_ratio=options.random_range_ratio, vocab_size=vocab_size)
+        range_ratio=options.random_range_ratio, token_ids=pool.ids())
 
 
 def ideal_prefix_cache_hit_rate(options: BenchServeOptions) -> float | None:
@@ -206,8 +231,10 @@ def arrival_offsets(*, seed: int, num_requests: int, request_rate: float) -> lis
 
 
 async def timed_request(client: CompletionClient, request: BenchRequest, *,
-                        model: str | None, ignore_eos: bool) -> RequestResult:
-    """Stream one request; never raises for a failed request (the result says so)."""
+                        model: str | None, ignore_eos: bool,
+                        clock_start: float = 0.0) -> RequestResult:
+    """Stream one request; never raises for a failed request (the result says so).
+    ``start`` is when it was sent, from ``clock_start``."""
     body: dict[str, Any] = {"prompt": request.prompt_token_ids, "max_tokens": request.max_tokens,
                             "ignore_eos": ignore_eos, "temperature": 0.0,
                             "stream_options": {"include_usage": True}}
@@ -224,20 +251,23 @@ async def timed_request(client: CompletionClient, request: BenchRequest, *,
                 if chunk.usage is not None:
                     num_output_tokens = chunk.usage.completion_tokens
     except (CompletionError, httpx.HTTPError) as error:
-        return RequestResult(success=False, error=str(error),
-                             prompt_len=len(request.prompt_token_ids))
-    return _result(request, start, trio.current_time(), arrivals, num_output_tokens)
+        return RequestResult(success=False, error=str(error) or type(error).__name__,
+                             prompt_len=len(request.prompt_token_ids),
+                             start=start - clock_start)
+    return _result(request, start, trio.current_time(), arrivals, num_output_tokens,
+                   clock_start)
 
 
 def _result(request: BenchRequest, start: float, end: float, arrivals: list[float],
-            num_output_tokens: int | None) -> RequestResult:
+            num_output_tokens: int | None, clock_start: float) -> RequestResult:
     if not arrivals:
         return RequestResult(success=False, error="no output",
-                             prompt_len=len(request.prompt_token_ids))
+                             prompt_len=len(request.prompt_token_ids),
+                             start=start - clock_start)
     return RequestResult(
         success=True, prompt_len=len(request.prompt_token_ids),
         output_len=num_output_tokens if num_output_tokens is not None else len(arrivals),
-        ttft=arrivals[0] - start,
+        start=start - clock_start, ttft=arrivals[0] - start,
         itl=[later - earlier for earlier, later in zip(arrivals, arrivals[1:], strict=False)],
         latency=end - start,
     )
@@ -247,11 +277,12 @@ async def run_benchmark(options: BenchServeOptions, *,
                         progress: Any = None) -> tuple[BenchServeReport, list[RequestResult]]:
     """Run the workload against ``options.base_url``; the report and every result."""
     async with CompletionClient(options.base_url, api_key=options.api_key) as client:
-        model, vocab_size = await _served_model(client, options)
+        model, pool = await _served_model(client, options)
+        logger.info("prompt ids drawn from %s", pool.source)
         counters_before = await prefix_cache_counters(options)
         indices = list(range(options.num_prompts))
         start = trio.current_time()
-        results = await _run_requests(client, options, model, vocab_size, indices,
+        results = await _run_requests(client, options, model, pool, indices,
                                       options.max_concurrency, progress)
         duration = trio.current_time() - start
         counters_after = await prefix_cache_counters(options)
@@ -284,18 +315,18 @@ async def prefix_cache_counters(options: BenchServeOptions) -> tuple[float, floa
     found = set()
     for line in response.text.splitlines():
         for name in totals:
-            if line.startswith(f"trio_llm:prefix_cache_{name}_total"):
+            if line.startswith(f"vllm:prefix_cache_{name}_total"):
                 totals[name] += float(line.rsplit(" ", 1)[1])
                 found.add(name)
     return (totals["queries"], totals["hits"]) if len(found) == 2 else None
 
 
 async def _run_requests(client: CompletionClient, options: BenchServeOptions,
-                        model: str | None, vocab_size: int, indices: list[int],
+                        model: str | None, pool: TokenPool, indices: list[int],
                         max_concurrency: int | None, progress: Any) -> list[RequestResult]:
     """The workload's requests ``indices``, at their arrival times, at most
     ``max_concurrency`` at once; their results in the same order."""
-    requests = workload_requests(options, vocab_size)
+    requests = workload_requests(options, pool)
     offsets = arrival_offsets(seed=options.seed, num_requests=len(requests),
                               request_rate=options.request_rate)
     results: list[RequestResult] = [RequestResult(success=False)] * len(indices)
@@ -306,7 +337,8 @@ async def _run_requests(client: CompletionClient, options: BenchServeOptions,
         await trio.sleep_until(start + offsets[index])
         async with seats:
             results[position] = await timed_request(client, requests[index], model=model,
-                                                    ignore_eos=options.ignore_eos)
+                                                    ignore_eos=options.ignore_eos,
+                                                    clock_start=start)
         if progress is not None:
             progress.update(1)
 
@@ -324,7 +356,7 @@ class ClientShare(msgspec.Struct, frozen=True, kw_only=True):
 
     options: BenchServeOptions
     model: str | None
-    vocab_size: int
+    pool: TokenPool
     indices: list[int]
     max_concurrency: int | None
 
@@ -339,7 +371,7 @@ class ClientOutcome(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def client_shares(options: BenchServeOptions, model: str | None,
-                  vocab_size: int) -> list[ClientShare]:
+                  pool: TokenPool) -> list[ClientShare]:
     """Request i to process i mod P; the concurrency limit split as evenly."""
     num_processes = min(options.num_client_processes, max(1, options.num_prompts))
     shares = []
@@ -348,7 +380,7 @@ def client_shares(options: BenchServeOptions, model: str | None,
         if options.max_concurrency is not None:
             max_concurrency = max(1, options.max_concurrency // num_processes
                                   + (rank < options.max_concurrency % num_processes))
-        shares.append(ClientShare(options=options, model=model, vocab_size=vocab_size,
+        shares.append(ClientShare(options=options, model=model, pool=pool,
                                   indices=list(range(rank, options.num_prompts, num_processes)),
                                   max_concurrency=max_concurrency))
     return shares
@@ -359,10 +391,13 @@ def merge_outcomes(options: BenchServeOptions, outcomes: list[ClientOutcome],
     """One report over every process's results, in workload order; the duration
     from the first start to the last end."""
     results: list[RequestResult] = [RequestResult(success=False)] * options.num_prompts
+    first_start = min(o.start for o in outcomes)
     for outcome in outcomes:
         for index, result in zip(outcome.indices, outcome.results, strict=True):
-            results[index] = result
-    duration = max(o.end for o in outcomes) - min(o.start for o in outcomes)
+            # each process timed its requests from its own start
+            results[index] = msgspec.structs.replace(
+                result, start=result.start + outcome.start - first_start)
+    duration = max(o.end for o in outcomes) - first_start
     return summarize(results, duration, options), results
 
 
@@ -370,6 +405,8 @@ def _client_process(share_bytes: bytes, barrier: Any, outcomes: Any) -> None:
     """One client process: set up, wait for the others, run its share, report."""
     share = msgspec.msgpack.decode(share_bytes, type=ClientShare)
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    # Ctrl-C is the parent's to handle (it ends this process): no traceback here.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     async def run() -> ClientOutcome:
         async with CompletionClient(share.options.base_url,
@@ -377,7 +414,7 @@ def _client_process(share_bytes: bytes, barrier: Any, outcomes: Any) -> None:
             barrier.wait(CLIENT_START_SECONDS)  # every process starts its clock together
             start = time.monotonic()
             results = await _run_requests(client, share.options, share.model,
-                                          share.vocab_size, share.indices,
+                                          share.pool, share.indices,
                                           share.max_concurrency, None)
             return ClientOutcome(indices=share.indices, results=results, start=start,
                                  end=time.monotonic())
@@ -388,13 +425,14 @@ def _client_process(share_bytes: bytes, barrier: Any, outcomes: Any) -> None:
 def run_benchmark_in_processes(options: BenchServeOptions
                                ) -> tuple[BenchServeReport, list[RequestResult]]:
     """The workload spread over ``options.num_client_processes`` processes."""
-    async def served_model() -> tuple[str | None, int]:
+    async def served_model() -> tuple[str | None, TokenPool]:
         async with CompletionClient(options.base_url, api_key=options.api_key) as client:
             return await _served_model(client, options)
 
-    model, vocab_size = trio.run(served_model)
+    model, pool = trio.run(served_model)
+    logger.info("prompt ids drawn from %s", pool.source)
     counters_before = trio.run(prefix_cache_counters, options)
-    shares = client_shares(options, model, vocab_size)
+    shares = client_shares(options, model, pool)
     context = multiprocessing.get_context("spawn")
     barrier = context.Barrier(len(shares))
     queue = context.Queue()
@@ -403,6 +441,7 @@ def run_benchmark_in_processes(options: BenchServeOptions
                  for share in shares]
     for process in processes:
         process.start()
+    logger.info("%d client processes started", len(processes))
     outcomes: list[ClientOutcome] = []
     try:
         while len(outcomes) < len(processes):
@@ -412,6 +451,10 @@ def run_benchmark_in_processes(options: BenchServeOptions
             except queue_module.Empty:
                 if any(process.exitcode not in (None, 0) for process in processes):
                     raise CompletionError("a client process failed (see its error above)") from None
+    except BaseException:
+        for process in processes:  # interrupted, or one failed: the rest stop now
+            process.kill()
+        raise
     finally:
         for process in processes:
             process.join(timeout=5)
@@ -423,14 +466,76 @@ def run_benchmark_in_processes(options: BenchServeOptions
 
 
 async def _served_model(client: CompletionClient,
-                        options: BenchServeOptions) -> tuple[str | None, int]:
-    """The model to ask for and the vocabulary to draw prompt ids from."""
-    cards = await client.models()
+                        options: BenchServeOptions) -> tuple[str | None, TokenPool]:
+    """The model to ask for and the token ids to draw prompts from (see
+    BenchServeOptions). Raises CompletionError saying what each source answered."""
+    try:
+        cards = await client.models()
+    except CompletionError as error:
+        raise CompletionError(f"GET /v1/models answered {error}") from None
     card = next((c for c in cards if c.get("id") == options.model), cards[0] if cards else {})
-    vocab_size = options.vocab_size or card.get("vocab_size")
-    if not vocab_size:
-        raise CompletionError("the server does not report vocab_size; pass --vocab-size")
-    return options.model or card.get("id"), int(vocab_size)
+    model = options.model or card.get("id")
+    if options.vocab_size or card.get("vocab_size"):
+        size = int(options.vocab_size or card["vocab_size"])
+        source = "--vocab-size" if options.vocab_size else "the server's vocab_size"
+        return model, TokenPool(vocab_size=size, source=source)
+    tried = [f"the server reports no vocab_size for {model!r}"]
+    name = options.tokenizer or card.get("root") or model
+    if name:
+        size, why = local_vocab_size(name)
+        if size:
+            return model, TokenPool(vocab_size=size, source=f"the tokenizer of {name}")
+        tried.append(why)
+    token_ids, why = await _tokenized_ids(client, model)
+    if token_ids:
+        return model, TokenPool(token_ids=token_ids, source="/tokenize")
+    tried.append(why)
+    raise CompletionError("no vocabulary to draw prompts from: " + "; ".join(tried)
+                          + ". Pass --vocab-size N or --tokenizer DIR")
+
+
+def local_vocab_size(name: str) -> tuple[int, str]:
+    """The size of the base vocabulary (added tokens aside, as vLLM draws its random
+    prompts) of the tokenizer at ``name``: a directory or a Hugging Face id in the
+    local cache (never downloaded). (0, why) when there is none."""
+    import tokenizers
+
+    directory = Path(name).expanduser()
+    if not directory.is_dir():
+        from huggingface_hub import snapshot_download
+
+        try:
+            directory = Path(snapshot_download(name, local_files_only=True))
+        except Exception as error:  # any failure means: not found locally
+            return 0, (f"no tokenizer of {name!r} in the local Hugging Face cache "
+                       f"({type(error).__name__})")
+    path = directory / "tokenizer.json"
+    if not path.is_file():
+        return 0, f"no tokenizer.json in {directory}"
+    backend = tokenizers.Tokenizer.from_file(str(path))
+    return backend.get_vocab_size(with_added_tokens=False), ""
+
+
+# Text for /tokenize when nothing else gives a vocabulary: its ids are the pool.
+POOL_TEXT = (
+    "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs! "
+    "How vexingly quick daft zebras jump; sphinx of black quartz, judge my vow. "
+    "0123456789 + - * / = ( ) [ ] { } < > , . ; : ? ! ' \" @ # $ % & _ ~ ^ | "
+    "Numbers: 3.14159, 2.71828, 1,000,000; dates: 2026-12-01; code: def f(x): return x ** 2"
+)
+
+
+async def _tokenized_ids(client: CompletionClient, model: str | None) -> tuple[list[int], str]:
+    """The distinct ids of POOL_TEXT as the server's /tokenize gives them."""
+    body: dict[str, Any] = {"prompt": POOL_TEXT * 4}
+    if model is not None:
+        body["model"] = model
+    try:
+        answer = await client.tokenize(body)
+    except CompletionError as error:
+        return [], f"POST /tokenize answered {error}"
+    token_ids = sorted({int(token_id) for token_id in answer.get("tokens", [])})
+    return token_ids, "" if token_ids else "POST /tokenize gave no tokens"
 
 
 # -- reporting -------------------------------------------------------------------------
@@ -537,8 +642,13 @@ def _matplotlib() -> Any:
     return matplotlib
 
 
+PLOT_PERCENTILES = (50, 90, 99)
+
+
 def plot_latencies(path: Path, results: list[RequestResult]) -> None:
-    """Histograms of TTFT, TPOT, ITL and end-to-end latency, as one PNG."""
+    """One PNG: histograms of TTFT, TPOT, ITL and end-to-end latency with their
+    p50/p90/p99 lines, and below them output throughput and requests running
+    over the run."""
     _matplotlib().use("Agg")
     import matplotlib.pyplot as pyplot
 
@@ -549,15 +659,62 @@ def plot_latencies(path: Path, results: list[RequestResult]) -> None:
         "ITL (ms)": [itl * 1000 for r in done for itl in r.itl],
         "E2E latency (ms)": [r.latency * 1000 for r in done],
     }
-    figure, axes = pyplot.subplots(2, 2, figsize=(10, 7))
-    for axis, (title, values) in zip(axes.flat, series.items(), strict=True):
-        axis.hist(values or [0.0], bins=40)
-        axis.set_title(title)
-        axis.set_ylabel("requests" if "ITL" not in title else "chunks")
+    figure = pyplot.figure(figsize=(11, 10))
+    grid = figure.add_gridspec(3, 2)
+    for position, (title, values) in enumerate(series.items()):
+        axis = figure.add_subplot(grid[position // 2, position % 2])
+        _histogram_with_percentiles(axis, values, title)
+    _plot_over_time(figure.add_subplot(grid[2, :]), done)
     figure.suptitle(f"trio-llm bench serve: {len(done)} requests")
     figure.tight_layout()
     figure.savefig(path)
     pyplot.close(figure)
+
+
+def _histogram_with_percentiles(axis: Any, values: list[float], title: str) -> None:
+    axis.hist(values or [0.0], bins=40)
+    axis.set_title(title)
+    axis.set_ylabel("requests" if "ITL" not in title else "chunks")
+    ordered = sorted(values)
+    for percent, style in zip(PLOT_PERCENTILES, ("--", "-.", ":"), strict=True):
+        if ordered:
+            value = percentile(ordered, percent)
+            axis.axvline(value, color="black", linestyle=style, linewidth=1,
+                         label=f"p{percent} {value:.1f}")
+    if ordered:
+        axis.legend(fontsize="small")
+
+
+def throughput_over_time(results: list[RequestResult], num_bins: int = 60
+                         ) -> tuple[list[float], list[float], list[int]]:
+    """Bin starts (s), output tokens/s in each bin, and requests running at each
+    bin's start. A chunk's tokens are the request's output spread evenly over
+    its chunks."""
+    end = max((r.start + r.latency for r in results), default=0.0)
+    width = max(end / num_bins, 1e-3)
+    times = [index * width for index in range(num_bins)]
+    tokens = [0.0] * num_bins
+    for result in results:
+        arrival = result.start + result.ttft
+        arrivals = [arrival]
+        for gap in result.itl:
+            arrival += gap
+            arrivals.append(arrival)
+        for moment in arrivals:
+            tokens[min(int(moment / width), num_bins - 1)] += result.output_len / len(arrivals)
+    running = [sum(r.start <= moment < r.start + r.latency for r in results) for moment in times]
+    return times, [count / width for count in tokens], running
+
+
+def _plot_over_time(axis: Any, results: list[RequestResult]) -> None:
+    times, rates, running = throughput_over_time(results)
+    axis.plot(times, rates, color="tab:blue", label="output tokens/s")
+    axis.set_xlabel("seconds from the start")
+    axis.set_ylabel("output tokens/s", color="tab:blue")
+    running_axis = axis.twinx()
+    running_axis.step(times, running, where="post", color="tab:orange", label="running")
+    running_axis.set_ylabel("requests running", color="tab:orange")
+    axis.set_title("Throughput and requests running over time")
 
 
 # -- the command line -----------------------------------------------------------------
@@ -586,7 +743,11 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
     workload.add_argument("--seed", type=int, default=0)
     workload.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
     workload.add_argument("--vocab-size", type=int, default=None,
-                          help="draw prompt ids below this (default: the server's)")
+                          help="draw prompt ids below this (default: the server's, else "
+                               "the tokenizer's, else the ids /tokenize gives)")
+    workload.add_argument("--tokenizer", default=None,
+                          help="tokenizer to size the vocabulary by: a directory or a "
+                               "Hugging Face id in the local cache (default: the model)")
     prefixes = parser.add_argument_group("prefix_repetition dataset")
     prefixes.add_argument("--prefix-repetition-prefix-len", type=int, default=256)
     prefixes.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
@@ -611,6 +772,7 @@ def options_from_args(args: argparse.Namespace) -> BenchServeOptions:
             "random_range_ratio": args.random_range_ratio, "request_rate": args.request_rate,
             "max_concurrency": args.max_concurrency, "seed": args.seed,
             "ignore_eos": args.ignore_eos, "vocab_size": args.vocab_size,
+            "tokenizer": args.tokenizer,
             "show_progress": not args.disable_tqdm, "dataset_name": args.dataset_name,
             "prefix_repetition_prefix_len": args.prefix_repetition_prefix_len,
             "prefix_repetition_suffix_len": args.prefix_repetition_suffix_len,
@@ -620,6 +782,16 @@ def options_from_args(args: argparse.Namespace) -> BenchServeOptions:
         }, BenchServeOptions)
     except msgspec.ValidationError as error:
         raise SystemExit(f"trio-llm bench serve: {error}") from None
+
+
+def failure_message(base_url: str, error: Exception) -> str:
+    """What went wrong, in a line: the server was not reached, or what it answered."""
+    if isinstance(error, httpx.TransportError):
+        what = str(error) or type(error).__name__
+        return f"cannot reach {base_url}: {what} (is the server running there?)"
+    if isinstance(error, httpx.HTTPError):
+        return f"{base_url}: {type(error).__name__}: {error}"
+    return f"{base_url}: {error}"
 
 
 def run_bench_serve(args: argparse.Namespace) -> int:
@@ -642,8 +814,8 @@ def run_bench_serve(args: argparse.Namespace) -> int:
             with progress_bar(total=options.num_prompts, disable=not options.show_progress,
                               file=sys.stderr) as progress:
                 report, results = trio.run(partial(run_benchmark, options, progress=progress))
-    except (CompletionError, httpx.HTTPError) as error:
-        print(f"trio-llm bench serve: cannot reach {options.base_url}: {error}",
+    except (httpx.TransportError, CompletionError, httpx.HTTPError) as error:
+        print(f"trio-llm bench serve: {failure_message(options.base_url, error)}",
               file=sys.stderr)
         return 1
     print(format_report(report))

@@ -15,6 +15,11 @@ _ENGINE_FLAGS: list[tuple[str, type, str]] = [
                      "built-in name (tiny, qwen3-0.6b, qwen3-8b)"),
     ("--revision", str, "revision of a Hugging Face id (branch, tag or commit)"),
     ("--tokenizer", str, "tokenizer directory (default: the model's)"),
+    ("--chat-template", str, "chat template replacing the model's: a file, or the template "
+                             "itself"),
+    ("--generation-config", str, "default sampling parameters: 'auto' (the model's "
+                                 "generation_config.json), 'vllm' (none) or a directory"),
+    ("--max-logprobs", int, "most logprobs a request may ask for (-1: the vocabulary)"),
     ("--served-model-name", str, "model name reported by the API"),
     ("--dtype", str, "auto, float32, bfloat16 or float16"),
     ("--device", str, "auto, cpu or cuda"),
@@ -70,10 +75,45 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
     fields = {f.name for f in msgspec.structs.fields(EngineConfig)}
     given = {k: v for k, v in vars(args).items() if k in fields and v is not None}
+    model_tag = getattr(args, "model_tag", None)
+    if model_tag is not None:
+        if given.get("model", model_tag) != model_tag:
+            raise SystemExit(f"trio-llm: the model is given twice: {model_tag} and "
+                             f"--model {given['model']}")
+        given["model"] = model_tag
     try:
-        return msgspec.convert(given, EngineConfig)
+        config = msgspec.convert(given, EngineConfig)
     except msgspec.ValidationError as error:
         raise SystemExit(f"trio-llm: invalid engine option: {error}") from None
+    _check_chat_template(config.chat_template)
+    _check_hugging_face_model(config)
+    return config
+
+
+def _check_hugging_face_model(config: EngineConfig) -> None:
+    """An ORG/NAME model not in the local cache: one line saying where it was
+    looked for, at the command line rather than as a traceback from the engine."""
+    from pathlib import Path
+
+    parts = config.model.split("/")
+    if Path(config.model).expanduser().exists() or len(parts) != 2 or not all(parts):
+        return
+    from trio_llm.gpu.builtin import resolve_model
+
+    try:
+        resolve_model(config.model, config.revision)
+    except ValueError as error:
+        raise SystemExit(f"trio-llm: {error}") from None
+
+def _check_chat_template(template: str | None) -> None:
+    """Fail at the command line, not when the engine starts."""
+    from trio_llm.actors.tokenizer import load_chat_template
+
+    if template is not None:
+        try:
+            load_chat_template(template)
+        except ValueError as error:
+            raise SystemExit(f"trio-llm: {error}") from None
 
 
 def _run_generate(args: argparse.Namespace) -> int:
@@ -84,7 +124,8 @@ def _run_generate(args: argparse.Namespace) -> int:
 
     config = engine_config_from_args(args)
     params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.sampling_seed
+        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.sampling_seed,
+        ignore_eos=args.ignore_eos,
     )
 
     async def generate() -> None:
@@ -112,13 +153,19 @@ def _build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--max-tokens", type=int, default=32)
     generate.add_argument("--temperature", type=float, default=0.0)
     generate.add_argument("--sampling-seed", type=int, default=None)
+    generate.add_argument("--ignore-eos", action="store_true",
+                          help="go on to --max-tokens past the end-of-sequence token")
     generate.add_argument("--chat", action="store_true", help="apply the chat template")
+    _add_log_level(generate)
     add_engine_arguments(generate)
     generate.set_defaults(run=_run_generate)
 
     from trio_llm.api import bench, server
 
     serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
+    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                       help="the model, as --model takes it (vLLM's `serve MODEL`)")
+    _add_log_level(serve)
     add_engine_arguments(serve)
     server.add_serve_arguments(serve)
     serve.set_defaults(run=server.run_serve)
@@ -129,10 +176,49 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_log_level(parser: argparse.ArgumentParser) -> None:
+    """``--log-level`` after the command too (`trio-llm serve --log-level debug`)."""
+    parser.add_argument("--log-level", dest="command_log_level", default=None,
+                        help="log level (debug, info, warning, error)")
+
+
+# The shell's convention for a command ended by SIGINT.
+EXIT_INTERRUPTED = 130
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
-    return int(args.run(args) or 0)
+    """Ctrl-C ends any command with one line and EXIT_INTERRUPTED, not tracebacks
+    (`serve` handles it itself first: a graceful stop)."""
+    try:
+        args = _build_parser().parse_args(argv)
+        level = (getattr(args, "command_log_level", None) or args.log_level).upper()
+        logging.basicConfig(level=level, format="%(asctime)s %(name)s %(message)s")
+        return int(args.run(args) or 0)
+    except BaseException as error:
+        if not is_interrupt(error):
+            raise
+        print("trio-llm: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def is_interrupt(error: BaseException) -> bool:
+    """A KeyboardInterrupt, alone or in exception groups (trio's nurseries wrap it),
+    with nothing else but the cancellations it caused."""
+    if isinstance(error, KeyboardInterrupt):
+        return True
+    if not isinstance(error, BaseExceptionGroup):
+        return False
+    import trio
+
+    leaves = [leaf for leaf in _leaves(error) if not isinstance(leaf, trio.Cancelled)]
+    return bool(leaves) and all(isinstance(leaf, KeyboardInterrupt) for leaf in leaves)
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
+    leaves: list[BaseException] = []
+    for error in group.exceptions:
+        leaves += _leaves(error) if isinstance(error, BaseExceptionGroup) else [error]
+    return leaves
 
 
 if __name__ == "__main__":

@@ -130,6 +130,12 @@ class CompletionClient:
         _raise_for_error(response)
         return list(response.json()["data"])
 
+    async def tokenize(self, request: dict[str, Any]) -> dict[str, Any]:
+        """POST /tokenize (vLLM's and trio-llm's): the decoded response body."""
+        response = await self._http.post("/tokenize", json=request)
+        _raise_for_error(response)
+        return dict(response.json())
+
     async def complete(self, request: dict[str, Any], *,
                        path: str = COMPLETIONS_PATH) -> dict[str, Any]:
         """One non-streamed request; the decoded response body."""

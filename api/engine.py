@@ -4,9 +4,10 @@
         async for out in engine.generate("Hello", SamplingParams(max_tokens=16)):
             print(out.text, end="")
 
-Cancellation belongs to the caller: leaving a `generate` stream early, or a
-cancel scope around it, aborts the request; its KV blocks are free within one
-engine step.
+Cancellation belongs to the caller: leaving a `generate` stream early (a
+``break``, ``aclose()``, the end of an ``async with`` around it), or a cancel
+scope around it, aborts the request; its KV blocks are free within one engine
+step (RequestOutputStream says how).
 
 The same facade fronts both layouts (docs/architecture.md, "Processes"):
 ``Engine.open`` runs every actor in this process; ``Engine.open_front`` runs
@@ -16,6 +17,7 @@ intake and detokenizer here, in front of an engine core in another process
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import itertools
 import logging
@@ -29,9 +31,16 @@ import trio
 from trio_llm.actors.config import EngineConfig
 from trio_llm.actors.errors import EngineDead, EngineError
 from trio_llm.actors.fronts import CoreReady, CoreToFront
-from trio_llm.actors.messages import Abort, RequestOutput, SamplingParams, Submit
+from trio_llm.actors.generation_defaults import GenerationDefaults, read_generation_defaults
+from trio_llm.actors.messages import (
+    Abort,
+    ChatTemplateOptions,
+    RequestOutput,
+    SamplingParams,
+    Submit,
+)
 from trio_llm.actors.runner import LoadedExecutor
-from trio_llm.actors.streams import RequestStreams
+from trio_llm.actors.streams import RequestStream, RequestStreams
 from trio_llm.actors.supervisor import (
     EngineActors,
     EngineStatistics,
@@ -50,7 +59,8 @@ logger = logging.getLogger(__name__)
 # since it runs shielded in cleanup.
 ABORT_SEND_TIMEOUT = 5.0
 
-__all__ = ["Engine", "EngineConfig", "EngineStatistics", "RequestOutput", "SamplingParams"]
+__all__ = ["Engine", "EngineConfig", "EngineStatistics", "RequestOutput", "RequestOutputStream",
+           "SamplingParams"]
 
 
 class Engine:
@@ -58,9 +68,12 @@ class Engine:
 
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer, actors: EngineActors,
                  streams: RequestStreams, *, max_model_len: int,
-                 request_id_prefix: str = "req-") -> None:
+                 request_id_prefix: str = "req-",
+                 generation_defaults: GenerationDefaults | None = None) -> None:
         self.config = config
         self.tokenizer = tokenizer
+        # the checkpoint's default sampling parameters (--generation-config)
+        self.generation_defaults = generation_defaults or GenerationDefaults()
         self.model_name = config.served_model_name or config.model
         self.max_model_len = max_model_len
         self._actors = actors
@@ -70,6 +83,7 @@ class Engine:
         self._request_id_prefix = request_id_prefix
         self._aborted: set[str] = set()
         self._draining = False
+        self._trio_token = trio.lowlevel.current_trio_token()
 
     @classmethod
     @asynccontextmanager
@@ -85,7 +99,9 @@ class Engine:
         config = config or EngineConfig()
         if executor is None:
             executor = await trio.to_thread.run_sync(create_executor, config)
-        tokenizer = Tokenizer.from_dir(config.tokenizer or executor.model_path)
+        tokenizer = Tokenizer.from_dir(config.tokenizer or executor.model_path,
+                                       chat_template=config.chat_template)
+        defaults = read_generation_defaults(config.generation_config, executor.model_path)
         streams = RequestStreams()
         async with trio.open_nursery() as nursery:
             actors = await nursery.start(partial(
@@ -93,7 +109,8 @@ class Engine:
                 max_model_len=executor.max_model_len, num_kv_blocks=executor.num_kv_blocks,
                 vocab_size=executor.vocab_size,
             ))
-            engine = cls(config, tokenizer, actors, streams, max_model_len=executor.max_model_len)
+            engine = cls(config, tokenizer, actors, streams, max_model_len=executor.max_model_len,
+                         generation_defaults=defaults)
             async with engine._running(nursery.cancel_scope):
                 yield engine
         if actors.error is not None:
@@ -114,15 +131,18 @@ class Engine:
         async with core_stream:
             core = open_wire_channel(core_stream, CoreToFront)
             ready = await _wait_core_ready(core[1])
-            tokenizer = await trio.to_thread.run_sync(
-                Tokenizer.from_dir, config.tokenizer or ready.model_path)
+            tokenizer = await trio.to_thread.run_sync(partial(
+                Tokenizer.from_dir, config.tokenizer or ready.model_path,
+                chat_template=config.chat_template))
+            defaults = read_generation_defaults(config.generation_config, ready.model_path)
             streams = RequestStreams()
             async with trio.open_nursery() as nursery:
                 actors = await nursery.start(partial(
                     run_front_supervisor, config, tokenizer, streams, ready, core))
                 engine = cls(config, tokenizer, actors, streams,
                              max_model_len=ready.max_model_len,
-                             request_id_prefix=f"req-{ready.front_index}-")
+                             request_id_prefix=f"req-{ready.front_index}-",
+                             generation_defaults=defaults)
                 async with engine._running(nursery.cancel_scope):
                     yield engine
         if actors.error is not None:
@@ -147,12 +167,14 @@ class Engine:
 
     def generate(self, prompt: str | list[int], params: SamplingParams | None = None, *,
                  priority: int = 0, request_id: str | None = None,
-                 cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                 cache_salt: str | None = None) -> RequestOutputStream:
         """Stream the output of one request, as deltas; the last has ``finished``.
-        Only requests with the same ``cache_salt`` share prefix-cache blocks."""
+        Only requests with the same ``cache_salt`` share prefix-cache blocks.
+        ``params`` None: ``default_sampling_params()``."""
         text, token_ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
         submit = Submit(request_id=request_id or self._new_request_id(), prompt=text,
-                        prompt_token_ids=token_ids, params=params or SamplingParams(),
+                        prompt_token_ids=token_ids,
+                        params=params or self.default_sampling_params(),
                         priority=priority, arrival_time=trio.current_time(),
                         cache_salt=cache_salt)
         return self._run(submit)
@@ -160,13 +182,19 @@ class Engine:
     def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None, *,
              priority: int = 0, request_id: str | None = None,
              tools: list[dict[str, Any]] | None = None,
+             documents: list[dict[str, Any]] | None = None,
              chat_template_kwargs: dict[str, Any] | None = None,
-             cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+             template_options: ChatTemplateOptions | None = None,
+             cache_salt: str | None = None) -> RequestOutputStream:
         """Like generate, for a conversation rendered with the model's chat template
-        (with ``tools`` and ``chat_template_kwargs``, when given, as template variables)."""
+        (with ``tools``, ``documents`` and ``chat_template_kwargs``, when given, as
+        template variables; ``template_options``: add_generation_prompt or
+        continue_final_message)."""
         submit = Submit(request_id=request_id or self._new_request_id(), messages=messages,
-                        tools=tools, chat_template_kwargs=chat_template_kwargs,
-                        params=params or SamplingParams(), priority=priority,
+                        tools=tools, documents=documents,
+                        chat_template_kwargs=chat_template_kwargs,
+                        template_options=template_options or ChatTemplateOptions(),
+                        params=params or self.default_sampling_params(), priority=priority,
                         arrival_time=trio.current_time(), cache_salt=cache_salt)
         return self._run(submit)
 
@@ -176,26 +204,40 @@ class Engine:
             self._aborted.add(request_id)
             await self._actors.intake_outbox.send(Abort(request_id=request_id))
 
-    async def _run(self, submit: Submit) -> AsyncIterator[RequestOutput]:
-        self._check_accepting()
-        request_id = submit.request_id
-        stream = self._streams.open(request_id)
-        finished = False
-        try:
-            await self._actors.intake_outbox.send(submit)
-            while not finished:
-                output = await stream.receive()
-                finished = output.finished
-                yield output
-        except EngineError:
-            finished = True  # rejected, or the engine died: nothing left to abort
-            raise
-        finally:
-            self._streams.close(request_id)
-            if not finished and request_id not in self._aborted and not self._actors.dead.is_set():
-                with trio.move_on_after(ABORT_SEND_TIMEOUT, shield=True):
-                    await self._actors.intake_outbox.send(Abort(request_id=request_id))
+    def _run(self, submit: Submit) -> RequestOutputStream:
+        return RequestOutputStream(self, submit)
+
+    def _check_abort(self, request_id: str) -> Abort | None:
+        """The Abort to send for a request whose caller left before it finished;
+        None when there is nothing to abort (aborted already, or the engine is dead)."""
+        self._streams.close(request_id)
+        if request_id in self._aborted:
             self._aborted.discard(request_id)
+            return None
+        return None if self._actors.dead.is_set() else Abort(request_id=request_id)
+
+    async def _send_abort(self, abort: Abort) -> None:
+        with trio.move_on_after(ABORT_SEND_TIMEOUT, shield=True):
+            try:
+                await self._actors.intake_outbox.send(abort)
+            except (trio.ClosedResourceError, trio.BrokenResourceError):
+                pass  # the engine has stopped: nothing runs any more
+
+    def _abandon_soon(self, request_id: str) -> None:
+        """Abort a request whose stream was dropped unfinished: from any thread (a
+        garbage collection may run in one), at the trio loop's next turn."""
+        def abort_in_the_loop() -> None:
+            abort = self._check_abort(request_id)
+            if abort is not None:
+                trio.lowlevel.spawn_system_task(self._send_abort, abort)
+
+        with contextlib.suppress(trio.RunFinishedError):
+            self._trio_token.run_sync_soon(abort_in_the_loop)
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with the checkpoint's defaults (``--generation-config``),
+        as vLLM's ``get_default_sampling_params``."""
+        return self.generation_defaults.sampling_params()
 
     def _new_request_id(self) -> str:
         return f"{self._request_id_prefix}{next(self._request_counter)}"
@@ -249,6 +291,120 @@ class Engine:
         if len(self._streams):
             logger.warning("shutting down with %d requests still open", len(self._streams))
             self._streams.fail_all(EngineDead("the engine shut down"))
+
+
+class RequestOutputStream:
+    """One request's outputs, as deltas; the last has ``finished``. The request
+    is sent to the engine on the first ``anext``, and ends when the stream does.
+
+    Use it as a loop, or (to end the request at a known point) as its own
+    async context manager::
+
+        async for output in engine.generate(prompt, params):
+            ...
+
+        async with engine.generate(prompt, params) as stream:
+            async for output in stream:
+                if enough(output):
+                    break  # the request is aborted here, on the way out
+
+    Leaving before the last output aborts the request and frees its KV blocks
+    within an engine step, however the caller leaves: ``aclose()`` (which the
+    ``async with`` calls), a cancelled ``anext``, or a loop left early: each
+    ``async for`` iterates through its own iterator, which aborts the request
+    when the loop drops it, even while the stream itself is still held in a
+    variable. A stream dropped unfinished is aborted when it is collected, as
+    a last resort. (So one loop consumes the stream: a second ``async for``
+    after a ``break`` finds it ended.)
+    """
+
+    def __init__(self, engine: Engine, submit: Submit) -> None:
+        self._engine = engine
+        self._submit = submit
+        self.request_id = submit.request_id
+        self._is_started = False
+        self._is_done = False  # finished, failed, or closed by the caller
+        self._stream: RequestStream | None = None
+
+    async def __aenter__(self) -> RequestOutputStream:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return _StreamLoop(self)
+
+    async def __anext__(self) -> RequestOutput:
+        if self._is_done:
+            raise StopAsyncIteration
+        if not self._is_started:
+            await self._start()
+        assert self._stream is not None
+        try:
+            output = await self._stream.receive()
+        except EngineError:
+            self._end()  # rejected, or the engine died: nothing left to abort
+            raise
+        except BaseException:
+            await self.aclose()  # cancelled: the request ends with the caller
+            raise
+        if output.finished:
+            self._end()
+        return output
+
+    async def _start(self) -> None:
+        engine = self._engine
+        engine._check_accepting()
+        self._is_started = True
+        self._stream = engine._streams.open(self.request_id)
+        try:
+            await engine._actors.intake_outbox.send(self._submit)
+        except BaseException:
+            await self.aclose()
+            raise
+
+    def _end(self) -> None:
+        """The request is over (finished or failed): only its stream to close."""
+        self._is_done = True
+        self._engine._streams.close(self.request_id)
+        self._engine._aborted.discard(self.request_id)
+
+    async def aclose(self) -> None:
+        """End the request now, if it has not ended (shielded, time-bounded)."""
+        if self._is_done or not self._is_started:
+            self._is_done = True
+            return
+        self._is_done = True
+        abort = self._engine._check_abort(self.request_id)
+        if abort is not None:
+            await self._engine._send_abort(abort)
+
+    def _abandon(self) -> None:
+        """The caller dropped the stream (or its loop) unfinished: abort it soon."""
+        if self._is_started and not self._is_done:
+            self._is_done = True
+            self._engine._abandon_soon(self.request_id)
+
+    def __del__(self) -> None:
+        self._abandon()
+
+
+class _StreamLoop:
+    """The iterator of one ``async for`` over a stream: dropped by a loop left
+    early, it aborts the request (see RequestOutputStream)."""
+
+    def __init__(self, stream: RequestOutputStream) -> None:
+        self._stream = stream
+
+    def __aiter__(self) -> _StreamLoop:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        return await self._stream.__anext__()
+
+    def __del__(self) -> None:
+        self._stream._abandon()
 
 
 async def _wait_core_ready(wire: trio.abc.ReceiveChannel[CoreToFront]) -> CoreReady:

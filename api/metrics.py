@@ -1,4 +1,8 @@
-"""Prometheus metrics of one server: vLLM's metric names under a ``trio_llm:`` prefix.
+"""Prometheus metrics of one server, under vLLM's names and labels.
+
+A metric vLLM has carries vLLM's name (``vllm:...``) and labels (``model_name``,
+``engine``), so dashboards and alerts built for vLLM read trio-llm unchanged;
+what only trio-llm reports keeps a ``trio_llm:`` prefix.
 
 Gauges and counters the engine already keeps (running, waiting, KV usage,
 preemptions, token totals, prefix cache queries and hits) are read from the
@@ -65,6 +69,23 @@ class Statistics(Protocol):
     def num_prefix_cache_hits(self) -> int: ...
 
 
+# vLLM's labels: the served model's name and the engine core's index (one core: "0").
+LABEL_NAMES = ("model_name", "engine")
+ENGINE_INDEX = "0"
+
+
+def token_count_buckets(max_model_len: int) -> tuple[int, ...]:
+    """vLLM's 1-2-5 buckets of token counts up to ``max_model_len``: 1, 2, 5, 10, 20, ..."""
+    buckets: list[int] = []
+    scale = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_model_len:
+                return tuple(buckets)
+            buckets.append(mantissa * scale)
+        scale *= 10
+
+
 class EngineCollector:
     """Reports the engine's counters (see the module docstring) from the snapshot
     taken for the scrape; nothing when the engine is dead."""
@@ -78,36 +99,38 @@ class EngineCollector:
         if stats is None:
             return
         gauge, counter = GaugeMetricFamily, CounterMetricFamily
-        yield self._family(gauge, "num_requests_running", "Requests running in the engine.",
-                           stats.num_running)
-        yield self._family(gauge, "num_requests_waiting", "Requests waiting to run.",
-                           stats.num_waiting)
+        yield self._family(gauge, "num_requests_running",
+                           "Number of requests in model execution batches.", stats.num_running)
+        yield self._family(gauge, "num_requests_waiting",
+                           "Number of requests waiting to be processed.", stats.num_waiting)
         yield self._family(gauge, "kv_cache_usage_perc",
-                           "Share of KV cache blocks in use, 0 to 1.", stats.kv_cache_usage)
-        yield self._family(counter, "num_preemptions", "Preemptions since start.",
+                           "KV-cache usage. 1 means 100 percent usage.", stats.kv_cache_usage)
+        yield self._family(counter, "num_preemptions",
+                           "Cumulative number of preemption from the engine.",
                            stats.num_preemptions)
-        yield self._family(counter, "prompt_tokens", "Prompt tokens prefilled since start.",
+        yield self._family(counter, "prompt_tokens", "Number of prefill tokens processed.",
                            stats.num_prompt_tokens)
-        yield self._family(counter, "generation_tokens", "Tokens generated since start.",
-                           stats.num_generation_tokens)
+        yield self._family(counter, "generation_tokens",
+                           "Number of generation tokens processed.", stats.num_generation_tokens)
         yield self._family(counter, "prefix_cache_queries",
-                           "Prefix cache queries, in prompt tokens of requests started.",
+                           "Prefix cache queries, in terms of number of queried tokens.",
                            stats.num_prefix_cache_queries)
         yield self._family(counter, "prefix_cache_hits",
-                           "Prefix cache hits, in prompt tokens found cached.",
+                           "Prefix cache hits, in terms of number of cached tokens.",
                            stats.num_prefix_cache_hits)
 
     def _family(self, kind: type[GaugeMetricFamily] | type[CounterMetricFamily], name: str,
                 documentation: str, value: float) -> Metric:
-        family = kind(f"trio_llm:{name}", documentation, labels=["model_name"])
-        family.add_metric([self._model_name], value)
+        family = kind(f"vllm:{name}", documentation, labels=list(LABEL_NAMES))
+        family.add_metric([self._model_name, ENGINE_INDEX], value)
         return family
 
 
 class ServerMetrics:
-    """Every metric of one server, in its own registry."""
+    """Every metric of one server, in its own registry. ``max_model_len`` sets
+    the token-count histograms' buckets, as in vLLM."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, *, max_model_len: int = 2048) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         self._engine_collector = EngineCollector(model_name)
@@ -121,30 +144,40 @@ class ServerMetrics:
             MultiProcessCollector(self._scrape_registry, path=multiprocess_dir)
         self._scrape_registry.register(self._engine_collector)
         self.time_to_first_token = self._histogram(
-            "time_to_first_token_seconds", "Time from request arrival to first token.",
+            "time_to_first_token_seconds", "Histogram of time to first token in seconds.",
             TIME_TO_FIRST_TOKEN_BUCKETS)
         self.inter_token_latency = self._histogram(
-            "inter_token_latency_seconds", "Time between consecutive output tokens.",
+            "inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+            INTER_TOKEN_LATENCY_BUCKETS)
+        # vLLM's older name of the same observations, which its dashboards still chart.
+        self.time_per_output_token = self._histogram(
+            "time_per_output_token_seconds", "Histogram of time per output token in seconds.",
             INTER_TOKEN_LATENCY_BUCKETS)
         self.e2e_request_latency = self._histogram(
-            "e2e_request_latency_seconds", "Time from request arrival to its end.",
+            "e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
             REQUEST_LATENCY_BUCKETS)
         self.request_queue_time = self._histogram(
-            "request_queue_time_seconds", "Time a request waited before first running.",
+            "request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
             REQUEST_LATENCY_BUCKETS)
+        token_buckets = token_count_buckets(max_model_len)
+        self.request_prompt_tokens = self._histogram(
+            "request_prompt_tokens", "Number of prefill tokens processed.", token_buckets)
+        self.request_generation_tokens = self._histogram(
+            "request_generation_tokens", "Number of generation tokens processed.", token_buckets)
         self._request_success = Counter(
-            "trio_llm:request_success", "Requests that finished, by finish reason.",
-            ["model_name", "finished_reason"], registry=self.registry,
+            "vllm:request_success", "Count of successfully processed requests.",
+            [*LABEL_NAMES, "finished_reason"], registry=self.registry,
         )
 
-    def _histogram(self, name: str, documentation: str, buckets: tuple[float, ...]) -> Histogram:
-        """This server's child of a new ``trio_llm:`` histogram labelled by model."""
-        histogram = Histogram(f"trio_llm:{name}", documentation, ["model_name"],
+    def _histogram(self, name: str, documentation: str,
+                   buckets: tuple[float, ...]) -> Histogram:
+        """This server's child of a new ``vllm:`` histogram with vLLM's labels."""
+        histogram = Histogram(f"vllm:{name}", documentation, list(LABEL_NAMES),
                               registry=self.registry, buckets=buckets)
-        return histogram.labels(self.model_name)
+        return histogram.labels(self.model_name, ENGINE_INDEX)
 
     def count_finished(self, finish_reason: str) -> None:
-        self._request_success.labels(self.model_name, finish_reason).inc()
+        self._request_success.labels(self.model_name, ENGINE_INDEX, finish_reason).inc()
 
     def render(self, statistics: Statistics | None) -> bytes:
         """Every metric in Prometheus' text format, the engine's counters from
@@ -170,21 +203,35 @@ class RequestTimer:
     def __init__(self, metrics: ServerMetrics, arrival_time: float) -> None:
         self._metrics = metrics
         self._arrival_time = arrival_time
+        self._first_token_time: float | None = None
         self._last_token_time: float | None = None
+        self.num_output_tokens = 0
+        self.summary: str | None = None  # how it finished, for the request's log line
 
     def on_output(self, now: float, *, num_new_tokens: int, queue_time: float | None) -> None:
         if queue_time is not None:
             self._metrics.request_queue_time.observe(queue_time)
         if num_new_tokens <= 0:
             return
+        self.num_output_tokens += num_new_tokens
         if self._last_token_time is None:
+            self._first_token_time = now
             self._metrics.time_to_first_token.observe(now - self._arrival_time)
         else:
             interval = (now - self._last_token_time) / num_new_tokens
             for _ in range(num_new_tokens):
                 self._metrics.inter_token_latency.observe(interval)
+                self._metrics.time_per_output_token.observe(interval)
         self._last_token_time = now
 
-    def on_finish(self, now: float, finish_reason: str | None) -> None:
+    def on_finish(self, now: float, finish_reason: str | None, *, num_prompt_tokens: int,
+                  num_output_tokens: int) -> None:
         self._metrics.e2e_request_latency.observe(now - self._arrival_time)
+        self._metrics.request_prompt_tokens.observe(num_prompt_tokens)
+        self._metrics.request_generation_tokens.observe(num_output_tokens)
         self._metrics.count_finished(finish_reason or "unknown")
+        first_token = ("" if self._first_token_time is None
+                       else f", first token {self._first_token_time - self._arrival_time:.3f} s")
+        self.summary = (f"finished ({finish_reason}), {num_prompt_tokens} prompt + "
+                        f"{num_output_tokens} output tokens{first_token}, "
+                        f"{now - self._arrival_time:.3f} s in all")

@@ -268,6 +268,9 @@ async def _start_api_server(index: int, engine_config: EngineConfig,
                             listener: socket.socket, metrics_dir: str,
                             lifeline_fd: int) -> _Child:
     fds = [front_end.fileno(), listener.fileno(), lifeline_fd]
+    if index > 0:
+        # One stats line for the engine, not one per API server: API server 0's.
+        server_config = msgspec.structs.replace(server_config, disable_log_stats=True)
     command = [*_child_command("api-server", engine_config), "--index", str(index),
                "--server-config", msgspec.json.encode(server_config).decode(),
                "--core-fd", str(fds[0]), "--listen-fd", str(fds[1]),

@@ -20,8 +20,10 @@ from typing import Annotated, Any, Literal, TypeVar
 import msgspec
 
 from trio_llm.actors.errors import RequestRejected
+from trio_llm.actors.generation_defaults import GenerationDefaults
 from trio_llm.actors.intake import MAX_SEED, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MIN_SEED
 from trio_llm.actors.messages import (
+    ChatTemplateOptions,
     PositiveInt,
     RequestOutput,
     SamplingParams,
@@ -37,7 +39,7 @@ Temperature = Annotated[float, msgspec.Meta(ge=0.0)]
 TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
 TopK = Annotated[int, msgspec.Meta(ge=-1)]
 MinP = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
-NumLogprobs = Annotated[int, msgspec.Meta(ge=0, le=20)]
+NumLogprobs = Annotated[int, msgspec.Meta(ge=0)]  # at most --max-logprobs (intake)
 Seed = Annotated[int, msgspec.Meta(ge=MIN_SEED, le=MAX_SEED)]
 # Stop strings are bounded (vLLM does not bound them): see docs/http-api.md.
 StopString = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
@@ -52,9 +54,16 @@ PromptItem = int | str | list[int]
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
-    """``include_usage`` adds a last chunk with no choices and the token counts."""
+    """``include_usage`` adds a last chunk with no choices and the token counts.
+    vLLM's ``continuous_usage_stats`` (usage in every chunk) is refused."""
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+    def __post_init__(self) -> None:
+        if self.continuous_usage_stats:
+            raise ValueError("continuous_usage_stats is not supported by trio-llm: the usage "
+                             "comes in the last chunk, with include_usage")
 
 
 class JsonSchemaFormat(msgspec.Struct, kw_only=True):
@@ -181,16 +190,27 @@ class ChatCompletionRequest(_GenerationFields, kw_only=True):
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's chat-template options. add_generation_prompt None: true, unless
+    # continue_final_message (which cannot be combined with it).
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool = False
+    documents: list[dict[str, Any]] | None = None
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
-    """POST /tokenize: exactly one of ``prompt`` and ``messages``."""
+    """POST /tokenize: exactly one of ``prompt`` and ``messages``; a conversation
+    is rendered as a chat request with the same template fields would be."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     return_token_strs: bool = False
+    tools: list[ToolDefinition] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool = False
+    documents: list[dict[str, Any]] | None = None
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
@@ -440,7 +460,8 @@ def chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
 
 
 # Template variables the server sets itself; chat_template_kwargs may not.
-RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "tools"})
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "tools",
+                                         "documents"})
 
 
 def checked_template_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -449,6 +470,29 @@ def checked_template_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
         raise RequestRejected(f"chat_template_kwargs may not set {', '.join(reserved)}",
                               param="chat_template_kwargs")
     return kwargs
+
+
+def template_options(request: ChatCompletionRequest | TokenizeRequest) -> ChatTemplateOptions:
+    """How the chat template renders the conversation (vLLM's request fields)."""
+    if request.continue_final_message and request.add_generation_prompt:
+        raise RequestRejected("Cannot set both `continue_final_message` and "
+                              "`add_generation_prompt` to True.", param="continue_final_message")
+    add_generation_prompt = (not request.continue_final_message
+                             if request.add_generation_prompt is None
+                             else request.add_generation_prompt)
+    return ChatTemplateOptions(add_generation_prompt=add_generation_prompt,
+                               continue_final_message=request.continue_final_message)
+
+
+def template_variables(request: ChatCompletionRequest | TokenizeRequest) -> dict[str, Any]:
+    """The chat template's variables a request sets: its chat_template_kwargs
+    (checked), then tools and documents."""
+    variables = dict(checked_template_kwargs(request.chat_template_kwargs or {}))
+    if request.tools:
+        variables["tools"] = [msgspec.to_builtins(tool) for tool in request.tools]
+    if request.documents is not None:
+        variables["documents"] = request.documents
+    return variables
 
 
 def _template_message(message: ChatMessage, index: int) -> dict[str, Any]:
@@ -484,16 +528,21 @@ def _message_text(message: ChatMessage, index: int) -> str:
     return "".join(part.text or "" for part in content)
 
 
-def completion_sampling_params(request: CompletionRequest) -> SamplingParams:
-    """SamplingParams of a completion request (max_tokens defaults to 16, as OpenAI's)."""
+def completion_sampling_params(request: CompletionRequest,
+                               defaults: GenerationDefaults | None = None) -> SamplingParams:
+    """SamplingParams of a completion request (max_tokens defaults to 16, as OpenAI's);
+    ``defaults`` (the checkpoint's) fill what the request leaves out."""
     _reject_unsupported(request)
     if request.echo:
         raise RequestRejected("echo is not supported", param="echo")
     if request.suffix is not None:
         raise RequestRejected("suffix is not supported", param="suffix")
-    return _sampling_params(request, max_tokens=request.max_tokens or 16,
+    defaults = defaults or GenerationDefaults()
+    return _sampling_params(request, max_tokens=defaults.capped_max_tokens(
+                                request.max_tokens or 16),
                             num_logprobs=request.logprobs,
-                            structured_outputs=structured_outputs_of(request))
+                            structured_outputs=structured_outputs_of(request),
+                            defaults=defaults)
 
 
 def requested_max_tokens(request: ChatCompletionRequest) -> int | None:
@@ -502,12 +551,15 @@ def requested_max_tokens(request: ChatCompletionRequest) -> int | None:
 
 
 def chat_sampling_params(request: ChatCompletionRequest, *, max_tokens: int | None,
-                         tool_constraint: StructuredOutputsParams | None = None
-                         ) -> SamplingParams:
+                         tool_constraint: StructuredOutputsParams | None = None,
+                         defaults: GenerationDefaults | None = None) -> SamplingParams:
     """SamplingParams of a chat request. ``max_tokens`` None (no limit asked)
     lets the reply fill what is left of the context, as OpenAI's does: the
     engine's intake resolves it once it has the prompt's length.
-    ``tool_constraint``: what tool_choice required or named constrains it to."""
+    ``tool_constraint``: what tool_choice required or named constrains it to.
+    ``defaults`` (the checkpoint's) fill what the request leaves out."""
+    defaults = defaults or GenerationDefaults()
+    max_tokens = defaults.capped_max_tokens(max_tokens)
     _reject_unsupported(request)
     if request.top_logprobs is not None and not request.logprobs:
         raise RequestRejected("top_logprobs needs logprobs set to true", param="top_logprobs")
@@ -517,7 +569,7 @@ def chat_sampling_params(request: ChatCompletionRequest, *, max_tokens: int | No
         raise RequestRejected("a required or named tool_choice already constrains the output; "
                               "drop response_format / structured_outputs", param="tool_choice")
     return _sampling_params(request, max_tokens=max_tokens, num_logprobs=num_logprobs,
-                            structured_outputs=constraint or tool_constraint)
+                            structured_outputs=constraint or tool_constraint, defaults=defaults)
 
 
 def structured_outputs_of(request: _GenerationFields) -> StructuredOutputsParams | None:
@@ -564,19 +616,21 @@ def _schema_text(schema: dict[str, Any] | bool | str | None, param: str) -> str 
 
 def _sampling_params(request: _GenerationFields, *, max_tokens: int | None,
                      num_logprobs: int | None,
-                     structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
+                     structured_outputs: StructuredOutputsParams | None = None,
+                     defaults: GenerationDefaults) -> SamplingParams:
     if max_tokens is not None and request.min_tokens > max_tokens:
         raise RequestRejected(f"min_tokens ({request.min_tokens}) is over max_tokens "
                               f"({max_tokens})", param="min_tokens")
-    defaults = SamplingParams()
+    # SamplingParams' defaults, with the checkpoint's where it has them
+    default = defaults.sampling_params()
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
     return SamplingParams(
         max_tokens=max_tokens,
         min_tokens=request.min_tokens,
-        temperature=_or(request.temperature, defaults.temperature),
-        top_p=_or(request.top_p, defaults.top_p),
-        top_k=_or(request.top_k, defaults.top_k),
-        min_p=_or(request.min_p, defaults.min_p),
+        temperature=_or(request.temperature, default.temperature),
+        top_p=_or(request.top_p, default.top_p),
+        top_k=_or(request.top_k, default.top_k),
+        min_p=_or(request.min_p, default.min_p),
         seed=request.seed,
         stop=stop,
         stop_token_ids=list(request.stop_token_ids or []),

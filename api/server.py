@@ -28,17 +28,25 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from contextlib import AbstractAsyncContextManager, aclosing, asynccontextmanager
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import (
+    AbstractAsyncContextManager,
+    AbstractContextManager,
+    aclosing,
+    asynccontextmanager,
+    contextmanager,
+)
 from functools import partial
 from importlib.metadata import version as package_version
-from typing import TYPE_CHECKING, Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 
 import msgspec
+import quart_cors
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
-from quart import request
+from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, Scope
+from quart import has_request_context, request
 from quart_trio import QuartTrio
 from quart_trio.wrappers.response import TrioResponse as Response
 from werkzeug.exceptions import HTTPException
@@ -51,13 +59,15 @@ from trio_llm.actors.errors import (
     RequestFailed,
     RequestRejected,
 )
+from trio_llm.actors.generation_defaults import GenerationDefaults
 from trio_llm.actors.messages import RequestOutput, SamplingParams, StructuredOutputsParams
-from trio_llm.api import protocol
+from trio_llm.api import protocol, request_fields
 from trio_llm.api.connections import CompletedResponseGuard
 from trio_llm.api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from trio_llm.api.metrics import RequestTimer, ServerMetrics
 from trio_llm.api.openapi import openapi_document
 from trio_llm.api.reasoning_parsers import REASONING_PARSERS
+from trio_llm.api.stats_log import DEFAULT_STATS_INTERVAL_SECONDS, log_request, log_stats_every
 from trio_llm.api.tool_calls import (
     ChatOutputParser,
     ToolServingOptions,
@@ -127,6 +137,18 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    # the path prefix a proxy in front strips (ASGI root_path), vLLM's --root-path
+    root_path: str = ""
+    # CORS: off unless origins are given (vLLM allows every origin by default)
+    allowed_origins: list[str] = []
+    allow_credentials: bool = False
+    allowed_methods: list[str] = msgspec.field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = msgspec.field(default_factory=lambda: ["*"])
+    # logging: a line per request, a stats line every log_stats_interval seconds
+    disable_log_requests: bool = False
+    disable_log_stats: bool = False
+    log_stats_interval: Annotated[float, msgspec.Meta(gt=0.0)] = DEFAULT_STATS_INTERVAL_SECONDS
+    uvicorn_log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = "info"
 
 
 # -- the app ------------------------------------------------------------------------
@@ -160,6 +182,11 @@ def create_app(engine: Engine, config: ServerConfig) -> QuartTrio:
         app.add_url_rule(path, view_func=api.not_supported, methods=["GET", "POST"],
                          endpoint=f"not supported {path}")
     app.before_request(api.check_api_key)
+    if config.allowed_origins:
+        quart_cors.cors(app, allow_origin=config.allowed_origins,
+                        allow_credentials=config.allow_credentials,
+                        allow_methods=config.allowed_methods,
+                        allow_headers=config.allowed_headers)
     app.register_error_handler(EngineError, api.engine_error)
     app.register_error_handler(HTTPException, api.http_error)
     app.register_error_handler(Exception, api.internal_error)
@@ -174,7 +201,7 @@ class OpenAIServer:
         self.config = config
         self.model_name = config.served_model_name or engine.model_name
         self.accepted_model_names = {self.model_name, engine.model_name, engine.config.model}
-        self.metrics = ServerMetrics(self.model_name)
+        self.metrics = ServerMetrics(self.model_name, max_model_len=engine.max_model_len)
         self.created = int(time.time())
         self._api_key = None if config.api_key is None else f"Bearer {config.api_key}".encode()
         self.tool_options = ToolServingOptions(
@@ -187,8 +214,24 @@ class OpenAIServer:
 
     # -- generation ---------------------------------------------------------------
 
+    async def _decoded_body(self, kind: type[BodyT],
+                            refused: dict[str, request_fields.Refusal] | None = None) -> BodyT:
+        """The request's JSON body as ``kind``; a 400 naming what is wrong: a field
+        of the OpenAI or vLLM schema that ``kind`` does not honour (``refused``)
+        among them. Fields of neither schema are ignored, with a warning. The
+        check reads the body's top level again: a large body's in a worker
+        thread (docs/performance.md, "Request field check")."""
+        body, data = await _decoded_body(kind)
+        check = partial(request_fields.check_fields, data, kind, refused or {})
+        if len(data) <= MAX_INLINE_CONVERSION_BYTES:
+            check()
+        else:
+            await trio.to_thread.run_sync(check, limiter=self._conversion_threads)
+        return body
+
     async def completions(self) -> Response:
-        body = await _decoded_body(protocol.CompletionRequest)
+        body = await self._decoded_body(protocol.CompletionRequest,
+                                        request_fields.REFUSED_COMPLETION_FIELDS)
         self._check_model(body.model)
         prompt, params = await self._converted(self._completion_arguments, body)
         builder = protocol.CompletionBuilder(response_id=f"cmpl-{uuid.uuid4().hex}",
@@ -199,13 +242,15 @@ class OpenAIServer:
         return await self.respond(outputs, builder, body)
 
     async def chat_completions(self) -> Response:
-        body = await _decoded_body(protocol.ChatCompletionRequest)
+        body = await self._decoded_body(protocol.ChatCompletionRequest,
+                                        request_fields.REFUSED_CHAT_FIELDS)
         self._check_model(body.model)
         tool_plan = plan_tool_calls(body.tools, body.tool_choice,
                                     parallel_tool_calls=body.parallel_tool_calls,
                                     options=self.tool_options)
         messages, params = await self._converted(
-            partial(_chat_arguments, tool_constraint=tool_plan.constraint), body)
+            partial(_chat_arguments, tool_constraint=tool_plan.constraint,
+                    defaults=self.engine.generation_defaults), body)
         reasoning = reasoning_parser_for(self.tool_options)
         parser = (ChatOutputParser(reasoning=reasoning, tools=tool_plan.parser,
                                    max_calls=tool_plan.max_calls)
@@ -221,6 +266,8 @@ class OpenAIServer:
                 body.chat_template_kwargs)
         outputs = self.engine.chat(messages, params, priority=body.priority,
                                    request_id=builder.response_id, cache_salt=body.cache_salt,
+                                   documents=body.documents,
+                                   template_options=protocol.template_options(body),
                                    **template_variables)
         return await self.respond(outputs, builder, body)
 
@@ -239,7 +286,8 @@ class OpenAIServer:
             raise RequestRejected(
                 f"This model's maximum context length is {self.engine.max_model_len} tokens, "
                 f"but the prompt has {len(body.prompt)} tokens", param="prompt")
-        return protocol.completion_prompt(body), protocol.completion_sampling_params(body)
+        return protocol.completion_prompt(body), protocol.completion_sampling_params(
+            body, self.engine.generation_defaults)
 
     async def respond(self, outputs: AsyncIterator[RequestOutput],
                       builder: protocol.CompletionBuilder | protocol.ChatBuilder,
@@ -248,14 +296,17 @@ class OpenAIServer:
         """The response to a generation request: one JSON body, or an SSE stream
         that owns ``outputs`` from here on (closing the body ends the request)."""
         timer = self.metrics.timer(trio.current_time())
+        route = f"{request.method} {request.path}" if has_request_context() else "-"
+        log_line = partial(self._logged, timer, route, builder.response_id)
         if not body.stream:
-            async with closing(outputs):
-                async for output in outputs:
-                    _observe(timer, output)
-                    builder.add(output)
+            with log_line():
+                async with closing(outputs):
+                    async for output in outputs:
+                        _observe(timer, output)
+                        builder.add(output)
             return self._json(builder.response())
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        events = self._events(outputs, builder, timer, include_usage=include_usage)
+        events = self._events(outputs, builder, timer, log_line, include_usage=include_usage)
         # Run the body to its first event before answering, so that a request
         # the engine refuses gets its 4xx/503 status rather than an error event
         # inside a 200. Once started, the generator's cleanup runs however it
@@ -266,7 +317,8 @@ class OpenAIServer:
 
     async def _events(self, outputs: AsyncIterator[RequestOutput],
                       builder: protocol.CompletionBuilder | protocol.ChatBuilder,
-                      timer: RequestTimer, *,
+                      timer: RequestTimer,
+                      log_line: Callable[[], AbstractContextManager[None]], *,
                       include_usage: bool) -> AsyncGenerator[bytes, None]:
         """The SSE body: one event per output, as soon as it is produced.
 
@@ -275,26 +327,48 @@ class OpenAIServer:
         this generator (GeneratorExit at a yield) or cancels it (Cancelled while
         waiting for output); either way ``closing`` ends the engine request.
         """
-        async with closing(outputs):
-            output = await anext(outputs)
-            try:
-                while True:
-                    _observe(timer, output)
-                    chunk = builder.chunk(output)
-                    if chunk is not None:
-                        yield _sse_event(chunk)
-                    if output.finished:
-                        break
-                    output = await anext(outputs)
-            except StopAsyncIteration:
-                pass
-            except EngineError as error:
-                yield _error_event(error)
+        with log_line():
+            async with closing(outputs):
+                output = await anext(outputs)
+                try:
+                    while True:
+                        _observe(timer, output)
+                        chunk = builder.chunk(output)
+                        if chunk is not None:
+                            yield _sse_event(chunk)
+                        if output.finished:
+                            break
+                        output = await anext(outputs)
+                except StopAsyncIteration:
+                    pass
+                except EngineError as error:
+                    timer.summary = f"failed in the stream: {error}"
+                    yield _error_event(error)
+                    yield SSE_DONE
+                    return
+                if include_usage:
+                    yield _sse_event(builder.usage_chunk())
                 yield SSE_DONE
-                return
-            if include_usage:
-                yield _sse_event(builder.usage_chunk())
-            yield SSE_DONE
+
+    @contextmanager
+    def _logged(self, timer: RequestTimer, route: str, request_id: str) -> Iterator[None]:
+        """The request's log line once it has ended, however it ends; an error
+        raised out of it is logged by the error handler instead (engine_error)."""
+        try:
+            yield
+        except EngineError:
+            raise
+        except BaseException:
+            self._log_end(timer, route, request_id)
+            raise
+        self._log_end(timer, route, request_id)
+
+    def _log_end(self, timer: RequestTimer, route: str, request_id: str) -> None:
+        if self.config.disable_log_requests:
+            return
+        detail = timer.summary or (f"ended early after {timer.num_output_tokens} output "
+                                   "tokens (client gone or cancelled)")
+        log_request(route, 200, request_id, detail)
 
     def _token_text(self, token_id: int) -> str:
         return self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -327,7 +401,7 @@ class OpenAIServer:
         return Response(self.metrics.render(statistics), content_type=METRICS_CONTENT_TYPE)
 
     async def tokenize(self) -> Response:
-        body = await _decoded_body(protocol.TokenizeRequest)
+        body = await self._decoded_body(protocol.TokenizeRequest)
         self._check_model(body.model)
         return self._json(await trio.to_thread.run_sync(self._tokenized, body,
                                                         limiter=self._tokenizer_threads))
@@ -353,10 +427,15 @@ class OpenAIServer:
         if body.prompt is not None:
             return body.prompt
         assert body.messages is not None
-        return self.engine.tokenizer.apply_chat_template(protocol.chat_messages(body.messages))
+        options = protocol.template_options(body)
+        return self.engine.tokenizer.apply_chat_template(
+            protocol.chat_messages(body.messages),
+            add_generation_prompt=options.add_generation_prompt,
+            continue_final_message=options.continue_final_message,
+            **protocol.template_variables(body))
 
     async def detokenize(self) -> Response:
-        body = await _decoded_body(protocol.DetokenizeRequest)
+        body = await self._decoded_body(protocol.DetokenizeRequest)
         self._check_model(body.model)
         return self._json(await trio.to_thread.run_sync(self._detokenized, body,
                                                         limiter=self._tokenizer_threads))
@@ -395,6 +474,8 @@ class OpenAIServer:
         """
         if self._api_key is None or request.path in OPEN_PATHS:
             return None
+        if request.method == "OPTIONS":
+            return None  # a CORS preflight never carries credentials
         given = request.headers.get("Authorization", "").encode()
         if hmac.compare_digest(given, self._api_key):
             return None
@@ -402,6 +483,8 @@ class OpenAIServer:
 
     async def engine_error(self, error: EngineError) -> Response:
         status, message, param = _error_info(error)
+        if not self.config.disable_log_requests:
+            log_request(f"{request.method} {request.path}", status, "-", message)
         return self._error(status, message, param=param)
 
     async def http_error(self, error: HTTPException) -> Response:
@@ -472,10 +555,12 @@ def _error_body(status: int, message: str, param: str | None) -> protocol.ErrorR
 JSON_SUBTYPE_SUFFIX = "+json"
 
 
-async def _decoded_body(kind: type[BodyT]) -> BodyT:
-    """The request's JSON body as ``kind``; a 400 naming what is wrong otherwise."""
+async def _decoded_body(kind: type[BodyT]) -> tuple[BodyT, bytes | str]:
+    """The request's JSON body as ``kind``, and its bytes; a 400 naming what is
+    wrong otherwise."""
     _check_content_type(request.mimetype)
-    return protocol.decode_request(await request.get_data(), kind)
+    data = await request.get_data()
+    return protocol.decode_request(data, kind), data
 
 
 def _check_content_type(mimetype: str) -> None:
@@ -489,12 +574,14 @@ def _check_content_type(mimetype: str) -> None:
 
 def _chat_arguments(body: protocol.ChatCompletionRequest, *,
                     tool_constraint: StructuredOutputsParams | None = None,
+                    defaults: GenerationDefaults | None = None,
                     ) -> tuple[list[dict[str, Any]], SamplingParams]:
     """The engine's arguments, at a cost linear in the body."""
     messages = protocol.chat_messages(body.messages)
     max_tokens = protocol.requested_max_tokens(body)
     return messages, protocol.chat_sampling_params(body, max_tokens=max_tokens,
-                                                   tool_constraint=tool_constraint)
+                                                   tool_constraint=tool_constraint,
+                                                   defaults=defaults)
 
 
 # -- streaming and request tracking ---------------------------------------------------
@@ -504,7 +591,8 @@ def _observe(timer: RequestTimer, output: RequestOutput) -> None:
     now = trio.current_time()
     timer.on_output(now, num_new_tokens=len(output.token_ids), queue_time=output.queue_time)
     if output.finished:
-        timer.on_finish(now, output.finish_reason)
+        timer.on_finish(now, output.finish_reason, num_prompt_tokens=output.num_prompt_tokens,
+                        num_output_tokens=output.num_output_tokens)
 
 
 def _sse_event(body: msgspec.Struct) -> bytes:
@@ -549,7 +637,14 @@ def hypercorn_config(config: ServerConfig, *, listen_fd: int | None = None) -> H
     # The drain happens before Hypercorn is told to stop (see serve_app); this
     # only lets responses being written at that moment go out.
     hyper.graceful_timeout = STRAGGLER_SECONDS
-    hyper.accesslog = None
+    # vLLM's --uvicorn-log-level: the web server's own logger; at debug (or
+    # trace) its access log too, beside the request lines the app writes.
+    level = logging.DEBUG if config.uvicorn_log_level == "trace" else (
+        config.uvicorn_log_level.upper())
+    for name in ("hypercorn.error", "hypercorn.access"):
+        logging.getLogger(name).setLevel(level)
+    hyper.accesslog = (logging.getLogger("hypercorn.access")
+                       if config.uvicorn_log_level in ("debug", "trace") else None)
     hyper.errorlog = logging.getLogger("hypercorn.error")  # our handlers, not its own
     return hyper
 
@@ -570,15 +665,47 @@ async def serve_app(engine: Engine, config: ServerConfig, *,
     app = create_app(engine, config)
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
-        guarded_app = CompletedResponseGuard(app)
+        guard = CompletedResponseGuard(app)
+        guarded_app = RootPath(guard, config.root_path) if config.root_path else guard
         binds = await nursery.start(partial(
-            hypercorn_serve, guarded_app, hypercorn_config(config, listen_fd=listen_fd),
-            shutdown_trigger=stop.wait))
+            _serve_then_cancel, guarded_app, hypercorn_config(config, listen_fd=listen_fd),
+            stop, nursery.cancel_scope))
         url = binds[0]
+        if not config.disable_log_stats:
+            nursery.start_soon(log_stats_every, config.log_stats_interval,
+                               engine.fetch_statistics)
         logger.info("trio-llm serving %r at %s", app.extensions["trio_llm"].model_name, url)
         if shutdown_trigger is not None:
             nursery.start_soon(_drain_then_stop, engine, config, shutdown_trigger, stop)
         task_status.started(url)
+
+
+class RootPath:
+    """``--root-path`` as uvicorn (and so vLLM) has it: the server sits behind a
+    proxy that strips the prefix, so ``/v1/models`` is served, and the app sees
+    it under the prefix (ASGI's root_path). A request that still carries the
+    prefix (no proxy in front) is served too."""
+
+    def __init__(self, app: CompletedResponseGuard, root_path: str) -> None:
+        self.app = app
+        self.root_path = "/" + root_path.strip("/")
+
+    async def __call__(self, scope: Scope, receive: ASGIReceiveCallable,
+                       send: ASGISendCallable) -> None:
+        if scope["type"] == "http":
+            path = scope["path"]
+            if not (path == self.root_path or path.startswith(self.root_path + "/")):
+                path = self.root_path + path
+            scope = {**scope, "root_path": self.root_path, "path": path}
+        await self.app(scope, receive, send)
+
+
+async def _serve_then_cancel(app: CompletedResponseGuard | RootPath, config: HypercornConfig,
+                             stop: trio.Event, scope: trio.CancelScope, *,
+                             task_status: trio.TaskStatus[list[str]]) -> None:
+    """Hypercorn until it stops, then the tasks beside it (the stats line)."""
+    await hypercorn_serve(app, config, shutdown_trigger=stop.wait, task_status=task_status)
+    scope.cancel()
 
 
 async def _drain_then_stop(engine: Engine, config: ServerConfig,
@@ -685,6 +812,37 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--api-server-count", type=int, default=DEFAULT_API_SERVER_COUNT,
                        help="API-server processes in front of one engine-core process "
                             "(0: serve everything from this one process)")
+    group.add_argument("--root-path", default=None,
+                       help="path prefix stripped by a proxy in front (ASGI root_path)")
+    group.add_argument("--allowed-origins", type=_string_list, default=None,
+                       help='CORS: origins allowed, a JSON list (\'["*"]\') or comma '
+                            "separated (default: none, CORS off)")
+    group.add_argument("--allow-credentials", action="store_true", default=None,
+                       help="CORS: allow credentials")
+    group.add_argument("--allowed-methods", type=_string_list, default=None,
+                       help='CORS: methods allowed (default ["*"])')
+    group.add_argument("--allowed-headers", type=_string_list, default=None,
+                       help='CORS: headers allowed (default ["*"])')
+    group.add_argument("--disable-log-requests", action="store_true", default=None,
+                       help="no log line per request")
+    group.add_argument("--disable-log-stats", action="store_true", default=None,
+                       help="no periodic stats line")
+    group.add_argument("--log-stats-interval", type=float, default=None,
+                       help=f"seconds between stats lines (default "
+                            f"{DEFAULT_STATS_INTERVAL_SECONDS:g})")
+    group.add_argument("--uvicorn-log-level", default=None,
+                       choices=["critical", "error", "warning", "info", "debug", "trace"],
+                       help="log level of the web server (Hypercorn); vLLM's name")
+
+
+def _string_list(text: str) -> list[str]:
+    """A flag's list: JSON (vLLM's form, '["a", "b"]') or comma separated."""
+    if text.lstrip().startswith("["):
+        try:
+            return msgspec.json.decode(text, type=list[str])
+        except msgspec.DecodeError as error:
+            raise argparse.ArgumentTypeError(f"not a JSON list of strings: {error}") from None
+    return [item.strip() for item in text.split(",") if item.strip()]
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:

@@ -9,6 +9,7 @@ import math
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 import trio
 from test_http_support import FakeEngine, ServerInAThread, running_server
@@ -17,6 +18,7 @@ from trio_llm.api.bench_serve import (
     BenchServeOptions,
     PlotUnavailable,
     RequestResult,
+    TokenPool,
     add_bench_serve_arguments,
     arrival_offsets,
     client_shares,
@@ -165,7 +167,7 @@ def test_several_client_processes_make_one_report(tmp_path: Path,
 def test_client_shares_split_requests_and_concurrency() -> None:
     options = BenchServeOptions(base_url="http://x", num_prompts=10, max_concurrency=5,
                                 num_client_processes=3)
-    shares = client_shares(options, "m", 100)
+    shares = client_shares(options, "m", TokenPool(vocab_size=100))
     assert [share.indices for share in shares] == [[0, 3, 6, 9], [1, 4, 7], [2, 5, 8]]
     assert [share.max_concurrency for share in shares] == [2, 2, 1]
 
@@ -191,3 +193,106 @@ def test_bench_throughput_prints_a_table_and_json_on_request() -> None:
     assert lines[0] == "trio-llm bench throughput"
     assert [line.split()[-1] for line in lines[2:]] == ["null", "256", "1,234.57"]
     assert "tiny" not in summary_table(result)
+
+
+# -- any OpenAI-compatible server: the vocabulary without --vocab-size -----------------
+
+
+class StubClient:
+    """/v1/models and /tokenize as another server answers them."""
+
+    def __init__(self, cards: list[dict[str, object]], tokens: list[int] | None) -> None:
+        self.cards, self.tokens = cards, tokens
+
+    async def models(self) -> list[dict[str, object]]:
+        return self.cards
+
+    async def tokenize(self, body: dict[str, object]) -> dict[str, object]:
+        from trio_llm.api.client import CompletionError
+
+        if self.tokens is None:
+            raise CompletionError("Not Found", status=404)
+        return {"tokens": self.tokens, "count": len(self.tokens)}
+
+
+async def test_the_vocabulary_comes_from_the_tokenizer_then_from_tokenize() -> None:
+    from tokenizers import Tokenizer
+
+    from trio_llm.api.bench_serve import _served_model
+    from trio_llm.api.client import CompletionError
+    from trio_llm.gpu.builtin import resolve_model
+
+    tiny = str(resolve_model("tiny"))
+    vllm_card = {"id": "served", "object": "model", "root": "/nowhere/on/this/machine",
+                 "max_model_len": 4096}
+    options = BenchServeOptions(base_url="http://x")
+    model, pool = await _served_model(
+        StubClient([vllm_card], None), msgspec.structs.replace(options, tokenizer=tiny))
+    expected = Tokenizer.from_file(f"{tiny}/tokenizer.json").get_vocab_size(
+        with_added_tokens=False)
+    assert (model, pool.vocab_size, pool.source) == ("served", expected,
+                                                     f"the tokenizer of {tiny}")
+    model, pool = await _served_model(StubClient([vllm_card], [9, 3, 9, 4]), options)
+    assert (pool.token_ids, pool.source) == ([3, 4, 9], "/tokenize")
+    with pytest.raises(CompletionError) as raised:
+        await _served_model(StubClient([vllm_card], None), options)
+    message = str(raised.value)
+    assert "the server reports no vocab_size for 'served'" in message
+    assert "no tokenizer of '/nowhere/on/this/machine' in the local Hugging Face cache" in message
+    assert "POST /tokenize answered 404: Not Found" in message
+    assert "--vocab-size" in message
+
+
+async def test_a_run_against_a_server_without_vocab_size_draws_from_tokenize(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from quart_trio.wrappers.response import TrioResponse
+
+    from trio_llm.api.bench_serve import POOL_TEXT
+    from trio_llm.api.server import OpenAIServer
+
+    async def vllm_models(self: OpenAIServer) -> TrioResponse:  # vLLM's card: no vocab_size
+        body = {"object": "list", "data": [{"id": self.model_name, "object": "model",
+                                            "root": "/not/here", "max_model_len": 64}]}
+        return TrioResponse(json.dumps(body), content_type="application/json")
+
+    monkeypatch.setattr(OpenAIServer, "models", vllm_models)
+    engine = FakeEngine()
+    with trio.fail_after(TIMEOUT):
+        async with running_server(engine) as url:
+            options = BenchServeOptions(base_url=url, num_prompts=4, random_input_len=5,
+                                        random_output_len=2, seed=2)
+            report, _ = await run_benchmark(options)
+    assert (report.num_completed, report.num_failed) == (4, 0)
+    pool = sorted({ord(char) for char in POOL_TEXT})  # the fake tokenizer's ids
+    expected = random_requests(seed=2, num_prompts=4, input_len=5, output_len=2,
+                               range_ratio=0.0, token_ids=pool)
+    assert sorted(s["prompt"] for s in engine.submitted) == sorted(
+        r.prompt_token_ids for r in expected)
+
+
+async def test_errors_say_whether_the_server_was_reached() -> None:
+    from trio_llm.api.bench_serve import failure_message
+    from trio_llm.api.client import CompletionError
+
+    with trio.fail_after(TIMEOUT):
+        async with running_server(FakeEngine(), api_key="k") as url:
+            with pytest.raises(CompletionError) as raised:
+                await run_benchmark(BenchServeOptions(base_url=url, api_key="wrong"))
+    message = failure_message(url, raised.value)
+    assert "cannot reach" not in message  # it answered
+    assert message.startswith(f"{url}: GET /v1/models answered 401: missing or wrong API key")
+
+
+def test_plot_has_percentile_lines_and_a_panel_over_time(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from trio_llm.api.bench_serve import throughput_over_time
+
+    results = [RequestResult(success=True, prompt_len=3, output_len=3, start=start, ttft=0.5,
+                             itl=[0.25, 0.25], latency=1.0) for start in (0.0, 0.5, 1.0)]
+    times, rates, running = throughput_over_time(results, num_bins=4)
+    assert times == [0.0, 0.5, 1.0, 1.5]
+    # 9 tokens in all over 2 s; at most two requests overlap
+    assert sum(rate * 0.5 for rate in rates) == pytest.approx(9.0)
+    assert running == [1, 2, 2, 1]
+    plot_latencies(tmp_path / "plot.png", results)
+    assert (tmp_path / "plot.png").read_bytes().startswith(b"\x89PNG")

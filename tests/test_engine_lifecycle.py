@@ -142,6 +142,52 @@ async def test_cancelled_streams_free_their_blocks_and_leave_others_unchanged() 
             await assert_engine_idle(engine)
 
 
+async def test_a_stream_held_in_a_variable_is_aborted_when_its_loop_breaks() -> None:
+    """No aclosing: the loop's own iterator aborts the request when the loop drops
+    it, while the stream itself is still referenced."""
+    with trio.fail_after(120):
+        async with Engine.open(CONFIG) as engine:
+            stream = engine.generate([5, 6, 7], greedy(200))
+            async for output in stream:
+                assert output.token_ids
+                break
+            await wait_all_tasks_blocked()
+            assert engine.num_open_requests == 0  # the abort went out
+            with pytest.raises(StopAsyncIteration):
+                await anext(stream)  # one loop consumes a stream
+            await assert_engine_idle(engine)  # its blocks are free
+            del stream
+
+
+async def test_a_stream_dropped_unfinished_is_aborted_when_collected() -> None:
+    import gc
+
+    with trio.fail_after(120):
+        async with Engine.open(CONFIG) as engine:
+            stream = engine.generate([5, 6, 7], greedy(200))
+            assert (await anext(stream)).token_ids  # read directly, without a loop
+            assert engine.num_open_requests == 1
+            del stream
+            gc.collect()
+            await wait_all_tasks_blocked()
+            assert engine.num_open_requests == 0
+            await assert_engine_idle(engine)
+
+
+async def test_a_stream_is_its_own_async_context_manager() -> None:
+    with trio.fail_after(120):
+        async with Engine.open(CONFIG) as engine:
+            async with engine.generate([5, 6, 7], greedy(200)) as stream:
+                first = await anext(stream)
+            # aborted on the way out of the block, before anything else runs
+            assert first.token_ids and engine.num_open_requests == 0
+            await assert_engine_idle(engine)
+            async with engine.generate([5, 6, 7], greedy(3)) as stream:
+                token_ids = [token for output in [o async for o in stream]
+                             for token in output.token_ids]
+            assert len(token_ids) == 3
+
+
 async def test_abort_by_id_finishes_the_stream_with_reason_abort() -> None:
     with trio.fail_after(60):
         async with Engine.open(CONFIG) as engine:

@@ -115,22 +115,22 @@ async def test_two_api_servers_serve_the_in_process_outputs_and_survive_one_dyin
                 await receive_until(connection, b"data: [DONE]")
                 await connection.aclose()
                 num_extra += 1
-            num_finished = await metric(server.url, "trio_llm:request_success_total")
+            num_finished = await metric(server.url, "vllm:request_success_total")
 
             # One long stream on each API server; then API server 1 dies.
             long_request = {"prompt": "x", "max_tokens": 200, "ignore_eos": True}
             survivor = await open_stream_on(server, "api-server-0", long_request)
             doomed = await open_stream_on(server, "api-server-1", long_request)
-            await wait_metric(server.url, "trio_llm:num_requests_running", 2)
+            await wait_metric(server.url, "vllm:num_requests_running", 2)
             os.kill(server.pids["api-server-1"], signal.SIGKILL)
             # The core aborts the dead server's request; the other streams on.
-            await wait_metric(server.url, "trio_llm:num_requests_running", 1)
+            await wait_metric(server.url, "vllm:num_requests_running", 1)
             more = await receive_until(survivor, b'"text"')
             fine = await streamed(server, requests[0])
             await survivor.aclose()
             await doomed.aclose()
-            await wait_metric(server.url, "trio_llm:num_requests_running", 0)
-            kv_usage = await metric(server.url, "trio_llm:kv_cache_usage_perc")
+            await wait_metric(server.url, "vllm:num_requests_running", 0)
+            kv_usage = await metric(server.url, "vllm:kv_cache_usage_perc")
             server.process.send_signal(signal.SIGTERM)
             exit_code = await server.process.wait()
             still_running = [name for name, pid in server.pids.items() if is_running(pid)]

@@ -179,9 +179,9 @@ async def test_dropped_connections_free_their_kv_blocks(layout: str) -> None:
         assert snapshot.num_free_blocks == snapshot.num_total_blocks
     # Neither request ran to its 200 tokens.
     assert stats.num_generation_tokens < 200
-    assert _metric(metrics, "trio_llm:num_requests_running") == 0.0
-    assert _metric(metrics, "trio_llm:kv_cache_usage_perc") == 0.0
-    assert _metric(metrics, "trio_llm:generation_tokens_total") == stats.num_generation_tokens
+    assert _metric(metrics, "vllm:num_requests_running") == 0.0
+    assert _metric(metrics, "vllm:kv_cache_usage_perc") == 0.0
+    assert _metric(metrics, "vllm:generation_tokens_total") == stats.num_generation_tokens
 
 
 async def _wait_engine_idle(served: Served) -> None:

@@ -195,7 +195,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature"),
     ("/v1/completions", {"prompt": "x", "top_p": 1.5}, "top_p"),
-    ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "logprobs": -1}, "logprobs"),
     ("/v1/completions", {"max_tokens": 3}, "prompt"),
     ("/v1/completions", {"prompt": {"text": "x"}}, "prompt"),
     ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
@@ -359,22 +359,34 @@ def test_serve_flags_fill_the_server_config() -> None:
 def test_request_timer_spreads_a_coalesced_output_over_its_tokens() -> None:
     from trio_llm.api.metrics import ServerMetrics
 
-    metrics = ServerMetrics("fake-model")
+    metrics = ServerMetrics("fake-model", max_model_len=100)
     timer = metrics.timer(10.0)
     timer.on_output(10.5, num_new_tokens=0, queue_time=0.25)
     timer.on_output(11.0, num_new_tokens=1, queue_time=None)
     timer.on_output(13.0, num_new_tokens=4, queue_time=None)
-    timer.on_finish(13.0, "length")
+    timer.on_finish(13.0, "length", num_prompt_tokens=7, num_output_tokens=5)
 
     def sample(name: str, **labels: str) -> float | None:
-        return metrics.registry.get_sample_value(name, {"model_name": "fake-model", **labels})
+        return metrics.registry.get_sample_value(
+            name, {"model_name": "fake-model", "engine": "0", **labels})
 
-    assert sample("trio_llm:request_queue_time_seconds_sum") == 0.25
-    assert sample("trio_llm:time_to_first_token_seconds_sum") == 1.0
-    assert sample("trio_llm:inter_token_latency_seconds_count") == 4
-    assert sample("trio_llm:inter_token_latency_seconds_sum") == 2.0
-    assert sample("trio_llm:e2e_request_latency_seconds_sum") == 3.0
-    assert sample("trio_llm:request_success_total", finished_reason="length") == 1
+    assert sample("vllm:request_queue_time_seconds_sum") == 0.25
+    assert sample("vllm:time_to_first_token_seconds_sum") == 1.0
+    for name in ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"):
+        assert sample(f"{name}_count") == 4
+        assert sample(f"{name}_sum") == 2.0
+    assert sample("vllm:e2e_request_latency_seconds_sum") == 3.0
+    assert sample("vllm:request_prompt_tokens_sum") == 7
+    assert sample("vllm:request_generation_tokens_bucket", le="5.0") == 1
+    assert sample("vllm:request_generation_tokens_bucket", le="2.0") == 0
+    assert sample("vllm:request_success_total", finished_reason="length") == 1
+
+
+def test_token_count_buckets_are_vllms_1_2_5_series() -> None:
+    from trio_llm.api.metrics import token_count_buckets
+
+    assert token_count_buckets(100) == (1, 2, 5, 10, 20, 50, 100)
+    assert token_count_buckets(4096) == (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000)
 
 
 async def test_version_ping_and_endpoints_not_served() -> None:

@@ -69,8 +69,8 @@ async def test_dropping_a_stream_mid_way_aborts_the_request() -> None:
                 metrics = (await client.get("/metrics")).text
     assert engine.aborted == [request_id]
     assert engine.num_generated == 2
-    assert _metric(metrics, "trio_llm:num_requests_running") == 0.0
-    assert _metric(metrics, "trio_llm:kv_cache_usage_perc") == 0.0
+    assert _metric(metrics, "vllm:num_requests_running") == 0.0
+    assert _metric(metrics, "vllm:kv_cache_usage_perc") == 0.0
 
 
 async def test_dropping_a_plain_request_aborts_it() -> None:

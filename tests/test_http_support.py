@@ -27,7 +27,13 @@ from trio.testing import wait_all_tasks_blocked
 
 from trio_llm.actors.config import EngineConfig
 from trio_llm.actors.errors import EngineDead, QueueFull, RequestRejected
-from trio_llm.actors.messages import RequestOutput, SamplingParams, TokenLogprobs
+from trio_llm.actors.generation_defaults import GenerationDefaults
+from trio_llm.actors.messages import (
+    ChatTemplateOptions,
+    RequestOutput,
+    SamplingParams,
+    TokenLogprobs,
+)
 from trio_llm.actors.supervisor import EngineStatistics
 from trio_llm.api.server import ServerConfig, serve_app
 
@@ -49,9 +55,11 @@ class FakeTokenizer:
         return "".join(chr(token_id) for token_id in token_ids)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], *,
-                            add_generation_prompt: bool = True, **variables: Any) -> str:
+                            add_generation_prompt: bool = True,
+                            continue_final_message: bool = False, **variables: Any) -> str:
         names = "".join(f"<{name}>" for name in sorted(variables))
-        return names + "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+        turns = "".join(f"<{m['role']}>{m['content']}" for m in messages)
+        return names + turns + ("<assistant>" if add_generation_prompt else "")
 
 
 class FakeEngine:
@@ -67,6 +75,7 @@ class FakeEngine:
         self.model_name = "fake-model"
         self.max_model_len = max_model_len
         self.tokenizer = FakeTokenizer()
+        self.generation_defaults = GenerationDefaults()
         self.running: set[str] = set()
         self.finished: list[str] = []
         self.aborted: list[str] = []
@@ -107,11 +116,18 @@ class FakeEngine:
     def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None, *,
              priority: int = 0, request_id: str | None = None,
              tools: list[dict[str, Any]] | None = None,
+             documents: list[dict[str, Any]] | None = None,
              chat_template_kwargs: dict[str, Any] | None = None,
+             template_options: ChatTemplateOptions | None = None,
              cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
-        variables = {**(chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
-        return self.generate(self.tokenizer.apply_chat_template(messages, **variables), params,
-                             priority=priority, request_id=request_id, cache_salt=cache_salt)
+        variables = {**(chat_template_kwargs or {}), **({"tools": tools} if tools else {}),
+                     **({"documents": documents} if documents is not None else {})}
+        options = template_options or ChatTemplateOptions()
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=options.add_generation_prompt,
+            continue_final_message=options.continue_final_message, **variables)
+        return self.generate(text, params, priority=priority, request_id=request_id,
+                             cache_salt=cache_salt)
 
     def _run(self, request_id: str, prompt_ids: list[int],
              params: SamplingParams) -> AsyncIterator[RequestOutput]:

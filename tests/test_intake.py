@@ -84,7 +84,7 @@ def rejection(intake: Intake, request: Submit) -> RequestRejected:
         ({"params": SamplingParams(max_tokens=0)}, "max_tokens", ">= 1"),
         ({"params": SamplingParams(min_tokens=5, max_tokens=4)}, "min_tokens",
          "min_tokens (5) must not exceed max_tokens (4)"),
-        ({"params": SamplingParams(logprobs=21)}, "logprobs", "<= 20"),
+        ({"params": SamplingParams(logprobs=21)}, "logprobs", "greater than max allowed: 20"),
         ({"params": SamplingParams(temperature=-0.5)}, "temperature", ">= 0"),
         ({"params": SamplingParams(top_p=0.0)}, "top_p", "> 0"),
         ({"params": SamplingParams(top_k=-2)}, "top_k", ">= -1"),

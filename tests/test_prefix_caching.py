@@ -213,8 +213,9 @@ async def test_metrics_and_cache_salt_over_http() -> None:
                     hits.append(engine.statistics().num_prefix_cache_hits - before)
             statistics = engine.statistics()
     assert empty.status_code == 400 and empty.json()["error"]["param"] == "cache_salt"
-    assert f"trio_llm:prefix_cache_queries_total{{model_name=\"tiny\"}} {3 * 37}.0" in metrics
-    assert 'trio_llm:prefix_cache_hits_total{model_name="tiny"} 32.0' in metrics  # second "a"
+    labels = '{engine="0",model_name="tiny"}'
+    assert f"vllm:prefix_cache_queries_total{labels} {3 * 37}.0" in metrics
+    assert f"vllm:prefix_cache_hits_total{labels} 32.0" in metrics  # second "a"
     assert hits[:2] == [0, 0] and hits[2] > 0
     assert statistics.num_prefix_cache_hits == 32 + hits[2]
 

@@ -393,9 +393,9 @@ async def test_a_second_signal_ends_a_server_held_by_clients_that_stop_reading()
         async with httpx.AsyncClient(base_url=url, timeout=30) as client:
             # Once the engine is done, all that is left of the readers' requests
             # is their handlers' blocked sends.
-            while "trio_llm:num_requests_running{" not in (text := (
+            while "vllm:num_requests_running{" not in (text := (
                     await client.get("/metrics")).text) or not re.search(
-                    r'^trio_llm:num_requests_running\{[^}]*\} 0\.0$', text, re.MULTILINE):
+                    r'^vllm:num_requests_running\{[^}]*\} 0\.0$', text, re.MULTILINE):
                 await trio.lowlevel.checkpoint()
         process.send_signal(signal.SIGTERM)
         process.send_signal(signal.SIGINT)
