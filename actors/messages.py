@@ -20,6 +20,9 @@ FinishReason = Literal["stop", "length", "abort"]
 
 NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+# OpenAI's ranges: presence and frequency penalties -2..2, a logit bias -100..100.
+Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
+LogitBias = Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]
 
 
 # -- structured outputs (grammar constraints) ----------------------------------
@@ -47,6 +50,13 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     filters; ``temperature`` 0 is greedy. ``seed`` None draws a seed from the
     engine's own seed at intake, so every request samples from randomness keyed
     by (seed, output position).
+
+    Penalties as vLLM defines them: ``presence_penalty`` is subtracted from the
+    logit of every token already in the output, ``frequency_penalty`` times the
+    number of times it is there; ``repetition_penalty`` divides the positive
+    logits (multiplies the negative ones) of every token in the prompt or the
+    output. ``logit_bias`` (OpenAI's) adds to the logits of token ids;
+    ``allowed_token_ids`` (vLLM's) keeps only those tokens.
     """
 
     max_tokens: PositiveInt | None = 16
@@ -63,6 +73,11 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0)] = 1.0
+    logit_bias: dict[int, LogitBias] | None = None
+    allowed_token_ids: list[int] | None = None
 
 
 class SamplingOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -70,7 +85,9 @@ class SamplingOptions(msgspec.Struct, frozen=True, kw_only=True):
 
     ``seed`` is always resolved. ``banned_token_ids`` are masked to -inf while the
     output position is below ``min_tokens`` (vLLM's min_tokens semantics: EOS and
-    stop token ids cannot end the request early).
+    stop token ids cannot end the request early). ``logit_bias_token_ids`` and
+    ``logit_bias_values`` are SamplingParams.logit_bias as two parallel lists;
+    ``allowed_token_ids`` None allows every token.
     """
 
     temperature: float
@@ -81,6 +98,18 @@ class SamplingOptions(msgspec.Struct, frozen=True, kw_only=True):
     num_logprobs: int | None
     min_tokens: int
     banned_token_ids: list[int]
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias_token_ids: list[int] = []
+    logit_bias_values: list[float] = []
+    allowed_token_ids: list[int] | None = None
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether sampling needs the counts of the tokens before (sampler.PenaltyCounts)."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
 
 
 class Request(msgspec.Struct, frozen=True, kw_only=True):
@@ -223,10 +252,18 @@ class ScheduledRequest(msgspec.Struct, frozen=True, kw_only=True, array_like=Tru
 
 
 class NewRequestData(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
-    """Sent once, the first step a request (or a recomputed one) runs."""
+    """Sent once, the first step a request (or a recomputed one) runs.
+
+    A request with penalties (``sampling.has_penalties``) brings the tokens they
+    count: its output so far (a recomputed request's) and, with a repetition
+    penalty, its prompt. The runner counts every token it samples after that
+    itself, so the counts never wait for the host (depth 2).
+    """
 
     request_id: str
     sampling: SamplingOptions
+    prompt_token_ids: list[int] = []
+    output_token_ids: list[int] = []
 
 
 class ScheduledBatch(msgspec.Struct, frozen=True, kw_only=True, tag=True):

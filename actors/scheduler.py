@@ -566,8 +566,7 @@ class Scheduler:
         self._preempted_request_ids.discard(running.request_id)
         bisect.insort(self._running, running, key=_sort_key_of)
         self._running_by_id[running.request_id] = running
-        step.new_requests.append(NewRequestData(request_id=running.request_id,
-                                                sampling=running.request.sampling))
+        step.new_requests.append(_new_request_data(running))
         if waiting.num_preemptions == 0:
             step.tracks.append(Track(request=running.request))
             if self._caches_prefixes:
@@ -887,3 +886,16 @@ async def _handle(message: SchedulerInbox, scheduler: Scheduler, outboxes: _Outb
             scheduler.on_stop_string_hit(request_id)
         case Pulled():
             raise AssertionError("Pulled without an outstanding Pull")
+
+
+def _new_request_data(running: RunningRequest) -> NewRequestData:
+    """What the runner learns of a request that starts (or restarts): its sampling
+    options and, with penalties, the tokens they count so far."""
+    request = running.request
+    sampling = request.sampling
+    if not sampling.has_penalties:
+        return NewRequestData(request_id=running.request_id, sampling=sampling)
+    prompt_token_ids = request.prompt_token_ids if sampling.repetition_penalty != 1.0 else []
+    return NewRequestData(request_id=running.request_id, sampling=sampling,
+                          prompt_token_ids=prompt_token_ids,
+                          output_token_ids=list(running.output_token_ids))

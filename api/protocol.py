@@ -2,7 +2,7 @@
 
 Requests are decoded straight into Structs whose constraints mirror
 SamplingParams, so a bad value fails at decode time with the field named.
-What the engine does not support (several choices, echo, penalties, tools) is
+What the engine does not support (several choices, echo) is
 rejected with a 400 naming the field, never silently ignored.
 
 Everything here is synchronous: the server's handlers decode, convert with
@@ -38,6 +38,9 @@ TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
 TopK = Annotated[int, msgspec.Meta(ge=-1)]
 MinP = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 NumLogprobs = Annotated[int, msgspec.Meta(ge=0, le=20)]
+Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
+RepetitionPenalty = Annotated[float, msgspec.Meta(gt=0.0)]
+LogitBiasValue = Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]
 Seed = Annotated[int, msgspec.Meta(ge=MIN_SEED, le=MAX_SEED)]
 # Stop strings are bounded (vLLM does not bound them): see docs/http-api.md.
 StopString = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
@@ -108,9 +111,11 @@ class _GenerationFields(msgspec.Struct, kw_only=True):
     best_of: PositiveInt | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    logit_bias: dict[str, LogitBiasValue] | None = None
+    allowed_token_ids: list[NonNegativeInt] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
 
@@ -585,7 +590,26 @@ def _sampling_params(request: _GenerationFields, *, max_tokens: int | None,
         logprobs=num_logprobs,
         skip_special_tokens=request.skip_special_tokens,
         structured_outputs=structured_outputs,
+        presence_penalty=_or(request.presence_penalty, defaults.presence_penalty),
+        frequency_penalty=_or(request.frequency_penalty, defaults.frequency_penalty),
+        repetition_penalty=_or(request.repetition_penalty, defaults.repetition_penalty),
+        logit_bias=logit_bias_of(request.logit_bias),
+        allowed_token_ids=request.allowed_token_ids,
     )
+
+
+def logit_bias_of(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias (token ids as JSON object keys) keyed by int; the engine's
+    intake checks the ids against the vocabulary and bounds the count."""
+    if not logit_bias:
+        return None
+    biases: dict[int, float] = {}
+    for key, value in logit_bias.items():
+        if not key.isascii() or not key.isdigit() or len(key) > 18:
+            raise RequestRejected(f"logit_bias keys must be token ids, not {key[:32]!r}",
+                                  param="logit_bias")
+        biases[int(key)] = value
+    return biases
 
 
 def _or(value: T | None, default: T) -> T:
@@ -600,11 +624,6 @@ def _reject_unsupported(request: _GenerationFields) -> None:
     if request.stream_options is not None and not request.stream:
         raise RequestRejected("stream_options is only allowed when stream is true",
                               param="stream_options")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(request, name) != 0.0:
-            raise RequestRejected(f"{name} is not supported", param=name)
-    if request.logit_bias:
-        raise RequestRejected("logit_bias is not supported", param="logit_bias")
 
 
 # -- engine outputs -> responses ------------------------------------------------

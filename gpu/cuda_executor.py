@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import torch
 
@@ -64,6 +65,7 @@ from trio_llm.gpu.cuda_graphs import (
 from trio_llm.gpu.cuda_sampler import (
     DeviceSamplingInputs,
     SamplingPlan,
+    record_on_device,
     sample_on_device,
 )
 from trio_llm.gpu.cuda_streams import DoneEvent, Event, Lane
@@ -365,9 +367,16 @@ class CudaModelExecutor(ModelExecutor):
             self._forget(new_request.request_id)
             self.requests[new_request.request_id] = RequestState(sampling=new_request.sampling)
             self._table_rows[new_request.request_id] = self._take_table_row()
+            if new_request.sampling.has_penalties:
+                with self.compute.context():  # ordered after the steps that used the row
+                    self._register_penalties(new_request)
+
+    def _token_ids_on_device(self, token_ids: list[int]) -> torch.Tensor:
+        return self._to_device(torch.tensor(token_ids, dtype=torch.int64))
 
     def _forget(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
+        self.penalty_counts.release(request_id)
         self._sampled_on_device.pop(request_id, None)
         row = self._table_rows.pop(request_id, None)
         if row is not None:
@@ -447,7 +456,8 @@ class CudaModelExecutor(ModelExecutor):
                 if scheduled.bitmask_follows:
                     step.rows_awaiting_bitmasks.append(len(sampling_rows))
                 sampling_rows.append(SamplingRow(state.sampling, scheduled.output_index,
-                                                 scheduled.token_bitmask))
+                                                 scheduled.token_bitmask,
+                                                 self.penalty_counts.slot(request_id)))
                 sampled_request_ids.append(request_id)
         step.num_seqs = len(batch.requests)
         step.num_tokens = len(token_ids)
@@ -529,7 +539,8 @@ class CudaModelExecutor(ModelExecutor):
         assert forward is not None and slot is not None
         plan, logits = forward.plan, forward.logits
         with self.compute.context(), torch.inference_mode():
-            sampled = sample_on_device(logits, plan, forward.inputs)
+            sampled = sample_on_device(logits, plan, forward.inputs, self.penalty_counts)
+            record_on_device(self.penalty_counts, plan, forward.inputs, sampled)
             num_rows = len(pending.request_ids)
             self.device_sampled[slot.index, :num_rows].copy_(sampled)
             wants_logprobs = any(count is not None for count in plan.num_logprobs)
@@ -557,8 +568,16 @@ class CudaModelExecutor(ModelExecutor):
         ints["banned_token_ids"] = plan.banned_token_ids
         ints["bitmask_rows"] = plan.bitmask_rows
         ints["bitmask_words"] = plan.bitmask_words  # type: ignore[assignment]  # an int64 array
+        ints["allowed_rows"], ints["allowed_local_rows"] = (plan.allowed_rows,
+                                                            plan.allowed_local_rows)
+        ints["allowed_token_ids"] = plan.allowed_token_ids
+        ints["logit_bias_rows"] = plan.logit_bias_rows
+        ints["logit_bias_token_ids"] = plan.logit_bias_token_ids
+        ints["penalty_rows"], ints["penalty_slots"] = plan.penalty_rows, plan.penalty_slots
         floats = {"temperatures": plan.temperatures, "top_ps": plan.top_ps,
-                  "min_ps": plan.min_ps}
+                  "min_ps": plan.min_ps, "logit_bias_values": plan.logit_bias_values,
+                  "presences": plan.presences, "frequencies": plan.frequencies,
+                  "repetitions": plan.repetitions}
         int_offsets = offsets({name: len(ints[name]) for name in INT_SEGMENTS})
         float_offsets = offsets({name: len(floats[name]) for name in FLOAT_SEGMENTS})
         self._ensure_capacity(slot, end(int_offsets), end(float_offsets),
@@ -638,17 +657,23 @@ class CudaModelExecutor(ModelExecutor):
         block 0, which holds nothing yet.)"""
         started = time.perf_counter()
         request_id = "warm-up"
-        sampling = SamplingOptions(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, seed=0,
-                                   num_logprobs=None, min_tokens=0, banned_token_ids=[])
+        plain = SamplingOptions(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, seed=0,
+                                num_logprobs=None, min_tokens=0, banned_token_ids=[])
+        # the second step compiles the sampling kernel's variant with penalties
+        penalized = msgspec.structs.replace(plain, repetition_penalty=1.1)
         num_tokens = min(self.block_size, self.max_model_len)
-        batch = ScheduledBatch(
-            step_id=-1, new_requests=[NewRequestData(request_id=request_id, sampling=sampling)],
-            requests=[ScheduledRequest(request_id=request_id, token_ids=[0] * num_tokens,
-                                       input_from_previous_step=False, num_computed_tokens=0,
-                                       new_block_ids=[0], sample=True, output_index=0)],
-            finished_request_ids=[], num_tokens=num_tokens)
-        self.collect(self.launch(batch))
-        self._forget(request_id)
+        for sampling in (plain, penalized):
+            new_request = NewRequestData(request_id=request_id, sampling=sampling,
+                                         prompt_token_ids=[0] * num_tokens)
+            batch = ScheduledBatch(
+                step_id=-1, new_requests=[new_request],
+                requests=[ScheduledRequest(request_id=request_id, token_ids=[0] * num_tokens,
+                                           input_from_previous_step=False,
+                                           num_computed_tokens=0, new_block_ids=[0],
+                                           sample=True, output_index=0)],
+                finished_request_ids=[], num_tokens=num_tokens)
+            self.collect(self.launch(batch))
+            self._forget(request_id)
         self.stats = ExecutorStatistics()
         logger.info("warmed up the eager path in %.1f s", time.perf_counter() - started)
 
@@ -720,4 +745,10 @@ def _sampling_inputs(ints: Segments, floats: Segments) -> DeviceSamplingInputs:
         top_ks=ints["top_ks"], seed_keys=ints["seed_keys"],
         output_indices=ints["output_indices"],
         banned_rows=ints["banned_rows"], banned_token_ids=ints["banned_token_ids"],
-        bitmask_rows=ints["bitmask_rows"], bitmask_words=ints["bitmask_words"])
+        bitmask_rows=ints["bitmask_rows"], bitmask_words=ints["bitmask_words"],
+        allowed_rows=ints["allowed_rows"], allowed_local_rows=ints["allowed_local_rows"],
+        allowed_token_ids=ints["allowed_token_ids"], logit_bias_rows=ints["logit_bias_rows"],
+        logit_bias_token_ids=ints["logit_bias_token_ids"],
+        logit_bias_values=floats["logit_bias_values"], penalty_rows=ints["penalty_rows"],
+        penalty_slots=ints["penalty_slots"], presences=floats["presences"],
+        frequencies=floats["frequencies"], repetitions=floats["repetitions"])

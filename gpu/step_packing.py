@@ -34,8 +34,10 @@ INT_SEGMENTS = (*TOKEN_SEGMENTS, *SEQUENCE_SEGMENTS, "logits_indices",
                 "previous_token_positions", "previous_slots", "previous_rows",
                 "update_rows", "update_columns", "update_block_ids", "top_ks", "seed_keys",
                 "output_indices", "banned_rows", "banned_token_ids", "bitmask_rows",
-                "bitmask_words")
-FLOAT_SEGMENTS = ("temperatures", "top_ps", "min_ps")
+                "bitmask_words", "allowed_rows", "allowed_local_rows", "allowed_token_ids",
+                "logit_bias_rows", "logit_bias_token_ids", "penalty_rows", "penalty_slots")
+FLOAT_SEGMENTS = ("temperatures", "top_ps", "min_ps", "logit_bias_values", "presences",
+                  "frequencies", "repetitions")
 # Segments start at multiples of this many elements (16 bytes or more). Triton compiles
 # a kernel variant per pattern of 16-byte-aligned pointer arguments: views at arbitrary
 # offsets would compile new variants in the middle of a run.
