@@ -5,6 +5,8 @@ and the engine (batched, preempted, with and without prefix caching)."""
 
 from __future__ import annotations
 
+from contextlib import aclosing
+
 import msgspec
 import pytest
 import torch
@@ -454,3 +456,54 @@ async def test_bad_penalty_fields_are_refused_by_name(fields, param) -> None:
                 await collect(engine, [1, 2, 3], SamplingParams(max_tokens=2, **fields))
             assert raised.value.param is not None and raised.value.param.startswith(param)
             assert await collect(engine, [1, 2, 3], SamplingParams(max_tokens=2))
+
+
+# -- several requests read as one stream (Engine.generate_many) ---------------------
+
+
+async def test_leaving_a_group_early_aborts_every_child() -> None:
+    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    with trio.fail_after(120):
+        async with Engine.open(ENGINE) as engine:
+            seen = set()
+            async with aclosing(engine.generate_many(
+                    [([5, 6, 7], params), ([8, 9], params), ([5, 6, 7], params)])) as outputs:
+                async for index, output in outputs:
+                    seen.add(index)
+                    assert not output.finished
+                    if len(seen) == 3:
+                        break
+            # an Abort travels intake -> queue -> scheduler: a request after it sees it done
+            await collect(engine, [1, 2], SamplingParams(max_tokens=1))
+            stats = engine.statistics()
+            assert engine.num_open_requests == 0
+            assert stats.num_running == 0 and stats.num_free_blocks == stats.num_total_blocks
+
+
+async def test_a_rejected_child_fails_the_group_and_aborts_the_others() -> None:
+    good = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+    bad = SamplingParams(max_tokens=50, logit_bias={10**8: 1.0})
+    with trio.fail_after(120):
+        async with Engine.open(ENGINE) as engine:
+            with pytest.raises(RequestRejected) as raised:
+                async with aclosing(engine.generate_many(
+                        [([5, 6, 7], good), ([8, 9], bad)])) as outputs:
+                    async for _ in outputs:
+                        pass
+            assert raised.value.param == "logit_bias"
+            await collect(engine, [1, 2], SamplingParams(max_tokens=1))
+            stats = engine.statistics()
+            assert engine.num_open_requests == 0
+            assert stats.num_running == 0 and stats.num_free_blocks == stats.num_total_blocks
+
+
+async def test_a_group_gives_each_requests_solo_tokens() -> None:
+    with trio.fail_after(120):
+        reference = await run_alone(ENGINE)
+        async with Engine.open(ENGINE) as engine:
+            tokens: list[list[int]] = [[] for _ in ENGINE_PROMPTS]
+            async with aclosing(engine.generate_many(
+                    list(zip(ENGINE_PROMPTS, ENGINE_PARAMS, strict=True)))) as outputs:
+                async for index, output in outputs:
+                    tokens[index] += output.token_ids
+    assert tokens == reference
