@@ -365,6 +365,7 @@ class Intake:
             logit_bias_values=list((params.logit_bias or {}).values()),
             allowed_token_ids=(sorted(set(params.allowed_token_ids))
                                if params.allowed_token_ids is not None else None),
+            num_prompt_logprobs=params.prompt_logprobs,
         )
 
 

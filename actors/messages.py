@@ -56,7 +56,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     number of times it is there; ``repetition_penalty`` divides the positive
     logits (multiplies the negative ones) of every token in the prompt or the
     output. ``logit_bias`` (OpenAI's) adds to the logits of token ids;
-    ``allowed_token_ids`` (vLLM's) keeps only those tokens.
+    ``allowed_token_ids`` (vLLM's) keeps only those tokens. ``prompt_logprobs``
+    (vLLM's): the logprob of every prompt token after the first, with that many
+    alternatives (the request then never starts from cached blocks: every prompt
+    position must be computed).
     """
 
     max_tokens: PositiveInt | None = 16
@@ -78,6 +81,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0)] = 1.0
     logit_bias: dict[int, LogitBias] | None = None
     allowed_token_ids: list[int] | None = None
+    prompt_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
 
 
 class SamplingOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -104,6 +108,7 @@ class SamplingOptions(msgspec.Struct, frozen=True, kw_only=True):
     logit_bias_token_ids: list[int] = []
     logit_bias_values: list[float] = []
     allowed_token_ids: list[int] | None = None
+    num_prompt_logprobs: int | None = None
 
     @property
     def has_penalties(self) -> bool:
@@ -237,7 +242,9 @@ class ScheduledRequest(msgspec.Struct, frozen=True, kw_only=True, array_like=Tru
     w set when token 32 * w + j may be sampled. ``bitmask_follows``: a constrained
     request decoding on a placeholder, whose bitmask depends on the token still in
     flight; it arrives in a StepBitmasks for this step, and the runner samples the
-    step only then.
+    step only then. ``prompt_logprob_token_ids`` (a request with prompt logprobs):
+    the prompt tokens that follow this chunk's first positions, one per position
+    whose logprob the runner reports (StepResult.prompt_logprobs).
     """
 
     request_id: str
@@ -249,6 +256,7 @@ class ScheduledRequest(msgspec.Struct, frozen=True, kw_only=True, array_like=Tru
     output_index: int
     token_bitmask: bytes | None = None
     bitmask_follows: bool = False
+    prompt_logprob_token_ids: list[int] = []
 
 
 class NewRequestData(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
@@ -300,6 +308,14 @@ class TokenLogprobs(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     top_logprobs: list[float]
 
 
+class PromptLogprobs(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """One chunk's prompt logprobs: for each of its ``prompt_logprob_token_ids``, that
+    token's logprob (and the best alternatives) at the position before it."""
+
+    request_id: str
+    logprobs: list[TokenLogprobs]
+
+
 class StepResult(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     """The runner's answer to one ScheduledBatch: one sampled token for each
     request that had ``sample`` set, in batch order."""
@@ -308,6 +324,7 @@ class StepResult(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     request_ids: list[str]
     sampled_token_ids: list[int]
     logprobs: list[TokenLogprobs | None] | None = None
+    prompt_logprobs: list[PromptLogprobs] = []
 
 
 class StopStringHit(msgspec.Struct, frozen=True, kw_only=True, tag=True):
@@ -341,6 +358,9 @@ class TokenDelta(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=
     logprobs: list[TokenLogprobs | None] | None
     finish_reason: FinishReason | None
     stop_reason: int | None = None
+    # with the first output token of a request with prompt logprobs: one per prompt
+    # token, None for the first
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class TokenBatch(msgspec.Struct, frozen=True, kw_only=True, tag=True):
@@ -375,3 +395,7 @@ class RequestOutput(msgspec.Struct, kw_only=True, gc=False):
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     queue_time: float | None = None
+    # with prompt logprobs (SamplingParams.prompt_logprobs), on the first output: the
+    # prompt's token ids and their logprobs (None for the first)
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

@@ -152,6 +152,10 @@ def _merge(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
         num_prompt_tokens=newer.num_prompt_tokens,
         num_output_tokens=newer.num_output_tokens,
         queue_time=older.queue_time if older.queue_time is not None else newer.queue_time,
+        prompt_token_ids=(older.prompt_token_ids if older.prompt_token_ids is not None
+                          else newer.prompt_token_ids),
+        prompt_logprobs=(older.prompt_logprobs if older.prompt_logprobs is not None
+                         else newer.prompt_logprobs),
     )
 
 

@@ -514,14 +514,15 @@ def _message_text(message: ChatMessage, index: int) -> str:
 def completion_sampling_params(request: CompletionRequest) -> SamplingParams:
     """SamplingParams of a completion request (max_tokens defaults to 16, as OpenAI's)."""
     _reject_unsupported(request)
-    if request.echo and request.logprobs is not None:
-        raise RequestRejected("echo with logprobs (the prompt's logprobs) is not supported; "
-                              "echo alone is", param="echo")
     if request.suffix is not None:
         raise RequestRejected("suffix is not supported", param="suffix")
-    return _sampling_params(request, max_tokens=request.max_tokens or 16,
-                            num_logprobs=request.logprobs,
-                            structured_outputs=structured_outputs_of(request))
+    params = _sampling_params(request, max_tokens=request.max_tokens or 16,
+                              num_logprobs=request.logprobs,
+                              structured_outputs=structured_outputs_of(request))
+    if request.echo and request.logprobs is not None:
+        # the echoed prompt's tokens come with their logprobs too (OpenAI's echo)
+        params = msgspec.structs.replace(params, prompt_logprobs=request.logprobs)
+    return params
 
 
 def requested_max_tokens(request: ChatCompletionRequest) -> int | None:
@@ -773,11 +774,29 @@ class CompletionBuilder(_OutputBuilder):
                                   choices=choices, usage=usage)
 
     def _delta_logprobs(self, output: RequestOutput) -> CompletionLogprobs | None:
+        prompt = self._prompt_logprobs(output)
         if output.logprobs is None:
-            return None
-        logprobs = CompletionLogprobs()
+            return prompt
+        logprobs = prompt or CompletionLogprobs()
         offset = self._num_chars
         for token_id, entry in zip(output.token_ids, output.logprobs, strict=False):
+            token = self.token_text(token_id)
+            logprobs.tokens.append(token)
+            logprobs.token_logprobs.append(None if entry is None else entry.logprob)
+            logprobs.top_logprobs.append(self._top_dict(token, entry))
+            logprobs.text_offset.append(offset)
+            offset += len(token)
+        return logprobs
+
+    def _prompt_logprobs(self, output: RequestOutput) -> CompletionLogprobs | None:
+        """The echoed prompt's logprobs (the first output of an ``echo`` request with
+        ``logprobs``): the first token's is null, as in OpenAI's."""
+        if output.prompt_logprobs is None or output.prompt_token_ids is None:
+            return None
+        logprobs = CompletionLogprobs()
+        offset = 0
+        for token_id, entry in zip(output.prompt_token_ids, output.prompt_logprobs,
+                                   strict=False):
             token = self.token_text(token_id)
             logprobs.tokens.append(token)
             logprobs.token_logprobs.append(None if entry is None else entry.logprob)

@@ -71,7 +71,13 @@ from trio_llm.gpu.cuda_sampler import (
 from trio_llm.gpu.cuda_streams import DoneEvent, Event, Lane
 from trio_llm.gpu.executor import GIB, ModelExecutor, RequestState, kv_slots
 from trio_llm.gpu.model import AttentionMetadata, CausalLM
-from trio_llm.gpu.sampler import SamplingRow, bitmask_rows, raw_logprobs
+from trio_llm.gpu.sampler import (
+    PromptLogprobRows,
+    SamplingRow,
+    bitmask_rows,
+    prompt_logprobs,
+    raw_logprobs,
+)
 from trio_llm.gpu.step_packing import (
     FLOAT_SEGMENTS,
     INT_SEGMENTS,
@@ -171,6 +177,9 @@ class PendingStep:
     compute_done: Event | None = None
     # set while the step waits for supply_bitmasks: its sampling is not enqueued yet
     forward: ForwardState | None = None
+    # the positions whose prompt logprobs are asked, and their hidden states
+    prompt_logprob_rows: PromptLogprobRows | None = None
+    prompt_hidden: torch.Tensor | None = None
 
     def is_ready(self) -> bool:
         return bool(self.done.done)
@@ -348,8 +357,16 @@ class CudaModelExecutor(ModelExecutor):
         logprobs = None
         if pending.logits is not None and pending.sampled is not None:
             logprobs = raw_logprobs(pending.logits, pending.sampled, pending.num_logprobs)
+        prompt_results = []
+        if pending.prompt_logprob_rows is not None and pending.prompt_hidden is not None:
+            # the step is done: its hidden states are read on any stream
+            with torch.inference_mode():
+                prompt_results = prompt_logprobs(self.model.compute_logits,
+                                                 pending.prompt_hidden,
+                                                 pending.prompt_logprob_rows)
         return StepResult(step_id=pending.step_id, request_ids=pending.request_ids,
-                          sampled_token_ids=token_ids, logprobs=logprobs)
+                          sampled_token_ids=token_ids, logprobs=logprobs,
+                          prompt_logprobs=prompt_results)
 
     def drain(self) -> None:
         """Wait for the steps launched and never collected (a runner cancelled at
@@ -372,6 +389,8 @@ class CudaModelExecutor(ModelExecutor):
                     self._register_penalties(new_request)
 
     def _token_ids_on_device(self, token_ids: list[int]) -> torch.Tensor:
+        if not token_ids:
+            return torch.empty(0, dtype=torch.int64, device=self.device)
         return self._to_device(torch.tensor(token_ids, dtype=torch.int64))
 
     def _forget(self, request_id: str) -> None:
@@ -439,6 +458,10 @@ class CudaModelExecutor(ModelExecutor):
                 context_len = start + 1
                 positions.append(start)
             else:
+                if scheduled.prompt_logprob_token_ids:  # the chunk's first positions
+                    step.prompt_logprob_rows.add(request_id, len(token_ids),
+                                                 scheduled.prompt_logprob_token_ids,
+                                                 state.sampling.num_prompt_logprobs or 0)
                 token_ids += scheduled.token_ids
                 context_len = start + len(scheduled.token_ids)
                 positions += range(start, context_len)
@@ -490,7 +513,10 @@ class CudaModelExecutor(ModelExecutor):
 
     def _pad_for_graph(self, step: HostStep) -> None:
         """Choose the captured graph that fits the step, if any, and pad it to its sizes.
-        Decode graphs compute logits for every row: only where every request samples."""
+        Decode graphs compute logits for every row: only where every request samples.
+        A step with prompt logprobs runs eagerly: a graph keeps no hidden states."""
+        if step.prompt_logprob_rows.rows:
+            return
         is_decode = step.num_tokens == step.num_seqs
         if is_decode and len(step.sampling_rows) == step.num_seqs:
             batch_size = self.decode_graphs.batch_size_for(step.num_seqs)
@@ -525,6 +551,8 @@ class CudaModelExecutor(ModelExecutor):
             logits = self._compute_logits(step, ints)
         pending = PendingStep(step_id=step.step_id, request_ids=step.sampled_request_ids,
                               done=DoneEvent(), slot=slot,
+                              prompt_logprob_rows=step.prompt_logprob_rows,
+                              prompt_hidden=step.prompt_hidden,
                               forward=ForwardState(step=step, plan=plan,
                                                    inputs=_sampling_inputs(ints, floats),
                                                    logits=logits,
@@ -574,6 +602,7 @@ class CudaModelExecutor(ModelExecutor):
         ints["logit_bias_rows"] = plan.logit_bias_rows
         ints["logit_bias_token_ids"] = plan.logit_bias_token_ids
         ints["penalty_rows"], ints["penalty_slots"] = plan.penalty_rows, plan.penalty_slots
+        ints["prompt_logprob_rows"] = step.prompt_logprob_rows.rows
         floats = {"temperatures": plan.temperatures, "top_ps": plan.top_ps,
                   "min_ps": plan.min_ps, "logit_bias_values": plan.logit_bias_values,
                   "presences": plan.presences, "frequencies": plan.frequencies,
@@ -605,6 +634,8 @@ class CudaModelExecutor(ModelExecutor):
             query_start_loc=ints["query_start_loc"].to(torch.int32),
         )
         hidden = self.model(token_ids, ints["positions"], self.kv_caches, metadata)
+        if ints.length("prompt_logprob_rows"):
+            step.prompt_hidden = hidden.index_select(0, ints["prompt_logprob_rows"])
         return self.model.compute_logits(hidden.index_select(0, ints["logits_indices"]))
 
     def _apply_table_updates(self, ints: Segments) -> None:

@@ -36,7 +36,13 @@ from trio_llm.gpu.config import ModelConfig, ModelLoadError
 from trio_llm.gpu.loader import load_model, resolve_device, resolve_dtype
 from trio_llm.gpu.model import AttentionMetadata, CausalLM
 from trio_llm.gpu.penalties import PenaltyCounts
-from trio_llm.gpu.sampler import SamplingRow, record_sampled, sample
+from trio_llm.gpu.sampler import (
+    PromptLogprobRows,
+    SamplingRow,
+    prompt_logprobs,
+    record_sampled,
+    sample,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +101,8 @@ class StepInputs:
     logits_indices: list[int] = field(default_factory=list)
     sampling_rows: list[SamplingRow] = field(default_factory=list)
     sampled_request_ids: list[str] = field(default_factory=list)
+    prompt_logprob_rows: PromptLogprobRows = field(
+        default_factory=lambda: PromptLogprobRows([], [], []))
 
 
 class ModelExecutor:
@@ -152,14 +160,23 @@ class ModelExecutor:
         if not inputs.token_ids:
             return StepResult(step_id=batch.step_id, request_ids=[], sampled_token_ids=[])
         with torch.inference_mode():
-            logits = self._forward(inputs)
+            hidden = self._forward(inputs)
+            logits = self.model.compute_logits(hidden[self._tensor(inputs.logits_indices)])
             output = sample(logits, inputs.sampling_rows, self.penalty_counts)
             record_sampled(self.penalty_counts, inputs.sampling_rows, output.token_ids)
+            asked = inputs.prompt_logprob_rows
+            prompt_results = (prompt_logprobs(self.model.compute_logits,
+                                              hidden[self._tensor(asked.rows)], asked)
+                              if asked.rows else [])
         token_ids = output.token_ids.tolist()
         for request_id, token_id in zip(inputs.sampled_request_ids, token_ids, strict=True):
             self.requests[request_id].last_sampled_token_id = token_id
         return StepResult(step_id=batch.step_id, request_ids=inputs.sampled_request_ids,
-                          sampled_token_ids=token_ids, logprobs=output.logprobs)
+                          sampled_token_ids=token_ids, logprobs=output.logprobs,
+                          prompt_logprobs=prompt_results)
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
 
     def _update_states(self, batch: ScheduledBatch) -> None:
         for request_id in batch.finished_request_ids:
@@ -203,6 +220,10 @@ class ModelExecutor:
         context_len = start + len(token_ids)
         self._check_capacity(scheduled.request_id, state, context_len)
         positions = range(start, context_len)
+        if scheduled.prompt_logprob_token_ids:  # the chunk's first positions
+            inputs.prompt_logprob_rows.add(scheduled.request_id, len(inputs.token_ids),
+                                           scheduled.prompt_logprob_token_ids,
+                                           state.sampling.num_prompt_logprobs or 0)
         inputs.token_ids += token_ids
         inputs.positions += positions
         inputs.slot_mapping += kv_slots(state.block_ids, self.block_size, start, context_len)
@@ -248,9 +269,8 @@ class ModelExecutor:
             context_lens=tensor(inputs.context_lens, torch.int32),
             query_start_loc=tensor(inputs.query_start_loc, torch.int32),
         )
-        hidden = self.model(tensor(inputs.token_ids), tensor(inputs.positions),
-                            self.kv_caches, metadata)
-        return self.model.compute_logits(hidden[tensor(inputs.logits_indices)])
+        return self.model(tensor(inputs.token_ids), tensor(inputs.positions),
+                          self.kv_caches, metadata)
 
 
 def create_executor(config: EngineConfig) -> ModelExecutor:

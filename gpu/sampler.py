@@ -16,12 +16,12 @@ the raw model distribution (before any of these).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from trio_llm.actors.messages import SamplingOptions, TokenLogprobs
+from trio_llm.actors.messages import PromptLogprobs, SamplingOptions, TokenLogprobs
 from trio_llm.gpu.penalties import (
     PenaltyCounts,
     add_logit_bias,
@@ -319,6 +319,57 @@ def _multiply_mod_2_32(values: torch.Tensor, multiplier: int) -> torch.Tensor:
 
 
 # -- logprobs --------------------------------------------------------------------------
+
+# Prompt logprobs are computed this many positions at a time: a whole chunk's logits
+# ([tokens, vocab] float32) would be gigabytes for a long prompt.
+PROMPT_LOGPROB_ROWS_PER_SLICE = 256
+
+
+@dataclass(slots=True)
+class PromptLogprobRows:
+    """A step's positions whose prompt logprobs are asked: their rows in the step's
+    flat token order, the prompt token each gives the logprob of, and per request
+    (id, number of its positions, number of alternatives), in row order."""
+
+    rows: list[int]
+    target_token_ids: list[int]
+    requests: list[tuple[str, int, int]]
+
+    def add(self, request_id: str, first_row: int, target_token_ids: list[int],
+            num_top: int) -> None:
+        self.rows += range(first_row, first_row + len(target_token_ids))
+        self.target_token_ids += target_token_ids
+        self.requests.append((request_id, len(target_token_ids), num_top))
+
+
+def prompt_logprobs(compute_logits: Callable[[torch.Tensor], torch.Tensor],
+                    hidden: torch.Tensor, asked: PromptLogprobRows) -> list[PromptLogprobs]:
+    """The prompt logprobs of ``asked``; ``hidden`` holds its rows' hidden states, in
+    order. The logprobs are of the raw distribution, as for sampled tokens."""
+    targets = torch.tensor(asked.target_token_ids, dtype=torch.int64, device=hidden.device)
+    max_top = max(num_top for _, _, num_top in asked.requests)
+    chosen: list[float] = []
+    top_values: list[list[float]] = []
+    top_ids: list[list[int]] = []
+    for start in range(0, len(asked.rows), PROMPT_LOGPROB_ROWS_PER_SLICE):
+        end = start + PROMPT_LOGPROB_ROWS_PER_SLICE
+        logprobs = compute_logits(hidden[start:end]).float().log_softmax(dim=-1)
+        chosen += logprobs.gather(1, targets[start:end].unsqueeze(1)).squeeze(1).tolist()
+        if max_top:
+            top = logprobs.topk(max_top, dim=-1)
+            top_values += top.values.tolist()
+            top_ids += top.indices.tolist()
+        else:
+            top_values += [[]] * logprobs.shape[0]
+            top_ids += [[]] * logprobs.shape[0]
+    results, position = [], 0
+    for request_id, num_positions, num_top in asked.requests:
+        results.append(PromptLogprobs(request_id=request_id, logprobs=[
+            TokenLogprobs(logprob=chosen[index], top_token_ids=top_ids[index][:num_top],
+                          top_logprobs=top_values[index][:num_top])
+            for index in range(position, position + num_positions)]))
+        position += num_positions
+    return results
 
 
 def raw_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,

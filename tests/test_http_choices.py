@@ -179,15 +179,19 @@ async def test_echo_prepends_the_prompt() -> None:
                     return list(chunks)
 
             chunks = await trio.to_thread.run_sync(stream)
-            with pytest.raises(openai.BadRequestError) as with_logprobs:
-                await client.completions.create(prompt=PROMPT, echo=True, logprobs=1, **greedy)
+            with_logprobs = await client.completions.create(prompt=PROMPT, echo=True,
+                                                            logprobs=1, **greedy)
             decoded = served.engine.tokenizer.decode([5, 6, 7], skip_special_tokens=False)
     assert echoed.choices[0].text == PROMPT + plain.choices[0].text
     assert chunks[0].choices[0].text.startswith(PROMPT)
     assert "".join(chunk.choices[0].text for chunk in chunks) == echoed.choices[0].text
     assert batch.choices[0].text == echoed.choices[0].text
     assert batch.choices[1].text.startswith(decoded)
-    assert with_logprobs.value.body["param"] == "echo"  # type: ignore[index]
+    # the prompt's tokens first, the first one's logprob null (tests/test_prompt_logprobs.py)
+    echoed_logprobs = with_logprobs.choices[0].logprobs
+    assert echoed_logprobs is not None and echoed_logprobs.token_logprobs is not None
+    assert echoed_logprobs.token_logprobs[0] is None
+    assert len(echoed_logprobs.token_logprobs) == with_logprobs.usage.total_tokens
 
 
 PENALTY_CONFIG = EngineConfig(model="tiny", num_kv_blocks=64, block_size=16, max_num_seqs=8,

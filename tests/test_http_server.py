@@ -204,7 +204,6 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "n": 129}, "n"),
     ("/v1/completions", {"prompt": "x", "n": 3, "best_of": 2}, "best_of"),
     ("/v1/completions", {"prompt": ["a", "b", "c"], "n": 100}, "prompt"),
-    ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"1": 101}}, "logit_bias[...]"),
     ("/v1/completions", {"prompt": "x", "presence_penalty": 3}, "presence_penalty"),
