@@ -45,14 +45,17 @@ class ChoicePlan:
     num_candidates: int
 
     @classmethod
-    def of(cls, num_prompts: int, n: int, best_of: int | None) -> ChoicePlan:
+    def of(cls, num_prompts: int, n: int, best_of: int | None, *,
+           max_waiting_requests: int) -> ChoicePlan:
+        """Refuses more children than MAX_CHILD_REQUESTS, or than the engine's queue
+        holds: a request that could never be queued whole is a 400, not a 503."""
         plan = cls(num_prompts=num_prompts, num_choices=n, num_candidates=max(n, best_of or 1))
-        if plan.num_children > MAX_CHILD_REQUESTS:
+        limit = min(MAX_CHILD_REQUESTS, max_waiting_requests)
+        if plan.num_children > limit:
             param = "n" if num_prompts == 1 else "prompt"
             raise RequestRejected(
                 f"this request asks for {plan.num_children} generations ({num_prompts} "
-                f"prompts, {plan.num_candidates} each); at most {MAX_CHILD_REQUESTS}",
-                param=param)
+                f"prompts, {plan.num_candidates} each); at most {limit}", param=param)
         return plan
 
     @property
