@@ -97,6 +97,7 @@ class Intake:
         prompt_token_ids = self._prompt_token_ids(submit)
         max_tokens = self._max_tokens(len(prompt_token_ids), params, _prompt_param(submit))
         stop_token_ids = self._stop_token_ids(params)
+        _check_allowed_after_bans(params, stop_token_ids)
         arrival_index = self.num_admitted
         self.num_admitted += 1
         return Request(
@@ -188,6 +189,10 @@ class Intake:
                 raise RequestRejected("allowed_token_ids has more ids than the vocabulary",
                                       param="allowed_token_ids")
             self._check_in_vocabulary(params.allowed_token_ids, "allowed_token_ids")
+            if params.structured_outputs is not None:
+                # the grammar may allow none of them: nothing could be sampled
+                raise RequestRejected("allowed_token_ids cannot be combined with structured "
+                                      "outputs", param="allowed_token_ids")
 
     def _check_structured_outputs(self, params: SamplingParams) -> None:
         """What a constraint cannot be combined with: the grammar decides when the
@@ -367,6 +372,14 @@ class Intake:
                                if params.allowed_token_ids is not None else None),
             num_prompt_logprobs=params.prompt_logprobs,
         )
+
+
+def _check_allowed_after_bans(params: SamplingParams, stop_token_ids: list[int]) -> None:
+    """Below min_tokens the stop token ids are banned: some allowed id must remain."""
+    allowed = params.allowed_token_ids
+    if allowed is not None and params.min_tokens > 0 and set(allowed) <= set(stop_token_ids):
+        raise RequestRejected("every allowed token is a stop token, which min_tokens bans: "
+                              "nothing could be sampled", param="allowed_token_ids")
 
 
 def _check_cache_salt(cache_salt: object) -> None:

@@ -22,6 +22,7 @@ from trio_llm.actors.messages import (  # noqa: E402
     SamplingParams,
     ScheduledBatch,
     ScheduledRequest,
+    StructuredOutputsParams,
 )
 from trio_llm.api.engine import Engine  # noqa: E402
 from trio_llm.gpu import triton_sampling  # noqa: E402
@@ -456,6 +457,9 @@ async def test_penalties_move_greedy_output_the_expected_way() -> None:
     ({"repetition_penalty": 0.0}, "repetition_penalty"),
     ({"repetition_penalty": float("inf")}, "repetition_penalty"),
     ({"logit_bias": {3: 100.5}}, "logit_bias"),
+    ({"allowed_token_ids": [3], "structured_outputs": StructuredOutputsParams(regex="a+")},
+     "allowed_token_ids"),
+    ({"allowed_token_ids": [0], "min_tokens": 1, "stop_token_ids": [0]}, "allowed_token_ids"),
 ])
 async def test_bad_penalty_fields_are_refused_by_name(fields, param) -> None:
     with trio.fail_after(60):
