@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -101,19 +102,7 @@ class SamplingPlan:
         num_bitmask_words = len(packed) // 4
         if num_bitmask_words % 2:
             packed += bytes(4)
-        allowed_rows, allowed_local_rows, allowed_token_ids = allowed_entries(rows)
-        bias_rows, bias_token_ids, bias_values = logit_bias_entries(rows)
-        penalties = penalty_entries(rows)
-        # per row, as the kernel reads them; nothing to upload in a step without penalties
-        num_rows = len(rows) if penalties.rows else 0
-        slots, presences, frequencies, repetitions = ([-1] * num_rows, [0.0] * num_rows,
-                                                      [0.0] * num_rows, [1.0] * num_rows)
-        for position, index in enumerate(penalties.rows):
-            slots[index] = penalties.slots[position]
-            presences[index] = penalties.presences[position]
-            frequencies[index] = penalties.frequencies[position]
-            repetitions[index] = penalties.repetitions[position]
-        return cls(
+        return cls(**_logit_change_fields(rows),
             any_sampled=bool(sampled),
             any_top_k_top_p=any_top_k_top_p,
             any_min_p=any_min_p,
@@ -134,18 +123,32 @@ class SamplingPlan:
             bitmask_rows=masked_rows,
             bitmask_words=np.frombuffer(packed, dtype=np.int64),
             num_bitmask_words=num_bitmask_words,
-            allowed_rows=allowed_rows,
-            allowed_local_rows=allowed_local_rows,
-            allowed_token_ids=allowed_token_ids,
-            logit_bias_rows=bias_rows,
-            logit_bias_token_ids=bias_token_ids,
-            logit_bias_values=bias_values,
-            penalty_rows=penalties.rows,
-            penalty_slots=slots,
-            presences=presences,
-            frequencies=frequencies,
-            repetitions=repetitions,
         )
+
+
+def _logit_change_fields(rows: Sequence[SamplingRow]) -> dict[str, Any]:
+    """The plan's allowed-token, logit-bias and penalty fields; none (the defaults,
+    nothing to upload) in the usual step where no row has any: one pass decides."""
+    if not any(row.penalty_slot >= 0 or row.options.logit_bias_token_ids
+               or row.options.allowed_token_ids is not None for row in rows):
+        return {}
+    allowed_rows, allowed_local_rows, allowed_token_ids = allowed_entries(rows)
+    bias_rows, bias_token_ids, bias_values = logit_bias_entries(rows)
+    penalties = penalty_entries(rows)
+    # per row, as the kernel reads them; nothing to upload in a step without penalties
+    num_rows = len(rows) if penalties.rows else 0
+    slots, presences, frequencies, repetitions = ([-1] * num_rows, [0.0] * num_rows,
+                                                  [0.0] * num_rows, [1.0] * num_rows)
+    for position, index in enumerate(penalties.rows):
+        slots[index] = penalties.slots[position]
+        presences[index] = penalties.presences[position]
+        frequencies[index] = penalties.frequencies[position]
+        repetitions[index] = penalties.repetitions[position]
+    return dict(allowed_rows=allowed_rows, allowed_local_rows=allowed_local_rows,
+                allowed_token_ids=allowed_token_ids, logit_bias_rows=bias_rows,
+                logit_bias_token_ids=bias_token_ids, logit_bias_values=bias_values,
+                penalty_rows=penalties.rows, penalty_slots=slots, presences=presences,
+                frequencies=frequencies, repetitions=repetitions)
 
 
 @functools.lru_cache(maxsize=65536)

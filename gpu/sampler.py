@@ -148,24 +148,25 @@ def logit_bias_entries(rows: Sequence[SamplingRow]) -> tuple[list[int], list[int
     row_indices: list[int] = []
     token_ids: list[int] = []
     values: list[float] = []
-    for index, row in enumerate(rows):
-        row_indices += [index] * len(row.options.logit_bias_token_ids)
-        token_ids += row.options.logit_bias_token_ids
-        values += row.options.logit_bias_values
+    # one comprehension first: the plan of every step calls this, and few rows have any
+    for index in [index for index, row in enumerate(rows) if row.options.logit_bias_token_ids]:
+        options = rows[index].options
+        row_indices += [index] * len(options.logit_bias_token_ids)
+        token_ids += options.logit_bias_token_ids
+        values += options.logit_bias_values
     return row_indices, token_ids, values
 
 
 def allowed_entries(rows: Sequence[SamplingRow]) -> tuple[list[int], list[int], list[int]]:
     """(rows with allowed_token_ids, (index among them, token id) pairs)."""
-    allowed_rows: list[int] = []
+    allowed_rows = [index for index, row in enumerate(rows)
+                    if row.options.allowed_token_ids is not None]
     local_rows: list[int] = []
     token_ids: list[int] = []
-    for index, row in enumerate(rows):
-        allowed = row.options.allowed_token_ids
-        if allowed is not None:
-            local_rows += [len(allowed_rows)] * len(allowed)
-            allowed_rows.append(index)
-            token_ids += allowed
+    for local_row, index in enumerate(allowed_rows):
+        allowed = rows[index].options.allowed_token_ids or []
+        local_rows += [local_row] * len(allowed)
+        token_ids += allowed
     return allowed_rows, local_rows, token_ids
 
 
