@@ -519,3 +519,60 @@ async def test_a_group_gives_each_requests_solo_tokens() -> None:
                 async for index, output in outputs:
                     tokens[index] += output.token_ids
     assert tokens == reference
+
+
+# -- with grammar bitmasks ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
+def test_penalties_compose_with_bitmasks_that_follow(device: str) -> None:
+    """Constrained rows with penalties: the deferred sampling of depth 2 (launch, then
+    supply_bitmasks) counts its tokens as inline sampling does, and obeys the masks."""
+    from test_token_bitmask import constrained_batches
+
+    torch_device = torch.device(device)
+    penalized = {"g": options(0.0, repetition_penalty=1.4, presence_penalty=0.5),
+                 "s": options(1.0, seed=4, frequency_penalty=1.0),
+                 "u": options(0.7, seed=2, repetition_penalty=0.7)}
+
+    def with_penalties(batch: ScheduledBatch) -> ScheduledBatch:
+        return msgspec.structs.replace(batch, new_requests=[
+            msgspec.structs.replace(new, sampling=penalized[new.request_id],
+                                    prompt_token_ids=[5, 6, 7])
+            for new in batch.new_requests])
+
+    def pipelined() -> CudaModelExecutor:
+        executor = build(CudaModelExecutor, torch_device, use_cuda_graphs=device == "cuda",
+                         use_fused_kernels=device == "cuda")
+        return executor
+
+    inline = [with_penalties(batch) for batch in
+              constrained_batches(build(ModelExecutor, torch_device).vocab_size)]
+    deferred = [msgspec.structs.replace(batch, requests=[
+        msgspec.structs.replace(scheduled, token_bitmask=None, bitmask_follows=True)
+        if scheduled.token_bitmask is not None and scheduled.input_from_previous_step
+        else scheduled for scheduled in batch.requests]) for batch in inline]
+    reference = pipelined()
+    expected = [reference.collect(reference.launch(batch)) for batch in inline]
+    executor, results, previous = pipelined(), [], None
+    for batch, with_masks in zip(deferred, inline, strict=True):
+        pending = executor.launch(batch)
+        if previous is not None:
+            results.append(executor.collect(previous))
+        follows = [original.token_bitmask or b"" for scheduled, original in
+                   zip(batch.requests, with_masks.requests, strict=True)
+                   if scheduled.bitmask_follows]
+        if follows:
+            executor.supply_bitmasks(pending, follows)
+        previous = pending
+    results.append(executor.collect(previous))
+    assert [r.sampled_token_ids for r in results] == [r.sampled_token_ids for r in expected]
+    if device == "cpu":
+        plain = build(ModelExecutor, torch_device)
+        assert [plain.execute(batch).sampled_token_ids for batch in inline] == [
+            r.sampled_token_ids for r in expected]
+    unpenalized = pipelined()
+    assert [unpenalized.collect(unpenalized.launch(batch)).sampled_token_ids
+            for batch in constrained_batches(plain.vocab_size if device == "cpu"
+                                             else reference.vocab_size)] != [
+        r.sampled_token_ids for r in expected]
