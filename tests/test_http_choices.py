@@ -249,3 +249,25 @@ def _text_of(token_id: int) -> str:
     from trio_llm.gpu.builtin import resolve_model
 
     return Tokenizer.from_dir(resolve_model("tiny")).decode([token_id])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+async def test_sampling_fields_cross_the_process_boundary(layout: str) -> None:
+    """Penalties, logit_bias and echoed prompt logprobs give the in-process engine's
+    results in the served layout too (the request crosses the wire to the core)."""
+    with trio.fail_after(TIMEOUT):
+        async with served_engine(layout) as served, clients(served) as (client, _):
+            response = await client.completions.create(
+                model="tiny", prompt=PROMPT, max_tokens=12, temperature=0.0, echo=True,
+                logprobs=1, logit_bias={"44": 5.0}, presence_penalty=0.5,
+                extra_body={"ignore_eos": True, "repetition_penalty": 1.3})
+            params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                    logit_bias={44: 5.0}, presence_penalty=0.5,
+                                    repetition_penalty=1.3, logprobs=1, prompt_logprobs=1)
+            outputs = [output async for output in served.engine.generate(PROMPT, params)]
+    assert response.choices[0].text == PROMPT + "".join(output.text for output in outputs)
+    first = outputs[0]
+    assert first.prompt_logprobs is not None and response.choices[0].logprobs is not None
+    num_prompt_tokens = len(first.prompt_logprobs)
+    assert response.choices[0].logprobs.token_logprobs[1:num_prompt_tokens] == pytest.approx(
+        [entry.logprob for entry in first.prompt_logprobs[1:] if entry is not None], abs=1e-6)
