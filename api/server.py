@@ -192,13 +192,13 @@ class OpenAIServer:
     async def completions(self) -> Response:
         body = await _decoded_body(protocol.CompletionRequest)
         self._check_model(body.model)
-        prompts, params = await self._converted(self._completion_arguments, body)
+        prompts, params, echo_texts = await self._converted(self._completion_arguments, body)
         plan = ChoicePlan.of(len(prompts), body.n, body.best_of,
                              max_waiting_requests=self.engine.config.max_waiting_requests)
         response_id = f"cmpl-{uuid.uuid4().hex}"
         builders = [protocol.CompletionBuilder(
             response_id=response_id, model=self.model_name, token_text=self._token_text,
-            index=index, echo_text=self._echo_text(body, prompts[plan.prompt_of(index)]))
+            index=index, echo_text=echo_texts[plan.prompt_of(index)])
             for index in range(plan.num_children)]
         if plan.is_single:
             outputs = self.engine.generate(prompts[0], params, priority=body.priority,
@@ -214,6 +214,7 @@ class OpenAIServer:
                                                         is None))
 
     def _echo_text(self, body: protocol.CompletionRequest, prompt: str | list[int]) -> str:
+        """The text ``echo`` puts before the output: a token-id prompt decoded."""
         if not body.echo:
             return ""
         if isinstance(prompt, str):
@@ -268,8 +269,9 @@ class OpenAIServer:
         return await trio.to_thread.run_sync(convert, body, limiter=self._conversion_threads)
 
     def _completion_arguments(self, body: protocol.CompletionRequest
-                              ) -> tuple[list[str | list[int]], SamplingParams]:
-        """The engine's arguments (one prompt, or a batch), at a cost linear in the body."""
+                              ) -> tuple[list[str | list[int]], SamplingParams, list[str]]:
+        """The engine's arguments (one prompt, or a batch) and each prompt's echo text,
+        at a cost linear in the body."""
         prompt = body.prompt
         token_lists = ([prompt] if prompt and isinstance(prompt[0], int) else
                        [item for item in prompt if isinstance(item, list)]) if isinstance(
@@ -281,7 +283,9 @@ class OpenAIServer:
                     f"This model's maximum context length is {self.engine.max_model_len} "
                     f"tokens, but the prompt has {len(token_ids)} tokens",
                     param="prompt")
-        return protocol.completion_prompts(body), protocol.completion_sampling_params(body)
+        prompts = protocol.completion_prompts(body)
+        params = protocol.completion_sampling_params(body)
+        return prompts, params, [self._echo_text(body, prompt) for prompt in prompts]
 
     async def respond(self, outputs: AsyncIterator[RequestOutput],
                       builder: protocol.CompletionBuilder | protocol.ChatBuilder,
