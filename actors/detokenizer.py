@@ -274,7 +274,7 @@ class _DecodingRequest:
 
     __slots__ = ("request_id", "decoder", "stop_strings", "include_stop_str_in_output",
                  "min_tokens", "wants_logprobs", "num_prompt_tokens", "num_output_tokens",
-                 "pending_text", "queue_time")
+                 "pending_text", "queue_time", "prompt_token_ids")
 
     def __init__(self, request: Request, decoder: _TextDecoder, queue_time: float) -> None:
         params = request.params
@@ -285,6 +285,9 @@ class _DecodingRequest:
         self.min_tokens = params.min_tokens
         self.wants_logprobs = params.logprobs is not None
         self.num_prompt_tokens = len(request.prompt_token_ids)
+        # kept only to go out with the prompt logprobs
+        self.prompt_token_ids = (request.prompt_token_ids if params.prompt_logprobs is not None
+                                 else None)
         self.num_output_tokens = 0
         self.pending_text = ""
         self.queue_time: float | None = queue_time
@@ -358,6 +361,9 @@ class _DecodingRequest:
                                logprobs=logprobs, stop_reason=delta.stop_reason,
                                num_prompt_tokens=self.num_prompt_tokens,
                                num_output_tokens=self.num_output_tokens, queue_time=queue_time)
+        if delta.prompt_logprobs is not None:
+            output.prompt_token_ids, output.prompt_logprobs = (self.prompt_token_ids,
+                                                               delta.prompt_logprobs)
         # Most outputs do not finish: the constructor leaves the finish fields unset.
         if stop_reason is not None:
             output.finished, output.finish_reason, output.stop_reason = True, "stop", stop_reason

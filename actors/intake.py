@@ -51,6 +51,9 @@ MAX_STOP_STRING_CHARS = 256
 # The device samples in float32: a larger temperature cannot be divided by,
 # and any temperature this large already means a uniform choice.
 MAX_TEMPERATURE = 3.4028234663852886e38
+# OpenAI documents no bound on logit_bias entries; this one is ours, so a request
+# cannot make every step scatter a vocabulary's worth of biases.
+MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_SEED = 2**63 - 1
 MIN_SEED = -(2**63)
 _MASK_64 = 2**64 - 1
@@ -95,6 +98,7 @@ class Intake:
         prompt_token_ids = self._prompt_token_ids(submit)
         max_tokens = self._max_tokens(len(prompt_token_ids), params, _prompt_param(submit))
         stop_token_ids = self._stop_token_ids(params)
+        _check_allowed_after_bans(params, stop_token_ids)
         arrival_index = self.num_admitted
         self.num_admitted += 1
         return Request(
@@ -159,12 +163,38 @@ class Intake:
                 raise RequestRejected(f"{name} must be a finite number", param=name)
         self._check_structured_outputs(params)
         self._check_logprobs(params.logprobs)
-        bad_ids = [token_id for token_id in params.stop_token_ids
-                   if not 0 <= token_id < self.vocab_size]
+        self._check_in_vocabulary(params.stop_token_ids, "stop_token_ids")
+        self._check_penalties(params)
+
+    def _check_in_vocabulary(self, token_ids: list[int], param: str) -> None:
+        bad_ids = [token_id for token_id in token_ids if not 0 <= token_id < self.vocab_size]
         if bad_ids:
             raise RequestRejected(
-                f"stop_token_ids {bad_ids} are outside the vocabulary "
-                f"(ids 0 to {self.vocab_size - 1})", param="stop_token_ids")
+                f"{param} {bad_ids[:8]} are outside the vocabulary "
+                f"(ids 0 to {self.vocab_size - 1})", param=param)
+
+    def _check_penalties(self, params: SamplingParams) -> None:
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+            if not math.isfinite(getattr(params, name)):
+                raise RequestRejected(f"{name} must be a finite number", param=name)
+        if params.logit_bias is not None:
+            if len(params.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+                raise RequestRejected(f"logit_bias may have at most {MAX_LOGIT_BIAS_ENTRIES} "
+                                      f"entries, not {len(params.logit_bias)}",
+                                      param="logit_bias")
+            self._check_in_vocabulary(list(params.logit_bias), "logit_bias")
+        if params.allowed_token_ids is not None:
+            if not params.allowed_token_ids:
+                raise RequestRejected("allowed_token_ids must not be empty",
+                                      param="allowed_token_ids")
+            if len(params.allowed_token_ids) > self.vocab_size:
+                raise RequestRejected("allowed_token_ids has more ids than the vocabulary",
+                                      param="allowed_token_ids")
+            self._check_in_vocabulary(params.allowed_token_ids, "allowed_token_ids")
+            if params.structured_outputs is not None:
+                # the grammar may allow none of them: nothing could be sampled
+                raise RequestRejected("allowed_token_ids cannot be combined with structured "
+                                      "outputs", param="allowed_token_ids")
 
     def _check_logprobs(self, num_logprobs: int | None) -> None:
         limit = self.config.max_logprobs
@@ -352,7 +382,23 @@ class Intake:
             min_tokens=params.min_tokens,
             # Below min_tokens no stop token may be sampled (vLLM's semantics).
             banned_token_ids=stop_token_ids if params.min_tokens > 0 else [],
+            presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty,
+            repetition_penalty=params.repetition_penalty,
+            logit_bias_token_ids=list(params.logit_bias or {}),
+            logit_bias_values=list((params.logit_bias or {}).values()),
+            allowed_token_ids=(sorted(set(params.allowed_token_ids))
+                               if params.allowed_token_ids is not None else None),
+            num_prompt_logprobs=params.prompt_logprobs,
         )
+
+
+def _check_allowed_after_bans(params: SamplingParams, stop_token_ids: list[int]) -> None:
+    """Below min_tokens the stop token ids are banned: some allowed id must remain."""
+    allowed = params.allowed_token_ids
+    if allowed is not None and params.min_tokens > 0 and set(allowed) <= set(stop_token_ids):
+        raise RequestRejected("every allowed token is a stop token, which min_tokens bans: "
+                              "nothing could be sampled", param="allowed_token_ids")
 
 
 def _check_cache_salt(cache_salt: object) -> None:

@@ -20,6 +20,9 @@ FinishReason = Literal["stop", "length", "abort"]
 
 NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+# OpenAI's ranges: presence and frequency penalties -2..2, a logit bias -100..100.
+Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
+LogitBias = Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]
 
 
 # -- structured outputs (grammar constraints) ----------------------------------
@@ -47,6 +50,16 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     filters; ``temperature`` 0 is greedy. ``seed`` None draws a seed from the
     engine's own seed at intake, so every request samples from randomness keyed
     by (seed, output position).
+
+    Penalties as vLLM defines them: ``presence_penalty`` is subtracted from the
+    logit of every token already in the output, ``frequency_penalty`` times the
+    number of times it is there; ``repetition_penalty`` divides the positive
+    logits (multiplies the negative ones) of every token in the prompt or the
+    output. ``logit_bias`` (OpenAI's) adds to the logits of token ids;
+    ``allowed_token_ids`` (vLLM's) keeps only those tokens. ``prompt_logprobs``
+    (vLLM's): the logprob of every prompt token after the first, with that many
+    alternatives (the request then never starts from cached blocks: every prompt
+    position must be computed).
     """
 
     max_tokens: PositiveInt | None = 16
@@ -63,6 +76,12 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     logprobs: NonNegativeInt | None = None  # at most EngineConfig.max_logprobs
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0)] = 1.0
+    logit_bias: dict[int, LogitBias] | None = None
+    allowed_token_ids: list[int] | None = None
+    prompt_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
 
 
 class SamplingOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -70,7 +89,9 @@ class SamplingOptions(msgspec.Struct, frozen=True, kw_only=True):
 
     ``seed`` is always resolved. ``banned_token_ids`` are masked to -inf while the
     output position is below ``min_tokens`` (vLLM's min_tokens semantics: EOS and
-    stop token ids cannot end the request early).
+    stop token ids cannot end the request early). ``logit_bias_token_ids`` and
+    ``logit_bias_values`` are SamplingParams.logit_bias as two parallel lists;
+    ``allowed_token_ids`` None allows every token.
     """
 
     temperature: float
@@ -81,6 +102,19 @@ class SamplingOptions(msgspec.Struct, frozen=True, kw_only=True):
     num_logprobs: int | None
     min_tokens: int
     banned_token_ids: list[int]
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias_token_ids: list[int] = []
+    logit_bias_values: list[float] = []
+    allowed_token_ids: list[int] | None = None
+    num_prompt_logprobs: int | None = None
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether sampling needs the counts of the tokens before (sampler.PenaltyCounts)."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
 
 
 class Request(msgspec.Struct, frozen=True, kw_only=True):
@@ -221,7 +255,9 @@ class ScheduledRequest(msgspec.Struct, frozen=True, kw_only=True, array_like=Tru
     w set when token 32 * w + j may be sampled. ``bitmask_follows``: a constrained
     request decoding on a placeholder, whose bitmask depends on the token still in
     flight; it arrives in a StepBitmasks for this step, and the runner samples the
-    step only then.
+    step only then. ``prompt_logprob_token_ids`` (a request with prompt logprobs):
+    the prompt tokens that follow this chunk's first positions, one per position
+    whose logprob the runner reports (StepResult.prompt_logprobs).
     """
 
     request_id: str
@@ -233,13 +269,22 @@ class ScheduledRequest(msgspec.Struct, frozen=True, kw_only=True, array_like=Tru
     output_index: int
     token_bitmask: bytes | None = None
     bitmask_follows: bool = False
+    prompt_logprob_token_ids: list[int] = []
 
 
 class NewRequestData(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
-    """Sent once, the first step a request (or a recomputed one) runs."""
+    """Sent once, the first step a request (or a recomputed one) runs.
+
+    A request with penalties (``sampling.has_penalties``) brings the tokens they
+    count: its output so far (a recomputed request's) and, with a repetition
+    penalty, its prompt. The runner counts every token it samples after that
+    itself, so the counts never wait for the host (depth 2).
+    """
 
     request_id: str
     sampling: SamplingOptions
+    prompt_token_ids: list[int] = []
+    output_token_ids: list[int] = []
 
 
 class ScheduledBatch(msgspec.Struct, frozen=True, kw_only=True, tag=True):
@@ -276,6 +321,14 @@ class TokenLogprobs(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     top_logprobs: list[float]
 
 
+class PromptLogprobs(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """One chunk's prompt logprobs: for each of its ``prompt_logprob_token_ids``, that
+    token's logprob (and the best alternatives) at the position before it."""
+
+    request_id: str
+    logprobs: list[TokenLogprobs]
+
+
 class StepResult(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     """The runner's answer to one ScheduledBatch: one sampled token for each
     request that had ``sample`` set, in batch order."""
@@ -284,6 +337,7 @@ class StepResult(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     request_ids: list[str]
     sampled_token_ids: list[int]
     logprobs: list[TokenLogprobs | None] | None = None
+    prompt_logprobs: list[PromptLogprobs] = []
 
 
 class StopStringHit(msgspec.Struct, frozen=True, kw_only=True, tag=True):
@@ -317,6 +371,9 @@ class TokenDelta(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=
     logprobs: list[TokenLogprobs | None] | None
     finish_reason: FinishReason | None
     stop_reason: int | None = None
+    # with the first output token of a request with prompt logprobs: one per prompt
+    # token, None for the first
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class TokenBatch(msgspec.Struct, frozen=True, kw_only=True, tag=True):
@@ -351,3 +408,7 @@ class RequestOutput(msgspec.Struct, kw_only=True, gc=False):
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     queue_time: float | None = None
+    # with prompt logprobs (SamplingParams.prompt_logprobs), on the first output: the
+    # prompt's token ids and their logprobs (None for the first)
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

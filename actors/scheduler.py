@@ -77,6 +77,7 @@ from trio_llm.actors.messages import (
     StopStringHit,
     TokenBatch,
     TokenDelta,
+    TokenLogprobs,
     Track,
     WaitingRequest,
 )
@@ -135,7 +136,8 @@ class RunningRequest:
     __slots__ = ("request", "request_id", "sort_key", "stop_token_ids", "max_tokens",
                  "min_tokens", "output_token_ids", "num_preemptions", "prefill_token_ids",
                  "num_prefill_tokens", "num_computed_tokens", "num_placeholders", "block_ids",
-                 "start_step_id", "scheduled_step_id", "root_hash", "block_hashes", "grammar")
+                 "start_step_id", "scheduled_step_id", "root_hash", "block_hashes", "grammar",
+                 "prompt_logprobs")
 
     def __init__(self, waiting: WaitingRequest, sort_key: tuple[int, ...], step_id: int,
                  prefix: CachedPrefix = _NO_PREFIX, num_cached_tokens: int = 0) -> None:
@@ -162,6 +164,11 @@ class RunningRequest:
         self.start_step_id = step_id
         self.scheduled_step_id: int | None = None
         self.grammar: GrammarState | None = None
+        # the prompt logprobs gathered chunk by chunk, until they go out with the first
+        # output token (None: not asked for, or already sent before a preemption)
+        self.prompt_logprobs: list[TokenLogprobs] | None = (
+            [] if request.params.prompt_logprobs is not None and not self.output_token_ids
+            else None)
 
     @property
     def num_known_tokens(self) -> int:
@@ -203,7 +210,16 @@ class RunningRequest:
             input_from_previous_step=False, num_computed_tokens=start,
             new_block_ids=new_block_ids, sample=sample, output_index=len(self.output_token_ids),
             token_bitmask=self.next_token_bitmask() if sample else None,
+            prompt_logprob_token_ids=self._prompt_logprob_targets(start, start + num_tokens),
         )
+
+    def _prompt_logprob_targets(self, start: int, end: int) -> list[int]:
+        """The prompt tokens whose logprobs positions ``start`` to ``end - 1`` give:
+        position i gives token i + 1's (the last prompt position samples instead)."""
+        if self.prompt_logprobs is None:
+            return _NO_IDS
+        prompt_token_ids = self.request.prompt_token_ids
+        return prompt_token_ids[start + 1:min(end, len(prompt_token_ids) - 1) + 1]
 
     def schedule_decode(self, new_block_ids: list[int], step_id: int) -> ScheduledRequest:
         """Its last token runs in step ``step_id`` and samples the next one. The
@@ -403,6 +419,11 @@ class Scheduler:
         assert result.step_id == expected_step_id, "step results arrive in order"
         running_by_id = self._running_by_id
         all_logprobs = result.logprobs
+        for chunk in result.prompt_logprobs:
+            running = running_by_id.get(chunk.request_id)
+            if (running is not None and running.start_step_id <= expected_step_id
+                    and running.prompt_logprobs is not None):
+                running.prompt_logprobs += chunk.logprobs
         deltas = []
         sampled = zip(result.request_ids, result.sampled_token_ids, strict=True)
         for index, (request_id, token_id) in enumerate(sampled):
@@ -410,11 +431,16 @@ class Scheduler:
             if running is None or running.start_step_id > expected_step_id:
                 continue  # finished, aborted or preempted since: its token is dropped
             finish_reason = running.accept_token(token_id)
+            prompt_logprobs: list[TokenLogprobs | None] | None = None
+            if running.prompt_logprobs is not None:  # its first token
+                prompt_logprobs = [None, *running.prompt_logprobs]
+                running.prompt_logprobs = None
             deltas.append(TokenDelta(
                 request_id=request_id, token_ids=[token_id],
                 logprobs=None if all_logprobs is None else [all_logprobs[index]],
                 finish_reason=finish_reason,
-                stop_reason=token_id if finish_reason == "stop" else None))
+                stop_reason=token_id if finish_reason == "stop" else None,
+                prompt_logprobs=prompt_logprobs))
             if finish_reason is not None:
                 self._stop(running)
         self.num_generation_tokens += len(deltas)
@@ -566,8 +592,7 @@ class Scheduler:
         self._preempted_request_ids.discard(running.request_id)
         bisect.insort(self._running, running, key=_sort_key_of)
         self._running_by_id[running.request_id] = running
-        step.new_requests.append(NewRequestData(request_id=running.request_id,
-                                                sampling=running.request.sampling))
+        step.new_requests.append(_new_request_data(running))
         if waiting.num_preemptions == 0:
             step.tracks.append(Track(request=running.request))
             if self._caches_prefixes:
@@ -714,6 +739,9 @@ class Scheduler:
         if waiting.output_token_ids:
             token_ids = token_ids + waiting.output_token_ids
         root_hash = self._root_hash(request.cache_salt)
+        if request.params.prompt_logprobs is not None and not waiting.output_token_ids:
+            # every prompt position must be computed for its logprobs (vLLM's rule too)
+            return CachedPrefix(root_hash, [], [])
         block_size = self.block_manager.block_size
         block_ids: list[int] = []
         block_hashes: list[bytes] = []
@@ -887,3 +915,16 @@ async def _handle(message: SchedulerInbox, scheduler: Scheduler, outboxes: _Outb
             scheduler.on_stop_string_hit(request_id)
         case Pulled():
             raise AssertionError("Pulled without an outstanding Pull")
+
+
+def _new_request_data(running: RunningRequest) -> NewRequestData:
+    """What the runner learns of a request that starts (or restarts): its sampling
+    options and, with penalties, the tokens they count so far."""
+    request = running.request
+    sampling = request.sampling
+    if not sampling.has_penalties:
+        return NewRequestData(request_id=running.request_id, sampling=sampling)
+    prompt_token_ids = request.prompt_token_ids if sampling.repetition_penalty != 1.0 else []
+    return NewRequestData(request_id=running.request_id, sampling=sampling,
+                          prompt_token_ids=prompt_token_ids,
+                          output_token_ids=list(running.output_token_ids))

@@ -28,13 +28,15 @@ class OutputSink(Protocol):
 class RequestStream:
     """One request's pending output, read by exactly one caller."""
 
-    __slots__ = ("request_id", "_pending", "_error", "_reader")
+    __slots__ = ("request_id", "_pending", "_error", "_reader", "group")
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
         self._pending: RequestOutput | None = None
         self._error: EngineError | None = None
         self._reader: trio.lowlevel.Task | None = None
+        # set when the stream is read through a StreamGroup (several choices of one call)
+        self.group: StreamGroup | None = None
 
     def publish(self, output: RequestOutput) -> None:
         """Hand output to the reader, merged into what it has not read yet."""
@@ -53,6 +55,13 @@ class RequestStream:
         if self._reader is not None:
             trio.lowlevel.reschedule(self._reader)
             self._reader = None
+        if self.group is not None:
+            self.group.wake()
+
+    @property
+    def is_ready(self) -> bool:
+        """Whether ``receive`` would return (or raise) at once."""
+        return self._pending is not None or self._error is not None
 
     async def receive(self) -> RequestOutput:
         """Wait for new output; everything published since the last call, merged.
@@ -80,6 +89,54 @@ class RequestStream:
         raise self._error
 
 
+class StreamGroup:
+    """Several streams read by one task, in turn: the choices of one call (``n``,
+    ``best_of``, batched prompts). No task per stream: the reader parks once on
+    the group, and a publish to any member wakes it."""
+
+    __slots__ = ("streams", "_reader", "_next_index", "last_index")
+
+    def __init__(self, streams: list[RequestStream]) -> None:
+        self.streams = streams
+        self._reader: trio.lowlevel.Task | None = None
+        self._next_index = 0
+        # the member the latest receive read (or whose error it raised)
+        self.last_index = 0
+        for stream in streams:
+            stream.group = self
+
+    def wake(self) -> None:
+        if self._reader is not None:
+            trio.lowlevel.reschedule(self._reader)
+            self._reader = None
+
+    async def receive(self, is_open: list[bool]) -> tuple[int, RequestOutput]:
+        """(index, output) of the next member with output, round robin over the members
+        still ``is_open``; raises a member's error as ``RequestStream.receive`` does."""
+        while True:
+            index = self._ready_index(is_open)
+            if index is not None:
+                self._next_index = self.last_index = index
+                self._next_index += 1
+                return index, await self.streams[index].receive()
+            assert self._reader is None, "a stream group has one reader"
+            self._reader = trio.lowlevel.current_task()
+
+            def abort(_: object) -> trio.lowlevel.Abort:
+                self._reader = None
+                return trio.lowlevel.Abort.SUCCEEDED
+
+            await trio.lowlevel.wait_task_rescheduled(abort)
+
+    def _ready_index(self, is_open: list[bool]) -> int | None:
+        num_streams = len(self.streams)
+        for offset in range(num_streams):
+            index = (self._next_index + offset) % num_streams
+            if is_open[index] and self.streams[index].is_ready:
+                return index
+        return None
+
+
 def _merge(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
     logprobs = None
     if older.logprobs is not None or newer.logprobs is not None:
@@ -95,6 +152,10 @@ def _merge(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
         num_prompt_tokens=newer.num_prompt_tokens,
         num_output_tokens=newer.num_output_tokens,
         queue_time=older.queue_time if older.queue_time is not None else newer.queue_time,
+        prompt_token_ids=(older.prompt_token_ids if older.prompt_token_ids is not None
+                          else newer.prompt_token_ids),
+        prompt_logprobs=(older.prompt_logprobs if older.prompt_logprobs is not None
+                         else newer.prompt_logprobs),
     )
 
 

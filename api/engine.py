@@ -21,7 +21,7 @@ import contextlib
 import gc
 import itertools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -40,7 +40,7 @@ from trio_llm.actors.messages import (
     Submit,
 )
 from trio_llm.actors.runner import LoadedExecutor
-from trio_llm.actors.streams import RequestStream, RequestStreams
+from trio_llm.actors.streams import RequestStream, RequestStreams, StreamGroup
 from trio_llm.actors.supervisor import (
     EngineActors,
     EngineStatistics,
@@ -197,6 +197,83 @@ class Engine:
                         params=params or self.default_sampling_params(), priority=priority,
                         arrival_time=trio.current_time(), cache_salt=cache_salt)
         return self._run(submit)
+
+    def generate_many(self, prompts: Sequence[tuple[str | list[int], SamplingParams]], *,
+                      priority: int = 0, request_id: str | None = None,
+                      cache_salt: str | None = None
+                      ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Several requests read as one stream of (index, output) deltas, in the order
+        their output comes: the choices of one HTTP request (``n``, ``best_of``,
+        batched prompts). Request ``index`` is named ``{request_id}-{index}``; each is
+        exactly the request ``generate`` would run. Leaving the stream early aborts
+        every request not finished yet."""
+        base_id = request_id or self._new_request_id()
+        submits = []
+        for index, (prompt, params) in enumerate(prompts):
+            text, token_ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
+            submits.append(Submit(request_id=f"{base_id}-{index}", prompt=text,
+                                  prompt_token_ids=token_ids, params=params, priority=priority,
+                                  arrival_time=trio.current_time(), cache_salt=cache_salt))
+        return self._run_many(submits)
+
+    def chat_many(self, messages: list[dict[str, Any]], params: Sequence[SamplingParams], *,
+                  priority: int = 0, request_id: str | None = None,
+                  tools: list[dict[str, Any]] | None = None,
+                  documents: list[dict[str, Any]] | None = None,
+                  chat_template_kwargs: dict[str, Any] | None = None,
+                  template_options: ChatTemplateOptions | None = None,
+                  cache_salt: str | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Like generate_many, for one conversation answered once per ``params``
+        (the template arguments as in ``chat``)."""
+        base_id = request_id or self._new_request_id()
+        submits = [Submit(request_id=f"{base_id}-{index}", messages=messages, tools=tools,
+                          documents=documents, chat_template_kwargs=chat_template_kwargs,
+                          template_options=template_options or ChatTemplateOptions(),
+                          params=choice_params,
+                          priority=priority, arrival_time=trio.current_time(),
+                          cache_salt=cache_salt)
+                   for index, choice_params in enumerate(params)]
+        return self._run_many(submits)
+
+    async def _run_many(self, submits: list[Submit]
+                        ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """``_run`` for several requests read by one task through a StreamGroup."""
+        self._check_accepting()
+        request_ids = [submit.request_id for submit in submits]
+        is_open = [False] * len(submits)
+        streams = []
+        try:
+            for index, submit in enumerate(submits):
+                streams.append(self._streams.open(submit.request_id))
+                is_open[index] = True
+            group = StreamGroup(streams)
+            for submit in submits:
+                await self._actors.intake_outbox.send(submit)
+            while any(is_open):
+                try:
+                    index, output = await group.receive(is_open)
+                except EngineError:
+                    # this one was rejected (the others are aborted) or the engine died
+                    is_open[group.last_index] = False
+                    raise
+                is_open[index] = not output.finished
+                yield index, output
+        finally:
+            for request_id in request_ids:
+                self._streams.close(request_id)
+            await self._abort_unfinished(
+                [request_id for request_id, still_open in zip(request_ids, is_open, strict=True)
+                 if still_open])
+
+    async def _abort_unfinished(self, request_ids: list[str]) -> None:
+        if self._actors.dead.is_set():
+            return
+        with trio.move_on_after(ABORT_SEND_TIMEOUT, shield=True):
+            for request_id in request_ids:
+                if request_id not in self._aborted:
+                    await self._actors.intake_outbox.send(Abort(request_id=request_id))
+        for request_id in request_ids:
+            self._aborted.discard(request_id)
 
     async def abort(self, request_id: str) -> None:
         """End a running or waiting request; its stream finishes with reason "abort"."""

@@ -2,7 +2,7 @@
 
 Requests are decoded straight into Structs whose constraints mirror
 SamplingParams, so a bad value fails at decode time with the field named.
-What the engine does not support (several choices, echo, penalties, tools) is
+What the engine does not support (several choices, echo) is
 rejected with a 400 naming the field, never silently ignored.
 
 Everything here is synchronous: the server's handlers decode, convert with
@@ -40,6 +40,9 @@ TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
 TopK = Annotated[int, msgspec.Meta(ge=-1)]
 MinP = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 NumLogprobs = Annotated[int, msgspec.Meta(ge=0)]  # at most --max-logprobs (intake)
+Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
+RepetitionPenalty = Annotated[float, msgspec.Meta(gt=0.0)]
+LogitBiasValue = Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]
 Seed = Annotated[int, msgspec.Meta(ge=MIN_SEED, le=MAX_SEED)]
 # Stop strings are bounded (vLLM does not bound them): see docs/http-api.md.
 StopString = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
@@ -117,9 +120,11 @@ class _GenerationFields(msgspec.Struct, kw_only=True):
     best_of: PositiveInt | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    logit_bias: dict[str, LogitBiasValue] | None = None
+    allowed_token_ids: list[NonNegativeInt] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
 
@@ -438,17 +443,39 @@ def param_of_validation_error(message: str) -> str | None:
 # -- requests -> engine arguments -------------------------------------------------
 
 
-def completion_prompt(request: CompletionRequest) -> str | list[int]:
-    """The one prompt of a completion request, as text or token ids."""
+# Batched prompts: OpenAI documents no bound; this one is ours (each prompt is a
+# request of the engine, times n or best_of: api/choices.py bounds the product).
+MAX_BATCHED_PROMPTS = 256
+
+
+def completion_prompts(request: CompletionRequest) -> list[str | list[int]]:
+    """The prompts of a completion request, as text or token ids: one string or one
+    list of ids, or a batch of them (a list of strings or of lists of ids)."""
     prompt = request.prompt
     if isinstance(prompt, str):
-        return prompt
+        return [prompt]
+    if not prompt:
+        raise RequestRejected("prompt must not be an empty list", param="prompt")
     if all(isinstance(item, int) for item in prompt):
-        return [int(item) for item in prompt]  # type: ignore[arg-type]
-    if len(prompt) == 1 and isinstance(prompt[0], str | list):
-        return prompt[0]
-    raise RequestRejected("prompt must be one string or one list of token ids; "
-                          "batched prompts are not supported", param="prompt")
+        return [[int(item) for item in prompt]]  # type: ignore[arg-type]
+    if len(prompt) > MAX_BATCHED_PROMPTS:
+        raise RequestRejected(f"at most {MAX_BATCHED_PROMPTS} prompts per request, "
+                              f"not {len(prompt)}", param="prompt")
+    prompts: list[str | list[int]] = []
+    for index, item in enumerate(prompt):
+        if isinstance(item, int):
+            raise RequestRejected("prompt mixes token ids with strings or lists",
+                                  param=f"prompt[{index}]")
+        prompts.append(item)
+    return prompts
+
+
+def completion_prompt(request: CompletionRequest) -> str | list[int]:
+    """The one prompt of a completion request, as text or token ids."""
+    prompts = completion_prompts(request)
+    if len(prompts) != 1:
+        raise RequestRejected("expected one prompt", param="prompt")
+    return prompts[0]
 
 
 def chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
@@ -533,16 +560,18 @@ def completion_sampling_params(request: CompletionRequest,
     """SamplingParams of a completion request (max_tokens defaults to 16, as OpenAI's);
     ``defaults`` (the checkpoint's) fill what the request leaves out."""
     _reject_unsupported(request)
-    if request.echo:
-        raise RequestRejected("echo is not supported", param="echo")
     if request.suffix is not None:
         raise RequestRejected("suffix is not supported", param="suffix")
     defaults = defaults or GenerationDefaults()
-    return _sampling_params(request, max_tokens=defaults.capped_max_tokens(
-                                request.max_tokens or 16),
-                            num_logprobs=request.logprobs,
-                            structured_outputs=structured_outputs_of(request),
-                            defaults=defaults)
+    params = _sampling_params(request, max_tokens=defaults.capped_max_tokens(
+                                  request.max_tokens or 16),
+                              num_logprobs=request.logprobs,
+                              structured_outputs=structured_outputs_of(request),
+                              defaults=defaults)
+    if request.echo and request.logprobs is not None:
+        # the echoed prompt's tokens come with their logprobs too (OpenAI's echo)
+        params = msgspec.structs.replace(params, prompt_logprobs=request.logprobs)
+    return params
 
 
 def requested_max_tokens(request: ChatCompletionRequest) -> int | None:
@@ -639,7 +668,46 @@ def _sampling_params(request: _GenerationFields, *, max_tokens: int | None,
         logprobs=num_logprobs,
         skip_special_tokens=request.skip_special_tokens,
         structured_outputs=structured_outputs,
+        presence_penalty=_or(request.presence_penalty, default.presence_penalty),
+        frequency_penalty=_or(request.frequency_penalty, default.frequency_penalty),
+        repetition_penalty=_or(request.repetition_penalty, default.repetition_penalty),
+        logit_bias=logit_bias_of(request.logit_bias),
+        allowed_token_ids=request.allowed_token_ids,
     )
+
+
+def logit_bias_of(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias (token ids as JSON object keys) keyed by int; the engine's
+    intake checks the ids against the vocabulary and bounds the count."""
+    if not logit_bias:
+        return None
+    biases: dict[int, float] = {}
+    for key, value in logit_bias.items():
+        if not key.isascii() or not key.isdigit() or len(key) > 18:
+            raise RequestRejected(f"logit_bias keys must be token ids, not {key[:32]!r}",
+                                  param="logit_bias")
+        biases[int(key)] = value
+    return biases
+
+
+# OpenAI's bound on n; best_of shares it (vLLM bounds neither).
+MAX_CHOICES = 128
+
+
+def check_choice_counts(n: int, best_of: int | None, *, stream: bool) -> None:
+    """vLLM's rules for ``n`` and ``best_of`` (best_of at least n, never streamed)."""
+    if n > MAX_CHOICES:
+        raise RequestRejected(f"n must be at most {MAX_CHOICES}, not {n}", param="n")
+    if best_of is None:
+        return
+    if best_of > MAX_CHOICES:
+        raise RequestRejected(f"best_of must be at most {MAX_CHOICES}, not {best_of}",
+                              param="best_of")
+    if best_of < n:
+        raise RequestRejected(f"best_of ({best_of}) must be at least n ({n})", param="best_of")
+    if stream and best_of > 1:
+        raise RequestRejected("best_of is not supported with stream (as in vLLM)",
+                              param="best_of")
 
 
 def _or(value: T | None, default: T) -> T:
@@ -647,18 +715,10 @@ def _or(value: T | None, default: T) -> T:
 
 
 def _reject_unsupported(request: _GenerationFields) -> None:
-    if request.n != 1:
-        raise RequestRejected("only n=1 is supported", param="n")
-    if request.best_of not in (None, 1):
-        raise RequestRejected("only best_of=1 is supported", param="best_of")
+    check_choice_counts(request.n, request.best_of, stream=request.stream)
     if request.stream_options is not None and not request.stream:
         raise RequestRejected("stream_options is only allowed when stream is true",
                               param="stream_options")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(request, name) != 0.0:
-            raise RequestRejected(f"{name} is not supported", param=name)
-    if request.logit_bias:
-        raise RequestRejected("logit_bias is not supported", param="logit_bias")
 
 
 # -- engine outputs -> responses ------------------------------------------------
@@ -688,13 +748,15 @@ class _OutputBuilder:
     a non-streamed response) and the last output (for its finish and usage).
 
     ``token_text`` renders a token id for logprobs; it is only called when the
-    request asked for logprobs.
+    request asked for logprobs. ``index`` is the choice's (api/choices.py builds one
+    builder per choice).
     """
 
     response_id: str
     model: str
     token_text: TokenText
     created: int = field(default_factory=_now)
+    index: int = 0
     _text_parts: list[str] = field(default_factory=list, init=False)
     _last: RequestOutput | None = field(default=None, init=False)
 
@@ -706,25 +768,38 @@ class _OutputBuilder:
 
 @dataclass(kw_only=True)
 class CompletionBuilder(_OutputBuilder):
-    """Turns one request's outputs into /v1/completions chunks or one response."""
+    """Turns one request's outputs into /v1/completions chunks or one response.
+    ``echo_text`` (the prompt, with ``echo``) comes before the output's text."""
 
+    echo_text: str = ""
     _num_chars: int = field(default=0, init=False)
     _logprobs: CompletionLogprobs | None = field(default=None, init=False)
+    _echoed: bool = field(default=False, init=False)
+
+    def _echo(self) -> str:
+        """The echo text the first time, then nothing."""
+        if self._echoed:
+            return ""
+        self._echoed = True
+        self._num_chars += len(self.echo_text)
+        return self.echo_text
 
     def chunk(self, output: RequestOutput) -> CompletionResponse | None:
         """The chunk to stream for ``output``; None when it carries nothing to send."""
+        echo = self._echo()
         logprobs = self._take(output)
-        if not (output.text or output.finished or logprobs):
+        if not (echo or output.text or output.finished or logprobs):
             return None
-        choice = CompletionChoice(index=0, text=output.text, logprobs=logprobs,
+        choice = CompletionChoice(index=self.index, text=echo + output.text, logprobs=logprobs,
                                   finish_reason=output.finish_reason,
                                   stop_reason=output.stop_reason)
         return self._response([choice])
 
     def add(self, output: RequestOutput) -> None:
         """Accumulate ``output`` for a non-streamed response."""
+        echo = self._echo()
         logprobs = self._take(output)
-        self._text_parts.append(output.text)
+        self._text_parts.append(echo + output.text)
         if logprobs is not None:
             self._logprobs = _extend_completion_logprobs(self._logprobs, logprobs)
 
@@ -737,14 +812,15 @@ class CompletionBuilder(_OutputBuilder):
 
     def response(self) -> CompletionResponse:
         last = self._require_last()
-        choice = CompletionChoice(index=0, text="".join(self._text_parts),
+        choice = CompletionChoice(index=self.index, text="".join(self._text_parts),
                                   logprobs=self._logprobs, finish_reason=last.finish_reason,
                                   stop_reason=last.stop_reason)
         return self._response([choice], usage=usage_of(last))
 
-    def usage_chunk(self) -> CompletionResponse:
-        """The last chunk of a stream with ``include_usage``: no choices, the counts."""
-        return self._response([], usage=usage_of(self._require_last()))
+    def usage_chunk(self, usage: Usage | None = None) -> CompletionResponse:
+        """The last chunk of a stream with ``include_usage``: no choices, the counts
+        (``usage``: several choices' together)."""
+        return self._response([], usage=usage or usage_of(self._require_last()))
 
     def _response(self, choices: list[CompletionChoice],
                   usage: Usage | None = None) -> CompletionResponse:
@@ -752,11 +828,29 @@ class CompletionBuilder(_OutputBuilder):
                                   choices=choices, usage=usage)
 
     def _delta_logprobs(self, output: RequestOutput) -> CompletionLogprobs | None:
+        prompt = self._prompt_logprobs(output)
         if output.logprobs is None:
-            return None
-        logprobs = CompletionLogprobs()
+            return prompt
+        logprobs = prompt or CompletionLogprobs()
         offset = self._num_chars
         for token_id, entry in zip(output.token_ids, output.logprobs, strict=False):
+            token = self.token_text(token_id)
+            logprobs.tokens.append(token)
+            logprobs.token_logprobs.append(None if entry is None else entry.logprob)
+            logprobs.top_logprobs.append(self._top_dict(token, entry))
+            logprobs.text_offset.append(offset)
+            offset += len(token)
+        return logprobs
+
+    def _prompt_logprobs(self, output: RequestOutput) -> CompletionLogprobs | None:
+        """The echoed prompt's logprobs (the first output of an ``echo`` request with
+        ``logprobs``): the first token's is null, as in OpenAI's."""
+        if output.prompt_logprobs is None or output.prompt_token_ids is None:
+            return None
+        logprobs = CompletionLogprobs()
+        offset = 0
+        for token_id, entry in zip(output.prompt_token_ids, output.prompt_logprobs,
+                                   strict=False):
             token = self.token_text(token_id)
             logprobs.tokens.append(token)
             logprobs.token_logprobs.append(None if entry is None else entry.logprob)
@@ -819,7 +913,7 @@ class ChatBuilder(_OutputBuilder):
         delta = ChatDelta(content=output.text)
         if not self._sent_role:
             delta.role, self._sent_role = "assistant", True
-        choice = ChatChunkChoice(index=0, delta=delta, logprobs=logprobs,
+        choice = ChatChunkChoice(index=self.index, delta=delta, logprobs=logprobs,
                                  finish_reason=output.finish_reason,
                                  stop_reason=output.stop_reason)
         return self._chunk([choice])
@@ -836,7 +930,7 @@ class ChatBuilder(_OutputBuilder):
         elif is_empty and not (output.finished or logprobs):
             return None
         finish_reason = _chat_finish_reason(output.finish_reason, parsed.calls)
-        choice = ChatChunkChoice(index=0, delta=delta, logprobs=logprobs,
+        choice = ChatChunkChoice(index=self.index, delta=delta, logprobs=logprobs,
                                  finish_reason=finish_reason, stop_reason=output.stop_reason)
         return self._chunk([choice])
 
@@ -896,14 +990,15 @@ class ChatBuilder(_OutputBuilder):
                                                            arguments=call.arguments))
                             for index, call in enumerate(parsed.calls)] or None)
             finish_reason = _chat_finish_reason(finish_reason, parsed.calls)
-        choice = ChatChoice(index=0, message=message, logprobs=self._logprobs,
+        choice = ChatChoice(index=self.index, message=message, logprobs=self._logprobs,
                             finish_reason=finish_reason, stop_reason=last.stop_reason)
         return ChatCompletionResponse(id=self.response_id, created=self.created,
                                       model=self.model, choices=[choice], usage=usage_of(last))
 
-    def usage_chunk(self) -> ChatCompletionChunk:
-        """The last chunk of a stream with ``include_usage``: no choices, the counts."""
-        return self._chunk([], usage=usage_of(self._require_last()))
+    def usage_chunk(self, usage: Usage | None = None) -> ChatCompletionChunk:
+        """The last chunk of a stream with ``include_usage``: no choices, the counts
+        (``usage``: several choices' together)."""
+        return self._chunk([], usage=usage or usage_of(self._require_last()))
 
     def _chunk(self, choices: list[ChatChunkChoice],
                usage: Usage | None = None) -> ChatCompletionChunk:

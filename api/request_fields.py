@@ -8,9 +8,6 @@ Every field of OpenAI's or vLLM's request schema is one of:
   is accepted, since clients send defaults;
 - **without effect** (``NO_EFFECT_FIELDS``): it never changes the output
   (an end user's id, a cache routing key), so it is accepted;
-- **not honoured yet**: vLLM's sampling fields ``repetition_penalty``,
-  ``allowed_token_ids``, ``bad_words``, ``prompt_logprobs`` and chat's ``echo``
-  are not declared yet, so they get the warning below, as any unknown field.
 
 A field in neither schema is ignored with one warning log line naming it,
 as vLLM does.
@@ -70,6 +67,11 @@ _REFUSED_SHARED: dict[str, Refusal] = {
     "kv_transfer_params": _NO_DISAGGREGATION,
     "vllm_xargs": _NO_XARGS,
     "mm_processor_kwargs": _NO_MULTIMODAL,
+    # a word of several tokens depends on the token still in flight at depth 2
+    "bad_words": Refusal(([],), "bad_words is not supported; allowed_token_ids and logit_bias "
+                                "are"),
+    "prompt_logprobs": Refusal((), "prompt logprobs come with echo and logprobs on "
+                                   "/v1/completions"),
 }
 
 REFUSED_CHAT_FIELDS: dict[str, Refusal] = {
@@ -88,6 +90,8 @@ REFUSED_CHAT_FIELDS: dict[str, Refusal] = {
     "reasoning_effort": Refusal((), "send it in chat_template_kwargs if the model's chat "
                                     "template reads it"),
     # vLLM's
+    "echo": Refusal((False,), "chat does not echo the last message; /v1/completions echoes "
+                              "its prompt"),
     "add_special_tokens": Refusal((False,), "the chat template writes the special tokens"),
     "chat_template": Refusal((), "a request may not bring its own chat template (vLLM refuses "
                                  "it too by default); start the server with --chat-template"),

@@ -21,6 +21,7 @@ everything from this one process.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hmac
 import logging
 import os
@@ -28,7 +29,14 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterator,
+    Sequence,
+)
 from contextlib import (
     AbstractAsyncContextManager,
     AbstractContextManager,
@@ -38,7 +46,7 @@ from contextlib import (
 )
 from functools import partial
 from importlib.metadata import version as package_version
-from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar, cast
 
 import msgspec
 import quart_cors
@@ -62,6 +70,7 @@ from trio_llm.actors.errors import (
 from trio_llm.actors.generation_defaults import GenerationDefaults
 from trio_llm.actors.messages import RequestOutput, SamplingParams, StructuredOutputsParams
 from trio_llm.api import protocol, request_fields
+from trio_llm.api.choices import ChoiceOutputs, ChoicePlan, combined_chat, combined_completion
 from trio_llm.api.connections import CompletedResponseGuard
 from trio_llm.api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from trio_llm.api.metrics import RequestTimer, ServerMetrics
@@ -233,13 +242,34 @@ class OpenAIServer:
         body = await self._decoded_body(protocol.CompletionRequest,
                                         request_fields.REFUSED_COMPLETION_FIELDS)
         self._check_model(body.model)
-        prompt, params = await self._converted(self._completion_arguments, body)
-        builder = protocol.CompletionBuilder(response_id=f"cmpl-{uuid.uuid4().hex}",
-                                             model=self.model_name, token_text=self._token_text)
-        outputs = self.engine.generate(prompt, params, priority=body.priority,
-                                       request_id=builder.response_id,
-                                       cache_salt=body.cache_salt)
-        return await self.respond(outputs, builder, body)
+        prompts, params, echo_texts = await self._converted(self._completion_arguments, body)
+        plan = ChoicePlan.of(len(prompts), body.n, body.best_of,
+                             max_waiting_requests=self.engine.config.max_waiting_requests)
+        response_id = f"cmpl-{uuid.uuid4().hex}"
+        builders = [protocol.CompletionBuilder(
+            response_id=response_id, model=self.model_name, token_text=self._token_text,
+            index=index, echo_text=echo_texts[plan.prompt_of(index)])
+            for index in range(plan.num_children)]
+        if plan.is_single:
+            outputs = self.engine.generate(prompts[0], params, priority=body.priority,
+                                           request_id=response_id, cache_salt=body.cache_salt)
+            return await self.respond(outputs, builders[0], body)
+        children = [(prompt, child_params) for prompt in prompts
+                    for child_params in plan.child_params(params)]
+        choice_outputs = self.engine.generate_many(children, priority=body.priority,
+                                                   request_id=response_id,
+                                                   cache_salt=body.cache_salt)
+        return await self.respond_choices(choice_outputs, builders, body,
+                                          ChoiceOutputs(plan, strips_logprobs=body.logprobs
+                                                        is None))
+
+    def _echo_text(self, body: protocol.CompletionRequest, prompt: str | list[int]) -> str:
+        """The text ``echo`` puts before the output: a token-id prompt decoded."""
+        if not body.echo:
+            return ""
+        if isinstance(prompt, str):
+            return prompt
+        return self.engine.tokenizer.decode(prompt, skip_special_tokens=False)
 
     async def chat_completions(self) -> Response:
         body = await self._decoded_body(protocol.ChatCompletionRequest,
@@ -264,6 +294,21 @@ class OpenAIServer:
         if body.chat_template_kwargs:
             template_variables["chat_template_kwargs"] = protocol.checked_template_kwargs(
                 body.chat_template_kwargs)
+        plan = ChoicePlan.of(1, body.n, body.best_of,
+                             max_waiting_requests=self.engine.config.max_waiting_requests)
+        if not plan.is_single:
+            builders = [dataclasses.replace(builder, index=index, parser=(
+                ChatOutputParser(reasoning=reasoning_parser_for(self.tool_options),
+                                 tools=tool_plan.parser, max_calls=tool_plan.max_calls)
+                if parser is not None else None)) for index in range(plan.num_children)]
+            choice_outputs = self.engine.chat_many(
+                messages, plan.child_params(params), priority=body.priority,
+                request_id=builder.response_id, cache_salt=body.cache_salt,
+                documents=body.documents, template_options=protocol.template_options(body),
+                **template_variables)
+            return await self.respond_choices(choice_outputs, builders, body,
+                                              ChoiceOutputs(plan,
+                                                            strips_logprobs=not body.logprobs))
         outputs = self.engine.chat(messages, params, priority=body.priority,
                                    request_id=builder.response_id, cache_salt=body.cache_salt,
                                    documents=body.documents,
@@ -279,15 +324,24 @@ class OpenAIServer:
         return await trio.to_thread.run_sync(convert, body, limiter=self._conversion_threads)
 
     def _completion_arguments(self, body: protocol.CompletionRequest
-                              ) -> tuple[str | list[int], SamplingParams]:
-        """The engine's arguments, at a cost linear in the body."""
-        if not isinstance(body.prompt, str) and len(body.prompt) > self.engine.max_model_len:
-            # Refused before anything walks a list the engine would refuse anyway.
-            raise RequestRejected(
-                f"This model's maximum context length is {self.engine.max_model_len} tokens, "
-                f"but the prompt has {len(body.prompt)} tokens", param="prompt")
-        return protocol.completion_prompt(body), protocol.completion_sampling_params(
+                              ) -> tuple[list[str | list[int]], SamplingParams, list[str]]:
+        """The engine's arguments (one prompt, or a batch) and each prompt's echo text,
+        at a cost linear in the body."""
+        prompt = body.prompt
+        token_lists = ([prompt] if prompt and isinstance(prompt[0], int) else
+                       [item for item in prompt if isinstance(item, list)]) if isinstance(
+                           prompt, list) else []
+        for token_ids in token_lists:
+            if len(token_ids) > self.engine.max_model_len:
+                # Refused before anything walks a list the engine would refuse anyway.
+                raise RequestRejected(
+                    f"This model's maximum context length is {self.engine.max_model_len} "
+                    f"tokens, but the prompt has {len(token_ids)} tokens",
+                    param="prompt")
+        prompts = protocol.completion_prompts(body)
+        params = protocol.completion_sampling_params(
             body, self.engine.generation_defaults)
+        return prompts, params, [self._echo_text(body, prompt) for prompt in prompts]
 
     async def respond(self, outputs: AsyncIterator[RequestOutput],
                       builder: protocol.CompletionBuilder | protocol.ChatBuilder,
@@ -314,6 +368,66 @@ class OpenAIServer:
         first_event = await anext(events)
         return Response(_resumed(first_event, events), content_type="text/event-stream",
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def respond_choices(self, outputs: AsyncIterator[tuple[int, RequestOutput]],
+                              builders: Sequence[protocol.CompletionBuilder]
+                              | Sequence[protocol.ChatBuilder],
+                              body: protocol.CompletionRequest | protocol.ChatCompletionRequest,
+                              collected: ChoiceOutputs) -> Response:
+        """``respond`` for several choices (api/choices.py): one JSON body with every
+        choice in index order, or one SSE stream whose chunks name their choice's
+        ``index``, as OpenAI streams them."""
+        now = trio.current_time()
+        timers = [self.metrics.timer(now) for _ in builders]
+        route = f"{request.method} {request.path}" if has_request_context() else "-"
+        # one log line per HTTP request, with the first choice's figures
+        log_line = partial(self._logged, timers[0], route, builders[0].response_id)
+        if not body.stream:
+            with log_line():
+                async with closing(outputs):
+                    async for index, output in outputs:
+                        _observe(timers[index], output)
+                        builders[index].add(collected.take(index, output))
+            if isinstance(body, protocol.CompletionRequest):
+                return self._json(combined_completion(
+                    cast(Sequence[protocol.CompletionBuilder], builders), collected))
+            return self._json(combined_chat(cast(Sequence[protocol.ChatBuilder], builders),
+                                            collected))
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        events = self._choice_events(outputs, builders, collected, timers, log_line,
+                                     include_usage=include_usage)
+        first_event = await anext(events)
+        return Response(_resumed(first_event, events), content_type="text/event-stream",
+                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _choice_events(self, outputs: AsyncIterator[tuple[int, RequestOutput]],
+                             builders: Sequence[protocol.CompletionBuilder]
+                             | Sequence[protocol.ChatBuilder],
+                             collected: ChoiceOutputs, timers: list[RequestTimer],
+                             log_line: Callable[[], AbstractContextManager[None]], *,
+                             include_usage: bool) -> AsyncGenerator[bytes, None]:
+        """``_events`` for several choices: chunks in the order their output comes."""
+        with log_line():
+            async with closing(outputs):
+                index, output = await anext(outputs)
+                try:
+                    while True:
+                        _observe(timers[index], output)
+                        chunk = builders[index].chunk(collected.take(index, output))
+                        if chunk is not None:
+                            yield _sse_event(chunk)
+                        index, output = await anext(outputs)
+                except StopAsyncIteration:
+                    pass
+                except EngineError as error:
+                    timers[0].summary = f"failed in the stream: {error}"
+                    yield _error_event(error)
+                    yield SSE_DONE
+                    return
+                if include_usage:
+                    yield _sse_event(builders[0].usage_chunk(
+                        collected.usage(collected.returned())))
+                yield SSE_DONE
 
     async def _events(self, outputs: AsyncIterator[RequestOutput],
                       builder: protocol.CompletionBuilder | protocol.ChatBuilder,
@@ -613,7 +727,7 @@ async def _resumed(first_event: bytes,
 
 
 @asynccontextmanager
-async def closing(outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[None]:
+async def closing(outputs: AsyncIterator[Any]) -> AsyncIterator[None]:
     """Close ``outputs`` on the way out, even when cancelled: the engine aborts
     the request unless it had finished."""
     try:

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import torch
 
@@ -64,12 +65,19 @@ from trio_llm.gpu.cuda_graphs import (
 from trio_llm.gpu.cuda_sampler import (
     DeviceSamplingInputs,
     SamplingPlan,
+    record_on_device,
     sample_on_device,
 )
 from trio_llm.gpu.cuda_streams import DoneEvent, Event, Lane
 from trio_llm.gpu.executor import GIB, ModelExecutor, RequestState, kv_slots
 from trio_llm.gpu.model import AttentionMetadata, CausalLM
-from trio_llm.gpu.sampler import SamplingRow, bitmask_rows, raw_logprobs
+from trio_llm.gpu.sampler import (
+    PromptLogprobRows,
+    SamplingRow,
+    bitmask_rows,
+    prompt_logprobs,
+    raw_logprobs,
+)
 from trio_llm.gpu.step_packing import (
     FLOAT_SEGMENTS,
     INT_SEGMENTS,
@@ -169,6 +177,9 @@ class PendingStep:
     compute_done: Event | None = None
     # set while the step waits for supply_bitmasks: its sampling is not enqueued yet
     forward: ForwardState | None = None
+    # the positions whose prompt logprobs are asked, and their hidden states
+    prompt_logprob_rows: PromptLogprobRows | None = None
+    prompt_hidden: torch.Tensor | None = None
 
     def is_ready(self) -> bool:
         return bool(self.done.done)
@@ -346,8 +357,16 @@ class CudaModelExecutor(ModelExecutor):
         logprobs = None
         if pending.logits is not None and pending.sampled is not None:
             logprobs = raw_logprobs(pending.logits, pending.sampled, pending.num_logprobs)
+        prompt_results = []
+        if pending.prompt_logprob_rows is not None and pending.prompt_hidden is not None:
+            # the step is done: its hidden states are read on any stream
+            with torch.inference_mode():
+                prompt_results = prompt_logprobs(self.model.compute_logits,
+                                                 pending.prompt_hidden,
+                                                 pending.prompt_logprob_rows)
         return StepResult(step_id=pending.step_id, request_ids=pending.request_ids,
-                          sampled_token_ids=token_ids, logprobs=logprobs)
+                          sampled_token_ids=token_ids, logprobs=logprobs,
+                          prompt_logprobs=prompt_results)
 
     def drain(self) -> None:
         """Wait for the steps launched and never collected (a runner cancelled at
@@ -365,9 +384,18 @@ class CudaModelExecutor(ModelExecutor):
             self._forget(new_request.request_id)
             self.requests[new_request.request_id] = RequestState(sampling=new_request.sampling)
             self._table_rows[new_request.request_id] = self._take_table_row()
+            if new_request.sampling.has_penalties:
+                with self.compute.context():  # ordered after the steps that used the row
+                    self._register_penalties(new_request)
+
+    def _token_ids_on_device(self, token_ids: list[int]) -> torch.Tensor:
+        if not token_ids:
+            return torch.empty(0, dtype=torch.int64, device=self.device)
+        return self._to_device(torch.tensor(token_ids, dtype=torch.int64))
 
     def _forget(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
+        self.penalty_counts.release(request_id)
         self._sampled_on_device.pop(request_id, None)
         row = self._table_rows.pop(request_id, None)
         if row is not None:
@@ -430,6 +458,10 @@ class CudaModelExecutor(ModelExecutor):
                 context_len = start + 1
                 positions.append(start)
             else:
+                if scheduled.prompt_logprob_token_ids:  # the chunk's first positions
+                    step.prompt_logprob_rows.add(request_id, len(token_ids),
+                                                 scheduled.prompt_logprob_token_ids,
+                                                 state.sampling.num_prompt_logprobs or 0)
                 token_ids += scheduled.token_ids
                 context_len = start + len(scheduled.token_ids)
                 positions += range(start, context_len)
@@ -447,7 +479,8 @@ class CudaModelExecutor(ModelExecutor):
                 if scheduled.bitmask_follows:
                     step.rows_awaiting_bitmasks.append(len(sampling_rows))
                 sampling_rows.append(SamplingRow(state.sampling, scheduled.output_index,
-                                                 scheduled.token_bitmask))
+                                                 scheduled.token_bitmask,
+                                                 self.penalty_counts.slot(request_id)))
                 sampled_request_ids.append(request_id)
         step.num_seqs = len(batch.requests)
         step.num_tokens = len(token_ids)
@@ -480,7 +513,10 @@ class CudaModelExecutor(ModelExecutor):
 
     def _pad_for_graph(self, step: HostStep) -> None:
         """Choose the captured graph that fits the step, if any, and pad it to its sizes.
-        Decode graphs compute logits for every row: only where every request samples."""
+        Decode graphs compute logits for every row: only where every request samples.
+        A step with prompt logprobs runs eagerly: a graph keeps no hidden states."""
+        if step.prompt_logprob_rows.rows:
+            return
         is_decode = step.num_tokens == step.num_seqs
         if is_decode and len(step.sampling_rows) == step.num_seqs:
             batch_size = self.decode_graphs.batch_size_for(step.num_seqs)
@@ -515,6 +551,8 @@ class CudaModelExecutor(ModelExecutor):
             logits = self._compute_logits(step, ints)
         pending = PendingStep(step_id=step.step_id, request_ids=step.sampled_request_ids,
                               done=DoneEvent(), slot=slot,
+                              prompt_logprob_rows=step.prompt_logprob_rows,
+                              prompt_hidden=step.prompt_hidden,
                               forward=ForwardState(step=step, plan=plan,
                                                    inputs=_sampling_inputs(ints, floats),
                                                    logits=logits,
@@ -529,7 +567,8 @@ class CudaModelExecutor(ModelExecutor):
         assert forward is not None and slot is not None
         plan, logits = forward.plan, forward.logits
         with self.compute.context(), torch.inference_mode():
-            sampled = sample_on_device(logits, plan, forward.inputs)
+            sampled = sample_on_device(logits, plan, forward.inputs, self.penalty_counts)
+            record_on_device(self.penalty_counts, plan, forward.inputs, sampled)
             num_rows = len(pending.request_ids)
             self.device_sampled[slot.index, :num_rows].copy_(sampled)
             wants_logprobs = any(count is not None for count in plan.num_logprobs)
@@ -557,8 +596,17 @@ class CudaModelExecutor(ModelExecutor):
         ints["banned_token_ids"] = plan.banned_token_ids
         ints["bitmask_rows"] = plan.bitmask_rows
         ints["bitmask_words"] = plan.bitmask_words  # type: ignore[assignment]  # an int64 array
+        ints["allowed_rows"], ints["allowed_local_rows"] = (plan.allowed_rows,
+                                                            plan.allowed_local_rows)
+        ints["allowed_token_ids"] = plan.allowed_token_ids
+        ints["logit_bias_rows"] = plan.logit_bias_rows
+        ints["logit_bias_token_ids"] = plan.logit_bias_token_ids
+        ints["penalty_rows"], ints["penalty_slots"] = plan.penalty_rows, plan.penalty_slots
+        ints["prompt_logprob_rows"] = step.prompt_logprob_rows.rows
         floats = {"temperatures": plan.temperatures, "top_ps": plan.top_ps,
-                  "min_ps": plan.min_ps}
+                  "min_ps": plan.min_ps, "logit_bias_values": plan.logit_bias_values,
+                  "presences": plan.presences, "frequencies": plan.frequencies,
+                  "repetitions": plan.repetitions}
         int_offsets = offsets({name: len(ints[name]) for name in INT_SEGMENTS})
         float_offsets = offsets({name: len(floats[name]) for name in FLOAT_SEGMENTS})
         self._ensure_capacity(slot, end(int_offsets), end(float_offsets),
@@ -586,6 +634,8 @@ class CudaModelExecutor(ModelExecutor):
             query_start_loc=ints["query_start_loc"].to(torch.int32),
         )
         hidden = self.model(token_ids, ints["positions"], self.kv_caches, metadata)
+        if ints.length("prompt_logprob_rows"):
+            step.prompt_hidden = hidden.index_select(0, ints["prompt_logprob_rows"])
         return self.model.compute_logits(hidden.index_select(0, ints["logits_indices"]))
 
     def _apply_table_updates(self, ints: Segments) -> None:
@@ -638,17 +688,23 @@ class CudaModelExecutor(ModelExecutor):
         block 0, which holds nothing yet.)"""
         started = time.perf_counter()
         request_id = "warm-up"
-        sampling = SamplingOptions(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, seed=0,
-                                   num_logprobs=None, min_tokens=0, banned_token_ids=[])
+        plain = SamplingOptions(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, seed=0,
+                                num_logprobs=None, min_tokens=0, banned_token_ids=[])
+        # the second step compiles the sampling kernel's variant with penalties
+        penalized = msgspec.structs.replace(plain, repetition_penalty=1.1)
         num_tokens = min(self.block_size, self.max_model_len)
-        batch = ScheduledBatch(
-            step_id=-1, new_requests=[NewRequestData(request_id=request_id, sampling=sampling)],
-            requests=[ScheduledRequest(request_id=request_id, token_ids=[0] * num_tokens,
-                                       input_from_previous_step=False, num_computed_tokens=0,
-                                       new_block_ids=[0], sample=True, output_index=0)],
-            finished_request_ids=[], num_tokens=num_tokens)
-        self.collect(self.launch(batch))
-        self._forget(request_id)
+        for sampling in (plain, penalized):
+            new_request = NewRequestData(request_id=request_id, sampling=sampling,
+                                         prompt_token_ids=[0] * num_tokens)
+            batch = ScheduledBatch(
+                step_id=-1, new_requests=[new_request],
+                requests=[ScheduledRequest(request_id=request_id, token_ids=[0] * num_tokens,
+                                           input_from_previous_step=False,
+                                           num_computed_tokens=0, new_block_ids=[0],
+                                           sample=True, output_index=0)],
+                finished_request_ids=[], num_tokens=num_tokens)
+            self.collect(self.launch(batch))
+            self._forget(request_id)
         self.stats = ExecutorStatistics()
         logger.info("warmed up the eager path in %.1f s", time.perf_counter() - started)
 
@@ -720,4 +776,10 @@ def _sampling_inputs(ints: Segments, floats: Segments) -> DeviceSamplingInputs:
         top_ks=ints["top_ks"], seed_keys=ints["seed_keys"],
         output_indices=ints["output_indices"],
         banned_rows=ints["banned_rows"], banned_token_ids=ints["banned_token_ids"],
-        bitmask_rows=ints["bitmask_rows"], bitmask_words=ints["bitmask_words"])
+        bitmask_rows=ints["bitmask_rows"], bitmask_words=ints["bitmask_words"],
+        allowed_rows=ints["allowed_rows"], allowed_local_rows=ints["allowed_local_rows"],
+        allowed_token_ids=ints["allowed_token_ids"], logit_bias_rows=ints["logit_bias_rows"],
+        logit_bias_token_ids=ints["logit_bias_token_ids"],
+        logit_bias_values=floats["logit_bias_values"], penalty_rows=ints["penalty_rows"],
+        penalty_slots=ints["penalty_slots"], presences=floats["presences"],
+        frequencies=floats["frequencies"], repetitions=floats["repetitions"])

@@ -13,10 +13,17 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 
+from trio_llm.gpu.penalties import (
+    PenaltyCounts,
+    add_logit_bias,
+    apply_penalties,
+    keep_allowed_tokens,
+)
 from trio_llm.gpu.sampler import (
     MASK_32,
     MIN_SAMPLING_TEMPERATURE,
@@ -24,11 +31,14 @@ from trio_llm.gpu.sampler import (
     SamplingRow,
     _apply_min_p,
     _apply_top_k_top_p,
+    allowed_entries,
     apply_token_bitmasks,
     banned_positions,
     bitmask_rows,
+    logit_bias_entries,
     mix32,
     mix32_int,
+    penalty_entries,
 )
 
 
@@ -40,7 +50,9 @@ class SamplingPlan:
     ``use_fused_kernel``: sample in one Triton pass (rows without filters only).
     ``bitmask_words``: the constrained rows' grammar bitmasks (int32 words, row after
     row) packed in int64s to travel in the int upload; ``num_bitmask_words`` int32
-    words of it are real.
+    words of it are real. ``penalty_rows``: the rows with penalties; the per-row
+    ``penalty_slots`` (-1 elsewhere) and penalty values (neutral elsewhere) cover
+    every row, as the fused kernel reads them.
     """
 
     any_sampled: bool
@@ -59,6 +71,17 @@ class SamplingPlan:
     bitmask_rows: list[int]
     bitmask_words: np.ndarray
     num_bitmask_words: int
+    allowed_rows: list[int] = field(default_factory=list)
+    allowed_local_rows: list[int] = field(default_factory=list)
+    allowed_token_ids: list[int] = field(default_factory=list)
+    logit_bias_rows: list[int] = field(default_factory=list)
+    logit_bias_token_ids: list[int] = field(default_factory=list)
+    logit_bias_values: list[float] = field(default_factory=list)
+    penalty_rows: list[int] = field(default_factory=list)
+    penalty_slots: list[int] = field(default_factory=list)
+    presences: list[float] = field(default_factory=list)
+    frequencies: list[float] = field(default_factory=list)
+    repetitions: list[float] = field(default_factory=list)
 
     @classmethod
     def from_rows(cls, rows: Sequence[SamplingRow], vocab_size: int, *,
@@ -79,7 +102,7 @@ class SamplingPlan:
         num_bitmask_words = len(packed) // 4
         if num_bitmask_words % 2:
             packed += bytes(4)
-        return cls(
+        return cls(**_logit_change_fields(rows),
             any_sampled=bool(sampled),
             any_top_k_top_p=any_top_k_top_p,
             any_min_p=any_min_p,
@@ -103,6 +126,31 @@ class SamplingPlan:
         )
 
 
+def _logit_change_fields(rows: Sequence[SamplingRow]) -> dict[str, Any]:
+    """The plan's allowed-token, logit-bias and penalty fields; none (the defaults,
+    nothing to upload) in the usual step where no row has any: one pass decides."""
+    if not any(row.penalty_slot >= 0 or row.options.logit_bias_token_ids
+               or row.options.allowed_token_ids is not None for row in rows):
+        return {}
+    allowed_rows, allowed_local_rows, allowed_token_ids = allowed_entries(rows)
+    bias_rows, bias_token_ids, bias_values = logit_bias_entries(rows)
+    penalties = penalty_entries(rows)
+    # per row, as the kernel reads them; nothing to upload in a step without penalties
+    num_rows = len(rows) if penalties.rows else 0
+    slots, presences, frequencies, repetitions = ([-1] * num_rows, [0.0] * num_rows,
+                                                  [0.0] * num_rows, [1.0] * num_rows)
+    for position, index in enumerate(penalties.rows):
+        slots[index] = penalties.slots[position]
+        presences[index] = penalties.presences[position]
+        frequencies[index] = penalties.frequencies[position]
+        repetitions[index] = penalties.repetitions[position]
+    return dict(allowed_rows=allowed_rows, allowed_local_rows=allowed_local_rows,
+                allowed_token_ids=allowed_token_ids, logit_bias_rows=bias_rows,
+                logit_bias_token_ids=bias_token_ids, logit_bias_values=bias_values,
+                penalty_rows=penalties.rows, penalty_slots=slots, presences=presences,
+                frequencies=frequencies, repetitions=repetitions)
+
+
 @functools.lru_cache(maxsize=65536)
 def seed_key(seed: int) -> int:
     """The part of sampler.row_keys that depends on the seed alone (cached per seed)."""
@@ -111,6 +159,7 @@ def seed_key(seed: int) -> int:
 
 
 _NO_INTS = torch.empty(0, dtype=torch.int64)
+_NO_FLOATS = torch.empty(0, dtype=torch.float32)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,24 +177,45 @@ class DeviceSamplingInputs:
     # constrained rows only (plan.bitmask_rows); empty where no row is constrained
     bitmask_rows: torch.Tensor = field(default_factory=lambda: _NO_INTS)  # [num_constrained]
     bitmask_words: torch.Tensor = field(default_factory=lambda: _NO_INTS)  # int32 pairs
+    allowed_rows: torch.Tensor = field(default_factory=lambda: _NO_INTS)
+    allowed_local_rows: torch.Tensor = field(default_factory=lambda: _NO_INTS)
+    allowed_token_ids: torch.Tensor = field(default_factory=lambda: _NO_INTS)
+    logit_bias_rows: torch.Tensor = field(default_factory=lambda: _NO_INTS)
+    logit_bias_token_ids: torch.Tensor = field(default_factory=lambda: _NO_INTS)
+    logit_bias_values: torch.Tensor = field(default_factory=lambda: _NO_FLOATS)
+    penalty_rows: torch.Tensor = field(default_factory=lambda: _NO_INTS)
+    penalty_slots: torch.Tensor = field(default_factory=lambda: _NO_INTS)  # [num_rows]
+    presences: torch.Tensor = field(default_factory=lambda: _NO_FLOATS)  # [num_rows]
+    frequencies: torch.Tensor = field(default_factory=lambda: _NO_FLOATS)  # [num_rows]
+    repetitions: torch.Tensor = field(default_factory=lambda: _NO_FLOATS)  # [num_rows]
 
 
-def sample_on_device(logits: torch.Tensor, plan: SamplingPlan,
-                     inputs: DeviceSamplingInputs) -> torch.Tensor:
-    """Token ids [num_rows] int64 for ``logits`` [num_rows, vocab_size] float32."""
-    masked = logits
-    if plan.bitmask_rows:
-        words = inputs.bitmask_words.view(torch.int32)[:plan.num_bitmask_words]
-        masked = apply_token_bitmasks(logits, inputs.bitmask_rows,
-                                      words.view(len(plan.bitmask_rows), -1))
-    if plan.banned_rows:
-        masked = masked.clone() if masked is logits else masked
-        masked[inputs.banned_rows, inputs.banned_token_ids] = float("-inf")
-    if plan.use_fused_kernel and plan.any_sampled:
-        from trio_llm.gpu.triton_sampling import sample_without_filters
+def sample_on_device(logits: torch.Tensor, plan: SamplingPlan, inputs: DeviceSamplingInputs,
+                     penalty_counts: PenaltyCounts | None = None) -> torch.Tensor:
+    """Token ids [num_rows] int64 for ``logits`` [num_rows, vocab_size] float32. The rows
+    with penalties read ``penalty_counts``; the caller records the sampled tokens
+    there afterwards (``record_on_device``)."""
+    masked = _masked(logits, plan, inputs)
+    if plan.use_fused_kernel and (plan.any_sampled or plan.penalty_rows):
+        from trio_llm.gpu.triton_sampling import KernelPenalties, sample_without_filters
 
+        penalties = None
+        if plan.penalty_rows:
+            assert penalty_counts is not None
+            penalties = KernelPenalties(
+                slots=inputs.penalty_slots, presences=inputs.presences,
+                frequencies=inputs.frequencies, repetitions=inputs.repetitions,
+                output_counts=penalty_counts.output_counts,
+                prompt_seen=penalty_counts.prompt_seen)
         return sample_without_filters(masked, inputs.temperatures, inputs.seed_keys,
-                                      inputs.output_indices)
+                                      inputs.output_indices, penalties)
+    if plan.penalty_rows:
+        assert penalty_counts is not None
+        rows = inputs.penalty_rows
+        masked = apply_penalties(masked, rows, inputs.penalty_slots.index_select(0, rows),
+                                 inputs.presences.index_select(0, rows),
+                                 inputs.frequencies.index_select(0, rows),
+                                 inputs.repetitions.index_select(0, rows), penalty_counts)
     greedy = masked.argmax(dim=-1)
     if not plan.any_sampled:
         return greedy
@@ -171,3 +241,33 @@ def exponential_noise_log(first_keys: torch.Tensor, second_keys: torch.Tensor,
                  ^ second_keys.unsqueeze(1))
     uniform = (bits.to(torch.float64) + 0.5) / 2.0**32
     return (-uniform.log()).log()
+
+
+def _masked(logits: torch.Tensor, plan: SamplingPlan,
+            inputs: DeviceSamplingInputs) -> torch.Tensor:
+    """The logits after the grammar, allowed-token, banned-id and logit-bias changes (a
+    copy where any applies), in the reference's order."""
+    masked = logits
+    if plan.bitmask_rows:
+        words = inputs.bitmask_words.view(torch.int32)[:plan.num_bitmask_words]
+        masked = apply_token_bitmasks(logits, inputs.bitmask_rows,
+                                      words.view(len(plan.bitmask_rows), -1))
+    if plan.allowed_rows:
+        masked = keep_allowed_tokens(masked, inputs.allowed_rows, inputs.allowed_local_rows,
+                                     inputs.allowed_token_ids)
+    if plan.banned_rows:
+        masked = masked.clone() if masked is logits else masked
+        masked[inputs.banned_rows, inputs.banned_token_ids] = float("-inf")
+    if plan.logit_bias_rows:
+        masked = add_logit_bias(masked, inputs.logit_bias_rows, inputs.logit_bias_token_ids,
+                                inputs.logit_bias_values)
+    return masked
+
+
+def record_on_device(penalty_counts: PenaltyCounts, plan: SamplingPlan,
+                     inputs: DeviceSamplingInputs, sampled: torch.Tensor) -> None:
+    """Count the sampled tokens of the rows with penalties (on the sampling stream)."""
+    if plan.penalty_rows:
+        rows = inputs.penalty_rows
+        penalty_counts.record(inputs.penalty_slots.index_select(0, rows),
+                              sampled.index_select(0, rows))

@@ -8,7 +8,8 @@ last). ``execute`` runs one ScheduledBatch exactly as the scheduler built it:
 2. extend each request's block table with its ``new_block_ids``;
 3. flatten every request's input tokens into one varlen forward (a request with
    ``input_from_previous_step`` takes the token sampled for it last step);
-4. sample the rows that have ``sample`` set, keyed by their ``output_index``.
+4. sample the rows that have ``sample`` set, keyed by their ``output_index``,
+   and count the tokens of the rows with penalties (gpu/penalties.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 
 from trio_llm.actors.config import EngineConfig
 from trio_llm.actors.messages import (
+    NewRequestData,
     SamplingOptions,
     ScheduledBatch,
     ScheduledRequest,
@@ -33,7 +35,14 @@ from trio_llm.gpu.builtin import is_dummy_only, resolve_model
 from trio_llm.gpu.config import ModelConfig, ModelLoadError
 from trio_llm.gpu.loader import load_model, resolve_device, resolve_dtype
 from trio_llm.gpu.model import AttentionMetadata, CausalLM
-from trio_llm.gpu.sampler import SamplingRow, sample
+from trio_llm.gpu.penalties import PenaltyCounts
+from trio_llm.gpu.sampler import (
+    PromptLogprobRows,
+    SamplingRow,
+    prompt_logprobs,
+    record_sampled,
+    sample,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +101,8 @@ class StepInputs:
     logits_indices: list[int] = field(default_factory=list)
     sampling_rows: list[SamplingRow] = field(default_factory=list)
     sampled_request_ids: list[str] = field(default_factory=list)
+    prompt_logprob_rows: PromptLogprobRows = field(
+        default_factory=lambda: PromptLogprobRows([], [], []))
 
 
 class ModelExecutor:
@@ -109,6 +120,7 @@ class ModelExecutor:
         self.max_model_len = max_model_len
         self.kv_caches = model.allocate_kv_caches(num_kv_blocks, block_size)
         self.requests: dict[str, RequestState] = {}
+        self.penalty_counts = PenaltyCounts(self.vocab_size, self.device)
         # Read once: a submodule's attribute costs a Module.__getattr__ on every request.
         self._max_positions = model.rotary.max_positions
 
@@ -148,21 +160,45 @@ class ModelExecutor:
         if not inputs.token_ids:
             return StepResult(step_id=batch.step_id, request_ids=[], sampled_token_ids=[])
         with torch.inference_mode():
-            logits = self._forward(inputs)
-            output = sample(logits, inputs.sampling_rows)
+            hidden = self._forward(inputs)
+            logits = self.model.compute_logits(hidden[self._tensor(inputs.logits_indices)])
+            output = sample(logits, inputs.sampling_rows, self.penalty_counts)
+            record_sampled(self.penalty_counts, inputs.sampling_rows, output.token_ids)
+            asked = inputs.prompt_logprob_rows
+            prompt_results = (prompt_logprobs(self.model.compute_logits,
+                                              hidden[self._tensor(asked.rows)], asked)
+                              if asked.rows else [])
         token_ids = output.token_ids.tolist()
         for request_id, token_id in zip(inputs.sampled_request_ids, token_ids, strict=True):
             self.requests[request_id].last_sampled_token_id = token_id
         return StepResult(step_id=batch.step_id, request_ids=inputs.sampled_request_ids,
-                          sampled_token_ids=token_ids, logprobs=output.logprobs)
+                          sampled_token_ids=token_ids, logprobs=output.logprobs,
+                          prompt_logprobs=prompt_results)
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
 
     def _update_states(self, batch: ScheduledBatch) -> None:
         for request_id in batch.finished_request_ids:
             self.requests.pop(request_id, None)
+            self.penalty_counts.release(request_id)
         for new_request in batch.new_requests:
             self.requests[new_request.request_id] = RequestState(sampling=new_request.sampling)
+            self._register_penalties(new_request)
         for scheduled in batch.requests:
             self._state(scheduled.request_id).block_ids.extend(scheduled.new_block_ids)
+
+    def _register_penalties(self, new_request: NewRequestData) -> None:
+        """Give a request with penalties its counts (``release`` on a restart)."""
+        self.penalty_counts.release(new_request.request_id)
+        if new_request.sampling.has_penalties:
+            self.penalty_counts.register(
+                new_request.request_id,
+                self._token_ids_on_device(new_request.prompt_token_ids),
+                self._token_ids_on_device(new_request.output_token_ids))
+
+    def _token_ids_on_device(self, token_ids: list[int]) -> torch.Tensor:
+        return torch.tensor(token_ids, dtype=torch.int64).to(self.device)
 
     def _state(self, request_id: str) -> RequestState:
         state = self.requests.get(request_id)
@@ -184,6 +220,10 @@ class ModelExecutor:
         context_len = start + len(token_ids)
         self._check_capacity(scheduled.request_id, state, context_len)
         positions = range(start, context_len)
+        if scheduled.prompt_logprob_token_ids:  # the chunk's first positions
+            inputs.prompt_logprob_rows.add(scheduled.request_id, len(inputs.token_ids),
+                                           scheduled.prompt_logprob_token_ids,
+                                           state.sampling.num_prompt_logprobs or 0)
         inputs.token_ids += token_ids
         inputs.positions += positions
         inputs.slot_mapping += kv_slots(state.block_ids, self.block_size, start, context_len)
@@ -192,8 +232,9 @@ class ModelExecutor:
         inputs.query_start_loc.append(len(inputs.token_ids))
         if scheduled.sample:
             inputs.logits_indices.append(len(inputs.token_ids) - 1)
-            inputs.sampling_rows.append(SamplingRow(state.sampling, scheduled.output_index,
-                                                    scheduled.token_bitmask))
+            inputs.sampling_rows.append(SamplingRow(
+                state.sampling, scheduled.output_index, scheduled.token_bitmask,
+                self.penalty_counts.slot(scheduled.request_id)))
             inputs.sampled_request_ids.append(scheduled.request_id)
 
     @staticmethod
@@ -228,9 +269,8 @@ class ModelExecutor:
             context_lens=tensor(inputs.context_lens, torch.int32),
             query_start_loc=tensor(inputs.query_start_loc, torch.int32),
         )
-        hidden = self.model(tensor(inputs.token_ids), tensor(inputs.positions),
-                            self.kv_caches, metadata)
-        return self.model.compute_logits(hidden[tensor(inputs.logits_indices)])
+        return self.model(tensor(inputs.token_ids), tensor(inputs.positions),
+                          self.kv_caches, metadata)
 
 
 def create_executor(config: EngineConfig) -> ModelExecutor:

@@ -7,20 +7,27 @@ is integer arithmetic in int64 torch ops, so the CPU and CUDA draw the same
 noise, and a row's draw never depends on the other rows of the batch nor on
 anything drawn before: the same seed gives the same tokens in any batch.
 
-Filters, in this order: the grammar's token bitmask (structured outputs), banned
-ids (while the output is shorter than ``min_tokens``), temperature, top-k,
-top-p, min-p. Logprobs are those of the raw
-model distribution (before temperature and filters).
+Filters, in this order: the grammar's token bitmask (structured outputs), the
+allowed token ids, banned ids (while the output is shorter than ``min_tokens``),
+the logit bias, the penalties (gpu/penalties.py), temperature, top-k, top-p,
+min-p; greedy rows take everything up to the penalties. Logprobs are those of
+the raw model distribution (before any of these).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from trio_llm.actors.messages import SamplingOptions, TokenLogprobs
+from trio_llm.actors.messages import PromptLogprobs, SamplingOptions, TokenLogprobs
+from trio_llm.gpu.penalties import (
+    PenaltyCounts,
+    add_logit_bias,
+    apply_penalties,
+    keep_allowed_tokens,
+)
 
 MASK_32 = 0xFFFFFFFF
 MASK_16 = 0xFFFF
@@ -36,11 +43,13 @@ ROW_KEY_SALT = 0x9E3779B9
 @dataclass(frozen=True, slots=True)
 class SamplingRow:
     """One row of logits to sample: its request's options and its output position;
-    ``token_bitmask`` the grammar's allowed tokens (ScheduledRequest.token_bitmask)."""
+    ``token_bitmask`` the grammar's allowed tokens (ScheduledRequest.token_bitmask);
+    ``penalty_slot`` its row in the executor's PenaltyCounts (-1: no penalties)."""
 
     options: SamplingOptions
     output_index: int
     token_bitmask: bytes | None = None
+    penalty_slot: int = -1
 
 
 @dataclass(slots=True)
@@ -51,9 +60,13 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None] | None
 
 
-def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
-    """Pick one token for each row of ``logits`` [num_rows, vocab_size] (float32)."""
-    masked = _mask_banned_ids(mask_disallowed_tokens(logits, rows), rows)
+def sample(logits: torch.Tensor, rows: Sequence[SamplingRow],
+           penalty_counts: PenaltyCounts | None = None) -> SamplerOutput:
+    """Pick one token for each row of ``logits`` [num_rows, vocab_size] (float32).
+    Rows with a ``penalty_slot`` read their counts from ``penalty_counts`` (the caller
+    records the sampled tokens there afterwards: ``record_sampled``)."""
+    masked = _mask_banned_ids(_keep_allowed(mask_disallowed_tokens(logits, rows), rows), rows)
+    masked = _penalized(_biased(masked, rows), rows, penalty_counts)
     token_ids = masked.argmax(dim=-1)
     sampled = [index for index, row in enumerate(rows)
                if row.options.temperature >= MIN_SAMPLING_TEMPERATURE]
@@ -108,6 +121,102 @@ def banned_positions(rows: Sequence[SamplingRow], vocab_size: int
             row_indices += [index] * len(banned)
             token_ids += banned
     return row_indices, token_ids
+
+
+@dataclass(frozen=True, slots=True)
+class PenaltyEntries:
+    """The rows with penalties: their indices, pool slots and values (per such row)."""
+
+    rows: list[int]
+    slots: list[int]
+    presences: list[float]
+    frequencies: list[float]
+    repetitions: list[float]
+
+
+def penalty_entries(rows: Sequence[SamplingRow]) -> PenaltyEntries:
+    indices = [index for index, row in enumerate(rows) if row.penalty_slot >= 0]
+    options = [rows[index].options for index in indices]
+    return PenaltyEntries(rows=indices, slots=[rows[index].penalty_slot for index in indices],
+                          presences=[option.presence_penalty for option in options],
+                          frequencies=[option.frequency_penalty for option in options],
+                          repetitions=[option.repetition_penalty for option in options])
+
+
+def logit_bias_entries(rows: Sequence[SamplingRow]) -> tuple[list[int], list[int], list[float]]:
+    """(row indices, token ids, biases) of every row's logit bias."""
+    row_indices: list[int] = []
+    token_ids: list[int] = []
+    values: list[float] = []
+    # one comprehension first: the plan of every step calls this, and few rows have any
+    for index in [index for index, row in enumerate(rows) if row.options.logit_bias_token_ids]:
+        options = rows[index].options
+        row_indices += [index] * len(options.logit_bias_token_ids)
+        token_ids += options.logit_bias_token_ids
+        values += options.logit_bias_values
+    return row_indices, token_ids, values
+
+
+def allowed_entries(rows: Sequence[SamplingRow]) -> tuple[list[int], list[int], list[int]]:
+    """(rows with allowed_token_ids, (index among them, token id) pairs)."""
+    allowed_rows = [index for index, row in enumerate(rows)
+                    if row.options.allowed_token_ids is not None]
+    local_rows: list[int] = []
+    token_ids: list[int] = []
+    for local_row, index in enumerate(allowed_rows):
+        allowed = rows[index].options.allowed_token_ids or []
+        local_rows += [local_row] * len(allowed)
+        token_ids += allowed
+    return allowed_rows, local_rows, token_ids
+
+
+def _long(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+
+def _floats(values: Sequence[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device)
+
+
+def _keep_allowed(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    allowed_rows, local_rows, token_ids = allowed_entries(rows)
+    if not allowed_rows:
+        return logits
+    device = logits.device
+    return keep_allowed_tokens(logits, _long(allowed_rows, device), _long(local_rows, device),
+                               _long(token_ids, device))
+
+
+def _biased(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    row_indices, token_ids, values = logit_bias_entries(rows)
+    if not row_indices:
+        return logits
+    device = logits.device
+    return add_logit_bias(logits, _long(row_indices, device), _long(token_ids, device),
+                          _floats(values, device))
+
+
+def _penalized(logits: torch.Tensor, rows: Sequence[SamplingRow],
+               penalty_counts: PenaltyCounts | None) -> torch.Tensor:
+    entries = penalty_entries(rows)
+    if not entries.rows:
+        return logits
+    assert penalty_counts is not None, "rows with a penalty slot need the counts"
+    device = logits.device
+    return apply_penalties(logits, _long(entries.rows, device), _long(entries.slots, device),
+                           _floats(entries.presences, device),
+                           _floats(entries.frequencies, device),
+                           _floats(entries.repetitions, device), penalty_counts)
+
+
+def record_sampled(penalty_counts: PenaltyCounts, rows: Sequence[SamplingRow],
+                   token_ids: torch.Tensor) -> None:
+    """Count each penalized row's sampled token in its pool row."""
+    entries = penalty_entries(rows)
+    if entries.rows:
+        device = token_ids.device
+        penalty_counts.record(_long(entries.slots, device),
+                              token_ids.index_select(0, _long(entries.rows, device)))
 
 
 def _mask_banned_ids(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -211,6 +320,57 @@ def _multiply_mod_2_32(values: torch.Tensor, multiplier: int) -> torch.Tensor:
 
 
 # -- logprobs --------------------------------------------------------------------------
+
+# Prompt logprobs are computed this many positions at a time: a whole chunk's logits
+# ([tokens, vocab] float32) would be gigabytes for a long prompt.
+PROMPT_LOGPROB_ROWS_PER_SLICE = 256
+
+
+@dataclass(slots=True)
+class PromptLogprobRows:
+    """A step's positions whose prompt logprobs are asked: their rows in the step's
+    flat token order, the prompt token each gives the logprob of, and per request
+    (id, number of its positions, number of alternatives), in row order."""
+
+    rows: list[int]
+    target_token_ids: list[int]
+    requests: list[tuple[str, int, int]]
+
+    def add(self, request_id: str, first_row: int, target_token_ids: list[int],
+            num_top: int) -> None:
+        self.rows += range(first_row, first_row + len(target_token_ids))
+        self.target_token_ids += target_token_ids
+        self.requests.append((request_id, len(target_token_ids), num_top))
+
+
+def prompt_logprobs(compute_logits: Callable[[torch.Tensor], torch.Tensor],
+                    hidden: torch.Tensor, asked: PromptLogprobRows) -> list[PromptLogprobs]:
+    """The prompt logprobs of ``asked``; ``hidden`` holds its rows' hidden states, in
+    order. The logprobs are of the raw distribution, as for sampled tokens."""
+    targets = torch.tensor(asked.target_token_ids, dtype=torch.int64, device=hidden.device)
+    max_top = max(num_top for _, _, num_top in asked.requests)
+    chosen: list[float] = []
+    top_values: list[list[float]] = []
+    top_ids: list[list[int]] = []
+    for start in range(0, len(asked.rows), PROMPT_LOGPROB_ROWS_PER_SLICE):
+        end = start + PROMPT_LOGPROB_ROWS_PER_SLICE
+        logprobs = compute_logits(hidden[start:end]).float().log_softmax(dim=-1)
+        chosen += logprobs.gather(1, targets[start:end].unsqueeze(1)).squeeze(1).tolist()
+        if max_top:
+            top = logprobs.topk(max_top, dim=-1)
+            top_values += top.values.tolist()
+            top_ids += top.indices.tolist()
+        else:
+            top_values += [[]] * logprobs.shape[0]
+            top_ids += [[]] * logprobs.shape[0]
+    results, position = [], 0
+    for request_id, num_positions, num_top in asked.requests:
+        results.append(PromptLogprobs(request_id=request_id, logprobs=[
+            TokenLogprobs(logprob=chosen[index], top_token_ids=top_ids[index][:num_top],
+                          top_logprobs=top_values[index][:num_top])
+            for index in range(position, position + num_positions)]))
+        position += num_positions
+    return results
 
 
 def raw_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,

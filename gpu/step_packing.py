@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from trio_llm.gpu.cuda_streams import Event
-from trio_llm.gpu.sampler import SamplingRow
+from trio_llm.gpu.sampler import PromptLogprobRows, SamplingRow
 
 # One value per input token, in this order, at the start of the upload.
 TOKEN_SEGMENTS = ("token_ids", "positions", "slot_mapping")
@@ -34,8 +34,11 @@ INT_SEGMENTS = (*TOKEN_SEGMENTS, *SEQUENCE_SEGMENTS, "logits_indices",
                 "previous_token_positions", "previous_slots", "previous_rows",
                 "update_rows", "update_columns", "update_block_ids", "top_ks", "seed_keys",
                 "output_indices", "banned_rows", "banned_token_ids", "bitmask_rows",
-                "bitmask_words")
-FLOAT_SEGMENTS = ("temperatures", "top_ps", "min_ps")
+                "bitmask_words", "allowed_rows", "allowed_local_rows", "allowed_token_ids",
+                "logit_bias_rows", "logit_bias_token_ids", "penalty_rows", "penalty_slots",
+                "prompt_logprob_rows")
+FLOAT_SEGMENTS = ("temperatures", "top_ps", "min_ps", "logit_bias_values", "presences",
+                  "frequencies", "repetitions")
 # Segments start at multiples of this many elements (16 bytes or more). Triton compiles
 # a kernel variant per pattern of 16-byte-aligned pointer arguments: views at arbitrary
 # offsets would compile new variants in the middle of a run.
@@ -58,6 +61,11 @@ class HostStep:
     sampled_request_ids: list[str] = field(default_factory=list)
     # indices into sampling_rows of the rows whose bitmasks follow (supply_bitmasks)
     rows_awaiting_bitmasks: list[int] = field(default_factory=list)
+    # positions whose prompt logprobs are asked (the step then runs eagerly), and
+    # their hidden states once computed
+    prompt_logprob_rows: PromptLogprobRows = field(
+        default_factory=lambda: PromptLogprobRows([], [], []))
+    prompt_hidden: torch.Tensor | None = None
 
     @property
     def kind(self) -> str:

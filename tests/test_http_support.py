@@ -129,6 +129,41 @@ class FakeEngine:
         return self.generate(text, params, priority=priority, request_id=request_id,
                              cache_salt=cache_salt)
 
+    def generate_many(self, prompts: list[tuple[str | list[int], SamplingParams]], *,
+                      priority: int = 0, request_id: str | None = None,
+                      cache_salt: str | None = None
+                      ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """The children one after the other (the real engine interleaves them)."""
+        base_id = request_id or f"fake-{len(self.submitted)}"
+        return self._run_many([self.generate(prompt, params, priority=priority,
+                                             request_id=f"{base_id}-{index}",
+                                             cache_salt=cache_salt)
+                               for index, (prompt, params) in enumerate(prompts)])
+
+    def chat_many(self, messages: list[dict[str, Any]], params: list[SamplingParams], *,
+                  priority: int = 0, request_id: str | None = None,
+                  tools: list[dict[str, Any]] | None = None,
+                  chat_template_kwargs: dict[str, Any] | None = None,
+                  cache_salt: str | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
+        variables = {**(chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
+        prompt = self.tokenizer.apply_chat_template(messages, **variables)
+        return self.generate_many([(prompt, choice) for choice in params], priority=priority,
+                                  request_id=request_id, cache_salt=cache_salt)
+
+    @staticmethod
+    async def _run_many(children: list[AsyncIterator[RequestOutput]]
+                        ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        try:
+            for index, child in enumerate(children):
+                async for output in child:
+                    yield index, output
+        finally:
+            for child in children:
+                aclose = getattr(child, "aclose", None)
+                if aclose is not None:
+                    with trio.CancelScope(shield=True):
+                        await aclose()
+
     def _run(self, request_id: str, prompt_ids: list[int],
              params: SamplingParams) -> AsyncIterator[RequestOutput]:
         return FakeRequest(self, request_id, prompt_ids, params)
