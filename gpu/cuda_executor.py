@@ -70,6 +70,7 @@ from trio_llm.gpu.cuda_streams import DoneEvent, Event, Lane
 from trio_llm.gpu.executor import GIB, ModelExecutor, RequestState, kv_slots
 from trio_llm.gpu.model import AttentionMetadata, CausalLM
 from trio_llm.gpu.sampler import SamplingRow, bitmask_rows, raw_logprobs
+from trio_llm.gpu.tensor_parallel import TensorParallel
 from trio_llm.gpu.step_packing import (
     FLOAT_SEGMENTS,
     INT_SEGMENTS,
@@ -196,8 +197,9 @@ class CudaModelExecutor(ModelExecutor):
         self.graph_memory_bytes = 0
 
     @classmethod
-    def create(cls, config: EngineConfig) -> CudaModelExecutor:
-        executor = super().create(config)
+    def create(cls, config: EngineConfig, *, parallel: TensorParallel | None = None,
+               device: torch.device | None = None) -> CudaModelExecutor:
+        executor = super().create(config, parallel=parallel, device=device)
         assert isinstance(executor, CudaModelExecutor)
         executor.start(CudaExecutorOptions.from_config(config, executor.device))
         return executor
@@ -624,9 +626,7 @@ class CudaModelExecutor(ModelExecutor):
     # -- start-up: report and graphs -----------------------------------------------------
 
     def _report_kv_cache(self) -> None:
-        config = self.model.config
-        bytes_per_token = (2 * config.num_layers * config.num_kv_heads * config.head_dim
-                           * self.dtype.itemsize)
+        bytes_per_token = self.model.kv_cache_bytes_per_token  # this rank's KV heads
         num_tokens = self.num_kv_blocks * self.block_size
         logger.info("KV cache: %d blocks of %d tokens = %d tokens, %.2f GiB (%s)",
                     self.num_kv_blocks, self.block_size, num_tokens,
