@@ -70,7 +70,6 @@ from trio_llm.gpu.cuda_streams import DoneEvent, Event, Lane
 from trio_llm.gpu.executor import GIB, ModelExecutor, RequestState, kv_slots
 from trio_llm.gpu.model import AttentionMetadata, CausalLM
 from trio_llm.gpu.sampler import SamplingRow, bitmask_rows, raw_logprobs
-from trio_llm.gpu.tensor_parallel import TensorParallel
 from trio_llm.gpu.step_packing import (
     FLOAT_SEGMENTS,
     INT_SEGMENTS,
@@ -85,6 +84,7 @@ from trio_llm.gpu.step_packing import (
     pad_varlen_sequences,
     upload,
 )
+from trio_llm.gpu.tensor_parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
 

@@ -177,13 +177,16 @@ class TensorParallelExecutor:
         return message
 
     def _failure(self) -> TensorParallelError:
-        """The error naming the first rank that reported a failure or exited."""
-        for rank in self.ranks:
+        """The error naming the rank at fault: one that had already exited when the
+        failure was seen (the others fail after it, in a collective with it), else the
+        first that reported a failure, else the first to exit."""
+        exited = [rank for rank in self.ranks if rank.process.exitcode is not None]
+        for rank in exited or self.ranks:
             report = _failure_report(rank)
             if report is not None:
                 return TensorParallelError(f"tensor-parallel rank {report.rank} failed:\n"
                                            f"{report.error}")
-        for rank in self.ranks:
+        for rank in exited or self.ranks:
             rank.process.join(timeout=1.0)
             if rank.process.exitcode is not None:
                 return TensorParallelError(f"tensor-parallel rank {rank.index} exited with "

@@ -1,0 +1,202 @@
+"""Tensor parallelism on the CPU (gloo): shards, tokens against one rank, failures.
+
+The engine tests start real worker processes (spawn), a few seconds each, so
+there are few of them; the shard tests need no process at all.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import msgspec
+import pytest
+import torch
+import trio
+
+from trio_llm.actors.errors import EngineDead
+from trio_llm.actors.messages import SamplingParams, StructuredOutputsParams
+from trio_llm.api.engine import Engine, EngineConfig
+from trio_llm.gpu.builtin import TINY_CONFIG, resolve_model
+from trio_llm.gpu.config import ModelLoadError
+from trio_llm.gpu.loader import load_model
+from trio_llm.gpu.tensor_parallel import TensorParallel
+from trio_llm.gpu.tp_executor import TensorParallelExecutor
+
+# Spawning two ranks and loading the tiny model takes seconds on a busy 2-core machine.
+ENGINE_SECONDS = 120
+PROMPTS = ["Once upon a time", "The quick brown fox", "hello", "In the beginning there was",
+           "A B C D E F G", "the the the"]
+TP2_CONFIG = EngineConfig(model="tiny", tensor_parallel_size=2, num_kv_blocks=128)
+
+
+def load_rank(rank: int, world_size: int, load_format: str = "auto"):
+    parallel = TensorParallel(rank=rank, world_size=world_size)
+    return load_model(resolve_model("tiny"), dtype=torch.float32, device=torch.device("cpu"),
+                      load_format=load_format, parallel=parallel)
+
+
+def parameters(model) -> dict[str, torch.Tensor]:
+    return dict(model.named_parameters())
+
+
+# -- shards, without processes ------------------------------------------------------
+
+
+@pytest.mark.parametrize("load_format", ["auto", "dummy"])
+def test_the_shards_of_two_ranks_tile_the_whole_model(load_format: str) -> None:
+    whole = parameters(load_rank(0, 1, load_format))
+    ranks = [parameters(load_rank(rank, 2, load_format)) for rank in range(2)]
+    config = load_rank(0, 1).config
+    q_size, kv_size = config.q_size, config.kv_size
+    for name, tensor in whole.items():
+        shards = [rank[name] for rank in ranks]
+        if name.endswith("qkv_proj.weight"):
+            # each rank: its query heads, then its key heads, then its value heads
+            pieces = [whole_part.chunk(2) for whole_part in
+                      tensor.split([q_size, kv_size, kv_size])]
+            for rank, shard in enumerate(shards):
+                assert torch.equal(shard, torch.cat([piece[rank] for piece in pieces]))
+        elif name.endswith("gate_up_proj.weight"):
+            gate, up = (part.chunk(2) for part in tensor.chunk(2))
+            for rank, shard in enumerate(shards):
+                assert torch.equal(shard, torch.cat([gate[rank], up[rank]]))
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            assert torch.equal(torch.cat(shards, dim=1), tensor), name
+        elif name == "embed_tokens":  # tied: the lm_head's too
+            assert torch.equal(torch.cat(shards), tensor)
+        else:
+            assert all(torch.equal(shard, tensor) for shard in shards), name
+
+
+def test_a_vocabulary_that_does_not_divide_is_padded_with_zero_rows(tmp_path) -> None:
+    config = dict(TINY_CONFIG, vocab_size=2047)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+
+    def embedding(rank: int, world_size: int) -> torch.Tensor:
+        model = load_model(tmp_path, dtype=torch.float32, device=torch.device("cpu"),
+                           load_format="dummy",
+                           parallel=TensorParallel(rank=rank, world_size=world_size))
+        return model.embed_tokens
+
+    whole = embedding(0, 1)
+    first, last = embedding(0, 2), embedding(1, 2)
+    assert first.shape == last.shape == (1024, config["hidden_size"])
+    assert torch.equal(torch.cat([first, last[:-1]]), whole)
+    assert not last[-1].any()  # the padding row
+
+
+def test_a_model_the_ranks_cannot_split_is_refused_before_any_process_starts() -> None:
+    config = EngineConfig(model="tiny", tensor_parallel_size=3)  # 4 heads, 2 KV heads
+    with pytest.raises(ModelLoadError, match="multiple of 3"):
+        TensorParallelExecutor.create(config)
+
+
+def test_tensor_parallel_size_is_a_positive_engine_option() -> None:
+    with pytest.raises(msgspec.ValidationError, match="tensor_parallel_size"):
+        msgspec.convert({"tensor_parallel_size": 0}, EngineConfig)
+
+
+# -- the engine over two ranks ------------------------------------------------------
+
+
+async def generate_all(engine: Engine, requests: list[tuple[str, SamplingParams]]
+                       ) -> list[tuple[list[int], list[float]]]:
+    """Every request's token ids and sampled-token logprobs, submitted at once."""
+    results: list[tuple[list[int], list[float]]] = [([], []) for _ in requests]
+
+    async def one(index: int, prompt: str, params: SamplingParams) -> None:
+        async for output in engine.generate(prompt, params):
+            results[index][0].extend(output.token_ids)
+            results[index][1].extend(entry.logprob for entry in output.logprobs or [])
+
+    async with trio.open_nursery() as nursery:
+        for index, (prompt, params) in enumerate(requests):
+            nursery.start_soon(one, index, prompt, params)
+    return results
+
+
+def tp_requests() -> list[tuple[str, SamplingParams]]:
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=0)
+    seeded = SamplingParams(max_tokens=24, temperature=0.8, seed=7, ignore_eos=True, logprobs=0)
+    constrained = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0,
+                                 structured_outputs=StructuredOutputsParams(
+                                     choice=["red apple", "green pear"]))
+    return ([(prompt, greedy) for prompt in PROMPTS]
+            + [(PROMPTS[0], seeded), (PROMPTS[1], constrained)])
+
+
+async def test_two_ranks_give_the_tokens_of_one() -> None:
+    """Greedy, seeded and constrained requests batched together (the constrained one's
+    bitmasks follow its batches at depth 2): the same tokens at TP 2 as at TP 1, and
+    logprobs that agree to float32 rounding of the split sums."""
+    requests = tp_requests()
+    with trio.fail_after(ENGINE_SECONDS):
+        async with Engine.open(msgspec.structs.replace(TP2_CONFIG, tensor_parallel_size=1)
+                               ) as engine:
+            expected = await generate_all(engine, requests)
+        executor = await trio.to_thread.run_sync(TensorParallelExecutor.create, TP2_CONFIG)
+        try:
+            async with Engine.open(TP2_CONFIG, executor=executor) as engine:
+                found = await generate_all(engine, requests)
+        finally:
+            await trio.to_thread.run_sync(executor.close)
+    for (expected_ids, expected_logprobs), (found_ids, found_logprobs) in zip(
+            expected, found, strict=True):
+        assert found_ids == expected_ids
+        assert found_logprobs == pytest.approx(expected_logprobs, abs=1e-4)
+    # closing ended every rank normally
+    assert [rank.process.exitcode for rank in executor.ranks] == [0, 0]
+
+
+async def test_a_rank_that_dies_ends_the_engine_with_an_error() -> None:
+    with trio.fail_after(ENGINE_SECONDS):
+        executor = await trio.to_thread.run_sync(TensorParallelExecutor.create, TP2_CONFIG)
+        try:
+            with pytest.raises(EngineDead, match="rank 1"):
+                async with Engine.open(TP2_CONFIG, executor=executor) as engine:
+                    params = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
+                    with pytest.raises(EngineDead):
+                        async for _ in engine.generate(PROMPTS[0], params):
+                            os.kill(executor.ranks[1].process.pid, signal.SIGKILL)
+        finally:
+            await trio.to_thread.run_sync(executor.close)
+    assert executor.ranks[1].process.exitcode == -signal.SIGKILL
+    assert executor.ranks[0].process.exitcode is not None
+
+
+ORPHAN_SCRIPT = textwrap.dedent("""
+    import sys
+    from trio_llm.api.engine import EngineConfig
+    from trio_llm.gpu.tp_executor import TensorParallelExecutor
+
+    if __name__ == "__main__":
+        executor = TensorParallelExecutor.create(
+            EngineConfig(model="tiny", tensor_parallel_size=2, num_kv_blocks=16))
+        print(" ".join(str(rank.process.pid) for rank in executor.ranks), flush=True)
+        sys.stdin.read()  # until the test kills this process
+""")
+
+
+async def test_the_ranks_exit_when_the_engine_process_dies(tmp_path) -> None:
+    script = tmp_path / "engine.py"
+    script.write_text(ORPHAN_SCRIPT)
+    with trio.fail_after(ENGINE_SECONDS):
+        engine_process = await trio.lowlevel.open_process(
+            [sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        try:
+            line = b""
+            while not line.endswith(b"\n"):
+                chunk = await engine_process.stdout.receive_some()
+                assert chunk, "the engine process ended before its ranks were ready"
+                line += chunk
+            pidfds = [os.pidfd_open(int(pid)) for pid in line.split()]
+        finally:
+            engine_process.kill()
+            await engine_process.wait()
+        # each pidfd turns readable when its process has exited
+        for pidfd in pidfds:
+            await trio.lowlevel.wait_readable(pidfd)
+            os.close(pidfd)
