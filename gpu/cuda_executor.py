@@ -673,7 +673,12 @@ class CudaModelExecutor(ModelExecutor):
         for graphs, sizes in ((self.decode_graphs, decode_sizes),
                               (self.varlen_graphs, varlen_sizes)):
             for size in sizes:
-                if not self._within_capture_budget(started, memory_before, size):
+                # Tensor-parallel ranks must hold the same graphs: a step padded to a
+                # graph on one rank and run unpadded on another would hand their
+                # collectives tensors of different sizes. Each rank's budget can run
+                # out at a different size; the first rank out stops them all.
+                within = self._within_capture_budget(started, memory_before, size)
+                if not self.model.parallel.min_over_ranks(int(within), self.device):
                     break
                 graphs.capture(size, self.compute, pool)
         if self.device.type == "cuda":

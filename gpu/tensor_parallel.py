@@ -81,7 +81,7 @@ class TensorParallel:
             dist.all_reduce(partial, group=self.group)
             return partial
         parts = self._all_gather(partial)
-        total = parts[0]
+        total = parts[0]  # a view of the gathered buffer, which is ours to overwrite
         for part in parts[1:]:
             total += part
         return total
@@ -97,7 +97,7 @@ class TensorParallel:
         """Every rank's ``shard`` [rows, n] side by side: [rows, world_size * n]."""
         if not self.is_parallel:
             return shard
-        return torch.cat(self._all_gather(shard), dim=-1)
+        return self._all_gather(shard).permute(1, 0, 2).reshape(shard.shape[0], -1)
 
     def min_over_ranks(self, value: int, device: torch.device) -> int:
         """The smallest of every rank's ``value`` (the KV blocks every rank can hold)."""
@@ -107,11 +107,17 @@ class TensorParallel:
         dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group)
         return int(tensor.item())
 
-    def _all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        tensor = tensor.contiguous()
-        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        dist.all_gather(parts, tensor, group=self.group)
-        return parts
+    def _all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``tensor`` [rows, n], stacked: [world_size, rows, n] (one
+        collective into one buffer, on gloo and NCCL alike)."""
+        gathered = tensor.new_empty((self.world_size * tensor.shape[0], *tensor.shape[1:]))
+        _all_gather_single(gathered, tensor.contiguous(), group=self.group)
+        return gathered.view(self.world_size, *tensor.shape)
+
+
+# torch 2.13 renamed all_gather_into_tensor (and deprecated the old name); the CUDA
+# image's torch may predate the new one.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def check_divisible(config: ModelConfig, world_size: int) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import traceback
 from collections import deque
@@ -130,10 +131,10 @@ def run_worker(rank: int, spec: WorkerSpec, commands: Connection, lifeline: Conn
             serve_in_order(executor, pipe, is_reporter=rank == 0)
     except BaseException:
         _report_failure(pipe, rank, traceback.format_exc())
-        raise SystemExit(1) from None
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        _exit(1)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _exit(0)
 
 
 def join_group(rank: int, spec: WorkerSpec) -> tuple[TensorParallel, torch.device]:
@@ -215,6 +216,14 @@ def _exit_with_engine(lifeline: Connection) -> None:
         os._exit(ORPHAN_EXIT_CODE)
 
     threading.Thread(target=watch, name="tp-lifeline", daemon=True).start()
+
+
+def _exit(code: int) -> None:
+    """End the process now: nothing is left to clean, and the interpreter's own exit
+    waited seconds for the attention kernel's thread pool and gloo's threads."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _report_failure(pipe: CommandPipe, rank: int, error: str) -> None:
