@@ -13,6 +13,7 @@ greedy requests at TP 1 and TP N (on the CPU: gloo) and prints, as JSON:
 
     python benchmarks/tp_match.py --model tiny --tensor-parallel-size 2
     python benchmarks/tp_match.py --model tiny --load-format dummy   # near-ties
+    python3 benchmarks/tp_match.py --model qwen3-0.6b --load-format dummy --device cuda
 """
 
 from __future__ import annotations
@@ -73,13 +74,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--load-format", default="auto")
+    parser.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (NCCL, one GPU a rank)")
     parser.add_argument("--tensor-parallel-size", type=int, default=2)
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=24)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    base = EngineConfig(model=args.model, load_format=args.load_format, device="cpu",
+    base = EngineConfig(model=args.model, load_format=args.load_format, device=args.device,
                         num_kv_blocks=args.num_prompts * 8)
     rng = random.Random(args.seed)
     vocab_size = 2048 if args.model == "tiny" else 32000
@@ -88,7 +90,7 @@ def main() -> None:
     expected = trio.run(greedy_outputs, base, prompts, args.max_tokens)
     parallel = msgspec.structs.replace(base, tensor_parallel_size=args.tensor_parallel_size)
     found = trio.run(greedy_outputs, parallel, prompts, args.max_tokens)
-    result = {"model": args.model, "load_format": args.load_format,
+    result = {"model": args.model, "load_format": args.load_format, "device": args.device,
               "tensor_parallel_size": args.tensor_parallel_size, **compare(expected, found)}
     json.dump(result, sys.stdout, indent=2)
     print()

@@ -90,6 +90,7 @@ class TensorParallelExecutor:
         self._closed = False
         self.model_path = Path()
         self.max_model_len = self.num_kv_blocks = self.vocab_size = 0
+        self.block_size = 0
 
     @classmethod
     def create(cls, config: EngineConfig) -> TensorParallelExecutor:
@@ -106,6 +107,7 @@ class TensorParallelExecutor:
                           init_method=f"file://{store.name}/rendezvous")
         context = torch.multiprocessing.get_context("spawn")
         executor = cls([], store)
+        executor.block_size = config.block_size
         try:
             for index in range(world_size):
                 executor.ranks.append(_start_rank(context, index, spec))

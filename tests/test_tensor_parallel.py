@@ -167,6 +167,27 @@ async def test_a_rank_that_dies_ends_the_engine_with_an_error() -> None:
     assert executor.ranks[0].process.exitcode is not None
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+async def test_gpu_two_ranks_give_the_tokens_of_one() -> None:
+    """NCCL, a CudaModelExecutor with its CUDA graphs on each rank. Only the greedy
+    requests: the tiny model's wide margins absorb the bfloat16 all-reduce's rounding."""
+    config = msgspec.structs.replace(TP2_CONFIG, device="cuda", max_num_seqs=16,
+                                     max_num_batched_tokens=512)
+    requests = tp_requests()[:len(PROMPTS)]
+    with trio.fail_after(ENGINE_SECONDS * 2):
+        async with Engine.open(msgspec.structs.replace(config, tensor_parallel_size=1)
+                               ) as engine:
+            expected = await generate_all(engine, requests)
+        async with Engine.open(config) as engine:
+            found = await generate_all(engine, requests)
+    num_equal = sum(found_ids == expected_ids for (expected_ids, _), (found_ids, _)
+                    in zip(expected, found, strict=True))
+    print(f"TP 2 against TP 1 on CUDA: {num_equal} of {len(requests)} requests equal")
+    assert [ids[0] for ids, _ in found] == [ids[0] for ids, _ in expected]
+    assert num_equal == len(requests)
+
+
 ORPHAN_SCRIPT = textwrap.dedent("""
     import sys
     from trio_llm.api.engine import EngineConfig
