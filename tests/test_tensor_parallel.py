@@ -171,9 +171,10 @@ async def test_a_rank_that_dies_ends_the_engine_with_an_error() -> None:
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 async def test_gpu_two_ranks_give_the_tokens_of_one() -> None:
     """NCCL, a CudaModelExecutor with its CUDA graphs on each rank. Only the greedy
-    requests: the tiny model's wide margins absorb the bfloat16 all-reduce's rounding."""
-    config = msgspec.structs.replace(TP2_CONFIG, device="cuda", max_num_seqs=16,
-                                     max_num_batched_tokens=512)
+    requests, in float32: the tiny model's wide margins absorb the rounding of NCCL's
+    all-reduce."""
+    config = msgspec.structs.replace(TP2_CONFIG, device="cuda", dtype="float32",
+                                     max_num_seqs=16, max_num_batched_tokens=512)
     requests = tp_requests()[:len(PROMPTS)]
     with trio.fail_after(ENGINE_SECONDS * 2):
         async with Engine.open(msgspec.structs.replace(config, tensor_parallel_size=1)
