@@ -130,8 +130,8 @@ def tp_requests() -> list[tuple[str, SamplingParams]]:
 
 async def test_two_ranks_give_the_tokens_of_one() -> None:
     """Greedy, seeded and constrained requests batched together (the constrained one's
-    bitmasks follow its batches at depth 2): the same tokens at TP 2 as at TP 1, and
-    logprobs that agree to float32 rounding of the split sums."""
+    bitmasks follow its batches at depth 2): the same tokens at TP 2, depth 2 and 1, as
+    at TP 1, and logprobs that agree to float32 rounding of the split sums."""
     requests = tp_requests()
     with trio.fail_after(ENGINE_SECONDS):
         async with Engine.open(msgspec.structs.replace(TP2_CONFIG, tensor_parallel_size=1)
@@ -139,14 +139,18 @@ async def test_two_ranks_give_the_tokens_of_one() -> None:
             expected = await generate_all(engine, requests)
         executor = await trio.to_thread.run_sync(TensorParallelExecutor.create, TP2_CONFIG)
         try:
-            async with Engine.open(TP2_CONFIG, executor=executor) as engine:
-                found = await generate_all(engine, requests)
+            found_by_depth = []
+            for depth in (2, 1):
+                config = msgspec.structs.replace(TP2_CONFIG, pipeline_depth=depth)
+                async with Engine.open(config, executor=executor) as engine:
+                    found_by_depth.append(await generate_all(engine, requests))
         finally:
             await trio.to_thread.run_sync(executor.close)
-    for (expected_ids, expected_logprobs), (found_ids, found_logprobs) in zip(
-            expected, found, strict=True):
-        assert found_ids == expected_ids
-        assert found_logprobs == pytest.approx(expected_logprobs, abs=1e-4)
+    for found in found_by_depth:
+        for (expected_ids, expected_logprobs), (found_ids, found_logprobs) in zip(
+                expected, found, strict=True):
+            assert found_ids == expected_ids
+            assert found_logprobs == pytest.approx(expected_logprobs, abs=1e-4)
     # closing ended every rank normally
     assert [rank.process.exitcode for rank in executor.ranks] == [0, 0]
 
