@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -183,7 +183,8 @@ def checkpoint_targets(model: CausalLM) -> dict[str, Target]:
     return targets
 
 
-def copy_into(parameters: dict[str, torch.Tensor], target: Target, part: torch.Tensor) -> None:
+def copy_into(parameters: Mapping[str, torch.Tensor], target: Target,
+              part: torch.Tensor) -> None:
     """Copy this rank's ``part`` of a checkpoint tensor into its rows of the parameter;
     padding rows past the part's end get zeros."""
     destination = parameters[target.parameter_name][target.row_start:

@@ -149,9 +149,11 @@ def join_group(rank: int, spec: WorkerSpec) -> tuple[TensorParallel, torch.devic
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+    # device_id binds the NCCL communicator to this GPU and creates it now, not at
+    # the first collective (which may come inside a CUDA graph capture)
     dist.init_process_group("nccl" if on_cuda else "gloo", init_method=spec.init_method,
                             rank=rank, world_size=spec.world_size,
-                            **({"device_id": device} if on_cuda else {}))
+                            device_id=device if on_cuda else None)
     return TensorParallel(rank=rank, world_size=spec.world_size, group=dist.group.WORLD,
                           fixed_order_reduce=not on_cuda), device
 
