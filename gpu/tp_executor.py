@@ -20,6 +20,7 @@ rank's lifeline ends and the rank exits at once.
 from __future__ import annotations
 
 import logging
+import signal
 import tempfile
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
@@ -179,21 +180,28 @@ class TensorParallelExecutor:
         return message
 
     def _failure(self) -> TensorParallelError:
-        """The error naming the rank at fault: one that had already exited when the
-        failure was seen (the others fail after it, in a collective with it), else the
-        first that reported a failure, else the first to exit."""
-        exited = [rank for rank in self.ranks if rank.process.exitcode is not None]
-        for rank in exited or self.ranks:
+        """The error naming the rank at fault. When one rank dies, the others fail
+        soon after, in a collective with it, and report that: so the fault is the
+        first rank to exit, a rank killed by a signal before one that exited, and
+        a rank's own report (its traceback) says why it exited."""
+        for rank in self._first_to_exit():
             report = _failure_report(rank)
             if report is not None:
                 return TensorParallelError(f"tensor-parallel rank {report.rank} failed:\n"
                                            f"{report.error}")
-        for rank in exited or self.ranks:
-            rank.process.join(timeout=1.0)
-            if rank.process.exitcode is not None:
-                return TensorParallelError(f"tensor-parallel rank {rank.index} exited with "
-                                           f"code {rank.process.exitcode}")
+            return TensorParallelError(f"tensor-parallel rank {rank.index} exited with "
+                                       f"{_describe_exit(rank.process.exitcode)}")
         return TensorParallelError("a tensor-parallel rank stopped answering")
+
+    def _first_to_exit(self) -> list[Rank]:
+        """The ranks that have exited once one has (waiting up to STOP_SECONDS for one),
+        those killed by a signal first."""
+        sentinels = {rank.process.sentinel: rank for rank in self.ranks}
+        exited = [sentinels[sentinel] for sentinel in wait(list(sentinels), STOP_SECONDS)]
+        for rank in exited:
+            # the sentinel closes as the process exits, a moment before it can be reaped
+            rank.process.join(timeout=1.0)
+        return sorted(exited, key=lambda rank: (rank.process.exitcode or 0) >= 0)
 
     # -- shutdown --------------------------------------------------------------------
 
@@ -237,6 +245,12 @@ def _failure_report(rank: Rank) -> WorkerFailed | None:
     except (EOFError, OSError, msgspec.DecodeError):
         pass
     return None
+
+
+def _describe_exit(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        return f"signal {-exitcode} ({signal.Signals(-exitcode).name})"
+    return f"code {exitcode}"
 
 
 def _check_devices(config: EngineConfig, world_size: int) -> None:

@@ -17,13 +17,18 @@ import torch
 import trio
 
 from trio_llm.actors.errors import EngineDead
-from trio_llm.actors.messages import SamplingParams, StructuredOutputsParams
+from trio_llm.actors.messages import (
+    SamplingParams,
+    ScheduledBatch,
+    ScheduledRequest,
+    StructuredOutputsParams,
+)
 from trio_llm.api.engine import Engine, EngineConfig
 from trio_llm.gpu.builtin import TINY_CONFIG, resolve_model
 from trio_llm.gpu.config import ModelLoadError
 from trio_llm.gpu.loader import load_model
 from trio_llm.gpu.tensor_parallel import TensorParallel
-from trio_llm.gpu.tp_executor import TensorParallelExecutor
+from trio_llm.gpu.tp_executor import TensorParallelError, TensorParallelExecutor
 
 # Spawning two ranks and loading the tiny model takes seconds on a busy 2-core machine.
 ENGINE_SECONDS = 120
@@ -193,10 +198,27 @@ async def test_gpu_two_ranks_give_the_tokens_of_one() -> None:
     assert num_equal == len(requests)
 
 
+def test_a_rank_that_raises_reports_its_traceback() -> None:
+    """A step the ranks cannot run (a request never registered): the error carries the
+    rank's own message, and every rank has exited."""
+    executor = TensorParallelExecutor.create(TP2_CONFIG)
+    try:
+        batch = ScheduledBatch(step_id=0, new_requests=[], finished_request_ids=[],
+                               num_tokens=1, requests=[ScheduledRequest(
+                                   request_id="unknown", token_ids=[5],
+                                   input_from_previous_step=False, num_computed_tokens=0,
+                                   new_block_ids=[0], sample=True, output_index=0)])
+        with pytest.raises(TensorParallelError, match="(?s)rank [01] failed:.*never registered"):
+            executor.execute(batch)
+    finally:
+        executor.close()
+    assert [rank.process.exitcode for rank in executor.ranks] == [1, 1]
+
+
 ORPHAN_SCRIPT = textwrap.dedent("""
     import sys
     from trio_llm.api.engine import EngineConfig
-    from trio_llm.gpu.tp_executor import TensorParallelExecutor
+    from trio_llm.gpu.tp_executor import TensorParallelError, TensorParallelExecutor
 
     if __name__ == "__main__":
         executor = TensorParallelExecutor.create(
