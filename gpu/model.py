@@ -196,7 +196,7 @@ class CausalLM(nn.Module):
         """Float32 logits [num_rows, vocab_size] for the given rows of hidden states."""
         logits = self.parallel.gather_columns(self.lm_head(hidden))
         if logits.shape[-1] != self.config.vocab_size:  # the last slice's padding rows
-            logits = logits[:, :self.config.vocab_size]
+            logits = logits[:, :self.config.vocab_size].contiguous()
         return logits.to(torch.float32)
 
     @property

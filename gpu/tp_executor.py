@@ -105,7 +105,8 @@ class TensorParallelExecutor:
         _check_devices(config, world_size)
         store = tempfile.TemporaryDirectory(prefix="trio-llm-tp-")
         spec = WorkerSpec(config=config, world_size=world_size,
-                          init_method=f"file://{store.name}/rendezvous")
+                          init_method=f"file://{store.name}/rendezvous",
+                          log_level=logging.getLogger().getEffectiveLevel())
         context = torch.multiprocessing.get_context("spawn")
         executor = cls([], store)
         executor.block_size = config.block_size

@@ -19,6 +19,7 @@ that is gone.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -78,6 +79,8 @@ class WorkerSpec:
     world_size: int
     # torch.distributed rendezvous: a file store in a directory the engine owns
     init_method: str
+    # the engine's root log level: a spawned process starts with logging unconfigured
+    log_level: int = logging.WARNING
 
 
 class CommandPipe:
@@ -113,6 +116,8 @@ def run_worker(rank: int, spec: WorkerSpec, commands: Connection, lifeline: Conn
     first). Loads this rank's shard, then executes every batch until the pipe ends."""
     # Ctrl-C reaches the whole process group: the engine decides when its ranks stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=spec.log_level,
+                        format=f"%(asctime)s [tp-rank-{rank}] %(name)s %(message)s")
     _exit_with_engine(lifeline)
     pipe = CommandPipe(commands)
     try:
@@ -171,8 +176,15 @@ def serve_in_order(executor: Any, pipe: CommandPipe, *, is_reporter: bool) -> No
 
 def serve_pipelined(executor: Any, pipe: CommandPipe, *, is_reporter: bool) -> None:
     """Launch each batch as it arrives, up to MAX_PIPELINE_DEPTH in flight, and collect
-    them in order (the CUDA executor: step N+1 is enqueued while step N computes)."""
+    them in order (the CUDA executor: step N+1 is enqueued while step N computes).
+
+    A step whose rows wait for bitmasks is launched at once and sampled when its
+    StepBitmasks arrive, the next message. Those bitmasks come only once the engine
+    has step N's result, so step N is collected (and reported) meanwhile: waiting for
+    them first would wait forever.
+    """
     in_flight: deque[Any] = deque()
+    awaiting_bitmasks: Any = None  # the newest step, launched, its sampling not enqueued
 
     def collect_oldest() -> None:
         pending = in_flight.popleft()
@@ -182,20 +194,25 @@ def serve_pipelined(executor: Any, pipe: CommandPipe, *, is_reporter: bool) -> N
             pipe.report(result)
 
     while True:
-        if len(in_flight) == MAX_PIPELINE_DEPTH:
-            collect_oldest()
-            continue
-        if in_flight and not _command_before_ready(pipe, in_flight[0]):
+        oldest_can_finish = bool(in_flight) and in_flight[0] is not awaiting_bitmasks
+        if oldest_can_finish and (len(in_flight) == MAX_PIPELINE_DEPTH
+                                  or not _command_before_ready(pipe, in_flight[0])):
             collect_oldest()
             continue
         message = pipe.receive()
         if message is None:
             break
-        assert isinstance(message, ScheduledBatch), "StepBitmasks follow their batch"
+        if isinstance(message, StepBitmasks):
+            assert awaiting_bitmasks is not None and message.step_id == awaiting_bitmasks.step_id, \
+                "the bitmasks of a step come right after it"
+            executor.supply_bitmasks(awaiting_bitmasks, message.token_bitmasks)
+            awaiting_bitmasks = None
+            continue
+        assert awaiting_bitmasks is None, "a step's bitmasks come before the next step"
         pending = executor.launch(message)
-        if needs_bitmasks(message):
-            executor.supply_bitmasks(pending, pipe.receive_bitmasks(message.step_id))
         in_flight.append(pending)
+        if needs_bitmasks(message):
+            awaiting_bitmasks = pending
     while in_flight:
         collect_oldest()
 

@@ -5,11 +5,14 @@ there are few of them; the shard tests need no process at all.
 """
 
 import json
+import multiprocessing
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
 import msgspec
 import pytest
@@ -21,14 +24,18 @@ from trio_llm.actors.messages import (
     SamplingParams,
     ScheduledBatch,
     ScheduledRequest,
+    StepBitmasks,
+    StepResult,
     StructuredOutputsParams,
 )
 from trio_llm.api.engine import Engine, EngineConfig
 from trio_llm.gpu.builtin import TINY_CONFIG, resolve_model
 from trio_llm.gpu.config import ModelLoadError
+from trio_llm.gpu.cuda_executor import CudaExecutorOptions, CudaModelExecutor
 from trio_llm.gpu.loader import load_model
 from trio_llm.gpu.tensor_parallel import TensorParallel
 from trio_llm.gpu.tp_executor import TensorParallelError, TensorParallelExecutor
+from trio_llm.gpu.tp_worker import CommandPipe, WorkerReport, serve_pipelined
 
 # Spawning two ranks and loading the tiny model takes seconds on a busy 2-core machine.
 ENGINE_SECONDS = 120
@@ -198,6 +205,121 @@ async def test_gpu_two_ranks_give_the_tokens_of_one() -> None:
     assert num_equal == len(requests)
 
 
+class PipeExecutor:
+    """What TensorParallelExecutor does over a rank's pipe, for a worker loop on a
+    thread of this process: the engine drives it like any pipelined executor."""
+
+    def __init__(self, connection, sizes) -> None:
+        self.connection = connection
+        self.model_path, self.max_model_len = sizes.model_path, sizes.max_model_len
+        self.num_kv_blocks, self.vocab_size = sizes.num_kv_blocks, sizes.vocab_size
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(WorkerReport)
+
+    def launch(self, batch: ScheduledBatch) -> "PipeStep":
+        self.connection.send_bytes(self._encoder.encode(batch))
+        return PipeStep(self.connection, batch.step_id)
+
+    def supply_bitmasks(self, pending: "PipeStep", token_bitmasks: list[bytes]) -> None:
+        self.connection.send_bytes(self._encoder.encode(StepBitmasks(
+            step_id=pending.step_id, token_bitmasks=token_bitmasks)))
+
+    def collect(self, pending: "PipeStep") -> StepResult:
+        assert self.connection.poll(0), f"the rank never answered step {pending.step_id}"
+        message = self._decoder.decode(self.connection.recv_bytes())
+        assert isinstance(message, StepResult)
+        return message
+
+
+class PipeStep:
+    def __init__(self, connection, step_id: int) -> None:
+        self.connection = connection
+        self.step_id = step_id
+
+    def is_ready(self) -> bool:
+        return self.connection.poll(0)
+
+    def wait(self) -> None:
+        # bounded: a rank that deadlocks fails the test instead of hanging it (a worker
+        # thread cannot be cancelled)
+        self.connection.poll(ENGINE_SECONDS / 4)
+
+
+# A step's device time in SlowDevice: long enough that the engine's next batch
+# arrives while the step still computes, as it does on a GPU.
+DEVICE_SECONDS = 0.02
+
+
+class SlowDevice:
+    """The CUDA executor on the CPU finishes each step as it launches it; this one
+    reports a step ready only DEVICE_SECONDS after its launch, like a device."""
+
+    def __init__(self, executor) -> None:
+        self.executor = executor
+
+    def launch(self, batch: ScheduledBatch) -> "SlowStep":
+        return SlowStep(self.executor.launch(batch), time.monotonic() + DEVICE_SECONDS)
+
+    def supply_bitmasks(self, pending: "SlowStep", token_bitmasks: list[bytes]) -> None:
+        self.executor.supply_bitmasks(pending.inner, token_bitmasks)
+
+    def collect(self, pending: "SlowStep") -> StepResult:
+        return self.executor.collect(pending.inner)
+
+
+class SlowStep:
+    def __init__(self, inner, ready_at: float) -> None:
+        self.inner, self.ready_at, self.step_id = inner, ready_at, inner.step_id
+
+    def is_ready(self) -> bool:
+        return time.monotonic() >= self.ready_at and self.inner.is_ready()
+
+    def wait(self) -> None:
+        time.sleep(max(0.0, self.ready_at - time.monotonic()))  # the device computing
+        self.inner.wait()
+
+
+async def test_a_pipelined_rank_collects_while_bitmasks_are_on_their_way() -> None:
+    """A CUDA rank's loop (serve_pipelined), here over the CUDA executor on the CPU
+    with a device's latency: a step whose bitmasks follow is launched at once, and the
+    step before it is collected and reported while they come (they come only once the
+    engine has its result). Depth 2 gives TP 1's tokens."""
+    path = resolve_model("tiny")
+    model = load_model(path, dtype=torch.float32, device=torch.device("cpu"))
+    executor = CudaModelExecutor(model, model_path=path, num_kv_blocks=128, block_size=16,
+                                 max_model_len=4096)
+    executor.start(CudaExecutorOptions(max_num_seqs=16, use_cuda_graphs=False,
+                                       use_fused_kernels=False))
+    supplied: list[int] = []
+    supply = executor.supply_bitmasks
+
+    def counting_supply(pending, token_bitmasks: list[bytes]) -> None:
+        supplied.append(len(token_bitmasks))
+        supply(pending, token_bitmasks)
+
+    executor.supply_bitmasks = counting_supply
+    engine_end, rank_end = multiprocessing.Pipe()
+    rank = threading.Thread(target=serve_pipelined,
+                            args=(SlowDevice(executor), CommandPipe(rank_end)),
+                            kwargs={"is_reporter": True}, daemon=True)
+    rank.start()
+    pipe_executor = PipeExecutor(engine_end, executor)
+    requests = tp_requests()
+    try:
+        with trio.fail_after(ENGINE_SECONDS):
+            async with Engine.open(msgspec.structs.replace(TP2_CONFIG, tensor_parallel_size=1)
+                                   ) as engine:
+                expected = await generate_all(engine, requests)
+            async with Engine.open(TP2_CONFIG, executor=pipe_executor) as engine:
+                found = await generate_all(engine, requests)
+    finally:
+        engine_end.close()  # the rank's loop ends
+        await trio.to_thread.run_sync(rank.join, ENGINE_SECONDS)
+    assert not rank.is_alive()
+    assert [ids for ids, _ in found] == [ids for ids, _ in expected]
+    assert supplied, "a constrained row decoded on a placeholder"
+
+
 def test_a_rank_that_raises_reports_its_traceback() -> None:
     """A step the ranks cannot run (a request never registered): the error carries the
     rank's own message, and every rank has exited."""
@@ -218,7 +340,7 @@ def test_a_rank_that_raises_reports_its_traceback() -> None:
 ORPHAN_SCRIPT = textwrap.dedent("""
     import sys
     from trio_llm.api.engine import EngineConfig
-    from trio_llm.gpu.tp_executor import TensorParallelError, TensorParallelExecutor
+    from trio_llm.gpu.tp_executor import TensorParallelExecutor
 
     if __name__ == "__main__":
         executor = TensorParallelExecutor.create(
