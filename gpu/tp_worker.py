@@ -154,6 +154,7 @@ def join_group(rank: int, spec: WorkerSpec) -> tuple[TensorParallel, torch.devic
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+        _share_cpu_threads(spec.world_size)
     # device_id binds the NCCL communicator to this GPU and creates it now, not at
     # the first collective (which may come inside a CUDA graph capture)
     dist.init_process_group("nccl" if on_cuda else "gloo", init_method=spec.init_method,
@@ -161,6 +162,16 @@ def join_group(rank: int, spec: WorkerSpec) -> tuple[TensorParallel, torch.devic
                             device_id=device if on_cuda else None)
     return TensorParallel(rank=rank, world_size=spec.world_size, group=dist.group.WORLD,
                           fixed_order_reduce=not on_cuda), device
+
+
+def _share_cpu_threads(world_size: int) -> None:
+    """Each of the ranks on the CPU gets its share of the cores the engine leaves free
+    (configure_cpu_threads then keeps the lower count); ``OMP_NUM_THREADS`` wins."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    num_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+        else os.cpu_count() or 1
+    torch.set_num_threads(max(1, (num_cores - 1) // world_size))
 
 
 def serve_in_order(executor: Any, pipe: CommandPipe, *, is_reporter: bool) -> None:
