@@ -197,7 +197,7 @@ class TensorParallelExecutor:
     def _first_to_exit(self) -> list[Rank]:
         """The ranks that have exited once one has (waiting up to STOP_SECONDS for one),
         those killed by a signal first."""
-        sentinels = {rank.process.sentinel: rank for rank in self.ranks}
+        sentinels: dict[Any, Rank] = {rank.process.sentinel: rank for rank in self.ranks}
         exited = [sentinels[sentinel] for sentinel in wait(list(sentinels), STOP_SECONDS)]
         for rank in exited:
             # the sentinel closes as the process exits, a moment before it can be reaped
