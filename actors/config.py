@@ -16,7 +16,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     from memory (``gpu_memory_utilization`` on CUDA, ``cpu_kv_cache_gib`` on the
     CPU). ``pipeline_depth`` 2 plans step N+1 while N runs; 1 plans after N.
     ``enable_prefix_caching``: reuse the KV of cached prompt prefixes (full
-    blocks), as vLLM does by default."""
+    blocks), as vLLM does by default. ``tensor_parallel_size`` N > 1 splits the
+    model over N worker processes (one per GPU; on the CPU, N processes)."""
 
     model: str = "tiny"
     revision: str | None = None  # of a Hugging Face id, looked up in the local cache
@@ -45,5 +46,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_waiting_requests: PositiveInt = 4096
     pipeline_depth: Literal[1, 2] = MAX_PIPELINE_DEPTH
     enforce_eager: bool = False
+    # Worker processes, one per device, each holding a shard of the model (gpu/tp_executor.py).
+    tensor_parallel_size: PositiveInt = 1
     enable_prefix_caching: bool = True
     shutdown_grace_seconds: Annotated[float, msgspec.Meta(ge=0.0)] = 5.0

@@ -313,6 +313,21 @@ class StepBitmasks(msgspec.Struct, frozen=True, kw_only=True, tag=True):
 RunnerInbox = ScheduledBatch | StepBitmasks
 
 
+def needs_bitmasks(batch: ScheduledBatch) -> bool:
+    """Whether some row of ``batch`` samples only once its StepBitmasks arrive."""
+    return any(scheduled.bitmask_follows for scheduled in batch.requests)
+
+
+def with_bitmasks(batch: ScheduledBatch, token_bitmasks: list[bytes]) -> ScheduledBatch:
+    """``batch`` with the bitmasks that followed it in place."""
+    bitmasks = iter(token_bitmasks)
+    requests = [msgspec.structs.replace(scheduled, token_bitmask=next(bitmasks),
+                                        bitmask_follows=False)
+                if scheduled.bitmask_follows else scheduled for scheduled in batch.requests]
+    assert next(bitmasks, None) is None, "one bitmask per row that waited for one"
+    return msgspec.structs.replace(batch, requests=requests)
+
+
 class TokenLogprobs(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     """Log-probability of the sampled token and of the top alternatives (raw model distribution)."""
 

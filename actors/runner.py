@@ -20,7 +20,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Protocol, cast
 
-import msgspec
 import trio
 
 from trio_llm.actors.config import MAX_PIPELINE_DEPTH
@@ -30,6 +29,8 @@ from trio_llm.actors.messages import (
     SchedulerInbox,
     StepBitmasks,
     StepResult,
+    needs_bitmasks,
+    with_bitmasks,
 )
 
 
@@ -96,10 +97,6 @@ async def run_runner(
             await scheduler_outbox.send(result)
 
 
-def needs_bitmasks(batch: ScheduledBatch) -> bool:
-    return any(scheduled.bitmask_follows for scheduled in batch.requests)
-
-
 async def receive_bitmasks(inbox: trio.MemoryReceiveChannel[RunnerInbox],
                            step_id: int) -> list[bytes]:
     """The StepBitmasks of ``step_id``: the scheduler sends nothing else before them."""
@@ -107,16 +104,6 @@ async def receive_bitmasks(inbox: trio.MemoryReceiveChannel[RunnerInbox],
     assert isinstance(message, StepBitmasks) and message.step_id == step_id, \
         "the bitmasks of a step come right after it"
     return message.token_bitmasks
-
-
-def with_bitmasks(batch: ScheduledBatch, token_bitmasks: list[bytes]) -> ScheduledBatch:
-    """``batch`` with the bitmasks that followed it in place."""
-    bitmasks = iter(token_bitmasks)
-    requests = [msgspec.structs.replace(scheduled, token_bitmask=next(bitmasks),
-                                        bitmask_follows=False)
-                if scheduled.bitmask_follows else scheduled for scheduled in batch.requests]
-    assert next(bitmasks, None) is None, "one bitmask per row that waited for one"
-    return msgspec.structs.replace(batch, requests=requests)
 
 
 # Steps an executor with launch/collect (gpu/cuda_executor.py) may have in flight.

@@ -170,10 +170,15 @@ def _run_throughput(args: argparse.Namespace) -> int:
         from trio_llm.gpu.executor import create_executor
 
         model = create_executor(config)
-        items = workload(min(args.max_token_id, model.vocab_size))
-        result = trio.run(lambda: run_engine_throughput(
-            config, model, items, temperature=args.temperature, executor_kind=args.executor,
-            progress=not args.no_progress))
+        try:
+            items = workload(min(args.max_token_id, model.vocab_size))
+            result = trio.run(lambda: run_engine_throughput(
+                config, model, items, temperature=args.temperature,
+                executor_kind=args.executor, progress=not args.no_progress))
+        finally:
+            close = getattr(model, "close", None)  # a tensor-parallel executor's workers
+            if close is not None:
+                close()
     result["config"] = msgspec.to_builtins(config)
     if args.json == "-":
         print(json.dumps(result, indent=2))

@@ -35,14 +35,19 @@ _ENGINE_FLAGS: list[tuple[str, type, str]] = [
     ("--scheduling-policy", str, "fcfs or priority"),
     ("--priority-preemption-threshold", int, "priority gap at which a waiting request preempts"),
     ("--max-waiting-requests", int, "bound of the waiting queue"),
+    ("--tensor-parallel-size", int, "worker processes (GPUs) the model is split over"),
 ]
+
+# Short names vLLM also accepts.
+_FLAG_ALIASES = {"--tensor-parallel-size": ("-tp",)}
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the engine's flags; unset flags keep EngineConfig's defaults."""
     group = parser.add_argument_group("engine")
     for flag, kind, help_text in _ENGINE_FLAGS:
-        group.add_argument(flag, type=kind, default=None, help=help_text)
+        group.add_argument(flag, *_FLAG_ALIASES.get(flag, ()), type=kind, default=None,
+                           help=help_text)
     group.add_argument(
         "--async-scheduling",
         dest="pipeline_depth",

@@ -52,6 +52,7 @@ from trio_llm.actors.wire import WireError, open_wire_channel
 
 if TYPE_CHECKING:
     from trio_llm.gpu.executor import ModelExecutor
+    from trio_llm.gpu.tp_executor import TensorParallelExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -97,22 +98,22 @@ class Engine:
         model executor built from the config (benchmarks, fault injection).
         """
         config = config or EngineConfig()
-        if executor is None:
-            executor = await trio.to_thread.run_sync(create_executor, config)
-        tokenizer = Tokenizer.from_dir(config.tokenizer or executor.model_path,
-                                       chat_template=config.chat_template)
-        defaults = read_generation_defaults(config.generation_config, executor.model_path)
-        streams = RequestStreams()
-        async with trio.open_nursery() as nursery:
-            actors = await nursery.start(partial(
-                run_supervisor, config, executor, tokenizer, streams,
-                max_model_len=executor.max_model_len, num_kv_blocks=executor.num_kv_blocks,
-                vocab_size=executor.vocab_size,
-            ))
-            engine = cls(config, tokenizer, actors, streams, max_model_len=executor.max_model_len,
-                         generation_defaults=defaults)
-            async with engine._running(nursery.cancel_scope):
-                yield engine
+        async with created_executor(config, executor) as executor:
+            tokenizer = Tokenizer.from_dir(config.tokenizer or executor.model_path,
+                                           chat_template=config.chat_template)
+            defaults = read_generation_defaults(config.generation_config, executor.model_path)
+            streams = RequestStreams()
+            async with trio.open_nursery() as nursery:
+                actors = await nursery.start(partial(
+                    run_supervisor, config, executor, tokenizer, streams,
+                    max_model_len=executor.max_model_len, num_kv_blocks=executor.num_kv_blocks,
+                    vocab_size=executor.vocab_size,
+                ))
+                engine = cls(config, tokenizer, actors, streams,
+                             max_model_len=executor.max_model_len,
+                             generation_defaults=defaults)
+                async with engine._running(nursery.cancel_scope):
+                    yield engine
         if actors.error is not None:
             raise actors.error
 
@@ -494,7 +495,26 @@ async def _wait_core_ready(wire: trio.abc.ReceiveChannel[CoreToFront]) -> CoreRe
     return message
 
 
-def create_executor(config: EngineConfig) -> ModelExecutor:
+@asynccontextmanager
+async def created_executor(config: EngineConfig, executor: LoadedExecutor | None
+                            ) -> AsyncIterator[LoadedExecutor]:
+    """``executor``, or one created for ``config`` and closed on exit (a tensor-parallel
+    executor stops its worker processes then); the caller closes an executor it gave."""
+    if executor is not None:
+        yield executor
+        return
+    created = await trio.to_thread.run_sync(create_executor, config)
+    try:
+        yield created
+    finally:
+        close = getattr(created, "close", None)
+        if close is not None:
+            # bounded by close itself (it kills ranks that do not stop)
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(close)
+
+
+def create_executor(config: EngineConfig) -> ModelExecutor | TensorParallelExecutor:
     """The model executor for ``config`` (trio_llm.gpu.executor). Imported on
     use: an API server of the served layout never loads a model, and so never
     imports torch."""

@@ -56,7 +56,7 @@ from trio_llm.actors.fronts import FrontToCore
 from trio_llm.actors.runner import LoadedExecutor
 from trio_llm.actors.supervisor import run_core_supervisor
 from trio_llm.actors.wire import open_wire_channel
-from trio_llm.api.engine import Engine, create_executor
+from trio_llm.api.engine import Engine, created_executor
 from trio_llm.api.metrics import MULTIPROCESS_DIR_VARIABLE
 from trio_llm.api.server import ServerConfig, serve
 
@@ -80,19 +80,18 @@ async def run_engine_core(config: EngineConfig, front_streams: list[trio.SocketS
     """Load the model (unless ``executor`` is given) and run the engine core for
     the fronts at the other end of ``front_streams``; returns once all have gone.
     Raises EngineDead if an actor of the core failed."""
-    if executor is None:
-        executor = await trio.to_thread.run_sync(create_executor, config)
-    # As Engine.open does: what was allocated so far lives as long as the core.
-    gc.collect()
-    gc.freeze()
-    fronts = [open_wire_channel(stream, FrontToCore) for stream in front_streams]
-    async with AsyncExitStack() as streams:
-        for stream in front_streams:
-            await streams.enter_async_context(stream)
-        await run_core_supervisor(
-            config, executor, fronts, model_path=str(executor.model_path),
-            max_model_len=executor.max_model_len, num_kv_blocks=executor.num_kv_blocks,
-            vocab_size=executor.vocab_size, task_status=task_status)
+    async with created_executor(config, executor) as executor:
+        # As Engine.open does: what was allocated so far lives as long as the core.
+        gc.collect()
+        gc.freeze()
+        fronts = [open_wire_channel(stream, FrontToCore) for stream in front_streams]
+        async with AsyncExitStack() as streams:
+            for stream in front_streams:
+                await streams.enter_async_context(stream)
+            await run_core_supervisor(
+                config, executor, fronts, model_path=str(executor.model_path),
+                max_model_len=executor.max_model_len, num_kv_blocks=executor.num_kv_blocks,
+                vocab_size=executor.vocab_size, task_status=task_status)
 
 
 @asynccontextmanager

@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # One device call: set up, then run the named parts, each bounded, logs under $OUT.
 #   bash benchmarks/device_run.sh tests decode-0.6b decode-8b throughput-0.6b transformers-0.6b
+# Tensor parallelism 2 (kind nvidia-h200-x2), one part per call (each fits the 10 minutes):
+#   bash benchmarks/device_run.sh tp2-tests tp2-match-0.6b
+#   bash benchmarks/device_run.sh tp2-decode-8b
+#   bash benchmarks/device_run.sh tp2-throughput-8b
 # Carry .whl (see benchmarks/device_setup.sh).
 . benchmarks/device_setup.sh >/dev/null 2>&1 || { echo "setup failed"; exit 1; }
 export TOKENIZERS_PARALLELISM=false
@@ -62,6 +66,15 @@ for part in "$@"; do
     gemv) run gemv 240 python3 benchmarks/gemv_bench.py ;;
     serve-*) serve_bench "qwen3-${part#serve-}" ;;
     prefix-serve-*) prefix_serve_bench "qwen3-${part#prefix-serve-}" ;;
+    # tensor parallelism 2: needs the nvidia-h200-x2 kind (NCCL; NVLS multicast off)
+    tp2-tests) NCCL_NVLS_ENABLE=0 run tp2-tests 400 python3 -m pytest -q -s -p no:cacheprovider -rs \
+             tests/test_tensor_parallel.py ;;
+    tp2-match-*) NCCL_NVLS_ENABLE=0 run "$part" 400 python3 benchmarks/tp_match.py \
+             --model "qwen3-${part#tp2-match-}" --load-format dummy --device cuda ;;
+    tp2-decode-*) NCCL_NVLS_ENABLE=0 run "$part" 480 python3 benchmarks/gpu_bench.py decode \
+             --model "qwen3-${part#tp2-decode-}" --tensor-parallel-size 2 ;;
+    tp2-throughput-*) NCCL_NVLS_ENABLE=0 run "$part" 540 python3 benchmarks/gpu_bench.py \
+             throughput --model "qwen3-${part#tp2-throughput-}" --tensor-parallel-size 2 --depths 2 ;;
     prefix-match-*) run "$part" 300 python3 benchmarks/prefix_match.py --model "qwen3-${part#prefix-match-}" --load-format dummy ;;
     *) echo "unknown part $part" ;;
   esac

@@ -47,7 +47,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -62,6 +62,9 @@ from trio_llm.gpu.cuda_executor import STEP_KINDS, CudaModelExecutor
 from trio_llm.gpu.testing import GREEDY
 
 OUT = Path(os.environ.get("OUT", "."))
+# --tensor-parallel-size (decode, throughput): ranks in worker processes, one GPU each.
+# Figures that read the executor's own statistics or graphs are left out then.
+TENSOR_PARALLEL_SIZE = 1
 PROMPT_LEN, NUM_NEW_TOKENS = 128, 256
 # BENCH_DEVICE=cpu runs the same code on the CPU (a smoke test of the script, not a figure)
 DEVICE = os.environ.get("BENCH_DEVICE", "cuda")
@@ -70,7 +73,8 @@ DTYPE = "bfloat16" if DEVICE == "cuda" else "float32"
 
 def engine_config(model: str, *, depth: int, **overrides: Any) -> EngineConfig:
     fields: dict[str, Any] = {"model": model, "load_format": "dummy", "dtype": DTYPE,
-                              "device": DEVICE, "pipeline_depth": depth}
+                              "device": DEVICE, "pipeline_depth": depth,
+                              "tensor_parallel_size": TENSOR_PARALLEL_SIZE}
     fields.update(overrides)
     return EngineConfig(**fields)
 
@@ -78,6 +82,14 @@ def engine_config(model: str, *, depth: int, **overrides: Any) -> EngineConfig:
 def create_executor(config: EngineConfig, *, measure_device_time: bool = False
                     ) -> CudaModelExecutor:
     started = time.perf_counter()
+    if config.tensor_parallel_size > 1:
+        # the ranks' own executors are CudaModelExecutors; this one only drives them
+        from trio_llm.gpu.tp_executor import TensorParallelExecutor
+
+        executor: Any = TensorParallelExecutor.create(config)
+        print(f"{config.tensor_parallel_size} ranks for {config.model} ready in "
+              f"{time.perf_counter() - started:.1f} s", flush=True)
+        return cast(CudaModelExecutor, executor)
     executor = CudaModelExecutor.create(config)
     if measure_device_time:
         executor.options = dataclasses.replace(executor.options, measure_device_time=True)
@@ -95,7 +107,7 @@ async def engine_decode_ms_per_token(config: EngineConfig, executor: CudaModelEx
 
     prompt = [(7 * i) % 9000 + 100 for i in range(PROMPT_LEN)]
     params = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    executor.drain()
+    _drain(executor)
     async with Engine.open(config, executor=executor) as engine:
         for _ in range(2):  # the first run warms up; the second is timed
             times, num_tokens = [], 0
@@ -141,9 +153,18 @@ def executor_decode_ms_per_token(executor: CudaModelExecutor, *, depth: int,
     return 1000 * elapsed / (NUM_NEW_TOKENS - 1)
 
 
+def _drain(executor: CudaModelExecutor) -> None:
+    """Collect what an earlier run left in flight (a tensor-parallel executor's steps
+    are all collected by then)."""
+    if isinstance(executor, CudaModelExecutor):
+        executor.drain()
+
+
 def graph_replay_ms(executor: CudaModelExecutor, batch_size: int = 1) -> float | None:
     """Median device time of one captured decode step's replay, logits included (its
     inputs as they are)."""
+    if not isinstance(executor, CudaModelExecutor):
+        return None  # the graphs live in the ranks' processes
     captured = executor.graphs.get(batch_size)
     stream = executor.compute.torch_stream
     if captured is None or stream is None:
@@ -206,8 +227,9 @@ def _throughput(args: argparse.Namespace, *, num_prompts: int, prompt_len: tuple
     started = time.perf_counter()
     executor = create_executor(engine_config(args.model, depth=2), measure_device_time=True)
     results["start_up_seconds"] = time.perf_counter() - started
-    results["graph_capture_seconds"] = executor.graph_capture_seconds
-    results["graph_memory_gib"] = executor.graph_memory_bytes / 2**30
+    if isinstance(executor, CudaModelExecutor):
+        results["graph_capture_seconds"] = executor.graph_capture_seconds
+        results["graph_memory_gib"] = executor.graph_memory_bytes / 2**30
     workload = random_workload(seed=0, num_prompts=num_prompts, prompt_len=prompt_len,
                                output_len=output_len,
                                max_token_id=min(10000, executor.vocab_size))
@@ -221,7 +243,7 @@ def _throughput(args: argparse.Namespace, *, num_prompts: int, prompt_len: tuple
                                            progress=False))
     for depth in args.depths:
         config = engine_config(args.model, depth=depth)
-        executor.drain()
+        _drain(executor)
         stats_before = _stats_snapshot(executor)
         cpu_before = time.process_time()
         result = trio.run(lambda config=config: run_engine_throughput(
@@ -230,7 +252,8 @@ def _throughput(args: argparse.Namespace, *, num_prompts: int, prompt_len: tuple
         cpu_seconds = time.process_time() - cpu_before
         stats = {key: value - stats_before[key] for key, value in
                  _stats_snapshot(executor).items()}
-        result.update(_profile(result, stats, cpu_seconds))
+        if stats:
+            result.update(_profile(result, stats, cpu_seconds))
         results[f"depth_{depth}"] = result
         print(json.dumps({f"depth_{depth}": result}, indent=1), flush=True)
     return results
@@ -274,6 +297,8 @@ def run_structured(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _stats_snapshot(executor: CudaModelExecutor) -> dict[str, float]:
+    if not isinstance(executor, CudaModelExecutor):
+        return {}  # the ranks keep their statistics
     stats = executor.stats
     snapshot: dict[str, float] = {}
     for name in stats.__slots__:
@@ -376,15 +401,20 @@ def main() -> None:
                              help="throughput and transformers: 256, mixed: 2000")
         command.add_argument("--depths", type=int, nargs="+", default=[2, 1])
         command.add_argument("--time-limit", type=float, default=150.0)
+        command.add_argument("--tensor-parallel-size", type=int, default=1,
+                             help="decode, throughput: ranks (GPUs), one worker process each")
         command.set_defaults(run=run)
     args = parser.parse_args()
+    global TENSOR_PARALLEL_SIZE
+    TENSOR_PARALLEL_SIZE = args.tensor_parallel_size
     started = time.perf_counter()
     results = args.run(args)
     results["date"] = time.strftime("%Y-%m-%d")
     results["command"] = " ".join(["python3", *sys.argv])
     results["device"] = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
     results["wall_seconds"] = time.perf_counter() - started
-    path = OUT / f"{args.command}-{args.model}.json"
+    suffix = f"-tp{args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""
+    path = OUT / f"{args.command}-{args.model}{suffix}.json"
     path.write_text(json.dumps(results, indent=2))
     print(json.dumps(results, indent=1), flush=True)
 

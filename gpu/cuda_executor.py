@@ -92,6 +92,7 @@ from trio_llm.gpu.step_packing import (
     pad_varlen_sequences,
     upload,
 )
+from trio_llm.gpu.tensor_parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
 
@@ -207,8 +208,9 @@ class CudaModelExecutor(ModelExecutor):
         self.graph_memory_bytes = 0
 
     @classmethod
-    def create(cls, config: EngineConfig) -> CudaModelExecutor:
-        executor = super().create(config)
+    def create(cls, config: EngineConfig, *, parallel: TensorParallel | None = None,
+               device: torch.device | None = None) -> CudaModelExecutor:
+        executor = super().create(config, parallel=parallel, device=device)
         assert isinstance(executor, CudaModelExecutor)
         executor.start(CudaExecutorOptions.from_config(config, executor.device))
         return executor
@@ -674,9 +676,7 @@ class CudaModelExecutor(ModelExecutor):
     # -- start-up: report and graphs -----------------------------------------------------
 
     def _report_kv_cache(self) -> None:
-        config = self.model.config
-        bytes_per_token = (2 * config.num_layers * config.num_kv_heads * config.head_dim
-                           * self.dtype.itemsize)
+        bytes_per_token = self.model.kv_cache_bytes_per_token  # this rank's KV heads
         num_tokens = self.num_kv_blocks * self.block_size
         logger.info("KV cache: %d blocks of %d tokens = %d tokens, %.2f GiB (%s)",
                     self.num_kv_blocks, self.block_size, num_tokens,
@@ -729,7 +729,12 @@ class CudaModelExecutor(ModelExecutor):
         for graphs, sizes in ((self.decode_graphs, decode_sizes),
                               (self.varlen_graphs, varlen_sizes)):
             for size in sizes:
-                if not self._within_capture_budget(started, memory_before, size):
+                # Tensor-parallel ranks must hold the same graphs: a step padded to a
+                # graph on one rank and run unpadded on another would hand their
+                # collectives tensors of different sizes. Each rank's budget can run
+                # out at a different size; the first rank out stops them all.
+                within = self._within_capture_budget(started, memory_before, size)
+                if not self.model.parallel.min_over_ranks(int(within), self.device):
                     break
                 graphs.capture(size, self.compute, pool)
         if self.device.type == "cuda":

@@ -19,6 +19,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -43,6 +44,10 @@ from trio_llm.gpu.sampler import (
     record_sampled,
     sample,
 )
+from trio_llm.gpu.tensor_parallel import TensorParallel
+
+if TYPE_CHECKING:
+    from trio_llm.gpu.tp_executor import TensorParallelExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -134,17 +139,22 @@ class ModelExecutor:
                                 max_model_len=max_model_len)
 
     @classmethod
-    def create(cls, config: EngineConfig) -> ModelExecutor:
-        """Resolve and load the model, then size and allocate the KV cache."""
+    def create(cls, config: EngineConfig, *, parallel: TensorParallel | None = None,
+               device: torch.device | None = None) -> ModelExecutor:
+        """Resolve and load the model, then size and allocate the KV cache. With
+        ``parallel`` (a tensor-parallel worker, gpu/tp_worker.py): this rank's shard on
+        ``device``, and as many KV blocks as every rank can hold."""
         description = cls.describe(config)
-        device = resolve_device(config.device)
+        device = device or resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
         torch.manual_seed(config.seed)
         model = load_model(description.model_path, dtype=dtype, device=device,
                            load_format=_load_format(config),
                            max_positions=max(description.max_model_len,
-                                             description.model_config.max_position_embeddings))
+                                             description.model_config.max_position_embeddings),
+                           parallel=parallel)
         num_kv_blocks = config.num_kv_blocks or _num_kv_blocks_for_memory(model, config)
+        num_kv_blocks = model.parallel.min_over_ranks(num_kv_blocks, device)
         if device.type == "cpu":
             configure_cpu_threads()
             model.attention_backend.warm_up()
@@ -273,16 +283,27 @@ class ModelExecutor:
                           self.kv_caches, metadata)
 
 
-def create_executor(config: EngineConfig) -> ModelExecutor:
-    """The executor for ``config``: the pipelined CUDA executor where the model
-    runs on CUDA (gpu/cuda_executor.py, imported only then), else this one."""
-    from trio_llm.gpu.loader import resolve_device
+def create_executor(config: EngineConfig) -> ModelExecutor | TensorParallelExecutor:
+    """The executor for ``config``: with ``tensor_parallel_size`` > 1 one that drives a
+    worker process per rank (gpu/tp_executor.py); else the pipelined CUDA executor where
+    the model runs on CUDA (gpu/cuda_executor.py, imported only then), or this one."""
+    if config.tensor_parallel_size > 1:
+        from trio_llm.gpu.tp_executor import TensorParallelExecutor
 
-    if resolve_device(config.device).type == "cuda":
+        return TensorParallelExecutor.create(config)
+    return create_rank_executor(config)
+
+
+def create_rank_executor(config: EngineConfig, *, parallel: TensorParallel | None = None,
+                         device: torch.device | None = None) -> ModelExecutor:
+    """The executor of one model (or of one rank's shard): CUDA's where ``device``
+    (default: the config's) is a GPU, else this one."""
+    device = device or resolve_device(config.device)
+    if device.type == "cuda":
         from trio_llm.gpu.cuda_executor import CudaModelExecutor
 
-        return CudaModelExecutor.create(config)
-    return ModelExecutor.create(config)
+        return CudaModelExecutor.create(config, parallel=parallel, device=device)
+    return ModelExecutor.create(config, parallel=parallel, device=device)
 
 
 def configure_cpu_threads() -> int:

@@ -14,15 +14,17 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
 from trio_llm.gpu.config import ModelConfig, ModelLoadError
 from trio_llm.gpu.model import CausalLM
+from trio_llm.gpu.tensor_parallel import TensorParallel
 
 __all__ = ["ModelLoadError", "load_model", "resolve_device", "resolve_dtype"]
 
@@ -50,11 +52,14 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def load_model(directory: Path, *, dtype: torch.dtype, device: torch.device,
-               load_format: str = "auto", max_positions: int | None = None) -> CausalLM:
-    """Build the model described by ``directory``/config.json and fill its weights."""
+               load_format: str = "auto", max_positions: int | None = None,
+               parallel: TensorParallel | None = None) -> CausalLM:
+    """Build the model described by ``directory``/config.json and fill its weights
+    (with ``parallel``, this rank's shard only: it reads no other rank's part)."""
     config = ModelConfig.from_dir(directory)
     with torch.no_grad():
-        model = CausalLM(config, dtype=dtype, device=device, max_positions=max_positions)
+        model = CausalLM(config, dtype=dtype, device=device, max_positions=max_positions,
+                         parallel=parallel)
         if load_format == "dummy":
             fill_dummy_weights(model)
         elif load_format in ("auto", "safetensors"):
@@ -70,17 +75,40 @@ def load_model(directory: Path, *, dtype: torch.dtype, device: torch.device,
 @dataclass(frozen=True, slots=True)
 class Target:
     """Where one checkpoint tensor goes: rows ``[row_start, row_start + num_rows)`` of a
-    model parameter (a fused parameter holds several checkpoint tensors)."""
+    model parameter (a fused parameter holds several checkpoint tensors).
+
+    ``shape`` is the checkpoint tensor's, checked before its data is read. Under tensor
+    parallelism a rank reads only its shard: ``shard_length`` entries from
+    ``shard_start`` along ``shard_dim`` (None: the whole tensor). A vocabulary shard may
+    reach past the tensor's end: the rows past it are padding and get zeros.
+    ``is_zero``: the bias of a row-parallel layer on a rank other than 0, whose partial
+    sums must not add it a second time.
+    """
 
     parameter_name: str
     row_start: int
     num_rows: int
     shape: tuple[int, ...]
+    shard_dim: int | None = None
+    shard_start: int = 0
+    shard_length: int = 0
+    is_zero: bool = False
+
+    def take(self, tensor: Any) -> Any:
+        """This rank's part of ``tensor`` (a torch tensor or a safetensors slice)."""
+        if self.shard_dim is None:
+            return tensor[:]
+        end = min(self.shard_start + self.shard_length, self.shape[self.shard_dim])
+        if self.shard_dim == 0:
+            return tensor[self.shard_start:end]
+        return tensor[:, self.shard_start:end]
 
 
 def checkpoint_targets(model: CausalLM) -> dict[str, Target]:
-    """Every checkpoint tensor name the model needs, and where it goes."""
+    """Every checkpoint tensor name the model needs, and where it goes (for this rank's
+    shard of a tensor-parallel model)."""
     config = model.config
+    parallel = model.parallel
     parameters = dict(model.named_parameters(remove_duplicate=False))
     targets: dict[str, Target] = {}
 
@@ -88,38 +116,84 @@ def checkpoint_targets(model: CausalLM) -> dict[str, Target]:
         shape = tuple(parameters[parameter_name].shape)
         targets[checkpoint_name] = Target(parameter_name, 0, shape[0], shape)
 
-    def fused(prefix: str, parameter_name: str, parts: list[tuple[str, int]], suffix: str) -> None:
+    def vocabulary(checkpoint_name: str, parameter_name: str) -> None:
+        shape = (config.vocab_size, config.hidden_size)
+        targets[checkpoint_name] = Target(parameter_name, 0, model.num_vocab_rows, shape,
+                                          shard_dim=0, shard_start=model.vocab_start,
+                                          shard_length=model.num_vocab_rows)
+
+    def column_parallel(prefix: str, parameter_name: str, parts: list[tuple[str, int, str]],
+                        suffix: str) -> None:
+        """Fused parts, each split by output rows: this rank's rows of each, stacked."""
         parameter_shape = tuple(parameters[parameter_name].shape)
         row_start = 0
-        for part_name, num_rows in parts:
+        for part_name, num_rows, what in parts:
+            shard_start, shard_length = parallel.split(num_rows, what)
             shape = (num_rows, *parameter_shape[1:])
-            targets[f"{prefix}{part_name}.{suffix}"] = Target(parameter_name, row_start,
-                                                              num_rows, shape)
-            row_start += num_rows
+            targets[f"{prefix}{part_name}.{suffix}"] = Target(
+                parameter_name, row_start, shard_length, shape, shard_dim=0,
+                shard_start=shard_start, shard_length=shard_length)
+            row_start += shard_length
 
-    whole("model.embed_tokens.weight", "embed_tokens")
+    def row_parallel(checkpoint_name: str, parameter_name: str, num_inputs: int,
+                     what: str) -> None:
+        """A weight split by input columns; its bias is added by rank 0 alone."""
+        parameter_shape = tuple(parameters[parameter_name].shape)
+        if checkpoint_name.endswith(".bias"):
+            targets[checkpoint_name] = Target(parameter_name, 0, parameter_shape[0],
+                                              parameter_shape, is_zero=parallel.rank != 0)
+            return
+        shard_start, shard_length = parallel.split(num_inputs, what)
+        targets[checkpoint_name] = Target(parameter_name, 0, parameter_shape[0],
+                                          (parameter_shape[0], num_inputs), shard_dim=1,
+                                          shard_start=shard_start, shard_length=shard_length)
+
+    vocabulary("model.embed_tokens.weight", "embed_tokens")
     whole("model.norm.weight", "norm.weight")
     if not config.tie_word_embeddings:
-        whole("lm_head.weight", "lm_head.weight")
-    qkv_parts = [("q_proj", config.q_size), ("k_proj", config.kv_size), ("v_proj", config.kv_size)]
-    gate_up_parts = [("gate_proj", config.intermediate_size), ("up_proj", config.intermediate_size)]
+        vocabulary("lm_head.weight", "lm_head.weight")
+    heads, kv_heads = "the number of attention heads", "the number of KV heads"
+    intermediate = "the intermediate size"
+    # Each part's rows are whole heads (or intermediate units): split them by those.
+    qkv_parts = [("q_proj", config.q_size, heads), ("k_proj", config.kv_size, kv_heads),
+                 ("v_proj", config.kv_size, kv_heads)]
+    gate_up_parts = [("gate_proj", config.intermediate_size, intermediate),
+                     ("up_proj", config.intermediate_size, intermediate)]
     qkv_suffixes = ("weight", "bias") if config.qkv_bias else ("weight",)
     mlp_suffixes = ("weight", "bias") if config.mlp_bias else ("weight",)
-    # Per-layer tensors that keep their checkpoint name, less the "model." prefix.
-    same_names = ["input_layernorm.weight", "post_attention_layernorm.weight",
-                  "self_attn.o_proj.weight", "mlp.down_proj.weight"]
-    same_names += ["self_attn.o_proj.bias"] if config.o_proj_bias else []
-    same_names += ["mlp.down_proj.bias"] if config.mlp_bias else []
+    o_proj_suffixes = ("weight", "bias") if config.o_proj_bias else ("weight",)
+    # Per-layer tensors every rank holds whole, named as in the checkpoint less "model.".
+    same_names = ["input_layernorm.weight", "post_attention_layernorm.weight"]
     same_names += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"] if config.qk_norm else []
     for index in range(config.num_layers):
         ours, theirs = f"layers.{index}.", f"model.layers.{index}."
         for suffix in qkv_suffixes:
-            fused(theirs + "self_attn.", ours + f"self_attn.qkv_proj.{suffix}", qkv_parts, suffix)
+            column_parallel(theirs + "self_attn.", ours + f"self_attn.qkv_proj.{suffix}",
+                            qkv_parts, suffix)
         for suffix in mlp_suffixes:
-            fused(theirs + "mlp.", ours + f"mlp.gate_up_proj.{suffix}", gate_up_parts, suffix)
+            column_parallel(theirs + "mlp.", ours + f"mlp.gate_up_proj.{suffix}",
+                            gate_up_parts, suffix)
+            row_parallel(theirs + f"mlp.down_proj.{suffix}", ours + f"mlp.down_proj.{suffix}",
+                         config.intermediate_size, intermediate)
+        for suffix in o_proj_suffixes:
+            row_parallel(theirs + f"self_attn.o_proj.{suffix}",
+                         ours + f"self_attn.o_proj.{suffix}", config.q_size, heads)
         for name in same_names:
             whole(theirs + name, ours + name)
     return targets
+
+
+def copy_into(parameters: Mapping[str, torch.Tensor], target: Target,
+              part: torch.Tensor) -> None:
+    """Copy this rank's ``part`` of a checkpoint tensor into its rows of the parameter;
+    padding rows past the part's end get zeros."""
+    destination = parameters[target.parameter_name][target.row_start:
+                                                    target.row_start + target.num_rows]
+    if target.is_zero:
+        destination.zero_()
+        return
+    destination[:part.shape[0]].copy_(part)
+    destination[part.shape[0]:].zero_()
 
 
 # -- safetensors ---------------------------------------------------------------------
@@ -161,9 +235,7 @@ def _load_safetensors(model: CausalLM, directory: Path) -> None:
     parameters = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     for tensor_name, tensor in _read_tensors(directory, targets):
-        target = targets[tensor_name]
-        destination = parameters[target.parameter_name]
-        destination[target.row_start:target.row_start + target.num_rows].copy_(tensor)
+        copy_into(parameters, targets[tensor_name], tensor)
         loaded.add(tensor_name)
     missing = [name for name in targets if name not in loaded]
     if missing:
@@ -185,8 +257,10 @@ def _read_tensors(directory: Path, targets: dict[str, Target]
                     if name not in file.keys():
                         raise ModelLoadError(f"{path}: missing tensor {name} "
                                              f"(the index says it is in this file)")
-                    _check_shape(path, name, file.get_slice(name).get_shape(), targets[name])
-                    yield name, file.get_tensor(name)
+                    tensor_slice = file.get_slice(name)
+                    _check_shape(path, name, tensor_slice.get_shape(), targets[name])
+                    # only this rank's shard is read from the file
+                    yield name, targets[name].take(tensor_slice)
         except ModelLoadError:
             raise
         except Exception as error:  # safetensors raises its own types for corrupt files
@@ -203,14 +277,17 @@ def _check_shape(path: Path, name: str, shape: list[int], target: Target) -> Non
 
 
 def fill_dummy_weights(model: CausalLM, *, seed: int = DUMMY_SEED, std: float = DUMMY_STD) -> None:
-    """Seeded random weights: norms at one, everything else normal with a small std."""
+    """Seeded random weights: norms at one, biases at zero, everything else normal with a
+    small std. Each checkpoint tensor is drawn whole, in one order, then sharded as a
+    checkpoint would be: every tensor-parallel size gets the same model."""
     generator = torch.Generator(device=model.device).manual_seed(seed)
-    for name, parameter in model.named_parameters():
+    parameters = dict(model.named_parameters(remove_duplicate=False))
+    for name, target in checkpoint_targets(model).items():
         if name.endswith("norm.weight"):
-            parameter.fill_(1.0)
+            tensor = torch.ones(target.shape, device=model.device)
         elif name.endswith(".bias"):
-            parameter.zero_()
+            tensor = torch.zeros(target.shape, device=model.device)
         else:
-            noise = torch.randn(parameter.shape, generator=generator, device=model.device,
-                                dtype=torch.float32)
-            parameter.copy_(noise.mul_(std))
+            tensor = torch.randn(target.shape, generator=generator, device=model.device,
+                                 dtype=torch.float32).mul_(std)
+        copy_into(parameters, target, target.take(tensor))

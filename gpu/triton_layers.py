@@ -28,7 +28,6 @@ from __future__ import annotations
 from typing import cast
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import nn
@@ -218,7 +217,7 @@ class FusedCausalLM(CausalLM):
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], metadata: AttentionMetadata) -> torch.Tensor:
-        hidden = F.embedding(token_ids, self.embed_tokens)
+        hidden = self.embed(token_ids)
         residual: torch.Tensor | None = None
         # nn.ModuleList yields Modules; its items are DecoderLayers (CausalLM builds them).
         layers = cast(list[DecoderLayer], list(self.layers))
@@ -233,7 +232,7 @@ class FusedCausalLM(CausalLM):
             norm = layer.post_attention_layernorm
             normed, residual = add_rms_norm(hidden, residual, norm.weight, norm.eps)
             mlp = layer.mlp
-            hidden = mlp.down_proj(silu_and_mul(mlp.gate_up_proj(normed)))
+            hidden = self.parallel.reduce(mlp.down_proj(silu_and_mul(mlp.gate_up_proj(normed))))
         if residual is None:
             return rms_norm(hidden, self.norm.weight, self.norm.eps)
         return add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)[0]
@@ -251,7 +250,8 @@ class FusedCausalLM(CausalLM):
         attended = self.attention_backend.paged_attention(
             query, k_cache, v_cache, metadata.block_tables, metadata.context_lens,
             metadata.query_start_loc, attention.scale)
-        return attention.o_proj(attended.view(hidden.shape[0], attention.q_size))
+        return self.parallel.reduce(
+            attention.o_proj(attended.view(hidden.shape[0], attention.q_size)))
 
 
 # Rows up to which GemvLinear uses gemv. Measured on the H200 inside captured decode

@@ -26,3 +26,9 @@ def test_a_pipeline_depth_other_than_1_or_2_is_refused() -> None:
 
     with pytest.raises(msgspec.ValidationError, match="pipeline_depth"):
         msgspec.convert({"pipeline_depth": 3}, EngineConfig)
+
+
+@pytest.mark.parametrize("flags", [("--tensor-parallel-size", "2"), ("-tp", "2")])
+def test_tensor_parallel_size_has_vllm_s_flag_and_short_name(flags: tuple[str, ...]) -> None:
+    assert config_from().tensor_parallel_size == 1
+    assert config_from(*flags).tensor_parallel_size == 2
