@@ -84,6 +84,14 @@ BODY_TIMEOUT_SECONDS = 60.0
 CLOSE_TIMEOUT_SECONDS = 5.0
 # After the drain, Hypercorn lets responses being written go out for this long.
 STRAGGLER_SECONDS = 1.0
+# An idle keep-alive connection is closed after this long. Hypercorn's default (5 s)
+# equals the idle expiry of httpx's pool (and so of the OpenAI client): a client
+# reuses a connection idle for just under 5 s while the server closes it, and the
+# request on it fails ("Server disconnected without sending a response"); under
+# load, with the loops lagging, about 1% of requests did (docs/performance.md,
+# "Process layouts"). A server must keep idle connections longer than its clients
+# do (nginx's default: 75 s). A graceful stop closes idle connections at once.
+KEEP_ALIVE_SECONDS = 75.0
 # `trio-llm serve` without --api-server-count (see docs/performance.md, "Process layouts").
 DEFAULT_API_SERVER_COUNT = 0
 # Worker threads for converting generation requests, and for /tokenize and
@@ -549,6 +557,7 @@ def hypercorn_config(config: ServerConfig, *, listen_fd: int | None = None) -> H
     # The drain happens before Hypercorn is told to stop (see serve_app); this
     # only lets responses being written at that moment go out.
     hyper.graceful_timeout = STRAGGLER_SECONDS
+    hyper.keep_alive_timeout = KEEP_ALIVE_SECONDS
     hyper.accesslog = None
     hyper.errorlog = logging.getLogger("hypercorn.error")  # our handlers, not its own
     return hyper

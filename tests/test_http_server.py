@@ -8,7 +8,10 @@ from typing import Any
 import httpx
 import pytest
 import trio
-from test_http_support import FakeEngine, running_server, sse_events, sse_json
+import trio.testing
+from test_http_support import FakeEngine, host_port, running_server, sse_events, sse_json
+
+from trio_llm.api.server import KEEP_ALIVE_SECONDS
 
 TIMEOUT = 10
 
@@ -186,6 +189,57 @@ async def test_models_health_tokenize_detokenize() -> None:
     assert chat_tokens["tokens"] == FakeEngine().tokenizer.encode("<user>x<assistant>")
     assert text == {"prompt": "hi"}
     assert by_served_name.json()["model"] == "served"
+
+
+# -- connections ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def mock_clock_at_real_rate() -> trio.testing.MockClock:
+    """Time passes as it does, and a test may jump it (pytest-trio runs the test on it)."""
+    return trio.testing.MockClock(rate=1.0)
+
+
+async def keep_alive_request(stream: trio.SocketStream, host: str) -> bytes:
+    """GET /health on an open connection; the response head and body (by its length)."""
+    await stream.send_all(f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+    received = b""
+    while b"\r\n\r\n" not in received:
+        data = await stream.receive_some(65536)
+        assert data, "the server closed the kept-alive connection"
+        received += data
+    head, body = received.split(b"\r\n\r\n", 1)
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length:"))
+    while len(body) < length:
+        data = await stream.receive_some(65536)
+        assert data, "the server closed the connection in the middle of a response"
+        body += data
+    return head
+
+
+async def test_an_idle_connection_outlives_the_clients_keep_alive(
+        mock_clock_at_real_rate: trio.testing.MockClock) -> None:
+    """A client's pool reuses a connection idle for up to its expiry (httpx: 5 s);
+    a server that closes sooner or at the same moment fails the request sent on it.
+    Hypercorn's own default is those same 5 s: about 1% of requests failed so under
+    load. The server keeps an idle connection longer, and still closes it in the end."""
+    clock = mock_clock_at_real_rate
+    client_expiry = httpx.Limits().keepalive_expiry
+    assert client_expiry is not None and KEEP_ALIVE_SECONDS > 2 * client_expiry
+    with trio.fail_after(TIMEOUT + 2 * KEEP_ALIVE_SECONDS):
+        async with running_server(FakeEngine()) as url:
+            host, port = host_port(url)
+            async with await trio.open_tcp_stream(host, port) as stream:
+                assert b" 200 " in await keep_alive_request(stream, host)
+                await trio.testing.wait_all_tasks_blocked()
+                clock.jump(2 * client_expiry)  # idle, as in a pool
+                await trio.testing.wait_all_tasks_blocked()
+                assert b" 200 " in await keep_alive_request(stream, host)
+                await trio.testing.wait_all_tasks_blocked()
+                clock.jump(KEEP_ALIVE_SECONDS + 1)
+                await trio.testing.wait_all_tasks_blocked()
+                assert await stream.receive_some(65536) == b""  # closed by the server
 
 
 # -- errors -------------------------------------------------------------------------------
