@@ -92,6 +92,11 @@ STRAGGLER_SECONDS = 1.0
 # "Process layouts"). A server must keep idle connections longer than its clients
 # do (nginx's default: 75 s). A graceful stop closes idle connections at once.
 KEEP_ALIVE_SECONDS = 75.0
+# Connections the kernel may hold for the server before it accepts them, as
+# uvicorn's (vLLM's) default. Hypercorn listens with 100, on a socket it is handed
+# too: of a burst of more new connections than that (a benchmark's 256 at once),
+# the kernel drops the rest, and their clients retry only a second later.
+LISTEN_BACKLOG = 2048
 # `trio-llm serve` without --api-server-count (see docs/performance.md, "Process layouts").
 DEFAULT_API_SERVER_COUNT = 0
 # Worker threads for converting generation requests, and for /tokenize and
@@ -558,6 +563,7 @@ def hypercorn_config(config: ServerConfig, *, listen_fd: int | None = None) -> H
     # only lets responses being written at that moment go out.
     hyper.graceful_timeout = STRAGGLER_SECONDS
     hyper.keep_alive_timeout = KEEP_ALIVE_SECONDS
+    hyper.backlog = LISTEN_BACKLOG
     hyper.accesslog = None
     hyper.errorlog = logging.getLogger("hypercorn.error")  # our handlers, not its own
     return hyper

@@ -11,7 +11,7 @@ import trio
 import trio.testing
 from test_http_support import FakeEngine, host_port, running_server, sse_events, sse_json
 
-from trio_llm.api.server import KEEP_ALIVE_SECONDS
+from trio_llm.api.server import KEEP_ALIVE_SECONDS, LISTEN_BACKLOG, ServerConfig, hypercorn_config
 
 TIMEOUT = 10
 
@@ -240,6 +240,15 @@ async def test_an_idle_connection_outlives_the_clients_keep_alive(
                 clock.jump(KEEP_ALIVE_SECONDS + 1)
                 await trio.testing.wait_all_tasks_blocked()
                 assert await stream.receive_some(65536) == b""  # closed by the server
+
+
+def test_hypercorn_keeps_the_listen_backlog_and_the_keep_alive_we_chose() -> None:
+    """Hypercorn calls listen() again, with its own backlog (100), even on a socket
+    it is handed (an API server's): 256 connections at once would overflow it."""
+    for listen_fd in (None, 7):
+        hyper = hypercorn_config(ServerConfig(), listen_fd=listen_fd)
+        assert hyper.backlog == LISTEN_BACKLOG >= 1024
+        assert hyper.keep_alive_timeout == KEEP_ALIVE_SECONDS
 
 
 # -- errors -------------------------------------------------------------------------------
