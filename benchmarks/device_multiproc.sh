@@ -30,6 +30,7 @@ BENCH_FLAGS_0="--num-prompts 600 --random-input-len 128 --random-output-len 128 
 EXTRA_BENCH_FLAGS="--num-prompts 10 --random-input-len 128 --random-output-len 256 --max-concurrency 1" \
 BENCH_SECONDS=${BENCH_SECONDS:-50} bash benchmarks/serve_layouts.sh "$OUT/layouts" "${LAYOUTS:-0 1 2 4}"
 summary "$OUT/layouts"
+tar czf "$OUT/layouts.tgz" -C "$OUT" layouts  # each part's files come back even if a later one overruns
 best=$(python3 - "$OUT/layouts" <<'EOF'
 import json, pathlib, sys
 rates = {}
@@ -45,4 +46,4 @@ SERVE_FLAGS="--model qwen3-8b --load-format dummy" \
 BENCH_FLAGS="--num-prompts 512 --random-input-len 1024 --random-output-len 128 --max-concurrency 64 --num-client-processes 2" \
 BENCH_SECONDS=${BENCH_SECONDS:-50} bash benchmarks/serve_layouts.sh "$OUT/layouts-8b" "$best"
 summary "$OUT/layouts-8b"
-tar czf "$OUT/layouts.tgz" -C "$OUT" layouts layouts-8b && rm -rf "$OUT/layouts" "$OUT/layouts-8b"
+tar czf "$OUT/layouts-8b.tgz" -C "$OUT" layouts-8b && rm -rf "$OUT/layouts" "$OUT/layouts-8b"
