@@ -30,7 +30,6 @@ BENCH_FLAGS_0="--num-prompts 600 --random-input-len 128 --random-output-len 128 
 EXTRA_BENCH_FLAGS="--num-prompts 10 --random-input-len 128 --random-output-len 256 --max-concurrency 1" \
 BENCH_SECONDS=${BENCH_SECONDS:-50} bash benchmarks/serve_layouts.sh "$OUT/layouts" "${LAYOUTS:-0 1 2 4}"
 summary "$OUT/layouts"
-tar czf "$OUT/layouts.tgz" -C "$OUT" layouts  # each part's files come back even if a later one overruns
 best=$(python3 - "$OUT/layouts" <<'EOF'
 import json, pathlib, sys
 rates = {}
@@ -41,9 +40,11 @@ for path in pathlib.Path(sys.argv[1]).glob("serve-layout-[1-9].json"):
 print(max(rates, key=rates.get) if rates else 1)
 EOF
 )
+# each part's files come back, even if a later part overruns the call
+tar czf "$OUT/layouts.tgz" -C "$OUT" layouts && rm -rf "$OUT/layouts"
 echo "=== qwen3-8b through --api-server-count $best"
 SERVE_FLAGS="--model qwen3-8b --load-format dummy" \
 BENCH_FLAGS="--num-prompts 512 --random-input-len 1024 --random-output-len 128 --max-concurrency 64 --num-client-processes 2" \
 BENCH_SECONDS=${BENCH_SECONDS:-50} bash benchmarks/serve_layouts.sh "$OUT/layouts-8b" "$best"
 summary "$OUT/layouts-8b"
-tar czf "$OUT/layouts-8b.tgz" -C "$OUT" layouts-8b && rm -rf "$OUT/layouts" "$OUT/layouts-8b"
+tar czf "$OUT/layouts-8b.tgz" -C "$OUT" layouts-8b && rm -rf "$OUT/layouts-8b"
