@@ -15,7 +15,8 @@ end with an error), then stops Hypercorn. A second signal stops at once.
 
 ``--api-server-count N`` (N >= 1) serves the same app from N API-server
 processes in front of one engine-core process (api/processes.py); 0 serves
-everything from this one process.
+everything from this one process. Without the flag, N is one per four CPU
+cores, 1 to 4 (``default_api_server_count``).
 """
 
 from __future__ import annotations
@@ -97,8 +98,13 @@ KEEP_ALIVE_SECONDS = 75.0
 # too: of a burst of more new connections than that (a benchmark's 256 at once),
 # the kernel drops the rest, and their clients retry only a second later.
 LISTEN_BACKLOG = 2048
-# `trio-llm serve` without --api-server-count (see docs/performance.md, "Process layouts").
-DEFAULT_API_SERVER_COUNT = 0
+# `trio-llm serve` without --api-server-count: one API server for every
+# CPU_CORES_PER_API_SERVER cores this process may run on, 1 to MAX_DEFAULT_API_SERVERS
+# (measured, docs/performance.md, "Process layouts": on the H200 machine's 16 cores
+# four API servers served 42,258 tok/s, two 25,290, one 12,660, one process 6,454;
+# on the 2-core development machine one API server served twice what one process did).
+CPU_CORES_PER_API_SERVER = 4
+MAX_DEFAULT_API_SERVERS = 4
 # Worker threads for converting generation requests, and for /tokenize and
 # /detokenize: limiters of their own. With trio's shared default limiter,
 # enough large requests at once could hold every thread and hold up the
@@ -697,9 +703,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                        help="how tool calls are found in generated text")
     group.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                        help="split reasoning (<think>...</think>) into reasoning_content")
-    group.add_argument("--api-server-count", type=int, default=DEFAULT_API_SERVER_COUNT,
+    group.add_argument("--api-server-count", type=int, default=None,
                        help="API-server processes in front of one engine-core process "
-                            "(0: serve everything from this one process)")
+                            "(0: serve everything from this one process; default: one "
+                            f"per {CPU_CORES_PER_API_SERVER} CPU cores, 1 to "
+                            f"{MAX_DEFAULT_API_SERVERS})")
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -712,18 +720,33 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         raise SystemExit(f"trio-llm serve: invalid server option: {error}") from None
 
 
+def default_api_server_count(num_cpus: int) -> int:
+    """The API servers `trio-llm serve` starts unless told: see CPU_CORES_PER_API_SERVER."""
+    return max(1, min(MAX_DEFAULT_API_SERVERS, num_cpus // CPU_CORES_PER_API_SERVER))
+
+
+def _num_usable_cpus() -> int:
+    """The cores this process may run on (a container's share, not the host's)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """`trio-llm serve`: 0 after a graceful stop, 1 if the engine died."""
     from trio_llm.api.cli import engine_config_from_args
 
     engine_config = engine_config_from_args(args)
     config = server_config_from_args(args)
-    if args.api_server_count < 0:
+    num_api_servers = args.api_server_count
+    if num_api_servers is None:
+        num_api_servers = default_api_server_count(_num_usable_cpus())
+    if num_api_servers < 0:
         raise SystemExit("trio-llm serve: --api-server-count must be 0 or more")
-    if args.api_server_count > 0:
+    if num_api_servers > 0:
         from trio_llm.api.processes import run_served
 
-        return run_served(engine_config, config, num_api_servers=args.api_server_count)
+        return run_served(engine_config, config, num_api_servers=num_api_servers)
     try:
         trio.run(serve, engine_config, config)
     except EngineDead as error:

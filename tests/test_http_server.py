@@ -416,6 +416,20 @@ def test_serve_flags_fill_the_server_config() -> None:
         server_config_from_args(parser.parse_args(["serve", "--port", "70000"]))
 
 
+def test_the_default_api_server_count_follows_the_cpu_cores() -> None:
+    """One API server per four cores, at least one, at most four (docs/performance.md,
+    "Process layouts": the 2-core machine and the 16-core H200 machine); the flag,
+    0 included, overrides it."""
+    from trio_llm.api.cli import _build_parser
+    from trio_llm.api.server import default_api_server_count
+
+    assert [default_api_server_count(n) for n in (1, 2, 4, 7, 8, 16, 128)] == [
+        1, 1, 1, 1, 2, 4, 4]
+    parser = _build_parser()
+    assert parser.parse_args(["serve"]).api_server_count is None
+    assert parser.parse_args(["serve", "--api-server-count", "0"]).api_server_count == 0
+
+
 # -- metrics --------------------------------------------------------------------------
 
 
