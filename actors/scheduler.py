@@ -859,7 +859,10 @@ async def run_scheduler(
     TokenBatch to the detokenizer.
 
     Plans a step whenever fewer than the pipeline depth are in flight; waits
-    on its inbox otherwise. Runs until cancelled; closes its outboxes then.
+    on its inbox otherwise, but only while a step is in flight: with none, no
+    message is bound to come, so an idle scheduler waits in the queue instead
+    (a Pull that waits for a request). Runs until cancelled; closes its
+    outboxes then.
     """
     task_status.started()
     async with queue_outbox, runner_outbox, detokenizer_outbox:
@@ -869,7 +872,9 @@ async def run_scheduler(
                 pulled = await _pull(inbox, scheduler, outboxes)
                 plan = scheduler.schedule(pulled)
                 await _send_plan(plan, outboxes)
-                if plan.batch is not None:
+                # Nothing planned and nothing in flight: the last request finished
+                # while a Pull that does not wait was answered. Ask again, waiting.
+                if plan.batch is not None or not scheduler.num_in_flight:
                     continue
             await _handle(await inbox.receive(), scheduler, outboxes)
 

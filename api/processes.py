@@ -58,11 +58,10 @@ from trio_llm.actors.supervisor import run_core_supervisor
 from trio_llm.actors.wire import open_wire_channel
 from trio_llm.api.engine import Engine, created_executor
 from trio_llm.api.metrics import MULTIPROCESS_DIR_VARIABLE
-from trio_llm.api.server import ServerConfig, serve
+from trio_llm.api.server import LISTEN_BACKLOG, ServerConfig, serve
 
 logger = logging.getLogger(__name__)
 
-LISTEN_BACKLOG = 2048
 # After the core died, API servers fail their requests and exit at once; one
 # that has not exited after this long is killed.
 CHILD_EXIT_SECONDS = 30.0

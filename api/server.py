@@ -15,7 +15,8 @@ end with an error), then stops Hypercorn. A second signal stops at once.
 
 ``--api-server-count N`` (N >= 1) serves the same app from N API-server
 processes in front of one engine-core process (api/processes.py); 0 serves
-everything from this one process.
+everything from this one process. Without the flag, N is one per four CPU
+cores, 1 to 4 (``default_api_server_count``).
 """
 
 from __future__ import annotations
@@ -103,8 +104,26 @@ BODY_TIMEOUT_SECONDS = 60.0
 CLOSE_TIMEOUT_SECONDS = 5.0
 # After the drain, Hypercorn lets responses being written go out for this long.
 STRAGGLER_SECONDS = 1.0
-# `trio-llm serve` without --api-server-count (see docs/performance.md, "Process layouts").
-DEFAULT_API_SERVER_COUNT = 0
+# An idle keep-alive connection is closed after this long. Hypercorn's default (5 s)
+# equals the idle expiry of httpx's pool (and so of the OpenAI client): a client
+# reuses a connection idle for just under 5 s while the server closes it, and the
+# request on it fails ("Server disconnected without sending a response"); under
+# load, with the loops lagging, about 1% of requests did (docs/performance.md,
+# "Process layouts"). A server must keep idle connections longer than its clients
+# do (nginx's default: 75 s). A graceful stop closes idle connections at once.
+KEEP_ALIVE_SECONDS = 75.0
+# Connections the kernel may hold for the server before it accepts them, as
+# uvicorn's (vLLM's) default. Hypercorn listens with 100, on a socket it is handed
+# too: of a burst of more new connections than that (a benchmark's 256 at once),
+# the kernel drops the rest, and their clients retry only a second later.
+LISTEN_BACKLOG = 2048
+# `trio-llm serve` without --api-server-count: one API server for every
+# CPU_CORES_PER_API_SERVER cores this process may run on, 1 to MAX_DEFAULT_API_SERVERS
+# (measured, docs/performance.md, "Process layouts": on the H200 machine's 16 cores
+# four API servers served 42,258 tok/s, two 25,290, one 12,660, one process 6,454;
+# on the 2-core development machine one API server served twice what one process did).
+CPU_CORES_PER_API_SERVER = 4
+MAX_DEFAULT_API_SERVERS = 4
 # Worker threads for converting generation requests, and for /tokenize and
 # /detokenize: limiters of their own. With trio's shared default limiter,
 # enough large requests at once could hold every thread and hold up the
@@ -751,6 +770,8 @@ def hypercorn_config(config: ServerConfig, *, listen_fd: int | None = None) -> H
     # The drain happens before Hypercorn is told to stop (see serve_app); this
     # only lets responses being written at that moment go out.
     hyper.graceful_timeout = STRAGGLER_SECONDS
+    hyper.keep_alive_timeout = KEEP_ALIVE_SECONDS
+    hyper.backlog = LISTEN_BACKLOG
     # vLLM's --uvicorn-log-level: the web server's own logger; at debug (or
     # trace) its access log too, beside the request lines the app writes.
     level = logging.DEBUG if config.uvicorn_log_level == "trace" else (
@@ -923,9 +944,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                        help="how tool calls are found in generated text")
     group.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                        help="split reasoning (<think>...</think>) into reasoning_content")
-    group.add_argument("--api-server-count", type=int, default=DEFAULT_API_SERVER_COUNT,
+    group.add_argument("--api-server-count", type=int, default=None,
                        help="API-server processes in front of one engine-core process "
-                            "(0: serve everything from this one process)")
+                            "(0: serve everything from this one process; default: one "
+                            f"per {CPU_CORES_PER_API_SERVER} CPU cores, 1 to "
+                            f"{MAX_DEFAULT_API_SERVERS})")
     group.add_argument("--root-path", default=None,
                        help="path prefix stripped by a proxy in front (ASGI root_path)")
     group.add_argument("--allowed-origins", type=_string_list, default=None,
@@ -969,18 +992,33 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         raise SystemExit(f"trio-llm serve: invalid server option: {error}") from None
 
 
+def default_api_server_count(num_cpus: int) -> int:
+    """The API servers `trio-llm serve` starts unless told: see CPU_CORES_PER_API_SERVER."""
+    return max(1, min(MAX_DEFAULT_API_SERVERS, num_cpus // CPU_CORES_PER_API_SERVER))
+
+
+def _num_usable_cpus() -> int:
+    """The cores this process may run on (a container's share, not the host's)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """`trio-llm serve`: 0 after a graceful stop, 1 if the engine died."""
     from trio_llm.api.cli import engine_config_from_args
 
     engine_config = engine_config_from_args(args)
     config = server_config_from_args(args)
-    if args.api_server_count < 0:
+    num_api_servers = args.api_server_count
+    if num_api_servers is None:
+        num_api_servers = default_api_server_count(_num_usable_cpus())
+    if num_api_servers < 0:
         raise SystemExit("trio-llm serve: --api-server-count must be 0 or more")
-    if args.api_server_count > 0:
+    if num_api_servers > 0:
         from trio_llm.api.processes import run_served
 
-        return run_served(engine_config, config, num_api_servers=args.api_server_count)
+        return run_served(engine_config, config, num_api_servers=num_api_servers)
     try:
         trio.run(serve, engine_config, config)
     except EngineDead as error:

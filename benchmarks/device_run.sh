@@ -25,7 +25,7 @@ wait_healthy() {  # wait_healthy PORT: until the server there answers /health (1
 }
 serve_bench() {  # (d): the server in the background, `trio-llm bench serve` against it
   local model=$1 port=8011
-  python3 -m trio_llm.api.cli serve --model "$model" --load-format dummy --port $port \
+  python3 -m trio_llm.api.cli serve --model "$model" --load-format dummy --port $port --api-server-count 0 \
     > "$OUT/server-$model.log" 2>&1 &
   local pid=$!
   wait_healthy $port
@@ -37,7 +37,7 @@ serve_bench() {  # (d): the server in the background, `trio-llm bench serve` aga
 prefix_serve_bench() {  # shared prefixes (vLLM's prefix_repetition), caching on then off
   local model=$1 port=8012 caching
   for caching in enable no-enable; do
-    python3 -m trio_llm.api.cli serve --model "$model" --load-format dummy --port $port \
+    python3 -m trio_llm.api.cli serve --model "$model" --load-format dummy --port $port --api-server-count 0 \
       --$caching-prefix-caching > "$OUT/server-prefix-$caching-$model.log" 2>&1 &
     local pid=$!
     wait_healthy $port

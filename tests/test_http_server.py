@@ -8,7 +8,10 @@ from typing import Any
 import httpx
 import pytest
 import trio
-from test_http_support import FakeEngine, running_server, sse_events, sse_json
+import trio.testing
+from test_http_support import FakeEngine, host_port, running_server, sse_events, sse_json
+
+from trio_llm.api.server import KEEP_ALIVE_SECONDS, LISTEN_BACKLOG, ServerConfig, hypercorn_config
 
 TIMEOUT = 10
 
@@ -188,6 +191,66 @@ async def test_models_health_tokenize_detokenize() -> None:
     assert by_served_name.json()["model"] == "served"
 
 
+# -- connections ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def mock_clock_at_real_rate() -> trio.testing.MockClock:
+    """Time passes as it does, and a test may jump it (pytest-trio runs the test on it)."""
+    return trio.testing.MockClock(rate=1.0)
+
+
+async def keep_alive_request(stream: trio.SocketStream, host: str) -> bytes:
+    """GET /health on an open connection; the response head and body (by its length)."""
+    await stream.send_all(f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+    received = b""
+    while b"\r\n\r\n" not in received:
+        data = await stream.receive_some(65536)
+        assert data, "the server closed the kept-alive connection"
+        received += data
+    head, body = received.split(b"\r\n\r\n", 1)
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length:"))
+    while len(body) < length:
+        data = await stream.receive_some(65536)
+        assert data, "the server closed the connection in the middle of a response"
+        body += data
+    return head
+
+
+async def test_an_idle_connection_outlives_the_clients_keep_alive(
+        mock_clock_at_real_rate: trio.testing.MockClock) -> None:
+    """A client's pool reuses a connection idle for up to its expiry (httpx: 5 s);
+    a server that closes sooner or at the same moment fails the request sent on it.
+    Hypercorn's own default is those same 5 s: about 1% of requests failed so under
+    load. The server keeps an idle connection longer, and still closes it in the end."""
+    clock = mock_clock_at_real_rate
+    client_expiry = httpx.Limits().keepalive_expiry
+    assert client_expiry is not None and KEEP_ALIVE_SECONDS > 2 * client_expiry
+    with trio.fail_after(TIMEOUT + 2 * KEEP_ALIVE_SECONDS):
+        async with running_server(FakeEngine()) as url:
+            host, port = host_port(url)
+            async with await trio.open_tcp_stream(host, port) as stream:
+                assert b" 200 " in await keep_alive_request(stream, host)
+                await trio.testing.wait_all_tasks_blocked()
+                clock.jump(2 * client_expiry)  # idle, as in a pool
+                await trio.testing.wait_all_tasks_blocked()
+                assert b" 200 " in await keep_alive_request(stream, host)
+                await trio.testing.wait_all_tasks_blocked()
+                clock.jump(KEEP_ALIVE_SECONDS + 1)
+                await trio.testing.wait_all_tasks_blocked()
+                assert await stream.receive_some(65536) == b""  # closed by the server
+
+
+def test_hypercorn_keeps_the_listen_backlog_and_the_keep_alive_we_chose() -> None:
+    """Hypercorn calls listen() again, with its own backlog (100), even on a socket
+    it is handed (an API server's): 256 connections at once would overflow it."""
+    for listen_fd in (None, 7):
+        hyper = hypercorn_config(ServerConfig(), listen_fd=listen_fd)
+        assert hyper.backlog == LISTEN_BACKLOG >= 1024
+        assert hyper.keep_alive_timeout == KEEP_ALIVE_SECONDS
+
+
 # -- errors -------------------------------------------------------------------------------
 
 BAD_REQUESTS = [
@@ -358,6 +421,20 @@ def test_serve_flags_fill_the_server_config() -> None:
     assert config.shutdown_grace_seconds == 2.0
     with pytest.raises(SystemExit, match="port"):
         server_config_from_args(parser.parse_args(["serve", "--port", "70000"]))
+
+
+def test_the_default_api_server_count_follows_the_cpu_cores() -> None:
+    """One API server per four cores, at least one, at most four (docs/performance.md,
+    "Process layouts": the 2-core machine and the 16-core H200 machine); the flag,
+    0 included, overrides it."""
+    from trio_llm.api.cli import _build_parser
+    from trio_llm.api.server import default_api_server_count
+
+    assert [default_api_server_count(n) for n in (1, 2, 4, 7, 8, 16, 128)] == [
+        1, 1, 1, 1, 2, 4, 4]
+    parser = _build_parser()
+    assert parser.parse_args(["serve"]).api_server_count is None
+    assert parser.parse_args(["serve", "--api-server-count", "0"]).api_server_count == 0
 
 
 # -- metrics --------------------------------------------------------------------------

@@ -304,9 +304,11 @@ async def test_a_fault_in_any_actor_fails_every_request_loudly_and_hangs_nothing
 
 # -- signals under load -------------------------------------------------------------------
 
+# One process: these tests signal the server itself (test_http_shutdown.py drains
+# the served layout on SIGTERM too).
 SERVE_COMMAND = [sys.executable, "-m", "trio_llm.api.cli", "serve", "--model", "tiny",
                  "--port", "0", "--num-kv-blocks", "256", "--max-model-len", "512",
-                 "--shutdown-grace-seconds", "60"]
+                 "--shutdown-grace-seconds", "60", "--api-server-count", "0"]
 
 
 async def serving_process(nursery: trio.Nursery) -> tuple[trio.Process, str]:

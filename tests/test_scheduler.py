@@ -1205,6 +1205,60 @@ async def test_idle_scheduler_asks_once_and_waits():
             await runner_receive.receive()
 
 
+async def test_a_scheduler_left_idle_by_a_result_it_got_while_pulling_asks_to_wait():
+    """The last running request finishes in a StepResult that arrives while the
+    scheduler waits for the answer to a Pull that does not wait (steps were in
+    flight when it asked): the empty answer leaves it idle, with nothing in flight.
+    It must ask again, waiting; had it waited on its inbox instead, nothing would
+    ever arrive there, and every later request would wait in the queue for good
+    (how a served engine core on the GPU, where a step's result comes back before
+    the queue answers, stalled after its first workload)."""
+    with trio.fail_after(5):
+        scheduler_send, scheduler_receive = trio.open_memory_channel[Any](8)
+        queue_send, queue_receive = trio.open_memory_channel[Any](8)
+        runner_send, runner_receive = trio.open_memory_channel[Any](2)
+        detokenizer_send, detokenizer_receive = trio.open_memory_channel[Any](8)
+        scheduler = Scheduler(config(pipeline_depth=2), 16)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(run_scheduler, scheduler_receive, queue_send, runner_send,
+                                detokenizer_send, scheduler)
+            await trio.testing.wait_all_tasks_blocked()
+            assert queue_receive.receive_nowait().wait
+            request = make_request("r", [1, 2], max_tokens=2)
+            await scheduler_send.send(Pulled(requests=[WaitingRequest(request=request)],
+                                             num_waiting=0))
+            await trio.testing.wait_all_tasks_blocked()
+            assert runner_receive.receive_nowait().step_id == 0  # the prefill
+            assert not queue_receive.receive_nowait().wait
+            await scheduler_send.send(Pulled(requests=[], num_waiting=0))
+            await trio.testing.wait_all_tasks_blocked()
+            assert runner_receive.receive_nowait().step_id == 1  # its last token, ahead
+            await scheduler_send.send(StepResult(step_id=0, request_ids=["r"],
+                                                 sampled_token_ids=[5]))
+            await trio.testing.wait_all_tasks_blocked()
+            assert not queue_receive.receive_nowait().wait  # step 1 is in flight
+            # Step 1's result comes before the queue's answer, and ends the request.
+            await scheduler_send.send(StepResult(step_id=1, request_ids=["r"],
+                                                 sampled_token_ids=[6]))
+            await scheduler_send.send(Pulled(requests=[], num_waiting=0))
+            await trio.testing.wait_all_tasks_blocked()
+            assert scheduler.is_idle
+            assert queue_receive.receive_nowait() == Pull(max_requests=8, wait=True)
+            finished = [message for message in _drain(detokenizer_receive)
+                        if isinstance(message, TokenBatch)]
+            assert finished[-1].deltas[-1].finish_reason == "length"
+            nursery.cancel_scope.cancel()
+
+
+def _drain(channel: trio.MemoryReceiveChannel[Any]) -> list[Any]:
+    messages = []
+    while True:
+        try:
+            messages.append(channel.receive_nowait())
+        except trio.WouldBlock:
+            return messages
+
+
 def test_a_stop_string_hit_while_preempted_drops_the_request_when_pulled():
     # "late" is preempted (see the test above), then a stop string ends it while it
     # waits: it must never run again, and the cache ends empty.

@@ -184,6 +184,56 @@ def leaves(error: BaseException) -> list[BaseException]:
     return [error]
 
 
+class DoneStep:
+    """A launched step whose result is ready at once."""
+
+    def __init__(self, result: StepResult) -> None:
+        self.result = result
+
+    def is_ready(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        pass
+
+
+class InstantPipelinedExecutor:
+    """The real executor behind the launch/collect interface of the CUDA one, each
+    step done by the time it is launched: like a GPU step that is short next to
+    the host's work, its result reaches the scheduler before anything else."""
+
+    def __init__(self, inner: ModelExecutor) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def launch(self, batch: ScheduledBatch) -> DoneStep:
+        return DoneStep(self.inner.execute(batch))
+
+    def collect(self, pending: DoneStep) -> StepResult:
+        return pending.result
+
+
+async def test_requests_one_after_another_through_a_pipelined_core_all_finish() -> None:
+    """The workload that stalled the served layout on the GPU (a single stream after
+    a batch of requests): each request ends while the scheduler asks the queue for
+    more, and it must go on asking, waiting, for the next one."""
+    inner = await trio.to_thread.run_sync(ModelExecutor.create, CONFIG)
+    with trio.fail_after(TIMEOUT):
+        async with Engine.open(CONFIG, executor=inner) as engine:
+            expected = [await collect(engine, prompt, greedy(6)) for prompt in PROMPTS[:4]]
+        async with open_served_layout(CONFIG, 2,
+                                      executor=InstantPipelinedExecutor(inner)) as fronts:  # type: ignore[arg-type]
+            async with trio.open_nursery() as nursery:
+                for index in range(8):
+                    nursery.start_soon(collect, fronts[index % 2], PROMPTS[index], greedy(6))
+            outputs = [await collect(fronts[index % 2], prompt, greedy(6))
+                       for index, prompt in enumerate(PROMPTS[:4])]
+            await wait_statistics(fronts[0], is_idle)
+    assert outputs == expected
+
+
 async def test_a_failure_in_the_core_reaches_every_request_on_every_front() -> None:
     executor = FaultyExecutor(await trio.to_thread.run_sync(ModelExecutor.create, CONFIG), 5)
     errors: list[EngineDead] = []
