@@ -141,6 +141,13 @@ class ExecutorStatistics:
     # which waits for the compute two steps back): the host's own work is the rest
     launch_wait_seconds_by_kind: dict[str, float] = field(
         default_factory=lambda: dict.fromkeys(STEP_KINDS, 0.0))
+    # the shares of launch_seconds in planning (states, inputs, a graph's padding) and in
+    # packing (the sampling plan, filling the pinned upload); the rest is the calls that
+    # enqueue device work (copies, graph inputs, replay, sampling, download, events)
+    plan_seconds_by_kind: dict[str, float] = field(
+        default_factory=lambda: dict.fromkeys(STEP_KINDS, 0.0))
+    pack_seconds_by_kind: dict[str, float] = field(
+        default_factory=lambda: dict.fromkeys(STEP_KINDS, 0.0))
 
 
 @dataclass(slots=True)
@@ -260,6 +267,7 @@ class CudaModelExecutor(ModelExecutor):
     def _launch(self, batch: ScheduledBatch) -> tuple[PendingStep, str | None]:
         assert self._started, "call start() (or build with create()) first"
         assert len(self._outstanding) < NUM_SLOTS, "collect a step before launching a third"
+        started = time.perf_counter()
         self._update_states(batch)
         step = self._plan(batch)
         if step.num_tokens == 0:
@@ -268,6 +276,7 @@ class CudaModelExecutor(ModelExecutor):
         self._pad_for_graph(step)
         slot = self.slots[self._num_launches % NUM_SLOTS]
         stats = self.stats
+        stats.plan_seconds_by_kind[kind] += time.perf_counter() - started
         if slot.upload_done is not None:
             waiting = time.perf_counter()
             slot.upload_done.synchronize()  # its pinned inputs are free to rewrite
@@ -497,9 +506,11 @@ class CudaModelExecutor(ModelExecutor):
     # -- device side -------------------------------------------------------------------
 
     def _launch_on_device(self, step: HostStep, slot: InputSlot) -> PendingStep:
+        started = time.perf_counter()
         plan = SamplingPlan.from_rows(step.sampling_rows, self.vocab_size,
                                       can_fuse=self.options.use_fused_kernels)
         int_offsets, float_offsets = self._pack(step, plan, slot)
+        self.stats.pack_seconds_by_kind[step.kind] += time.perf_counter() - started
         with self.copy.context():
             self.copy.wait(slot.compute_done)  # the device inputs were read by then
             upload(slot.host_ints, slot.device_ints, end(int_offsets))
