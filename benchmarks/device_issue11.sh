@@ -18,14 +18,14 @@ part() {  # part NAME SECONDS COMMAND...: run it bounded, then bundle what is th
   echo "=== $name: exit ${PIPESTATUS[0]} ($(date -u +%FT%TZ))" | tee -a "$log"
   tar -cf "$OUT/results.tar" -C "$results" .
 }
-bench() { python3 benchmarks/gpu_bench.py "$@"; }
-part tests 110 python3 -m pytest -q -p no:cacheprovider -rs -x \
+bench="python3 benchmarks/gpu_bench.py"
+[ -z "$SKIP_KERNEL_PARTS" ] && part tests 110 python3 -m pytest -q -p no:cacheprovider -rs -x \
   tests/test_triton_attention.py tests/test_gpu_executor.py
-part kernels 90 python3 benchmarks/kernel_bench.py
-part mixed-0.6b 90 bench mixed --model qwen3-0.6b
-part long-8b 90 bench long --model qwen3-8b
-part long-0.6b 60 bench long --model qwen3-0.6b
-part decode-0.6b 60 bench decode --model qwen3-0.6b
-part throughput-0.6b 75 bench throughput --model qwen3-0.6b
-part decode-8b 90 bench decode --model qwen3-8b
-part throughput-8b 100 bench throughput --model qwen3-8b
+[ -z "$SKIP_KERNEL_PARTS" ] && part kernels 90 python3 benchmarks/kernel_bench.py
+part mixed-0.6b 90 $bench mixed --model qwen3-0.6b
+part long-8b 90 $bench long --model qwen3-8b
+part long-0.6b 60 $bench long --model qwen3-0.6b
+part decode-0.6b 60 $bench decode --model qwen3-0.6b
+part throughput-0.6b 75 $bench throughput --model qwen3-0.6b
+part decode-8b 90 $bench decode --model qwen3-8b
+part throughput-8b 100 $bench throughput --model qwen3-8b

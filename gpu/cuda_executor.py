@@ -83,6 +83,7 @@ from trio_llm.gpu.step_packing import (
     pad_decode_sequences,
     pad_varlen_sequences,
     upload,
+    upload_capacity,
 )
 
 logger = logging.getLogger(__name__)
@@ -221,7 +222,9 @@ class CudaModelExecutor(ModelExecutor):
         # would queue behind this step's download, which waits for this step's compute.
         self.copy = Lane(self.device)
         self.download = Lane(self.device)
-        self.slots = [new_slot(index, self.device, 1024, 64, options.max_num_seqs)
+        num_ints, num_floats = upload_capacity(options.max_num_batched_tokens,
+                                               options.max_num_seqs, self.block_size)
+        self.slots = [new_slot(index, self.device, num_ints, num_floats, options.max_num_seqs)
                       for index in range(NUM_SLOTS)]
         # [slot, row]: the ids each slot's step sampled, where the next step reads them
         self.device_sampled = torch.zeros((NUM_SLOTS, options.max_num_seqs), dtype=torch.int64,

@@ -99,6 +99,29 @@ def pad_varlen_sequences(step: HostStep, num_tokens: int, num_seqs: int,
     ints["logits_indices"] += [0] * (num_logits_rows - len(ints["logits_indices"]))
 
 
+def upload_capacity(max_num_tokens: int, max_num_seqs: int, block_size: int) -> tuple[int, int]:
+    """(int64s, float32s) that a step of up to ``max_num_tokens`` tokens and ``max_num_seqs``
+    sequences needs in its upload (a graph's padding included), bar banned token ids and
+    grammar bitmasks, which vary with the requests. Slots start this large: growing one
+    waits for the device, which in a timed run made a mixed step's launch take tens of
+    milliseconds."""
+    num_seq_slots = max_num_seqs + 1  # a varlen graph's padding sequence
+    # each request's new blocks: those its tokens fill, and one it starts
+    num_updates = max_num_tokens // block_size + 2 * max_num_seqs
+    lengths = {
+        "token_ids": max_num_tokens, "positions": max_num_tokens,
+        "slot_mapping": max_num_tokens, "context_lens": num_seq_slots,
+        "query_start_loc": num_seq_slots + 1, "table_rows": num_seq_slots,
+        "logits_indices": max_num_seqs, "previous_token_positions": max_num_seqs,
+        "previous_slots": max_num_seqs, "previous_rows": max_num_seqs,
+        "update_rows": num_updates, "update_columns": num_updates,
+        "update_block_ids": num_updates, "top_ks": max_num_seqs, "seed_keys": max_num_seqs,
+        "output_indices": max_num_seqs, "bitmask_rows": max_num_seqs}
+    assert set(lengths) <= set(INT_SEGMENTS)
+    num_ints = sum(aligned(length) for length in lengths.values())
+    return num_ints + SEGMENT_ALIGNMENT * len(INT_SEGMENTS), aligned(max_num_seqs) * 3
+
+
 @dataclass(slots=True)
 class InputSlot:
     """Pinned host and device buffers for one step in flight, and the events guarding them."""

@@ -265,6 +265,33 @@ def test_the_block_table_grows_past_its_rows():
     assert len(set(result.sampled_token_ids)) == 1  # same prompt, same greedy token
 
 
+def test_a_largest_step_fits_the_slots_as_started():
+    """Slots start large enough for max_num_batched_tokens and max_num_seqs (a graph's
+    padding included): growing one mid-run waits for the device."""
+    model = load_model(resolve_model("tiny"), dtype=torch.float32, device=torch.device("cpu"))
+    executor = CudaModelExecutor(model, model_path=resolve_model("tiny"), num_kv_blocks=160,
+                                 block_size=BLOCK_SIZE, max_model_len=512)
+    executor.start(CudaExecutorOptions(max_num_seqs=4, max_num_batched_tokens=512,
+                                       use_cuda_graphs=True, use_fused_kernels=False))
+    buffers = [(slot.host_ints, slot.host_floats) for slot in executor.slots]
+    lengths, block_ids = [250, 200, 61, 1], iter(range(160))
+    requests = [scheduled(f"r{i}", [3] * length, computed=0,
+                          blocks=[next(block_ids) for _ in range(-(-length // BLOCK_SIZE))])
+                for i, length in enumerate(lengths)]
+    new_requests = [NewRequestData(request_id=f"r{i}", sampling=options(0.7, seed=i))
+                    for i in range(len(lengths))]
+    prefill = ScheduledBatch(step_id=0, new_requests=new_requests, requests=requests,
+                             finished_request_ids=[], num_tokens=sum(lengths))
+    decode = ScheduledBatch(step_id=1, new_requests=[], requests=[
+        scheduled(f"r{i}", [5], computed=length, blocks=[next(block_ids)])
+        for i, length in enumerate(lengths)], finished_request_ids=[], num_tokens=4)
+    for batch in (prefill, decode):
+        assert len(executor.execute(batch).sampled_token_ids) == len(lengths)
+    assert executor.stats.num_graph_steps == 2
+    assert all(slot.host_ints is ints and slot.host_floats is floats
+               for slot, (ints, floats) in zip(executor.slots, buffers, strict=True))
+
+
 # -- CUDA -----------------------------------------------------------------------------------
 
 
