@@ -19,7 +19,7 @@ part() {  # part NAME SECONDS COMMAND...: run it bounded, then bundle what is th
   tar -cf "$OUT/results.tar" -C "$results" .
 }
 bench="python3 benchmarks/gpu_bench.py"
-[ -z "$SKIP_KERNEL_PARTS" ] && part tests 110 python3 -m pytest -q -p no:cacheprovider -rs -x \
+[ -z "$SKIP_KERNEL_PARTS" ] && part tests 110 python3 -m pytest -q -s -p no:cacheprovider -rs \
   tests/test_triton_attention.py tests/test_gpu_executor.py
 [ -z "$SKIP_KERNEL_PARTS" ] && part kernels 90 python3 benchmarks/kernel_bench.py
 part mixed-0.6b 90 $bench mixed --model qwen3-0.6b
