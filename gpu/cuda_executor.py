@@ -420,6 +420,7 @@ class CudaModelExecutor(ModelExecutor):
         previous_slots, previous_rows = ints["previous_slots"], ints["previous_rows"]
         requests, rows_by_id, block_size = self.requests, self._table_rows, self.block_size
         on_device, oldest_readable = self._sampled_on_device, self._num_launches - NUM_SLOTS
+        max_positions, num_single_token_rows = self._max_positions, 0
         query_start_loc.append(0)
         for scheduled in batch.requests:
             request_id = scheduled.request_id
@@ -438,7 +439,7 @@ class CudaModelExecutor(ModelExecutor):
                     token_ids.append(0)
                 else:
                     token_ids.append(self._last_sampled(request_id, state))
-                step.num_single_token_rows += 1
+                num_single_token_rows += 1
                 context_len = start + 1
                 positions.append(start)
             else:
@@ -446,11 +447,15 @@ class CudaModelExecutor(ModelExecutor):
                 context_len = start + len(scheduled.token_ids)
                 positions += range(start, context_len)
                 # at depth 1 a decode row's token comes from the host, as a 1-token chunk
-                step.num_single_token_rows += len(scheduled.token_ids) == 1
+                num_single_token_rows += len(scheduled.token_ids) == 1
             blocks = state.block_ids
-            if context_len > len(blocks) * block_size or context_len > self._max_positions:
+            if context_len > len(blocks) * block_size or context_len > max_positions:
                 self._check_capacity(request_id, state, context_len)  # raises
-            slot_mapping += kv_slots(blocks, block_size, start, context_len)
+            if context_len == start + 1:  # a decode row: its one slot, without a call
+                slot_mapping.append(blocks[start // block_size] * block_size
+                                    + start % block_size)
+            else:
+                slot_mapping += kv_slots(blocks, block_size, start, context_len)
             context_lens.append(context_len)
             query_start_loc.append(len(token_ids))
             table_rows.append(row)
@@ -463,6 +468,7 @@ class CudaModelExecutor(ModelExecutor):
                 sampled_request_ids.append(request_id)
         step.num_seqs = len(batch.requests)
         step.num_tokens = len(token_ids)
+        step.num_single_token_rows = num_single_token_rows
         return step
 
     def _add_blocks(self, step: HostStep, request_id: str, state: RequestState, row: int,
