@@ -67,7 +67,14 @@ from trio_llm.gpu.cuda_sampler import (
     sample_on_device,
 )
 from trio_llm.gpu.cuda_streams import DoneEvent, Event, Lane
-from trio_llm.gpu.executor import GIB, ModelExecutor, RequestState, kv_slots
+from trio_llm.gpu.executor import (
+    GIB,
+    MIN_VECTORIZED_SLOTS,
+    ModelExecutor,
+    RequestState,
+    kv_slot_array,
+    kv_slots,
+)
 from trio_llm.gpu.model import AttentionMetadata, CausalLM
 from trio_llm.gpu.sampler import SamplingRow, bitmask_rows, raw_logprobs
 from trio_llm.gpu.step_packing import (
@@ -445,7 +452,8 @@ class CudaModelExecutor(ModelExecutor):
             else:
                 token_ids += scheduled.token_ids
                 context_len = start + len(scheduled.token_ids)
-                positions += range(start, context_len)
+                if context_len - start < MIN_VECTORIZED_SLOTS:
+                    positions += range(start, context_len)
                 # at depth 1 a decode row's token comes from the host, as a 1-token chunk
                 num_single_token_rows += len(scheduled.token_ids) == 1
             blocks = state.block_ids
@@ -454,8 +462,10 @@ class CudaModelExecutor(ModelExecutor):
             if context_len == start + 1:  # a decode row: its one slot, without a call
                 slot_mapping.append(blocks[start // block_size] * block_size
                                     + start % block_size)
-            else:
+            elif context_len - start < MIN_VECTORIZED_SLOTS:
                 slot_mapping += kv_slots(blocks, block_size, start, context_len)
+            else:  # its positions too
+                self._insert_long_chunk(step, blocks, start, context_len)
             context_lens.append(context_len)
             query_start_loc.append(len(token_ids))
             table_rows.append(row)
@@ -470,6 +480,15 @@ class CudaModelExecutor(ModelExecutor):
         step.num_tokens = len(token_ids)
         step.num_single_token_rows = num_single_token_rows
         return step
+
+    def _insert_long_chunk(self, step: HostStep, block_ids: list[int], start: int,
+                           end: int) -> None:
+        """A long chunk's positions and slots, as arrays inserted where they belong."""
+        inserts = step.inserts
+        inserts["positions"].append((len(step.ints["positions"]),
+                                     np.arange(start, end, dtype=np.int64)))
+        inserts["slot_mapping"].append((len(step.ints["slot_mapping"]),
+                                        kv_slot_array(block_ids, self.block_size, start, end)))
 
     def _add_blocks(self, step: HostStep, request_id: str, state: RequestState, row: int,
                     block_ids: list[int]) -> None:
@@ -579,11 +598,11 @@ class CudaModelExecutor(ModelExecutor):
         ints["bitmask_words"] = plan.bitmask_words  # type: ignore[assignment]  # an int64 array
         floats = {"temperatures": plan.temperatures, "top_ps": plan.top_ps,
                   "min_ps": plan.min_ps}
-        int_offsets = offsets({name: len(ints[name]) for name in INT_SEGMENTS})
+        int_offsets = offsets({name: step.segment_length(name) for name in INT_SEGMENTS})
         float_offsets = offsets({name: len(floats[name]) for name in FLOAT_SEGMENTS})
         self._ensure_capacity(slot, end(int_offsets), end(float_offsets),
                               len(step.sampled_request_ids))
-        fill(slot.host_ints.numpy(), int_offsets, ints)
+        fill(slot.host_ints.numpy(), int_offsets, ints, step.inserts)
         fill(slot.host_floats.numpy(), float_offsets, floats)
         return int_offsets, float_offsets
 

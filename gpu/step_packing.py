@@ -58,6 +58,18 @@ class HostStep:
     sampled_request_ids: list[str] = field(default_factory=list)
     # indices into sampling_rows of the rows whose bitmasks follow (supply_bitmasks)
     rows_awaiting_bitmasks: list[int] = field(default_factory=list)
+    # Long chunks' positions and slots stay NumPy arrays (a list of thousands of ints
+    # costs tens of nanoseconds an element to build and again to copy into the upload):
+    # segment name -> (index into ``ints[name]`` the array goes before, the array).
+    inserts: dict[str, list[tuple[int, np.ndarray]]] = field(
+        default_factory=lambda: {"positions": [], "slot_mapping": []})
+
+    def segment_length(self, name: str) -> int:
+        """``ints[name]``'s length with the arrays inserted in it."""
+        length = len(self.ints[name])
+        for _, array in self.inserts.get(name, ()):
+            length += len(array)
+        return length
 
     @property
     def kind(self) -> str:
@@ -198,10 +210,25 @@ def end(segment_offsets: dict[str, tuple[int, int]]) -> int:
 
 
 def fill(target: np.ndarray, segment_offsets: dict[str, tuple[int, int]],
-         values: dict[str, list[Any]]) -> None:
+         values: dict[str, list[Any]],
+         inserts: dict[str, list[tuple[int, np.ndarray]]] | None = None) -> None:
+    """Write each segment at its offset; ``inserts`` (HostStep.inserts) go in between
+    the list's items."""
     for name, (start, length) in segment_offsets.items():
-        if length:
+        if not length:
+            continue
+        pieces = inserts.get(name) if inserts else None
+        if not pieces:
             target[start:start + length] = values[name]
+            continue
+        items, position, taken = values[name], start, 0
+        for index, array in pieces:
+            target[position:position + index - taken] = items[taken:index]
+            position += index - taken
+            target[position:position + len(array)] = array
+            position += len(array)
+            taken = index
+        target[position:start + length] = items[taken:]
 
 
 def upload(host: torch.Tensor, device: torch.Tensor, length: int) -> None:
