@@ -66,10 +66,11 @@ class VarlenConfig:
 
 # The varlen tile by the step's token count (a graph's padded count, so a graph and the
 # eager step it replaces take the same tile). Steps of a few hundred to a few thousand
-# tokens are mostly decode rows and short prompts: one row per query head of a decode
-# row is useful, and a 64 x 64 tile wastes a quarter of the work of a 128 x 128 one
-# (2026-12-01, H200: 39,210 against 32,334 tok/s on 2000 x (128 in, 64..192 out)).
-# Long prefill chunks run best on 128 x 128 (the sweep in docs/performance.md, (f)).
+# tokens are mostly decode rows and short prompts, and a decode row fills only its
+# group's rows of a program: on a step of 256 decode rows and three 128-token prompts
+# 64 x 64 takes 104 us against 194 for 128 x 128, and 2000 x (128 in, 64..192 out) went
+# from 32,334 to 49,254 tok/s. A long chunk (8,192 tokens at a 32k context) runs 5%
+# faster on 128 x 128 (H200, 2026-12-01, docs/performance.md (f), second pass).
 VARLEN_SMALL_CONFIG = VarlenConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
 VARLEN_LARGE_CONFIG = VarlenConfig(block_m=128, block_n=128, num_warps=8, num_stages=2)
 VARLEN_SMALL_MAX_TOKENS = 4096
