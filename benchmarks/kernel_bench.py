@@ -35,8 +35,16 @@ PREFILL_CASES = [(1, 128), (8, 1024), (16, 512)]  # fresh prompts: (num_seqs, pr
 # the last 8,192-token chunk of a 32,768-token prompt (the long-prefill target's shape)
 CHUNK_CASE = (1, 32768, 8192)  # (num_seqs, context_len, query_len)
 VARLEN_SWEEP = [triton_attention.VarlenConfig(*shape) for shape in (
-    (64, 64, 4, 2), (128, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2),
-    (64, 128, 4, 2))]
+    (64, 64, 4, 2), (128, 64, 8, 2), (128, 128, 8, 2), (128, 128, 8, 3))]
+# A mixed step of the 2000 x (128 in, 64..192 out) workload: 256 decode rows (contexts
+# 128 to 320) and three 128-token prompts; qwen3-0.6b.
+MIXED_CASE = (256, (128, 320), 3, 128)  # (decode rows, context range, prompts, prompt len)
+# One sequence decoding at a 32,000-token context (the long-decode target's shape):
+# split counts and tiles of the decode kernel.
+LONG_DECODE_CONTEXT = 32000
+DECODE_SPLITS = (32, 64, 128)
+DECODE_SWEEP = [triton_attention.DecodeConfig(*shape) for shape in (
+    (128, 4, 3), (64, 4, 2), (64, 4, 3))]
 
 
 def environment() -> dict:
@@ -137,27 +145,80 @@ def attention_flops(num_seqs, context_len, query_len, num_heads):
 
 
 def sweep_varlen(model, num_seqs, context_len, query_len):
-    """The varlen kernel's median time per tile configuration (the first is checked for
-    error against the default configuration's output)."""
+    """The varlen kernel's median time per tile configuration (each checked against
+    the default configuration's output)."""
     num_heads, num_kv_heads = MODELS[model]
     inputs = paged_inputs(num_seqs, context_len, query_len, num_heads, num_kv_heads)
+    flops = attention_flops(num_seqs, context_len, query_len, num_heads)
+    return _sweep_varlen(model, f"{num_seqs}x{query_len}/{context_len}", inputs, flops)
+
+
+def mixed_inputs(model):
+    """MIXED_CASE's step: decode rows, then the prompts, every sequence on its own blocks."""
+    num_heads, num_kv_heads = MODELS[model]
+    num_decodes, (low, high), num_prompts, prompt_len = MIXED_CASE
+    generator = torch.Generator().manual_seed(0)
+    contexts = torch.randint(low, high + 1, (num_decodes,), generator=generator).tolist()
+    contexts += [prompt_len] * num_prompts
+    query_lens = [1] * num_decodes + [prompt_len] * num_prompts
+    blocks_per_seq = triton.cdiv(max(contexts), BLOCK_SIZE)
+    num_seqs = len(contexts)
+    num_blocks = num_seqs * blocks_per_seq
+    block_tables = torch.randperm(num_blocks, device="cuda").to(torch.int32)
+    block_tables = block_tables.reshape(num_seqs, blocks_per_seq)
+    cache_shape = (num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM)
+    k_cache = torch.randn(cache_shape, dtype=torch.bfloat16, device="cuda")
+    v_cache = torch.randn(cache_shape, dtype=torch.bfloat16, device="cuda")
+    query = torch.randn(sum(query_lens), num_heads, HEAD_DIM, dtype=torch.bfloat16,
+                        device="cuda")
+    context_lens = torch.tensor(contexts, dtype=torch.int32, device="cuda")
+    starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()],
+                          dtype=torch.int32, device="cuda")
+    flops = sum(attention_flops(1, context, query_len, num_heads)
+                for context, query_len in zip(contexts, query_lens, strict=True))
+    return (query, k_cache, v_cache, block_tables, context_lens, starts), flops
+
+
+def _sweep_varlen(model, label, inputs, flops):
     scale = HEAD_DIM**-0.5
     expected = triton_attention.paged_attention(*inputs, scale).double()
-    flops = attention_flops(num_seqs, context_len, query_len, num_heads)
     rows = []
     for config in VARLEN_SWEEP:
-        triton_attention.VARLEN_CONFIG = config
-        run = lambda: triton_attention.paged_attention(*inputs, scale)  # noqa: E731
+        run = lambda config=config: triton_attention.paged_attention(  # noqa: E731
+            *inputs, scale, varlen=config)
         error = ((run().double() - expected).norm() / expected.norm()).item()
         ms = do_bench(run, warmup=25, rep=100, return_mode="median")
-        rows.append({"model": model, "num_seqs": num_seqs, "context_len": context_len,
-                     "query_len": query_len, "config": list(dataclasses.astuple(config)),
+        rows.append({"model": model, "case": label, "config": list(dataclasses.astuple(config)),
                      "us": ms * 1e3, "tflops": flops / (ms * 1e-3) / 1e12,
                      "difference_from_default": error})
-        print(f"varlen {model:11} {num_seqs:3}x{query_len:5}/{context_len:5} "
-              f"{dataclasses.astuple(config)}: {ms * 1e3:9.1f} us "
+        print(f"varlen {model:11} {label:16} {dataclasses.astuple(config)}: {ms * 1e3:9.1f} us "
               f"{rows[-1]['tflops']:6.1f} TFLOP/s diff {error:.1e}", flush=True)
-    triton_attention.VARLEN_CONFIG = triton_attention.VarlenConfig()
+    return rows
+
+
+def sweep_long_decode(model):
+    """The decode kernel on one sequence at LONG_DECODE_CONTEXT: each split count and tile;
+    KV read bandwidth against the copy ceiling."""
+    num_heads, num_kv_heads = MODELS[model]
+    inputs = paged_inputs(1, LONG_DECODE_CONTEXT, 1, num_heads, num_kv_heads)
+    scale = HEAD_DIM**-0.5
+    expected = triton_attention.paged_attention(*inputs, scale, num_splits=1).double()
+    kv_bytes = 2 * LONG_DECODE_CONTEXT * num_kv_heads * HEAD_DIM * 2
+    rows = []
+    for config in DECODE_SWEEP:
+        for num_splits in DECODE_SPLITS:
+            run = lambda config=config, num_splits=num_splits: (  # noqa: E731
+                triton_attention.paged_attention(*inputs, scale, num_splits=num_splits,
+                                                 decode=config))
+            error = ((run().double() - expected).norm() / expected.norm()).item()
+            ms = do_bench(run, warmup=25, rep=100, return_mode="median")
+            rows.append({"model": model, "context_len": LONG_DECODE_CONTEXT,
+                         "config": list(dataclasses.astuple(config)), "num_splits": num_splits,
+                         "us": ms * 1e3, "kv_read_gbps": kv_bytes / (ms * 1e-3) / 1e9,
+                         "difference_from_unsplit": error})
+            print(f"decode {model:11} 1x{LONG_DECODE_CONTEXT} {dataclasses.astuple(config)} "
+                  f"splits {num_splits:3}: {ms * 1e3:7.1f} us "
+                  f"{rows[-1]['kv_read_gbps']:6.0f} GB/s diff {error:.1e}", flush=True)
     return rows
 
 
@@ -228,18 +289,22 @@ def main() -> None:
         (out_dir / "kernels.json").write_text(json.dumps(results, indent=2))
     results["varlen_sweep"] = []
     for model in MODELS:
+        results["varlen_sweep"] += _sweep_varlen(model, "mixed", *mixed_inputs(model))
         results["varlen_sweep"] += sweep_varlen(model, 8, 1024, 1024)
         results["varlen_sweep"] += sweep_varlen(model, *CHUNK_CASE)
         (out_dir / "kernels.json").write_text(json.dumps(results, indent=2))
+    results["long_decode_sweep"] = sweep_long_decode("qwen3-0.6b")
+    (out_dir / "kernels.json").write_text(json.dumps(results, indent=2))
     results["cupy_interop"] = check_cupy_interop()
     (out_dir / "kernels.json").write_text(json.dumps(results, indent=2))
     print(json.dumps(results["cupy_interop"]))
     print(f"{'kind':8} {'model':11} {'seqs':>5} {'ctx':>5} {'err':>8} {'triton us':>10} "
-          f"{'sdpa us':>9} {'GB/s':>7}")
+          f"{'sdpa us':>9} {'ratio':>6} {'GB/s':>7}")
     for case in results["cases"]:
         print(f"{case['kind']:8} {case['model']:11} {case['num_seqs']:5} {case['context_len']:5} "
               f"{case['relative_error']:8.1e} {case['triton_us']:10.1f} "
-              f"{case['sdpa_unpaged_us']:9.1f} {case['kv_read_gbps']:7.0f}")
+              f"{case['sdpa_unpaged_us']:9.1f} "
+              f"{case['triton_us'] / case['sdpa_unpaged_us']:6.2f} {case['kv_read_gbps']:7.0f}")
 
 
 if __name__ == "__main__":

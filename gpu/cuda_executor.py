@@ -69,7 +69,14 @@ from trio_llm.gpu.cuda_sampler import (
     sample_on_device,
 )
 from trio_llm.gpu.cuda_streams import DoneEvent, Event, Lane
-from trio_llm.gpu.executor import GIB, ModelExecutor, RequestState, kv_slots
+from trio_llm.gpu.executor import (
+    GIB,
+    MIN_VECTORIZED_SLOTS,
+    ModelExecutor,
+    RequestState,
+    kv_slot_array,
+    kv_slots,
+)
 from trio_llm.gpu.model import AttentionMetadata, CausalLM
 from trio_llm.gpu.sampler import (
     PromptLogprobRows,
@@ -91,6 +98,7 @@ from trio_llm.gpu.step_packing import (
     pad_decode_sequences,
     pad_varlen_sequences,
     upload,
+    upload_capacity,
 )
 from trio_llm.gpu.tensor_parallel import TensorParallel
 
@@ -149,6 +157,13 @@ class ExecutorStatistics:
     # the share of launch_seconds spent waiting for the device (a slot's previous upload,
     # which waits for the compute two steps back): the host's own work is the rest
     launch_wait_seconds_by_kind: dict[str, float] = field(
+        default_factory=lambda: dict.fromkeys(STEP_KINDS, 0.0))
+    # the shares of launch_seconds in planning (states, inputs, a graph's padding) and in
+    # packing (the sampling plan, filling the pinned upload); the rest is the calls that
+    # enqueue device work (copies, graph inputs, replay, sampling, download, events)
+    plan_seconds_by_kind: dict[str, float] = field(
+        default_factory=lambda: dict.fromkeys(STEP_KINDS, 0.0))
+    pack_seconds_by_kind: dict[str, float] = field(
         default_factory=lambda: dict.fromkeys(STEP_KINDS, 0.0))
 
 
@@ -227,7 +242,9 @@ class CudaModelExecutor(ModelExecutor):
         # would queue behind this step's download, which waits for this step's compute.
         self.copy = Lane(self.device)
         self.download = Lane(self.device)
-        self.slots = [new_slot(index, self.device, 1024, 64, options.max_num_seqs)
+        num_ints, num_floats = upload_capacity(options.max_num_batched_tokens,
+                                               options.max_num_seqs, self.block_size)
+        self.slots = [new_slot(index, self.device, num_ints, num_floats, options.max_num_seqs)
                       for index in range(NUM_SLOTS)]
         # [slot, row]: the ids each slot's step sampled, where the next step reads them
         self.device_sampled = torch.zeros((NUM_SLOTS, options.max_num_seqs), dtype=torch.int64,
@@ -273,6 +290,7 @@ class CudaModelExecutor(ModelExecutor):
     def _launch(self, batch: ScheduledBatch) -> tuple[PendingStep, str | None]:
         assert self._started, "call start() (or build with create()) first"
         assert len(self._outstanding) < NUM_SLOTS, "collect a step before launching a third"
+        started = time.perf_counter()
         self._update_states(batch)
         step = self._plan(batch)
         if step.num_tokens == 0:
@@ -281,6 +299,7 @@ class CudaModelExecutor(ModelExecutor):
         self._pad_for_graph(step)
         slot = self.slots[self._num_launches % NUM_SLOTS]
         stats = self.stats
+        stats.plan_seconds_by_kind[kind] += time.perf_counter() - started
         if slot.upload_done is not None:
             waiting = time.perf_counter()
             slot.upload_done.synchronize()  # its pinned inputs are free to rewrite
@@ -438,6 +457,7 @@ class CudaModelExecutor(ModelExecutor):
         previous_slots, previous_rows = ints["previous_slots"], ints["previous_rows"]
         requests, rows_by_id, block_size = self.requests, self._table_rows, self.block_size
         on_device, oldest_readable = self._sampled_on_device, self._num_launches - NUM_SLOTS
+        max_positions, num_single_token_rows = self._max_positions, 0
         query_start_loc.append(0)
         for scheduled in batch.requests:
             request_id = scheduled.request_id
@@ -456,7 +476,7 @@ class CudaModelExecutor(ModelExecutor):
                     token_ids.append(0)
                 else:
                     token_ids.append(self._last_sampled(request_id, state))
-                step.num_single_token_rows += 1
+                num_single_token_rows += 1
                 context_len = start + 1
                 positions.append(start)
             else:
@@ -466,13 +486,20 @@ class CudaModelExecutor(ModelExecutor):
                                                  state.sampling.num_prompt_logprobs or 0)
                 token_ids += scheduled.token_ids
                 context_len = start + len(scheduled.token_ids)
-                positions += range(start, context_len)
+                if context_len - start < MIN_VECTORIZED_SLOTS:
+                    positions += range(start, context_len)
                 # at depth 1 a decode row's token comes from the host, as a 1-token chunk
-                step.num_single_token_rows += len(scheduled.token_ids) == 1
+                num_single_token_rows += len(scheduled.token_ids) == 1
             blocks = state.block_ids
-            if context_len > len(blocks) * block_size or context_len > self._max_positions:
+            if context_len > len(blocks) * block_size or context_len > max_positions:
                 self._check_capacity(request_id, state, context_len)  # raises
-            slot_mapping += kv_slots(blocks, block_size, start, context_len)
+            if context_len == start + 1:  # a decode row: its one slot, without a call
+                slot_mapping.append(blocks[start // block_size] * block_size
+                                    + start % block_size)
+            elif context_len - start < MIN_VECTORIZED_SLOTS:
+                slot_mapping += kv_slots(blocks, block_size, start, context_len)
+            else:  # its positions too
+                self._insert_long_chunk(step, blocks, start, context_len)
             context_lens.append(context_len)
             query_start_loc.append(len(token_ids))
             table_rows.append(row)
@@ -486,7 +513,17 @@ class CudaModelExecutor(ModelExecutor):
                 sampled_request_ids.append(request_id)
         step.num_seqs = len(batch.requests)
         step.num_tokens = len(token_ids)
+        step.num_single_token_rows = num_single_token_rows
         return step
+
+    def _insert_long_chunk(self, step: HostStep, block_ids: list[int], start: int,
+                           end: int) -> None:
+        """A long chunk's positions and slots, as arrays inserted where they belong."""
+        inserts = step.inserts
+        inserts["positions"].append((len(step.ints["positions"]),
+                                     np.arange(start, end, dtype=np.int64)))
+        inserts["slot_mapping"].append((len(step.ints["slot_mapping"]),
+                                        kv_slot_array(block_ids, self.block_size, start, end)))
 
     def _add_blocks(self, step: HostStep, request_id: str, state: RequestState, row: int,
                     block_ids: list[int]) -> None:
@@ -535,9 +572,11 @@ class CudaModelExecutor(ModelExecutor):
     # -- device side -------------------------------------------------------------------
 
     def _launch_on_device(self, step: HostStep, slot: InputSlot) -> PendingStep:
+        started = time.perf_counter()
         plan = SamplingPlan.from_rows(step.sampling_rows, self.vocab_size,
                                       can_fuse=self.options.use_fused_kernels)
         int_offsets, float_offsets = self._pack(step, plan, slot)
+        self.stats.pack_seconds_by_kind[step.kind] += time.perf_counter() - started
         with self.copy.context():
             self.copy.wait(slot.compute_done)  # the device inputs were read by then
             upload(slot.host_ints, slot.device_ints, end(int_offsets))
@@ -609,11 +648,11 @@ class CudaModelExecutor(ModelExecutor):
                   "min_ps": plan.min_ps, "logit_bias_values": plan.logit_bias_values,
                   "presences": plan.presences, "frequencies": plan.frequencies,
                   "repetitions": plan.repetitions}
-        int_offsets = offsets({name: len(ints[name]) for name in INT_SEGMENTS})
+        int_offsets = offsets({name: step.segment_length(name) for name in INT_SEGMENTS})
         float_offsets = offsets({name: len(floats[name]) for name in FLOAT_SEGMENTS})
         self._ensure_capacity(slot, end(int_offsets), end(float_offsets),
                               len(step.sampled_request_ids))
-        fill(slot.host_ints.numpy(), int_offsets, ints)
+        fill(slot.host_ints.numpy(), int_offsets, ints, step.inserts)
         fill(slot.host_floats.numpy(), float_offsets, floats)
         return int_offsets, float_offsets
 

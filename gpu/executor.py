@@ -64,11 +64,15 @@ def kv_slots(block_ids: list[int], block_size: int, start: int, end: int) -> lis
     if end - start < MIN_VECTORIZED_SLOTS:
         return [block_ids[position // block_size] * block_size + position % block_size
                 for position in range(start, end)]
+    return kv_slot_array(block_ids, block_size, start, end).tolist()
+
+
+def kv_slot_array(block_ids: list[int], block_size: int, start: int, end: int) -> np.ndarray:
+    """kv_slots as an int64 array (the CUDA executor packs long chunks from arrays)."""
     positions = np.arange(start, end)
     first_block = start // block_size
     blocks = np.asarray(block_ids[first_block:(end - 1) // block_size + 1], dtype=np.int64)
-    slots = blocks[positions // block_size - first_block] * block_size + positions % block_size
-    return slots.tolist()
+    return blocks[positions // block_size - first_block] * block_size + positions % block_size
 
 
 @dataclass(frozen=True, slots=True)

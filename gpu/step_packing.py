@@ -66,6 +66,18 @@ class HostStep:
     prompt_logprob_rows: PromptLogprobRows = field(
         default_factory=lambda: PromptLogprobRows([], [], []))
     prompt_hidden: torch.Tensor | None = None
+    # Long chunks' positions and slots stay NumPy arrays (a list of thousands of ints
+    # costs tens of nanoseconds an element to build and again to copy into the upload):
+    # segment name -> (index into ``ints[name]`` the array goes before, the array).
+    inserts: dict[str, list[tuple[int, np.ndarray]]] = field(
+        default_factory=lambda: {"positions": [], "slot_mapping": []})
+
+    def segment_length(self, name: str) -> int:
+        """``ints[name]``'s length with the arrays inserted in it."""
+        length = len(self.ints[name])
+        for _, array in self.inserts.get(name, ()):
+            length += len(array)
+        return length
 
     @property
     def kind(self) -> str:
@@ -105,6 +117,29 @@ def pad_varlen_sequences(step: HostStep, num_tokens: int, num_seqs: int,
     ints["table_rows"] += [0] * num_padding
     ints["query_start_loc"] += [step.num_tokens] * (num_padding - 1) + [num_tokens]
     ints["logits_indices"] += [0] * (num_logits_rows - len(ints["logits_indices"]))
+
+
+def upload_capacity(max_num_tokens: int, max_num_seqs: int, block_size: int) -> tuple[int, int]:
+    """(int64s, float32s) that a step of up to ``max_num_tokens`` tokens and ``max_num_seqs``
+    sequences needs in its upload (a graph's padding included), bar banned token ids and
+    grammar bitmasks, which vary with the requests. Slots start this large: growing one
+    waits for the device, which in a timed run made a mixed step's launch take tens of
+    milliseconds."""
+    num_seq_slots = max_num_seqs + 1  # a varlen graph's padding sequence
+    # each request's new blocks: those its tokens fill, and one it starts
+    num_updates = max_num_tokens // block_size + 2 * max_num_seqs
+    lengths = {
+        "token_ids": max_num_tokens, "positions": max_num_tokens,
+        "slot_mapping": max_num_tokens, "context_lens": num_seq_slots,
+        "query_start_loc": num_seq_slots + 1, "table_rows": num_seq_slots,
+        "logits_indices": max_num_seqs, "previous_token_positions": max_num_seqs,
+        "previous_slots": max_num_seqs, "previous_rows": max_num_seqs,
+        "update_rows": num_updates, "update_columns": num_updates,
+        "update_block_ids": num_updates, "top_ks": max_num_seqs, "seed_keys": max_num_seqs,
+        "output_indices": max_num_seqs, "bitmask_rows": max_num_seqs}
+    assert set(lengths) <= set(INT_SEGMENTS)
+    num_ints = sum(aligned(length) for length in lengths.values())
+    return num_ints + SEGMENT_ALIGNMENT * len(INT_SEGMENTS), aligned(max_num_seqs) * 3
 
 
 @dataclass(slots=True)
@@ -183,10 +218,25 @@ def end(segment_offsets: dict[str, tuple[int, int]]) -> int:
 
 
 def fill(target: np.ndarray, segment_offsets: dict[str, tuple[int, int]],
-         values: dict[str, list[Any]]) -> None:
+         values: dict[str, list[Any]],
+         inserts: dict[str, list[tuple[int, np.ndarray]]] | None = None) -> None:
+    """Write each segment at its offset; ``inserts`` (HostStep.inserts) go in between
+    the list's items."""
     for name, (start, length) in segment_offsets.items():
-        if length:
+        if not length:
+            continue
+        pieces = inserts.get(name) if inserts else None
+        if not pieces:
             target[start:start + length] = values[name]
+            continue
+        items, position, taken = values[name], start, 0
+        for index, array in pieces:
+            target[position:position + index - taken] = items[taken:index]
+            position += index - taken
+            target[position:position + len(array)] = array
+            position += len(array)
+            taken = index
+        target[position:start + length] = items[taken:]
 
 
 def upload(host: torch.Tensor, device: torch.Tensor, length: int) -> None:

@@ -58,15 +58,34 @@ class VarlenConfig:
     ``block_m`` rows (query tokens x the query heads of one KV head), ``block_n`` KV
     positions per tile."""
 
-    # the fastest of six shapes on an H200 for 8 x 1024-token prompts and for an
-    # 8,192-token chunk of a 32,768-token prompt (docs/performance.md)
     block_m: int = 128
     block_n: int = 128
     num_warps: int = 8
     num_stages: int = 2
 
 
-VARLEN_CONFIG = VarlenConfig()
+# The varlen tile by the step's token count (a graph's padded count, so a graph and the
+# eager step it replaces take the same tile). Steps of a few hundred to a few thousand
+# tokens are mostly decode rows and short prompts, and a decode row fills only its
+# group's rows of a program: on a step of 256 decode rows and three 128-token prompts
+# 64 x 64 takes 104 us against 194 for 128 x 128, and 2000 x (128 in, 64..192 out) went
+# from 32,334 to 49,254 tok/s. A long chunk (8,192 tokens at a 32k context) runs 5%
+# faster on 128 x 128 (H200, 2026-12-01, docs/performance.md (f), second pass).
+VARLEN_SMALL_CONFIG = VarlenConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
+VARLEN_LARGE_CONFIG = VarlenConfig(block_m=128, block_n=128, num_warps=8, num_stages=2)
+VARLEN_SMALL_MAX_TOKENS = 4096
+
+
+def varlen_config(num_tokens: int) -> VarlenConfig:
+    """The varlen tile of a step of ``num_tokens`` tokens."""
+    if num_tokens <= VARLEN_SMALL_MAX_TOKENS:
+        return VARLEN_SMALL_CONFIG
+    return VARLEN_LARGE_CONFIG
+
+
+# exp(x) = exp2(x * log2(e)): the kernels fold log2(e) into the softmax scale, so each
+# score costs one fused multiply-add before its exp2 (as FlashAttention-2 does).
+LOG2_E = 1.4426950408889634
 
 
 @triton.jit
@@ -90,15 +109,32 @@ def _write_kv_kernel(
 
 
 @triton.jit
-def _load_kv_tile(cache_ptr, block_table_row_ptr, positions, position_mask, kv_head, dims,
-                  dim_mask, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  BLOCK_SIZE: tl.constexpr):
-    """Rows of one KV head's cache for ``positions`` of one sequence: [BLOCK_N, BLOCK_D]."""
-    block_ids = tl.load(block_table_row_ptr + positions // BLOCK_SIZE, mask=position_mask,
-                        other=0).to(tl.int64)
-    slots = block_ids * BLOCK_SIZE + positions % BLOCK_SIZE
-    offsets = slots[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + dims[None, :]
-    return tl.load(cache_ptr + offsets, mask=position_mask[:, None] & dim_mask[None, :], other=0.0)
+def _kv_tile_offsets(block_table_row_ptr, positions, position_mask, kv_head, dims,
+                     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr):
+    """Offsets of one KV head's cache rows for ``positions`` of one sequence:
+    [BLOCK_N, BLOCK_D], shared by the key and the value tile."""
+    if MASKED:
+        block_ids = tl.load(block_table_row_ptr + positions // BLOCK_SIZE, mask=position_mask,
+                            other=0)
+    else:
+        block_ids = tl.load(block_table_row_ptr + positions // BLOCK_SIZE)
+    slots = block_ids.to(tl.int64) * BLOCK_SIZE + positions % BLOCK_SIZE
+    return slots[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + dims[None, :]
+
+
+@triton.jit
+def _load_kv_tile(cache_ptr, offsets, position_mask, dims, HEAD_DIM: tl.constexpr,
+                  MASKED: tl.constexpr, EVEN_D: tl.constexpr):
+    """A tile of the cache; positions past the end read zeros when ``MASKED``, and
+    padded head dimensions always do. (A tile wholly inside the context loads
+    without a mask.)"""
+    if MASKED:
+        mask = position_mask[:, None] & (dims < HEAD_DIM)[None, :]
+        return tl.load(cache_ptr + offsets, mask=mask, other=0.0)
+    if EVEN_D:
+        return tl.load(cache_ptr + offsets)
+    return tl.load(cache_ptr + offsets, mask=(dims < HEAD_DIM)[None, :], other=0.0)
 
 
 @triton.jit
@@ -117,27 +153,31 @@ MASK_CAUSAL: tl.constexpr = tl.constexpr(2)
 
 @triton.jit
 def _attend_tile(query, k_cache_ptr, v_cache_ptr, block_table_row_ptr, tile_start, end,
-                 query_positions, kv_head, dims, dim_mask, scale, running_max, running_sum,
+                 query_positions, kv_head, dims, qk_scale, running_max, running_sum,
                  acc, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr):
+                 BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
+                 EVEN_D: tl.constexpr):
     """One KV tile of the online softmax, the one loop body of both kernels;
-    ``query_positions`` is read only with ``MASK_CAUSAL``."""
+    ``query_positions`` is read only with ``MASK_CAUSAL``. Maxima are kept in log2
+    units (scores times ``qk_scale``, the softmax scale times log2(e)), so that each
+    probability is one exp2."""
     positions = tile_start + tl.arange(0, BLOCK_N)
     position_mask = positions < end
-    key = _load_kv_tile(k_cache_ptr, block_table_row_ptr, positions, position_mask, kv_head,
-                        dims, dim_mask, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
-    scores = tl.dot(query, tl.trans(key)) * scale
+    masked = MASK != MASK_NONE
+    offsets = _kv_tile_offsets(block_table_row_ptr, positions, position_mask, kv_head, dims,
+                               NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, masked)
+    key = _load_kv_tile(k_cache_ptr, offsets, position_mask, dims, HEAD_DIM, masked, EVEN_D)
+    scores = tl.dot(query, tl.trans(key))
     if MASK == MASK_CAUSAL:
         visible = (positions[None, :] <= query_positions[:, None]) & position_mask[None, :]
         scores = tl.where(visible, scores, float("-inf"))
     elif MASK == MASK_END:
         scores = tl.where(position_mask[None, :], scores, float("-inf"))
-    new_max = tl.maximum(running_max, tl.max(scores, 1))
-    rescale = tl.exp(running_max - new_max)
-    probs = tl.exp(scores - new_max[:, None])
+    new_max = tl.maximum(running_max, tl.max(scores, 1) * qk_scale)
+    rescale = tl.exp2(running_max - new_max)
+    probs = tl.exp2(scores * qk_scale - new_max[:, None])
     running_sum = running_sum * rescale + tl.sum(probs, 1)
-    value = _load_kv_tile(v_cache_ptr, block_table_row_ptr, positions, position_mask, kv_head,
-                          dims, dim_mask, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
+    value = _load_kv_tile(v_cache_ptr, offsets, position_mask, dims, HEAD_DIM, masked, EVEN_D)
     acc = acc * rescale[:, None] + tl.dot(probs.to(value.dtype), value)
     return new_max, running_sum, acc
 
@@ -145,12 +185,13 @@ def _attend_tile(query, k_cache_ptr, v_cache_ptr, block_table_row_ptr, tile_star
 @triton.jit
 def _decode_kernel(
     query_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-    out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, scale,
+    out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, qk_scale,
     query_token_stride, query_head_stride, out_token_stride, out_head_stride,
     block_table_stride,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -176,11 +217,18 @@ def _decode_kernel(
     running_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
     running_sum = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for tile_start in range(start, end, BLOCK_N):
+    # whole tiles unmasked, then the partial last tile (if any) masked at the end
+    full_end = start + (end - start) // BLOCK_N * BLOCK_N
+    for tile_start in range(start, full_end, BLOCK_N):
         running_max, running_sum, acc = _attend_tile(
             query, k_cache_ptr, v_cache_ptr, block_table_row_ptr, tile_start, end,
-            0, kv_head, dims, dim_mask, scale, running_max, running_sum, acc,
-            NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, MASK_END)
+            0, kv_head, dims, qk_scale, running_max, running_sum, acc,
+            NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, MASK_NONE, EVEN_D)
+    if full_end < end:
+        running_max, running_sum, acc = _attend_tile(
+            query, k_cache_ptr, v_cache_ptr, block_table_row_ptr, full_end, end,
+            0, kv_head, dims, qk_scale, running_max, running_sum, acc,
+            NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, MASK_END, EVEN_D)
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
@@ -220,7 +268,8 @@ def _merge_splits_kernel(
     overall_max = tl.max(split_max, 0)
     # Empty splits (and padded sequences, where every split is empty) weigh 0.
     overall_max = tl.where(overall_max == float("-inf"), 0.0, overall_max)
-    weights = tl.where(split_sum > 0, tl.exp(split_max - overall_max), 0.0)
+    # (the maxima are in log2 units, see _attend_tile)
+    weights = tl.where(split_sum > 0, tl.exp2(split_max - overall_max), 0.0)
     total = tl.sum(split_sum * weights, 0)
     out = tl.sum(split_acc * weights[:, None], 0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + seq * out_token_stride + head * out_head_stride + dims,
@@ -246,19 +295,22 @@ def _find_sequence(query_start_loc_ptr, program, num_seqs, BLOCK_Q: tl.constexpr
 @triton.jit
 def _varlen_kernel(
     query_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-    query_start_loc_ptr, out_ptr, scale, num_seqs,
+    query_start_loc_ptr, out_ptr, qk_scale, num_seqs,
     query_token_stride, query_head_stride, out_token_stride, out_head_stride,
     block_table_stride,
     NUM_KV_HEADS: tl.constexpr, GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
 ):
     # Program p owns BLOCK_Q query tokens of one sequence, for the GROUP_SIZE query
     # heads that share one KV head: BLOCK_M = BLOCK_Q x GROUP_SIZE rows (padded), so
     # each KV tile is read once per group. Sequence s's blocks start at program
     # query_start_loc[s] // BLOCK_Q + s; that bound makes the grid
-    # num_tokens // BLOCK_Q + num_seqs whatever the query lengths are.
-    program = tl.program_id(0)
+    # num_tokens // BLOCK_Q + num_seqs whatever the query lengths are. Programs run
+    # in reverse: a sequence's last query blocks, which see the most keys, start
+    # first, so the short ones fill the tail of the launch (the work of each program
+    # is the same whatever the order).
+    program = tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = _find_sequence(query_start_loc_ptr, program, num_seqs, BLOCK_Q)
     query_start = tl.load(query_start_loc_ptr + seq)
@@ -298,13 +350,13 @@ def _varlen_kernel(
     for tile_start in range(0, unmasked_end, BLOCK_N):
         running_max, running_sum, acc = _attend_tile(
             query, k_cache_ptr, v_cache_ptr, block_table_row_ptr, tile_start, end,
-            query_positions, kv_head, dims, dim_mask, scale, running_max, running_sum, acc,
-            NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, MASK_NONE)
+            query_positions, kv_head, dims, qk_scale, running_max, running_sum, acc,
+            NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, MASK_NONE, EVEN_D)
     for tile_start in range(unmasked_end, end, BLOCK_N):
         running_max, running_sum, acc = _attend_tile(
             query, k_cache_ptr, v_cache_ptr, block_table_row_ptr, tile_start, end,
-            query_positions, kv_head, dims, dim_mask, scale, running_max, running_sum, acc,
-            NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, MASK_CAUSAL)
+            query_positions, kv_head, dims, qk_scale, running_max, running_sum, acc,
+            NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, MASK_CAUSAL, EVEN_D)
 
     out = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
     tl.store(out_ptr + tokens[:, None] * out_token_stride + heads[:, None] * out_head_stride
@@ -332,16 +384,17 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     block_tables: torch.Tensor, context_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, scale: float, *,
                     num_splits: int | None = None,
-                    block_m: int | None = None) -> torch.Tensor:
+                    varlen: VarlenConfig | None = None,
+                    decode: DecodeConfig | None = None) -> torch.Tensor:
     """Causal attention of ``query`` over the paged cache -> [num_tokens, num_heads, head_dim].
 
     A batch with as many tokens as sequences is decode-only (every sequence has
     at least one query token) and takes the decode kernel; ``num_splits``
-    overrides its split count (which otherwise depends on the batch size only).
-    Any other batch, prefill chunks and decode rows together, is one launch of
-    the varlen kernel, whose grid depends on the token and sequence counts only;
-    ``block_m`` overrides its rows per program (query tokens x the query heads of one KV
-    head; ``VARLEN_CONFIG``'s otherwise).
+    overrides its split count (which otherwise depends on the batch size only),
+    ``decode`` its tile (``DECODE_CONFIG`` otherwise). Any other batch, prefill
+    chunks and decode rows together, is one launch of the varlen kernel, whose grid
+    depends on the token and sequence counts only; ``varlen`` overrides its tile
+    (``varlen_config(num_tokens)`` otherwise).
     """
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = block_tables.shape[0]
@@ -349,12 +402,14 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if num_tokens == 0:
         return out
     assert query.stride(2) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
+    qk_scale = scale * LOG2_E
     if num_tokens == num_seqs:
         splits = num_splits or decode_num_splits(num_seqs, k_cache.shape[2], query.device)
-        _decode(query, k_cache, v_cache, block_tables, context_lens, scale, out, splits)
+        _decode(query, k_cache, v_cache, block_tables, context_lens, qk_scale, out, splits,
+                decode or DECODE_CONFIG)
     else:
-        _varlen(query, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, out,
-                block_m or VARLEN_CONFIG.block_m)
+        _varlen(query, k_cache, v_cache, block_tables, context_lens, query_start_loc, qk_scale,
+                out, varlen or varlen_config(num_tokens))
     return out
 
 
@@ -384,7 +439,8 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device) ->
     return min(MAX_DECODE_SPLITS, triton.cdiv(DECODE_PROGRAMS_PER_SM * num_sms, num_programs))
 
 
-def _decode(query, k_cache, v_cache, block_tables, context_lens, scale, out, num_splits):
+def _decode(query, k_cache, v_cache, block_tables, context_lens, qk_scale, out, num_splits,
+            config):
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group_size = num_heads // num_kv_heads
@@ -399,37 +455,38 @@ def _decode(query, k_cache, v_cache, block_tables, context_lens, scale, out, num
     block_d = triton.next_power_of_2(head_dim)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, k_cache, v_cache, block_tables, context_lens,
-        out, partial_acc, partial_max, partial_sum, scale,
+        out, partial_acc, partial_max, partial_sum, qk_scale,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP_SIZE=group_size,
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
         BLOCK_H=max(MIN_DOT_ROWS, triton.next_power_of_2(group_size)),
-        BLOCK_N=DECODE_CONFIG.block_n, BLOCK_D=block_d, num_warps=DECODE_CONFIG.num_warps,
-        num_stages=DECODE_CONFIG.num_stages,
+        BLOCK_N=config.block_n, BLOCK_D=block_d, EVEN_D=block_d == head_dim,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](
             out, partial_acc, partial_max, partial_sum, context_lens, out.stride(0),
             out.stride(1), NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
             BLOCK_SPLITS=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
-            BLOCK_N=DECODE_CONFIG.block_n, num_warps=2,
+            BLOCK_N=config.block_n, num_warps=2,
         )
 
 
-def _varlen(query, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, out,
-            block_m):
+def _varlen(query, k_cache, v_cache, block_tables, context_lens, query_start_loc, qk_scale, out,
+            config):
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = block_tables.shape[0]
     _, block_size, num_kv_heads, _ = k_cache.shape
     group_size = num_heads // num_kv_heads
-    block_m, block_q = varlen_tiling(group_size, block_m)
+    block_m, block_q = varlen_tiling(group_size, config.block_m)
+    block_d = triton.next_power_of_2(head_dim)
     # sequence s's query blocks start at query_start_loc[s] // block_q + s (see the kernel)
     _varlen_kernel[(num_tokens // block_q + num_seqs, num_kv_heads)](
-        query, k_cache, v_cache, block_tables, context_lens, query_start_loc, out, scale,
+        query, k_cache, v_cache, block_tables, context_lens, query_start_loc, out, qk_scale,
         num_seqs, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0),
         NUM_KV_HEADS=num_kv_heads, GROUP_SIZE=group_size, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m,
-        BLOCK_N=VARLEN_CONFIG.block_n, BLOCK_D=triton.next_power_of_2(head_dim),
-        num_warps=VARLEN_CONFIG.num_warps, num_stages=VARLEN_CONFIG.num_stages,
+        BLOCK_N=config.block_n, BLOCK_D=block_d, EVEN_D=block_d == head_dim,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )

@@ -23,6 +23,7 @@ from trio_llm.actors.messages import (  # noqa: E402
 from trio_llm.gpu import step_packing  # noqa: E402
 from trio_llm.gpu.builtin import resolve_model  # noqa: E402
 from trio_llm.gpu.cuda_executor import CudaExecutorOptions, CudaModelExecutor  # noqa: E402
+from trio_llm.gpu.cuda_sampler import SamplingPlan  # noqa: E402
 from trio_llm.gpu.executor import ModelExecutor, kv_slots  # noqa: E402
 from trio_llm.gpu.loader import load_model  # noqa: E402
 from trio_llm.gpu.testing import run_depth_1, run_depth_2  # noqa: E402
@@ -230,6 +231,46 @@ def test_kv_slots_loop_and_vectorized_agree(start, end):
     assert kv_slots(block_ids, block_size, start, end) == expected
 
 
+def test_long_chunks_pack_their_positions_and_slots_in_place():
+    """Long chunks' positions and slots travel as arrays inserted between the short
+    rows' values: the upload holds every token's position and slot in batch order, the
+    graph's padding after them."""
+    model = load_model(resolve_model("tiny"), dtype=torch.float32, device=torch.device("cpu"))
+    executor = CudaModelExecutor(model, model_path=resolve_model("tiny"), num_kv_blocks=200,
+                                 block_size=BLOCK_SIZE, max_model_len=512)
+    executor.start(CudaExecutorOptions(max_num_seqs=4, max_num_batched_tokens=512,
+                                       use_cuda_graphs=True, use_fused_kernels=False))
+    lengths = [3, 150, 1, 200]  # short, long, a decode-sized chunk, long
+    shuffled = [(37 * index + 11) % 200 for index in range(200)]
+    blocks, requests = iter(shuffled), []
+    for i, length in enumerate(lengths):
+        own = [next(blocks) for _ in range(-(-length // BLOCK_SIZE))]
+        requests.append(scheduled(f"r{i}", [3] * length, computed=0, blocks=own))
+    batch = ScheduledBatch(step_id=0, new_requests=[
+        NewRequestData(request_id=f"r{i}", sampling=options(0.0)) for i in range(4)],
+        requests=requests, finished_request_ids=[], num_tokens=sum(lengths))
+    executor._update_states(batch)
+    step = executor._plan(batch)
+    executor._pad_for_graph(step)
+    assert step.graph_key == ("varlen", 384) and len(step.inserts["positions"]) == 2
+    plan = SamplingPlan.from_rows(step.sampling_rows, executor.vocab_size, can_fuse=False)
+    int_offsets, _ = executor._pack(step, plan, executor.slots[0])
+    packed = executor.slots[0].host_ints.numpy()
+
+    def segment(name):
+        start, length = int_offsets[name]
+        return packed[start:start + length].tolist()
+
+    num_real = sum(lengths)
+    expected_positions = [position for length in lengths for position in range(length)]
+    expected_slots = [slot for request in requests
+                      for slot in kv_slots(request.new_block_ids, BLOCK_SIZE, 0,
+                                           len(request.token_ids))]
+    assert segment("positions") == expected_positions + [0] * (384 - num_real)
+    assert segment("slot_mapping") == expected_slots + [-1] * (384 - num_real)
+    assert len(segment("token_ids")) == 384
+
+
 def test_every_upload_segment_starts_16_byte_aligned():
     """Triton specialises kernels on 16-byte-aligned pointers: misaligned views of the
     upload would compile new kernel variants mid-run."""
@@ -263,6 +304,33 @@ def test_the_block_table_grows_past_its_rows():
     assert len(result.sampled_token_ids) == num_rows + 1
     assert executor.block_table.shape[0] > num_rows
     assert len(set(result.sampled_token_ids)) == 1  # same prompt, same greedy token
+
+
+def test_a_largest_step_fits_the_slots_as_started():
+    """Slots start large enough for max_num_batched_tokens and max_num_seqs (a graph's
+    padding included): growing one mid-run waits for the device."""
+    model = load_model(resolve_model("tiny"), dtype=torch.float32, device=torch.device("cpu"))
+    executor = CudaModelExecutor(model, model_path=resolve_model("tiny"), num_kv_blocks=160,
+                                 block_size=BLOCK_SIZE, max_model_len=512)
+    executor.start(CudaExecutorOptions(max_num_seqs=4, max_num_batched_tokens=512,
+                                       use_cuda_graphs=True, use_fused_kernels=False))
+    buffers = [(slot.host_ints, slot.host_floats) for slot in executor.slots]
+    lengths, block_ids = [250, 200, 61, 1], iter(range(160))
+    requests = [scheduled(f"r{i}", [3] * length, computed=0,
+                          blocks=[next(block_ids) for _ in range(-(-length // BLOCK_SIZE))])
+                for i, length in enumerate(lengths)]
+    new_requests = [NewRequestData(request_id=f"r{i}", sampling=options(0.7, seed=i))
+                    for i in range(len(lengths))]
+    prefill = ScheduledBatch(step_id=0, new_requests=new_requests, requests=requests,
+                             finished_request_ids=[], num_tokens=sum(lengths))
+    decode = ScheduledBatch(step_id=1, new_requests=[], requests=[
+        scheduled(f"r{i}", [5], computed=length, blocks=[next(block_ids)])
+        for i, length in enumerate(lengths)], finished_request_ids=[], num_tokens=4)
+    for batch in (prefill, decode):
+        assert len(executor.execute(batch).sampled_token_ids) == len(lengths)
+    assert executor.stats.num_graph_steps == 2
+    assert all(slot.host_ints is ints and slot.host_floats is floats
+               for slot, (ints, floats) in zip(executor.slots, buffers, strict=True))
 
 
 # -- CUDA -----------------------------------------------------------------------------------

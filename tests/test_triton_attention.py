@@ -69,6 +69,8 @@ def relative_error(out, expected):
     return ((out.double() - expected).norm() / expected.norm()).item()
 
 
+VARLEN_16 = triton_attention.VarlenConfig(block_m=16)
+
 SHAPES = [
     # (num_heads, num_kv_heads, head_dim, block_size)
     (4, 2, 32, 16),
@@ -83,8 +85,9 @@ if HAS_CUDA:
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_decode_matches_reference(num_heads, num_kv_heads, head_dim, block_size, num_splits):
     generator = torch.Generator().manual_seed(num_heads * 100 + head_dim + num_splits)
-    context_lens = [1, 37, 130, 64]
-    batch = random_batch(generator, query_lens=[1] * 4, context_lens=context_lens,
+    # whole KV tiles only (128, 256), a partial tile only, both
+    context_lens = [1, 37, 130, 64, 128, 256]
+    batch = random_batch(generator, query_lens=[1] * 6, context_lens=context_lens,
                          num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                          block_size=block_size)
     scale = head_dim**-0.5
@@ -103,8 +106,10 @@ def test_prefill_and_mixed_match_reference(num_heads, num_kv_heads, head_dim, bl
                          block_size=block_size)
     scale = head_dim**-0.5
     expected = naive_paged_attention(*batch, scale)
-    for block_m in (16, 64):  # several query blocks per sequence, and a block per group
-        out = triton_attention.paged_attention(*batch, scale, block_m=block_m)
+    # several query blocks per sequence, and a block per group; (the KV tile as wide)
+    for block_m in (16, 64):
+        varlen = triton_attention.VarlenConfig(block_m=block_m, block_n=block_m)
+        out = triton_attention.paged_attention(*batch, scale, varlen=varlen)
         assert relative_error(out, expected) < TOLERANCE
 
 
@@ -153,8 +158,8 @@ def test_varlen_padding_sequence_owns_padding_tokens_and_gives_zeros(num_padded)
     # poison: a read below position 0 would go through row 0 of the block table
     padded_tables[4:] = block_tables[0]
     out = triton_attention.paged_attention(padded_query, k_cache, v_cache, padded_tables,
-                                           padded_lens, padded_starts, 0.2, block_m=16)
-    expected = triton_attention.paged_attention(*batch, 0.2, block_m=16)
+                                           padded_lens, padded_starts, 0.2, varlen=VARLEN_16)
+    expected = triton_attention.paged_attention(*batch, 0.2, varlen=VARLEN_16)
     assert torch.equal(out[:num_real], expected)  # bit for bit: the same programs' work
     assert out[num_real:].abs().max().item() == 0.0
 
@@ -231,3 +236,18 @@ def test_matches_the_torch_reference_module():
                                    scale)
     out = triton_attention.paged_attention(*batch, scale)
     assert relative_error(out, expected.double()) < TOLERANCE
+
+
+def test_a_graph_and_the_eager_step_it_pads_take_the_same_varlen_tile():
+    """The varlen tile depends on the step's token count; a graph replays a padded count,
+    so every count must take the tile of the graph that would serve it (else a graph
+    step and the eager step it stands for would differ in their low bits)."""
+    from trio_llm.gpu.cuda_graphs import VARLEN_GRAPH_TOKENS
+
+    assert triton_attention.VARLEN_SMALL_MAX_TOKENS in VARLEN_GRAPH_TOKENS
+    tiles = {triton_attention.varlen_config(size) for size in VARLEN_GRAPH_TOKENS}
+    assert len(tiles) == 2  # both tiles serve some graph
+    for num_tokens in range(1, VARLEN_GRAPH_TOKENS[-1] + 1):
+        graph_tokens = next(size for size in VARLEN_GRAPH_TOKENS if size >= num_tokens)
+        assert (triton_attention.varlen_config(num_tokens)
+                == triton_attention.varlen_config(graph_tokens))
