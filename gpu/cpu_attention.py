@@ -6,21 +6,29 @@ through the block tables: no Python loop over sequences, no gathered copy of
 the keys and values, no padding. It implements gpu/attention.py's contract.
 
 Batch invariance holds by construction, not by luck: a query row at position
-``p`` is computed alone, by the same loops, from its own query and the keys
-and values at positions ``0..p``: an exact two-pass softmax (scores and their
-maximum, then the exponentials and their sum, then the weighted values).
-Every reduction's length and order depend on ``p`` and the head size only, so
-the row's result is the same bits whatever else the step holds, however its
-prompt was chunked, and whatever the block size or the block ids. Work is never
-split across threads inside a row.
+``p`` is computed alone, by the same code, from its own query and the keys and
+values at positions ``0..p``: an exact two-pass softmax (scores and their
+maximum, then the exponentials and their sum, then the weighted values). The
+kernel is compiled without fast-math flags, so the compiler may neither
+reassociate nor fuse (no FMA) a single operation: every sum's order is the one
+written here. The order depends on ``p`` and the head size only, so the row's
+result is the same bits whatever else the step holds, however its prompt was
+chunked, and whatever the block size or the block ids. Work is never split
+across threads inside a row.
 
-Only float32 queries and caches take this path; other dtypes go to the
-float64 reference (gpu/attention.py).
+Speed comes from writing the order down in a vectorizable shape rather than
+leaving it to the compiler: a dot product and the softmax's sum accumulate
+16 lanes (element ``i`` into lane ``i % 16``, in order) and then fold the lanes
+pairwise (LLVM vector instructions, emitted below); the exponential is a
+polynomial of plain multiplies and adds (Cephes' expf), which vectorizes, where
+libm's ``expf`` is a call per key.
+
+Only float32 queries and caches whose head size is a multiple of 16 take this
+path; the others go to the float64 reference (gpu/attention.py).
 """
 
 from __future__ import annotations
 
-import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -37,20 +45,32 @@ from trio_llm.gpu.attention import float64_paged_attention, write_kv_cache
 
 __all__ = ["paged_attention", "warm_up", "write_kv_cache"]
 
-# Reassociation lets LLVM vectorize a reduction; its lane split then depends on the
-# reduction's length alone, which is a function of the row's own position. No flag
-# here assumes away infinities or NaNs: -inf is a real value in a softmax.
-FASTMATH = {"contract", "reassoc", "nsz", "arcp"}
 # Positions ahead whose keys and values are prefetched: decode reads each slot once,
 # from blocks scattered over the cache, and without prefetching it waited on memory
 # (in a prototype, decode over scattered blocks ran about 3x slower than over blocks
 # that fit in L2; prefetching took back most of the difference).
 PREFETCH_DISTANCE = 8
 FLOATS_PER_CACHE_LINE = 16
-_kernel = numba.njit(fastmath=FASTMATH, boundscheck=False, error_model="numpy", cache=True,
-                     nogil=True)
-_inlined_kernel = numba.njit(fastmath=FASTMATH, boundscheck=False, error_model="numpy",
-                             cache=True, nogil=True, inline="always")
+# The lanes of the dot products and of the softmax's sum: one AVX-512 register of
+# float32 (two AVX2 registers on a machine without AVX-512; the order is the same).
+LANES = 16
+# No fastmath: the order of every floating-point operation is the source's.
+_kernel = numba.njit(boundscheck=False, error_model="numpy", cache=True, nogil=True)
+_inlined_kernel = numba.njit(boundscheck=False, error_model="numpy", cache=True, nogil=True,
+                             inline="always")
+
+# exp(x) for x <= 0 as Cephes' expf: x = n ln 2 + r, |r| <= ln 2 / 2, exp(r) by a degree-7
+# polynomial, 2^n put in the exponent bits. Within 1 ulp of exp over [-87.3, 0] (tested);
+# below that, exp is under float32's smallest normal number, and the kernel returns 0.
+EXP_LOWEST = np.float32(-87.33654)
+LOG2_E = np.float32(1.44269504088896341)
+LN2_HIGH = np.float32(0.693359375)
+LN2_LOW = np.float32(-2.12194440e-4)
+EXP_COEFFICIENTS = tuple(np.float32(c) for c in (
+    1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1,
+    5.0000001201e-1))
+FLOAT32_EXPONENT_BIAS = np.int32(127)
+FLOAT32_MANTISSA_BITS = np.int32(23)
 
 
 def _prefetch_typing(typingctx: Any, array: Any, index: Any) -> Any:  # pragma: no cover
@@ -74,6 +94,151 @@ def _prefetch_typing(typingctx: Any, array: Any, index: Any) -> Any:  # pragma: 
 # Called in the kernels as ``_prefetch(array, index)``.
 _prefetch: Any = intrinsic(_prefetch_typing)
 
+_LANE_VECTOR = ir.VectorType(ir.FloatType(), LANES)
+
+
+def _lanes_pointer(context: Any, builder: Any, array_type: Any, array: Any,
+                   offset: Any) -> Any:  # pragma: no cover
+    """``&array[offset]`` (1D, contiguous) as a pointer to vectors of LANES floats."""
+    array_struct = context.make_array(array_type)(context, builder, array)
+    return builder.bitcast(builder.gep(array_struct.data, [offset]), _LANE_VECTOR.as_pointer())
+
+
+def _fold_lanes(builder: Any, vector: Any) -> Any:  # pragma: no cover
+    """Lane ``i`` plus lane ``i + width``, the width halving: 16 -> 8 -> 4 -> 2 -> 1."""
+    width = LANES
+    while width > 1:
+        width //= 2
+        index_type = ir.VectorType(ir.IntType(32), width)
+        low = builder.shuffle_vector(vector, vector, ir.Constant(index_type, list(range(width))))
+        high = builder.shuffle_vector(vector, vector,
+                                      ir.Constant(index_type, list(range(width, 2 * width))))
+        vector = builder.fadd(low, high)
+    return builder.extract_element(vector, ir.Constant(ir.IntType(32), 0))
+
+
+def _lane_sum_typing(typingctx: Any, left: Any, left_offset: Any, right: Any,
+                     right_offset: Any, length: Any) -> Any:  # pragma: no cover
+    """``sum(left[left_offset + i] * right[right_offset + i] for i < length)`` in one fixed
+    order: 16 lanes accumulated in order from 0, then folded; ``length`` a multiple of 16.
+    With ``right`` None, the plain sum of ``left``'s elements, in the same order."""
+    has_right = not isinstance(right, types.NoneType)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        left_pointer = _lanes_pointer(context, builder, signature.args[0], args[0], args[1])
+        right_pointer = (_lanes_pointer(context, builder, signature.args[2], args[2], args[3])
+                         if has_right else None)
+        total = cgutils.alloca_once_value(builder, ir.Constant(_LANE_VECTOR, [0.0] * LANES))
+        num_vectors = builder.udiv(args[4], ir.Constant(args[4].type, LANES))
+        with cgutils.for_range(builder, num_vectors) as loop:
+            term = builder.load(builder.gep(left_pointer, [loop.index]), align=4)
+            if right_pointer is not None:
+                term = builder.fmul(term, builder.load(builder.gep(right_pointer, [loop.index]),
+                                                       align=4))
+            builder.store(builder.fadd(builder.load(total), term), total)
+        return _fold_lanes(builder, builder.load(total))
+
+    return types.float32(left, left_offset, right, right_offset, length), codegen
+
+
+# ``_lane_sum(a, i, b, j, n)``: the dot product of ``a[i:i+n]`` and ``b[j:j+n]``;
+# ``_lane_sum(a, i, None, 0, n)``: the sum of ``a[i:i+n]``.
+_lane_sum: Any = intrinsic(_lane_sum_typing)
+
+
+def _weighted_rows_typing(typingctx: Any, weights: Any, weights_offset: Any, rows: Any,
+                         row_ids: Any, row_shift: Any, num_rows: Any, row_length: Any,
+                         out: Any, out_offset: Any) -> Any:  # pragma: no cover
+    """``out[out_offset + d] = sum(weights[weights_offset + j] * rows[(row_ids[j] + row_shift)
+    * row_length + d] for j < num_rows)``, accumulated from 0 in the order of ``j``, each
+    term a multiply then an add; ``row_length`` a multiple of 16. Each 16-float slice of
+    the rows is accumulated in a register over all ``j`` before the next."""
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        (weights_type, _, rows_type, row_ids_type, _, _, _, out_type, _) = signature.args
+        (weights_array, weights_start, rows_array, row_ids_array, shift, count, length,
+         out_array, out_start) = args
+        weights_data = context.make_array(weights_type)(context, builder, weights_array).data
+        rows_data = context.make_array(rows_type)(context, builder, rows_array).data
+        row_ids_data = context.make_array(row_ids_type)(context, builder, row_ids_array).data
+        int64 = ir.IntType(64)
+        length = builder.sext(length, int64) if length.type != int64 else length
+        lanes = ir.Constant(int64, LANES)
+        total = cgutils.alloca_once(builder, _LANE_VECTOR)
+        with cgutils.for_range(builder, builder.udiv(length, lanes)) as slice_loop:
+            first = builder.mul(slice_loop.index, lanes)
+            builder.store(ir.Constant(_LANE_VECTOR, [0.0] * LANES), total)
+            with cgutils.for_range(builder, count) as row_loop:
+                row_id = builder.load(builder.gep(row_ids_data, [row_loop.index]))
+                row_start = builder.add(builder.mul(builder.add(row_id, shift), length), first)
+                row = builder.load(builder.bitcast(builder.gep(rows_data, [row_start]),
+                                                   _LANE_VECTOR.as_pointer()), align=4)
+                weight = builder.load(builder.gep(weights_data,
+                                                  [builder.add(weights_start, row_loop.index)]))
+                splat = builder.insert_element(ir.Constant(_LANE_VECTOR, ir.Undefined), weight,
+                                               ir.Constant(ir.IntType(32), 0))
+                splat = builder.shuffle_vector(splat, splat,
+                                               ir.Constant(ir.VectorType(ir.IntType(32), LANES),
+                                                           [0] * LANES))
+                builder.store(builder.fadd(builder.load(total), builder.fmul(splat, row)), total)
+            out_pointer = builder.gep(context.make_array(out_type)(context, builder,
+                                                                   out_array).data,
+                                      [builder.add(out_start, first)])
+            builder.store(builder.load(total), builder.bitcast(out_pointer,
+                                                                 _LANE_VECTOR.as_pointer()),
+                          align=4)
+        return context.get_dummy_value()
+
+    return types.void(weights, weights_offset, rows, row_ids, row_shift, num_rows, row_length,
+                      out, out_offset), codegen
+
+
+# ``_weighted_rows(w, i, rows, ids, shift, n, length, out, o)``: the weighted sum of n rows
+# of ``rows`` (1D, rows of ``length``) picked by ``ids[j] + shift``, into ``out[o:o+length]``.
+_weighted_rows: Any = intrinsic(_weighted_rows_typing)
+
+
+def _float_from_bits_typing(typingctx: Any, bits: Any) -> Any:  # pragma: no cover
+    """The float32 whose bits are the int32 ``bits``."""
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(types.int32), codegen
+
+
+_float_from_bits: Any = intrinsic(_float_from_bits_typing)
+
+
+@_inlined_kernel
+def _exp_nonpositive(x: np.float32) -> np.float32:  # pragma: no cover
+    """exp(x) for float32 ``x <= 0`` (see EXP_COEFFICIENTS); plain arithmetic, so a loop
+    of it vectorizes and every lane computes what the scalar code would."""
+    is_normal = x >= EXP_LOWEST
+    x = max(x, EXP_LOWEST)
+    n = np.floor(x * LOG2_E + np.float32(0.5))
+    r = x - n * LN2_HIGH - n * LN2_LOW
+    c0, c1, c2, c3, c4, c5 = EXP_COEFFICIENTS
+    p = ((((c0 * r + c1) * r + c2) * r + c3) * r + c4) * r + c5
+    p = p * (r * r) + r + np.float32(1.0)
+    power = _float_from_bits((np.int32(n) + FLOAT32_EXPONENT_BIAS) << FLOAT32_MANTISSA_BITS)
+    return p * power if is_normal else np.float32(0.0)
+
+
+@_kernel
+def _exp_array(values: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover
+    """``out[i] = exp(values[i])`` for values <= 0, as the kernel computes it (for tests)."""
+    for index in range(values.shape[0]):
+        out[index] = _exp_nonpositive(values[index])
+
+
+@_kernel
+def _lane_dot_array(left: np.ndarray, right: np.ndarray,
+                    out: np.ndarray) -> None:  # pragma: no cover
+    """``out[r]``: the kernel's dot product of rows ``r`` of ``left`` and ``right`` (tests)."""
+    length = left.shape[1]
+    left_flat, right_flat = left.reshape(-1), right.reshape(-1)
+    for row in range(left.shape[0]):
+        out[row] = _lane_sum(left_flat, row * length, right_flat, row * length, length)
+
 
 @_kernel
 def _attend_rows(query: np.ndarray, k_rows: np.ndarray, v_rows: np.ndarray,
@@ -86,11 +251,10 @@ def _attend_rows(query: np.ndarray, k_rows: np.ndarray, v_rows: np.ndarray,
     max_context_len = 0
     for seq_index in range(context_lens.shape[0]):
         max_context_len = max(max_context_len, context_lens[seq_index])
-    scores = np.empty((num_heads, max_context_len), dtype=np.float32)
+    # Room for each head's scores up to a whole number of lanes: the sum reads them all.
+    scores = np.zeros((num_heads, -(-max_context_len // LANES) * LANES), dtype=np.float32)
     slot_rows = np.empty(max_context_len, dtype=np.int64)
     accumulator = np.empty((num_heads, query.shape[1]), dtype=np.float32)
-    maxima = np.empty(num_heads, dtype=np.float32)
-    totals = np.empty(num_heads, dtype=np.float32)
     for seq_index in range(context_lens.shape[0]):
         start, end = query_start_loc[seq_index], query_start_loc[seq_index + 1]
         context_len = context_lens[seq_index]
@@ -99,19 +263,22 @@ def _attend_rows(query: np.ndarray, k_rows: np.ndarray, v_rows: np.ndarray,
         for position in range(context_len):
             block_id = block_tables[seq_index, position // block_size]
             slot_rows[position] = (block_id * block_size + position % block_size) * num_kv_heads
+        # A decode row reads keys written in earlier steps, scattered over the cache: it
+        # prefetches. A chunk's rows read keys that this step has just written and the
+        # chunk's earlier rows have just read: prefetching them again only costs.
+        prefetch_distance = PREFETCH_DISTANCE if end - start == 1 else 0
         for token in range(start, end):
             # The token's position is num_keys - 1: it sees every key up to its own.
             num_keys = context_len - (end - token) + 1
             _attend_token(query, k_rows, v_rows, slot_rows, num_keys, token * num_heads,
-                          num_kv_heads, scale, scores, maxima, totals, accumulator,
-                          out)
+                          num_kv_heads, scale, prefetch_distance, scores, accumulator, out)
 
 
 @_inlined_kernel
 def _attend_token(query: np.ndarray, k_rows: np.ndarray, v_rows: np.ndarray,
                   slot_rows: np.ndarray, num_keys: int, first_row: int, num_kv_heads: int,
-                  scale: np.float32, scores: np.ndarray, maxima: np.ndarray,
-                  totals: np.ndarray, accumulator: np.ndarray,
+                  scale: np.float32, prefetch_distance: int, scores: np.ndarray,
+                  accumulator: np.ndarray,
                   out: np.ndarray) -> None:  # pragma: no cover
     """Every head of one token (rows ``first_row..``) over keys ``0..num_keys-1``.
 
@@ -122,40 +289,32 @@ def _attend_token(query: np.ndarray, k_rows: np.ndarray, v_rows: np.ndarray,
     head_dim = query.shape[1]
     num_heads = scores.shape[0]
     group_size = num_heads // num_kv_heads
-    k_flat, v_flat = k_rows.reshape(-1), v_rows.reshape(-1)
-    maxima[:] = -np.inf
+    query_flat, k_flat, v_flat = query.reshape(-1), k_rows.reshape(-1), v_rows.reshape(-1)
+    scores_flat, accumulator_flat = scores.reshape(-1), accumulator.reshape(-1)
+    num_lane_keys = -(-num_keys // LANES) * LANES
     for key in range(num_keys):
-        if key + PREFETCH_DISTANCE < num_keys:
-            _prefetch_slot(k_flat, v_flat, slot_rows[key + PREFETCH_DISTANCE] * head_dim,
+        if prefetch_distance and key + prefetch_distance < num_keys:
+            _prefetch_slot(k_flat, v_flat, slot_rows[key + prefetch_distance] * head_dim,
                            num_kv_heads * head_dim)
         for kv_head in range(num_kv_heads):
-            key_row = slot_rows[key] + kv_head
+            key_start = (slot_rows[key] + kv_head) * head_dim
             for group_index in range(group_size):
                 head = kv_head * group_size + group_index
-                dot = np.float32(0.0)
-                for dim in range(head_dim):
-                    dot += query[first_row + head, dim] * k_rows[key_row, dim]
-                dot *= scale
-                scores[head, key] = dot
-                maxima[head] = max(maxima[head], dot)
+                scores[head, key] = _lane_sum(query_flat, (first_row + head) * head_dim,
+                                              k_flat, key_start, head_dim) * scale
     for head in range(num_heads):
-        maximum, total = maxima[head], np.float32(0.0)
+        maximum = scores[head, 0]
+        for key in range(1, num_keys):
+            maximum = max(maximum, scores[head, key])
         for key in range(num_keys):
-            weight = math.exp(scores[head, key] - maximum)
-            scores[head, key] = weight
-            total += weight
-        totals[head] = total
-    accumulator[:] = 0.0
-    for key in range(num_keys):
-        for kv_head in range(num_kv_heads):
-            value_row = slot_rows[key] + kv_head
-            for group_index in range(group_size):
-                head = kv_head * group_size + group_index
-                weight = scores[head, key]
-                for dim in range(head_dim):
-                    accumulator[head, dim] += weight * v_rows[value_row, dim]
+            scores[head, key] = _exp_nonpositive(scores[head, key] - maximum)
+        for key in range(num_keys, num_lane_keys):
+            scores[head, key] = np.float32(0.0)
     for head in range(num_heads):
-        inverse_total = np.float32(1.0) / totals[head]
+        _weighted_rows(scores_flat, head * scores.shape[1], v_flat, slot_rows,
+                       head // group_size, num_keys, head_dim, accumulator_flat, head * head_dim)
+        total = _lane_sum(scores_flat, head * scores.shape[1], None, 0, num_lane_keys)
+        inverse_total = np.float32(1.0) / total
         for dim in range(head_dim):
             out[first_row + head, dim] = accumulator[head, dim] * inverse_total
 
@@ -170,9 +329,9 @@ def _prefetch_slot(k_flat: np.ndarray, v_flat: np.ndarray, first: int,
 
 
 def can_use_kernel(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """The kernel takes float32 tensors in the CPU's memory."""
+    """The kernel takes float32 tensors in the CPU's memory, heads a whole number of lanes."""
     return (query.device.type == "cpu" and query.dtype == torch.float32
-            and k_cache.dtype == torch.float32)
+            and k_cache.dtype == torch.float32 and query.shape[-1] % LANES == 0)
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
