@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import numba
@@ -43,7 +44,7 @@ from numba.extending import intrinsic
 
 from trio_llm.gpu.attention import float64_paged_attention, write_kv_cache
 
-__all__ = ["paged_attention", "warm_up", "write_kv_cache"]
+__all__ = ["StepPlan", "attend", "paged_attention", "plan_step", "warm_up", "write_kv_cache"]
 
 # Positions ahead whose keys and values are prefetched: decode reads each slot once,
 # from blocks scattered over the cache, and without prefetching it waited on memory
@@ -337,36 +338,83 @@ def can_use_kernel(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, context_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
-    """gpu/attention.py's paged_attention, batch-invariant; float64 reference for other dtypes.
-
-    The sequences are split into as many runs of about equal work as torch has intra-op
-    threads, each run on its own thread (the kernel releases the GIL). A row is computed
-    by one thread, the same way whichever, so the split changes no bits.
-    """
+    """gpu/attention.py's paged_attention, batch-invariant; float64 reference for other dtypes."""
     if not can_use_kernel(query, k_cache):
         return float64_paged_attention(query, k_cache, v_cache, block_tables, context_lens,
                                        query_start_loc, scale)
+    plan = StepPlan.check(block_tables, context_lens, query_start_loc, None,
+                          num_tokens=query.shape[0], num_blocks=k_cache.shape[0],
+                          block_size=k_cache.shape[1])
+    return attend(plan, query, k_cache, v_cache, scale)
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """One step's attention layout, checked once and shared by every layer: the index
+    arrays as the kernel takes them, and the runs of sequences each thread computes."""
+
+    block_tables: np.ndarray
+    context_lens: np.ndarray
+    query_start_loc: np.ndarray
+    runs: list[tuple[int, int]]
+    # int64, every slot inside the cache (or negative: not written); None if not given
+    slot_mapping: torch.Tensor | None
+
+    @classmethod
+    def check(cls, block_tables: torch.Tensor, context_lens: torch.Tensor,
+              query_start_loc: torch.Tensor, slot_mapping: torch.Tensor | None, *,
+              num_tokens: int, num_blocks: int, block_size: int) -> StepPlan:
+        """Raise ValueError where the kernels, which trust their indices, would read or
+        write outside the tensors."""
+        tables, lens, starts = (_as_int32(block_tables), _as_int32(context_lens),
+                                _as_int32(query_start_loc))
+        check_layout(tables, lens, starts, num_tokens=num_tokens, num_blocks=num_blocks,
+                     block_size=block_size)
+        if slot_mapping is not None:
+            slot_mapping = slot_mapping.to(torch.int64)
+            if len(slot_mapping) != num_tokens:
+                raise ValueError(f"{len(slot_mapping)} slots for {num_tokens} tokens")
+            if len(slot_mapping) and int(slot_mapping.max()) >= num_blocks * block_size:
+                raise ValueError(f"a slot is outside the cache's {num_blocks * block_size}")
+        return cls(tables, lens, starts, split_by_work(lens, starts, torch.get_num_threads()),
+                   slot_mapping)
+
+
+def plan_step(block_tables: torch.Tensor, context_lens: torch.Tensor,
+              query_start_loc: torch.Tensor, slot_mapping: torch.Tensor, *, num_tokens: int,
+              num_blocks: int, block_size: int) -> StepPlan:
+    """The StepPlan of a step whose every layer runs ``attend`` (and writes its keys and
+    values at ``slot_mapping``)."""
+    return StepPlan.check(block_tables, context_lens, query_start_loc, slot_mapping,
+                          num_tokens=num_tokens, num_blocks=num_blocks, block_size=block_size)
+
+
+def attend(plan: StepPlan, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+           scale: float) -> torch.Tensor:
+    """paged_attention over a checked plan; float32 tensors (``can_use_kernel``).
+
+    The sequences are split into as many runs of about equal work as torch had intra-op
+    threads when planned, each run on its own thread (the kernel releases the GIL). A
+    row is computed by one thread, the same way whichever, so the split changes no bits.
+    """
     _compile_once()
-    num_tokens, num_heads, head_dim = query.shape
+    _, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     # Rows of no sequence (none today) read as zeros, as in the reference.
     output = torch.zeros_like(query)
-    tables, lens, starts = (_as_int32(block_tables), _as_int32(context_lens),
-                            _as_int32(query_start_loc))
-    check_layout(tables, lens, starts, num_tokens=num_tokens, num_blocks=k_cache.shape[0],
-                 block_size=block_size)
     arguments = (query.contiguous().view(-1, head_dim).numpy(),
                  k_cache.view(-1, head_dim).numpy(), v_cache.view(-1, head_dim).numpy())
     outputs = output.view(-1, head_dim).numpy()
+    tables, lens, starts = plan.block_tables, plan.context_lens, plan.query_start_loc
 
-    def attend(first_seq: int, end_seq: int) -> None:
+    def attend_run(first_seq: int, end_seq: int) -> None:
         _attend_rows(*arguments, tables[first_seq:end_seq], lens[first_seq:end_seq],
                      starts[first_seq:end_seq + 1], int(block_size), int(num_heads),
                      int(num_kv_heads), np.float32(scale), outputs)
 
-    runs = split_by_work(lens, starts, torch.get_num_threads())
-    helpers = [_helper_pool(len(runs) - 1).submit(attend, *run) for run in runs[1:]]
-    attend(*runs[0])
+    runs = plan.runs
+    helpers = [_helper_pool(len(runs) - 1).submit(attend_run, *run) for run in runs[1:]]
+    attend_run(*runs[0])
     for helper in helpers:
         helper.result()
     return output

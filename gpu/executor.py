@@ -136,6 +136,7 @@ class ModelExecutor:
         if device.type == "cpu":
             configure_cpu_threads()
             model.attention_backend.warm_up()
+            _fuse_cpu_model(model)
         return cls(model, model_path=description.model_path, num_kv_blocks=num_kv_blocks,
                    block_size=config.block_size, max_model_len=description.max_model_len)
 
@@ -258,6 +259,16 @@ def configure_cpu_threads() -> int:
                      else os.cpu_count() or 1)
         torch.set_num_threads(max(1, min(torch.get_num_threads(), num_cores - 1)))
     return torch.get_num_threads()
+
+
+def _fuse_cpu_model(model: CausalLM) -> None:
+    """Run a float32 model's small operations through gpu/cpu_layers.py's kernels (compiled
+    now, not in the first step), where their shapes allow."""
+    from trio_llm.gpu import cpu_layers
+
+    if cpu_layers.can_fuse(model):
+        cpu_layers.warm_up()
+        cpu_layers.fuse_model(model)
 
 
 def _load_format(config: EngineConfig) -> str:
