@@ -360,6 +360,17 @@ class StepPlan:
     # int64, every slot inside the cache (or negative: not written); None if not given
     slot_mapping: torch.Tensor | None
 
+    def part(self, part: Any) -> StepPlan:
+        """The plan of sequences ``part.first_seq..part.end_seq - 1`` (their tokens
+        ``part.first_token..part.end_token - 1``) as a step of their own, on one thread."""
+        first_seq, end_seq = part.first_seq, part.end_seq
+        starts = self.query_start_loc[first_seq:end_seq + 1] - self.query_start_loc[first_seq]
+        slots = (self.slot_mapping[part.first_token:part.end_token]
+                 if self.slot_mapping is not None else None)
+        return StepPlan(self.block_tables[first_seq:end_seq],
+                        self.context_lens[first_seq:end_seq], starts,
+                        [(0, end_seq - first_seq)], slots)
+
     @classmethod
     def check(cls, block_tables: torch.Tensor, context_lens: torch.Tensor,
               query_start_loc: torch.Tensor, slot_mapping: torch.Tensor | None, *,

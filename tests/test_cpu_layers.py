@@ -5,6 +5,7 @@ differs, nothing else), never depends on the other rows, and the fused model giv
 the plain model's logits and greedy tokens.
 """
 
+import numpy as np
 import pytest
 import torch
 
@@ -90,9 +91,9 @@ def test_qk_norm_rope_write_kv_matches_the_torch_layers(has_qk_norm):
     assert torch.equal(v_cache.nan_to_num(), expected_v.nan_to_num())
 
 
-def _executor(fused: bool) -> ModelExecutor:
+def _executor(fused: bool, num_kv_blocks: int = 64) -> ModelExecutor:
     executor = ModelExecutor.create(EngineConfig(model="tiny", device="cpu", dtype="float32",
-                                                 num_kv_blocks=64))
+                                                 num_kv_blocks=num_kv_blocks))
     if not fused:
         executor.model.__class__ = cpu_layers.CausalLM
     return executor
@@ -123,3 +124,41 @@ def test_other_dtypes_are_left_unfused():
     executor = ModelExecutor.create(EngineConfig(model="tiny", device="cpu", dtype="bfloat16",
                                                  num_kv_blocks=8))
     assert type(executor.model) is cpu_layers.CausalLM
+
+
+def test_split_step_balances_whole_sequences():
+    decode = cpu_layers.split_step(np.full(512, 300), np.arange(513), 2)
+    assert [(part.first_seq, part.end_seq, part.first_token, part.end_token)
+            for part in decode] == [(0, 256, 0, 256), (256, 512, 256, 512)]
+    # too few tokens for a second part: the threads would spend more than they save
+    assert len(cpu_layers.split_step(np.full(64, 300), np.arange(65), 2)) == 1
+    equal = cpu_layers.split_step(np.full(6, 300), np.arange(0, 1900, 300), 3)
+    assert [(part.first_seq, part.end_seq) for part in equal] == [(0, 2), (2, 4), (4, 6)]
+    # cuts fall at the edges of sequences: an uneven step may get fewer parts
+    uneven = cpu_layers.split_step(np.array([400, 400, 80, 800]),
+                                   np.array([0, 400, 800, 880, 1680]), 3)
+    assert [(part.first_seq, part.end_seq, part.first_token, part.end_token)
+            for part in uneven] == [(0, 2, 0, 800), (2, 4, 800, 1680)]
+
+
+@pytest.mark.parametrize(("num_parts", "min_tokens_per_part"), [(2, 256), (3, 1)])
+def test_a_step_in_parts_gives_the_same_bits(monkeypatch, num_parts, min_tokens_per_part):
+    """Prefills and decodes of six requests, steps cut into parts on their own threads
+    (with one token per part allowed, the decodes too): every logit the same bits as in
+    one part."""
+    monkeypatch.setattr(cpu_layers, "MIN_TOKENS_PER_PART", min_tokens_per_part)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, 2000, length).tolist() for length in (300, 1, 33, 400, 9, 264)]
+    recorded = {}
+    for parts in (1, num_parts):
+        executor = _executor(fused=True, num_kv_blocks=128)
+        executor.model.num_parts = parts
+        logits = record_logits(executor)
+        requests = [DriverRequest(request_id=f"r{index}", prompt_token_ids=prompt,
+                                  max_tokens=12, sampling=GREEDY)
+                    for index, prompt in enumerate(prompts)]
+        ExecutorDriver(executor).run(requests)
+        recorded[parts] = logits
+    assert recorded[1].keys() == recorded[num_parts].keys()
+    for key, row in recorded[1].items():
+        assert torch.equal(recorded[num_parts][key], row), key
