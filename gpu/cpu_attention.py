@@ -374,7 +374,8 @@ class StepPlan:
     @classmethod
     def check(cls, block_tables: torch.Tensor, context_lens: torch.Tensor,
               query_start_loc: torch.Tensor, slot_mapping: torch.Tensor | None, *,
-              num_tokens: int, num_blocks: int, block_size: int) -> StepPlan:
+              num_tokens: int, num_blocks: int, block_size: int,
+              max_runs: int | None = None) -> StepPlan:
         """Raise ValueError where the kernels, which trust their indices, would read or
         write outside the tensors."""
         tables, lens, starts = (_as_int32(block_tables), _as_int32(context_lens),
@@ -387,17 +388,19 @@ class StepPlan:
                 raise ValueError(f"{len(slot_mapping)} slots for {num_tokens} tokens")
             if len(slot_mapping) and int(slot_mapping.max()) >= num_blocks * block_size:
                 raise ValueError(f"a slot is outside the cache's {num_blocks * block_size}")
-        return cls(tables, lens, starts, split_by_work(lens, starts, torch.get_num_threads()),
-                   slot_mapping)
+        runs = split_by_work(lens, starts, max_runs or torch.get_num_threads())
+        return cls(tables, lens, starts, runs, slot_mapping)
 
 
 def plan_step(block_tables: torch.Tensor, context_lens: torch.Tensor,
               query_start_loc: torch.Tensor, slot_mapping: torch.Tensor, *, num_tokens: int,
-              num_blocks: int, block_size: int) -> StepPlan:
+              num_blocks: int, block_size: int, max_runs: int) -> StepPlan:
     """The StepPlan of a step whose every layer runs ``attend`` (and writes its keys and
-    values at ``slot_mapping``)."""
+    values at ``slot_mapping``), its sequences in up to ``max_runs`` runs on as many
+    threads."""
     return StepPlan.check(block_tables, context_lens, query_start_loc, slot_mapping,
-                          num_tokens=num_tokens, num_blocks=num_blocks, block_size=block_size)
+                          num_tokens=num_tokens, num_blocks=num_blocks, block_size=block_size,
+                          max_runs=max_runs)
 
 
 def attend(plan: StepPlan, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

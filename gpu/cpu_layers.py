@@ -243,7 +243,8 @@ class CpuFusedCausalLM(CausalLM):
     A step's sequences are split into up to ``num_parts`` runs of about equal work, each
     run's whole forward on its own thread (torch ops and the kernels release the GIL),
     every op inside a part on one thread. Each part is a step of its own to the model:
-    a row's result is the same bits whichever part, or company, it has.
+    a row's result is the same bits whichever part, or company, it has. A step too small
+    for parts still spreads its attention (one hand-off per layer) over as many threads.
     """
 
     num_parts: int = 1
@@ -259,7 +260,7 @@ class CpuFusedCausalLM(CausalLM):
         plan = cpu_attention.plan_step(metadata.block_tables, metadata.context_lens,
                                        metadata.query_start_loc, metadata.slot_mapping,
                                        num_tokens=len(token_ids), num_blocks=k_cache.shape[0],
-                                       block_size=k_cache.shape[1])
+                                       block_size=k_cache.shape[1], max_runs=self.num_parts)
         parts = split_step(plan.context_lens, plan.query_start_loc, self.num_parts)
         if len(parts) == 1:
             return self._forward_part(token_ids, positions, kv_caches, plan)
