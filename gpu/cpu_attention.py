@@ -147,6 +147,40 @@ def _lane_sum_typing(typingctx: Any, left: Any, left_offset: Any, right: Any,
 _lane_sum: Any = intrinsic(_lane_sum_typing)
 
 
+def _lane_max_typing(typingctx: Any, values: Any, offset: Any,
+                     length: Any) -> Any:  # pragma: no cover
+    """``max(values[offset:offset + length])``, ``length`` a multiple of 16, by lanes then a
+    fold. A maximum is exact, so its order changes nothing (but which of +0 and -0 it
+    picks, which no exponential below can tell apart)."""
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        pointer = _lanes_pointer(context, builder, signature.args[0], args[0], args[1])
+        def larger(left: Any, right: Any) -> Any:
+            return builder.select(builder.fcmp_ordered(">", left, right), left, right)
+
+        negative_infinity = ir.Constant(_LANE_VECTOR, [float("-inf")] * LANES)
+        best = cgutils.alloca_once_value(builder, negative_infinity)
+        num_vectors = builder.udiv(args[2], ir.Constant(args[2].type, LANES))
+        with cgutils.for_range(builder, num_vectors) as loop:
+            vector = builder.load(builder.gep(pointer, [loop.index]), align=4)
+            builder.store(larger(builder.load(best), vector), best)
+        vector = builder.load(best)
+        width = LANES
+        while width > 1:
+            width //= 2
+            index_type = ir.VectorType(ir.IntType(32), width)
+            low = builder.shuffle_vector(vector, vector,
+                                         ir.Constant(index_type, list(range(width))))
+            high = builder.shuffle_vector(vector, vector,
+                                          ir.Constant(index_type, list(range(width, 2 * width))))
+            vector = larger(low, high)
+        return builder.extract_element(vector, ir.Constant(ir.IntType(32), 0))
+
+    return types.float32(values, offset, length), codegen
+
+
+_lane_max: Any = intrinsic(_lane_max_typing)
+
+
 def _weighted_rows_typing(typingctx: Any, weights: Any, weights_offset: Any, rows: Any,
                          row_ids: Any, row_shift: Any, num_rows: Any, row_length: Any,
                          out: Any, out_offset: Any) -> Any:  # pragma: no cover
@@ -196,6 +230,80 @@ def _weighted_rows_typing(typingctx: Any, weights: Any, weights_offset: Any, row
 # ``_weighted_rows(w, i, rows, ids, shift, n, length, out, o)``: the weighted sum of n rows
 # of ``rows`` (1D, rows of ``length``) picked by ``ids[j] + shift``, into ``out[o:o+length]``.
 _weighted_rows: Any = intrinsic(_weighted_rows_typing)
+
+
+def _fixed_weighted_rows(num_vectors: int, num_heads: int) -> Any:
+    """``_weighted_rows`` for rows of ``num_vectors * 16`` floats and ``num_heads`` weight
+    rows at once (heads of one group, which read the same rows): each head's sums in the
+    same order as ``_weighted_rows``, its ``num_vectors * num_heads`` accumulators held in
+    registers over all ``j``, so that they are that many independent chains of adds.
+    Takes ``(weights, weights_offset, weights_stride, rows, row_ids, row_shift, num_rows,
+    out, out_offset, out_stride)``: head ``h`` weighs with ``weights[weights_offset + h *
+    weights_stride:]`` into ``out[out_offset + h * out_stride:]``."""
+    def typing(typingctx: Any, weights: Any, weights_offset: Any, weights_stride: Any,
+               rows: Any, row_ids: Any, row_shift: Any, num_rows: Any, out: Any,
+               out_offset: Any, out_stride: Any) -> Any:  # pragma: no cover
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            (weights_type, _, _, rows_type, row_ids_type, _, _, out_type, _, _) = signature.args
+            (weights_array, weights_start, weights_step, rows_array, row_ids_array, shift,
+             count, out_array, out_start, out_step) = args
+            weights_data = context.make_array(weights_type)(context, builder,
+                                                            weights_array).data
+            rows_data = context.make_array(rows_type)(context, builder, rows_array).data
+            row_ids_data = context.make_array(row_ids_type)(context, builder,
+                                                            row_ids_array).data
+            out_data = context.make_array(out_type)(context, builder, out_array).data
+            int64 = ir.IntType(64)
+            row_length = ir.Constant(int64, num_vectors * LANES)
+            zero = ir.Constant(_LANE_VECTOR, [0.0] * LANES)
+            totals = [[cgutils.alloca_once_value(builder, zero) for _ in range(num_vectors)]
+                      for _ in range(num_heads)]
+            splat_mask = ir.Constant(ir.VectorType(ir.IntType(32), LANES), [0] * LANES)
+            with cgutils.for_range(builder, count) as loop:
+                row_id = builder.load(builder.gep(row_ids_data, [loop.index]))
+                row_pointer = builder.bitcast(
+                    builder.gep(rows_data, [builder.mul(builder.add(row_id, shift),
+                                                        row_length)]),
+                    _LANE_VECTOR.as_pointer())
+                row = [builder.load(builder.gep(row_pointer, [ir.Constant(int64, index)]),
+                                    align=4) for index in range(num_vectors)]
+                for head in range(num_heads):
+                    offset = builder.add(builder.add(weights_start, builder.mul(
+                        weights_step, ir.Constant(int64, head))), loop.index)
+                    weight = builder.load(builder.gep(weights_data, [offset]))
+                    splat = builder.insert_element(ir.Constant(_LANE_VECTOR, ir.Undefined),
+                                                   weight, ir.Constant(ir.IntType(32), 0))
+                    splat = builder.shuffle_vector(splat, splat, splat_mask)
+                    for index in range(num_vectors):
+                        total = totals[head][index]
+                        builder.store(builder.fadd(builder.load(total),
+                                                   builder.fmul(splat, row[index])), total)
+            for head in range(num_heads):
+                head_start = builder.add(out_start, builder.mul(out_step,
+                                                                ir.Constant(int64, head)))
+                out_pointer = builder.bitcast(builder.gep(out_data, [head_start]),
+                                              _LANE_VECTOR.as_pointer())
+                for index in range(num_vectors):
+                    builder.store(builder.load(totals[head][index]),
+                                  builder.gep(out_pointer, [ir.Constant(int64, index)]),
+                                  align=4)
+            return context.get_dummy_value()
+
+        return types.void(weights, weights_offset, weights_stride, rows, row_ids, row_shift,
+                          num_rows, out, out_offset, out_stride), codegen
+
+    return intrinsic(typing)
+
+
+# The head sizes of common models, 16 to 128 (1 to 8 vectors), one head or two at once.
+_weighted_rows_1x1: Any = _fixed_weighted_rows(1, 1)
+_weighted_rows_1x2: Any = _fixed_weighted_rows(1, 2)
+_weighted_rows_2x1: Any = _fixed_weighted_rows(2, 1)
+_weighted_rows_2x2: Any = _fixed_weighted_rows(2, 2)
+_weighted_rows_4x1: Any = _fixed_weighted_rows(4, 1)
+_weighted_rows_4x2: Any = _fixed_weighted_rows(4, 2)
+_weighted_rows_8x1: Any = _fixed_weighted_rows(8, 1)
+_weighted_rows_8x2: Any = _fixed_weighted_rows(8, 2)
 
 
 def _float_from_bits_typing(typingctx: Any, bits: Any) -> Any:  # pragma: no cover
@@ -304,20 +412,66 @@ def _attend_token(query: np.ndarray, k_rows: np.ndarray, v_rows: np.ndarray,
                 scores[head, key] = _lane_sum(query_flat, (first_row + head) * head_dim,
                                               k_flat, key_start, head_dim) * scale
     for head in range(num_heads):
-        maximum = scores[head, 0]
-        for key in range(1, num_keys):
-            maximum = max(maximum, scores[head, key])
-        for key in range(num_keys):
-            scores[head, key] = _exp_nonpositive(scores[head, key] - maximum)
+        # Up to a whole number of lanes: -inf, whose exponential is 0.
         for key in range(num_keys, num_lane_keys):
-            scores[head, key] = np.float32(0.0)
+            scores[head, key] = -np.inf
+        maximum = _lane_max(scores_flat, head * scores.shape[1], num_lane_keys)
+        for key in range(num_lane_keys):
+            scores[head, key] = _exp_nonpositive(scores[head, key] - maximum)
+    for kv_head in range(num_kv_heads):
+        head = kv_head * group_size
+        while head < (kv_head + 1) * group_size:
+            num_together = 2 if head + 1 < (kv_head + 1) * group_size else 1
+            _weigh_values(scores_flat, head * scores.shape[1], scores.shape[1], v_flat,
+                          slot_rows, kv_head, num_keys, head_dim, num_together,
+                          accumulator_flat, head * head_dim)
+            head += num_together
     for head in range(num_heads):
-        _weighted_rows(scores_flat, head * scores.shape[1], v_flat, slot_rows,
-                       head // group_size, num_keys, head_dim, accumulator_flat, head * head_dim)
         total = _lane_sum(scores_flat, head * scores.shape[1], None, 0, num_lane_keys)
         inverse_total = np.float32(1.0) / total
         for dim in range(head_dim):
             out[first_row + head, dim] = accumulator[head, dim] * inverse_total
+
+
+@_inlined_kernel
+def _weigh_values(weights: np.ndarray, weights_start: int, weights_stride: int,
+                  v_flat: np.ndarray, slot_rows: np.ndarray, kv_head: int, num_keys: int,
+                  head_dim: int, num_together: int, out: np.ndarray,
+                  out_start: int) -> None:  # pragma: no cover
+    """The weighted values of ``num_together`` (1 or 2) heads of one KV head: the register
+    variant for the head size where there is one, else one head at a time. Every variant
+    sums in the same order, so the choice changes no bits."""
+    if num_together == 2 and head_dim == 16:
+        _weighted_rows_1x2(weights, weights_start, weights_stride, v_flat, slot_rows,
+                           kv_head, num_keys, out, out_start, head_dim)
+    elif num_together == 2 and head_dim == 32:
+        _weighted_rows_2x2(weights, weights_start, weights_stride, v_flat, slot_rows,
+                           kv_head, num_keys, out, out_start, head_dim)
+    elif num_together == 2 and head_dim == 64:
+        _weighted_rows_4x2(weights, weights_start, weights_stride, v_flat, slot_rows,
+                           kv_head, num_keys, out, out_start, head_dim)
+    elif num_together == 2 and head_dim == 128:
+        _weighted_rows_8x2(weights, weights_start, weights_stride, v_flat, slot_rows,
+                           kv_head, num_keys, out, out_start, head_dim)
+    else:
+        for index in range(num_together):
+            weights_at = weights_start + index * weights_stride
+            out_at = out_start + index * head_dim
+            if head_dim == 16:
+                _weighted_rows_1x1(weights, weights_at, 0, v_flat, slot_rows, kv_head,
+                                   num_keys, out, out_at, 0)
+            elif head_dim == 32:
+                _weighted_rows_2x1(weights, weights_at, 0, v_flat, slot_rows, kv_head,
+                                   num_keys, out, out_at, 0)
+            elif head_dim == 64:
+                _weighted_rows_4x1(weights, weights_at, 0, v_flat, slot_rows, kv_head,
+                                   num_keys, out, out_at, 0)
+            elif head_dim == 128:
+                _weighted_rows_8x1(weights, weights_at, 0, v_flat, slot_rows, kv_head,
+                                   num_keys, out, out_at, 0)
+            else:
+                _weighted_rows(weights, weights_at, v_flat, slot_rows, kv_head, num_keys,
+                               head_dim, out, out_at)
 
 
 @_inlined_kernel
