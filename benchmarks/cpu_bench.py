@@ -31,6 +31,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -82,8 +83,10 @@ def workload(name: str, seed: int) -> list[WorkloadItem]:
 # -- trio-llm ------------------------------------------------------------------------
 
 
-def run_engine(config: EngineConfig, items: list[WorkloadItem]) -> dict[str, Any]:
-    """The whole in-process engine, greedy; output tok/s and every request's tokens."""
+def run_engine(config: EngineConfig, items: list[WorkloadItem],
+               prepare: Callable[[Any], None] | None = None) -> dict[str, Any]:
+    """The whole in-process engine, greedy; output tok/s and every request's tokens.
+    ``prepare`` gets the executor before the run (benchmarks/cpu_engine_ab.py's hook)."""
     import trio
 
     from trio_llm.actors.messages import SamplingParams
@@ -91,7 +94,10 @@ def run_engine(config: EngineConfig, items: list[WorkloadItem]) -> dict[str, Any
     from trio_llm.api.engine import Engine
     from trio_llm.gpu.executor import create_executor
 
-    executor = TimedExecutor(create_executor(config))
+    model_executor = create_executor(config)
+    if prepare is not None:
+        prepare(model_executor)
+    executor = TimedExecutor(model_executor)
     outputs: list[list[int]] = [[] for _ in items]
 
     async def one(engine: Engine, index: int) -> None:
