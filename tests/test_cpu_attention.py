@@ -7,6 +7,7 @@ decoded, with any block size or block ids.
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -250,3 +251,95 @@ def test_inconsistent_layouts_are_refused(change, message):
     with pytest.raises(ValueError, match=message):
         _attend(query, k_cache, v_cache, layout["block_ids"], layout["context_lens"],
                 layout["num_queries"])
+
+
+# -- the kernel's arithmetic, written down: numpy in float32 does each step as the kernel
+
+LANES = cpu_attention.LANES
+
+
+def _lane_sum(values: np.ndarray) -> np.float32:
+    """The kernel's order for a sum: element i into lane i % 16, in order from 0, then the
+    lanes folded pairwise (lane i plus lane i + width, the width halving)."""
+    lanes = np.zeros(LANES, dtype=np.float32)
+    padded = np.concatenate([values, np.zeros(-len(values) % LANES, dtype=np.float32)])
+    for first in range(0, len(padded), LANES):
+        lanes = lanes + padded[first:first + LANES]
+    width = LANES
+    while width > 1:
+        width //= 2
+        lanes = lanes[:width] + lanes[width:2 * width]
+    return lanes[0]
+
+
+def _kernel_exp(values: np.ndarray) -> np.ndarray:
+    out = np.empty_like(values)
+    cpu_attention._exp_array(values, out)
+    return out
+
+
+def _emulated_row(query_row, keys, values, scale):
+    """One head of one query over ``keys``/``values`` [num_keys, head_dim], step by step
+    in the kernel's order."""
+    scores = np.array([_lane_sum(query_row * key) * np.float32(scale) for key in keys],
+                      dtype=np.float32)
+    weights = _kernel_exp(scores - scores.max())
+    total = _lane_sum(weights)
+    accumulator = np.zeros(keys.shape[1], dtype=np.float32)
+    for weight, value in zip(weights, values, strict=True):
+        accumulator = accumulator + weight * value
+    return accumulator * (np.float32(1.0) / total)
+
+
+def test_the_exponential_is_within_one_ulp():
+    values = -np.random.default_rng(0).random(200_000).astype(np.float32) * 87.3
+    values = np.concatenate([values, np.float32([0.0, -1e-30, -87.33, -87.34, -100.0,
+                                                 -np.inf])])
+    exact = np.exp(values.astype(np.float64))
+    out = _kernel_exp(values)
+    normal = values >= np.float32(-87.33654)
+    ulps = np.abs(out[normal] - exact[normal]) / np.spacing(exact[normal].astype(np.float32))
+    assert ulps.max() <= 1.0
+    assert out[values == 0.0][0] == 1.0
+    assert (out[~normal] == 0.0).all()
+
+
+@pytest.mark.parametrize("head_dim", [16, 32, 128])
+def test_dot_products_keep_the_written_order(head_dim):
+    generator = np.random.default_rng(head_dim)
+    left = generator.standard_normal((300, head_dim)).astype(np.float32)
+    right = generator.standard_normal((300, head_dim)).astype(np.float32)
+    out = np.empty(300, dtype=np.float32)
+    cpu_attention._lane_dot_array(left, right, out)
+    expected = np.array([_lane_sum(a * b) for a, b in zip(left, right, strict=True)])
+    assert np.array_equal(out.view(np.int32), expected.view(np.int32))
+
+
+@pytest.mark.parametrize("shape", [(4, 2, 16), (8, 4, 32)])
+def test_a_row_is_the_written_arithmetic_bit_for_bit(shape):
+    """The kernel (vectorized) gives the bits of its arithmetic done step by step in
+    numpy: no reassociation, no fused multiply-add, in decode and in a chunk alike."""
+    num_heads, num_kv_heads, head_dim = shape
+    length = 45
+    query, key, value = _sequence(length, shape, seed=31)
+    k_cache, v_cache, block_ids = _filled_cache(key, value, block_size=16, seed=3)
+    scale = head_dim ** -0.5
+    chunk = _attend(query[30:], k_cache, v_cache, [block_ids], [length], [15])
+    for position in (30, 37, 44):
+        for head in range(num_heads):
+            kv_head = head // (num_heads // num_kv_heads)
+            expected = _emulated_row(query[position, head].numpy(),
+                                     key[:position + 1, kv_head].numpy(),
+                                     value[:position + 1, kv_head].numpy(), scale)
+            assert np.array_equal(chunk[position - 30, head].numpy().view(np.int32),
+                                  expected.view(np.int32)), (position, head)
+
+
+def test_heads_of_other_sizes_take_the_float64_reference():
+    query, key, value = _sequence(20, (4, 2, 24), seed=6)
+    k_cache, v_cache, block_ids = _filled_cache(key, value, block_size=16, seed=4)
+    assert not cpu_attention.can_use_kernel(query, k_cache)
+    output = _attend(query, k_cache, v_cache, [block_ids], [20], [20])
+    expected = _attend(query, k_cache, v_cache, [block_ids], [20], [20],
+                       function=float64_paged_attention)
+    assert torch.equal(output, expected)

@@ -75,4 +75,19 @@ def test_summary_takes_the_best_of_each_side(cpu_bench):
     summary = cpu_bench.summarise(rounds)
     assert summary["second/speedup_over_best_transformers"] == 3.0
     assert summary["second/greedy_tokens_equal_to_transformers"] == "1/2"
+    assert summary["second/target_met"]
     torch.testing.assert_close(summary["second/trio-llm/threads=1"]["median"], 300)
+    assert "second: second/trio-llm/threads=1 against" in cpu_bench.side_by_side(summary)
+
+
+def test_summary_sets_the_first_workload_against_vllms_recorded_figure(cpu_bench):
+    def run(tokens_per_second):
+        return {"output_tokens_per_second": tokens_per_second, "token_ids": [[1]],
+                "num_output_tokens": 2, "cpu_seconds": 0.5, "load_average": 1.0}
+
+    rounds = [{"first/trio-llm/threads=1": run(1676.0), "first/trio-llm/threads=2": run(900.0)}]
+    summary = cpu_bench.summarise(rounds)
+    assert summary["first/ratio_to_vllm_cpu"] == 0.5
+    assert not summary["first/target_met"]
+    assert "first/trio-llm/threads=1 against vLLM" in cpu_bench.side_by_side(summary)
+    assert "NOT met" in cpu_bench.side_by_side(summary)

@@ -1,0 +1,356 @@
+"""Fused numba kernels for the decoder's small operations (the CPU path, float32).
+
+Plain torch spends some thirty operations per layer on norms, rotary embeddings,
+activations and the store of keys and values: at decode sizes each costs more in
+dispatch than in arithmetic, and at prefill sizes each is one more pass over
+memory. These kernels do the same in four calls, as gpu/triton_layers.py does
+on CUDA:
+
+- ``rms_norm`` and ``add_rms_norm`` (the residual add, then RMSNorm);
+- ``qk_norm_rope_write_kv``: Qwen3's q/k RMSNorm, the rotary embedding, and the
+  store of keys and values into the paged cache, straight from the fused qkv
+  projection's output;
+- ``silu_and_mul``: SwiGLU.
+
+Every kernel works row by row, in an order that depends on the row's length
+only, compiled without fast-math flags (no reassociation, no fused multiply-add):
+a row's result never depends on the other rows of the step, so the fused model
+stays batch-invariant. Sums of squares take the attention kernel's fixed lane
+order (gpu/cpu_attention.py); each elementwise step rounds where the torch model
+rounds, so the fused model computes the torch model's function up to the order
+of those sums and the exponential in SiLU (the attention kernel's).
+
+``fuse_model(model)`` makes a loaded float32 CausalLM on the CPU run its forward
+through these kernels and the CPU attention kernel, keeping its weights; the
+layout checks of the attention kernel then run once per step, not once per layer.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import cast
+
+import numba
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from trio_llm.gpu import cpu_attention
+from trio_llm.gpu.cpu_attention import LANES, _exp_nonpositive, _lane_sum
+from trio_llm.gpu.model import AttentionMetadata, CausalLM, DecoderLayer, KVCache
+
+_kernel = numba.njit(boundscheck=False, error_model="numpy", cache=True, nogil=True)
+_inlined_kernel = numba.njit(boundscheck=False, error_model="numpy", cache=True, nogil=True,
+                             inline="always")
+
+
+@_inlined_kernel
+def _normalize_row(source: np.ndarray, source_start: int, length: int, weight: np.ndarray,
+                   eps: np.float32, out: np.ndarray, out_start: int) -> None:  # pragma: no cover
+    """``out[out_start:][:length]``: RMSNorm of ``source[source_start:][:length]`` (1D)."""
+    squares = _lane_sum(source, source_start, source, source_start, length)
+    inverse_root = np.float32(1.0) / np.sqrt(squares / np.float32(length) + eps)
+    for index in range(length):
+        out[out_start + index] = weight[index] * (source[source_start + index] * inverse_root)
+
+
+@_kernel
+def _rms_norm(x: np.ndarray, weight: np.ndarray, eps: np.float32,
+              out: np.ndarray) -> None:  # pragma: no cover
+    """``x``/``out`` [num_rows, hidden], contiguous."""
+    hidden = x.shape[1]
+    x_flat, out_flat = x.reshape(-1), out.reshape(-1)
+    for row in range(x.shape[0]):
+        _normalize_row(x_flat, row * hidden, hidden, weight, eps, out_flat, row * hidden)
+
+
+@_kernel
+def _add_rms_norm(x: np.ndarray, residual: np.ndarray, weight: np.ndarray, eps: np.float32,
+                  out: np.ndarray, residual_out: np.ndarray) -> None:  # pragma: no cover
+    """``residual_out = residual + x``, then ``out`` its RMSNorm; all [num_rows, hidden]."""
+    hidden = x.shape[1]
+    sum_flat, out_flat = residual_out.reshape(-1), out.reshape(-1)
+    for row in range(x.shape[0]):
+        for index in range(hidden):
+            residual_out[row, index] = residual[row, index] + x[row, index]
+        _normalize_row(sum_flat, row * hidden, hidden, weight, eps, out_flat, row * hidden)
+
+
+@_kernel
+def _qk_norm_rope_write_kv(qkv: np.ndarray, positions: np.ndarray, cos: np.ndarray,
+                           sin: np.ndarray, q_weight: np.ndarray, k_weight: np.ndarray,
+                           has_qk_norm: bool, eps: np.float32, slot_mapping: np.ndarray,
+                           k_rows: np.ndarray, v_rows: np.ndarray, num_heads: int,
+                           num_kv_heads: int, query: np.ndarray) -> None:  # pragma: no cover
+    """``qkv`` [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]; ``query``
+    [num_tokens * num_heads, head_dim]; ``k_rows``/``v_rows`` the caches as one row per
+    (slot, KV head). A negative slot is not written."""
+    head_dim = query.shape[1]
+    half = head_dim // 2
+    qkv_flat = qkv.reshape(-1)
+    normed = np.empty(head_dim, dtype=np.float32)
+    for token in range(qkv.shape[0]):
+        position, slot = positions[token], slot_mapping[token]
+        row_start = token * qkv.shape[1]
+        for head in range(num_heads + num_kv_heads):
+            is_query = head < num_heads
+            if not is_query and slot < 0:
+                continue
+            head_start = row_start + head * head_dim
+            if has_qk_norm:
+                _normalize_row(qkv_flat, head_start, head_dim,
+                               q_weight if is_query else k_weight, eps, normed, 0)
+            else:
+                normed[:] = qkv_flat[head_start:head_start + head_dim]
+            out = (query[token * num_heads + head] if is_query
+                   else k_rows[slot * num_kv_heads + head - num_heads])
+            # x * cos + rotate_half(x) * sin, rotate_half(x) = (-second half, first half)
+            for index in range(half):
+                first, second = normed[index], normed[index + half]
+                out[index] = first * cos[position, index] + -second * sin[position, index]
+                out[index + half] = (second * cos[position, index + half]
+                                     + first * sin[position, index + half])
+        if slot >= 0:
+            values_start = row_start + (num_heads + num_kv_heads) * head_dim
+            for kv_head in range(num_kv_heads):
+                for index in range(head_dim):
+                    v_rows[slot * num_kv_heads + kv_head, index] = qkv_flat[
+                        values_start + kv_head * head_dim + index]
+
+
+@_kernel
+def _silu_and_mul(gate_up: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover
+    """``out = silu(gate) * up``, ``gate``/``up`` the halves of each row of ``gate_up``.
+
+    silu(g) = g / (1 + exp(-g)), written with exp(-|g|) so that the exponential's
+    argument is never positive: for g < 0 it is g exp(g) / (exp(g) + 1)."""
+    size = out.shape[1]
+    for row in range(gate_up.shape[0]):
+        for index in range(size):
+            gate = gate_up[row, index]
+            decay = _exp_nonpositive(-abs(gate))
+            numerator = gate if gate >= np.float32(0.0) else gate * decay
+            out[row, index] = numerator / (np.float32(1.0) + decay) * gate_up[row, size + index]
+
+
+# -- torch-facing wrappers ---------------------------------------------------------------
+
+
+def _rows(tensor: torch.Tensor) -> np.ndarray:
+    """A contiguous float32 tensor as a 2D array [rows, last dimension]."""
+    return tensor.view(-1, tensor.shape[-1]).numpy()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension of a contiguous float32 ``x``."""
+    out = torch.empty_like(x)
+    _rms_norm(_rows(x), weight.numpy(), np.float32(eps), _rows(out))
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm of ``residual + x``, ``residual + x``)."""
+    out, residual_out = torch.empty_like(x), torch.empty_like(x)
+    _add_rms_norm(_rows(x), _rows(residual), weight.numpy(), np.float32(eps), _rows(out),
+                  _rows(residual_out))
+    return out, residual_out
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU: the first half of each row gates the second half."""
+    out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+    _silu_and_mul(gate_up.numpy(), out.numpy())
+    return out
+
+
+def qk_norm_rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                          sin: torch.Tensor, q_norm: torch.Tensor | None,
+                          k_norm: torch.Tensor | None, eps: float, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
+                          num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    """From the fused qkv output [num_tokens, (heads + 2 kv_heads) * head_dim]: normed,
+    rotated queries [num_tokens, num_heads, head_dim]; keys and values go to the cache.
+    ``positions`` and ``slot_mapping`` int64, checked by the caller (``StepPlan``)."""
+    head_dim = k_cache.shape[-1]
+    query = qkv.new_empty(qkv.shape[0], num_heads, head_dim)
+    has_qk_norm = q_norm is not None and k_norm is not None
+    q_weight = q_norm.numpy() if q_norm is not None else _NO_WEIGHT
+    k_weight = k_norm.numpy() if k_norm is not None else _NO_WEIGHT
+    _qk_norm_rope_write_kv(qkv.numpy(), positions.numpy(), cos.numpy(), sin.numpy(), q_weight,
+                           k_weight, has_qk_norm, np.float32(eps), slot_mapping.numpy(),
+                           k_cache.view(-1, head_dim).numpy(),
+                           v_cache.view(-1, head_dim).numpy(), num_heads, num_kv_heads,
+                           query.view(-1, head_dim).numpy())
+    return query
+
+
+_NO_WEIGHT = np.zeros(1, dtype=np.float32)
+
+
+# -- the fused model ---------------------------------------------------------------------
+
+
+def can_fuse(model: CausalLM) -> bool:
+    """The kernels take float32 on the CPU, rows a whole number of lanes and even heads."""
+    config = model.config
+    return (model.device.type == "cpu" and model.dtype == torch.float32
+            and config.hidden_size % LANES == 0 and config.head_dim % LANES == 0
+            and model.attention_backend.name == "cpu")
+
+
+# A part of a step is worth a thread of its own from this many tokens. Each part runs
+# every op of the forward, and the threads hand the GIL back and forth at each: a decode
+# step of 64 sequences in two parts of 32 took 18 ms of CPU against 12 in one part (the
+# shared 2-core machine), where a prefill of 8,313 tokens took the same CPU either way.
+MIN_TOKENS_PER_PART = 256
+# What a token costs in its linear layers, counted in (query, key) pairs of attention
+# (about 2.4 M multiply-adds against 8 heads x 64 per pair, for the issue's model).
+PAIRS_PER_TOKEN = 200
+
+
+@dataclass(frozen=True, slots=True)
+class StepPart:
+    """Sequences ``first_seq..end_seq - 1`` of a step, its tokens ``first_token..end_token - 1``."""
+
+    first_seq: int
+    end_seq: int
+    first_token: int
+    end_token: int
+
+
+def split_step(context_lens: np.ndarray, query_start_loc: np.ndarray,
+               max_parts: int) -> list[StepPart]:
+    """Contiguous runs of whole sequences of about equal work (tokens, plus attention pairs),
+    at most ``max_parts`` and each at least MIN_TOKENS_PER_PART tokens."""
+    num_queries = np.diff(query_start_loc).astype(np.int64)
+    num_tokens = int(query_start_loc[-1]) if len(query_start_loc) else 0
+    num_parts = max(1, min(max_parts, num_tokens // MIN_TOKENS_PER_PART))
+    costs = np.cumsum(num_queries * (PAIRS_PER_TOKEN + context_lens.astype(np.int64)))
+    total = int(costs[-1]) if len(costs) else 0
+    ends = [int(np.searchsorted(costs, total * index / num_parts)) + 1
+            for index in range(1, num_parts)]
+    bounds = [0, *sorted({min(end, len(costs)) for end in ends}), len(costs)]
+    return [StepPart(first, end, int(query_start_loc[first]), int(query_start_loc[end]))
+            for first, end in zip(bounds, bounds[1:], strict=False) if end > first]
+
+
+class CpuFusedCausalLM(CausalLM):
+    """A CausalLM whose forward runs through this module's kernels; see ``fuse_model``.
+
+    A step's sequences are split into up to ``num_parts`` runs of about equal work, each
+    run's whole forward on its own thread (torch ops and the kernels release the GIL),
+    every op inside a part on one thread. Each part is a step of its own to the model:
+    a row's result is the same bits whichever part, or company, it has. A step too small
+    for parts still spreads its attention (one hand-off per layer) over as many threads.
+    """
+
+    num_parts: int = 1
+
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[KVCache], metadata: AttentionMetadata) -> torch.Tensor:
+        positions = positions.to(torch.int64)
+        if len(positions) and not 0 <= int(positions.min()) <= int(positions.max()) < (
+                self.rotary.max_positions):
+            raise ValueError(f"positions must lie in 0..{self.rotary.max_positions - 1}")
+        k_cache = kv_caches[0][0]
+        # Checked whole, then cut: each part's indices stay inside the checked ones.
+        plan = cpu_attention.plan_step(metadata.block_tables, metadata.context_lens,
+                                       metadata.query_start_loc, metadata.slot_mapping,
+                                       num_tokens=len(token_ids), num_blocks=k_cache.shape[0],
+                                       block_size=k_cache.shape[1], max_runs=self.num_parts)
+        parts = split_step(plan.context_lens, plan.query_start_loc, self.num_parts)
+        if len(parts) == 1:
+            return self._forward_part(token_ids, positions, kv_caches, plan)
+        helpers = [_helper_pool(len(parts) - 1).submit(
+            self._forward_part, token_ids[part.first_token:part.end_token],
+            positions[part.first_token:part.end_token], kv_caches, plan.part(part))
+            for part in parts[1:]]
+        first = parts[0]
+        hidden = [self._forward_part(token_ids[first.first_token:first.end_token],
+                                     positions[first.first_token:first.end_token], kv_caches,
+                                     plan.part(first))]
+        return torch.cat(hidden + [helper.result() for helper in helpers])
+
+    def _forward_part(self, token_ids: torch.Tensor, positions: torch.Tensor,
+                      kv_caches: list[KVCache], plan: cpu_attention.StepPlan) -> torch.Tensor:
+        hidden = F.embedding(token_ids, self.embed_tokens)
+        residual: torch.Tensor | None = None
+        # nn.ModuleList yields Modules; its items are DecoderLayers (CausalLM builds them).
+        layers = cast(list[DecoderLayer], list(self.layers))
+        for layer, kv_cache in zip(layers, kv_caches, strict=True):
+            norm = layer.input_layernorm
+            if residual is None:
+                residual = hidden
+                normed = rms_norm(hidden, norm.weight, norm.eps)
+            else:
+                normed, residual = add_rms_norm(hidden, residual, norm.weight, norm.eps)
+            hidden = self._attention(layer, normed, positions, kv_cache, plan)
+            norm = layer.post_attention_layernorm
+            normed, residual = add_rms_norm(hidden, residual, norm.weight, norm.eps)
+            mlp = layer.mlp
+            hidden = mlp.down_proj(silu_and_mul(mlp.gate_up_proj(normed)))
+        if residual is None:
+            return rms_norm(hidden, self.norm.weight, self.norm.eps)
+        return add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)[0]
+
+    def _attention(self, layer: DecoderLayer, hidden: torch.Tensor, positions: torch.Tensor,
+                   kv_cache: KVCache, plan: cpu_attention.StepPlan) -> torch.Tensor:
+        attention = layer.self_attn
+        k_cache, v_cache = kv_cache
+        q_norm, k_norm = attention.q_norm, attention.k_norm
+        query = qk_norm_rope_write_kv(
+            attention.qkv_proj(hidden), positions, self.rotary.cos, self.rotary.sin,
+            q_norm.weight if q_norm is not None else None,
+            k_norm.weight if k_norm is not None else None,
+            q_norm.eps if q_norm is not None else 0.0, k_cache, v_cache,
+            cast(torch.Tensor, plan.slot_mapping),
+            num_heads=attention.num_heads, num_kv_heads=attention.num_kv_heads)
+        attended = cpu_attention.attend(plan, query, k_cache, v_cache, attention.scale)
+        return attention.o_proj(attended.view(hidden.shape[0], attention.q_size))
+
+
+_helper_pools: dict[int, ThreadPoolExecutor] = {}
+_pool_lock = threading.Lock()
+
+
+def _helper_pool(num_threads: int) -> ThreadPoolExecutor:
+    """A pool of ``num_threads`` threads for a step's parts, made on first use and kept."""
+    with _pool_lock:
+        if num_threads not in _helper_pools:
+            _helper_pools[num_threads] = ThreadPoolExecutor(
+                max_workers=num_threads, thread_name_prefix="cpu-forward")
+        return _helper_pools[num_threads]
+
+
+def fuse_model(model: CausalLM, num_parts: int = 1) -> CausalLM:
+    """Run ``model`` through the fused CPU kernels, in place, where ``can_fuse``, a step in
+    up to ``num_parts`` parts on as many threads; returns it. Its weights, cache layout
+    and row-chunked linear layers stay as they were."""
+    if can_fuse(model):
+        model.__class__ = CpuFusedCausalLM
+        cast(CpuFusedCausalLM, model).num_parts = num_parts
+    return model
+
+
+_warm_lock = threading.Lock()
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's disk cache) every kernel, once, before any step."""
+    with _warm_lock:
+        if _silu_and_mul.signatures:
+            return
+        rows = torch.zeros(1, LANES)
+        rms_norm(rows, torch.ones(LANES), 1e-6)
+        add_rms_norm(rows, rows, torch.ones(LANES), 1e-6)
+        silu_and_mul(torch.zeros(1, 2 * LANES))
+        cache = torch.zeros(1, 1, 1, LANES)
+        for weight in (torch.ones(LANES), None):
+            qk_norm_rope_write_kv(torch.zeros(1, 3 * LANES), torch.zeros(1, dtype=torch.int64),
+                                  torch.ones(1, LANES), torch.zeros(1, LANES), weight, weight,
+                                  1e-6, cache, cache.clone(),
+                                  torch.zeros(1, dtype=torch.int64), num_heads=1,
+                                  num_kv_heads=1)

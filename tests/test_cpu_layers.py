@@ -1,0 +1,164 @@
+"""The fused CPU kernels (gpu/cpu_layers.py) against the torch model's own operations.
+
+Each kernel is close to the torch operation it replaces (the order of a row's sums
+differs, nothing else), never depends on the other rows, and the fused model gives
+the plain model's logits and greedy tokens.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from trio_llm.actors.config import EngineConfig
+from trio_llm.gpu import cpu_layers
+from trio_llm.gpu.attention import write_kv_cache
+from trio_llm.gpu.config import RopeConfig
+from trio_llm.gpu.executor import ModelExecutor
+from trio_llm.gpu.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from trio_llm.gpu.testing import GREEDY, DriverRequest, ExecutorDriver, record_logits
+
+
+def _generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _norm(size: int, seed: int) -> RMSNorm:
+    norm = RMSNorm(size, eps=1e-6, dtype=torch.float32, device=torch.device("cpu"))
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(size, generator=_generator(seed)))
+    return norm
+
+
+def test_rms_norm_matches_the_torch_module():
+    norm = _norm(256, seed=1)
+    x = 3 * torch.randn(70, 256, generator=_generator(2))
+    with torch.no_grad():
+        expected = norm(x)
+    output = cpu_layers.rms_norm(x, norm.weight, norm.eps)
+    torch.testing.assert_close(output, expected, rtol=2e-6, atol=2e-6)
+    # a row alone is the same bits as in the batch
+    assert torch.equal(cpu_layers.rms_norm(x[5:6].clone(), norm.weight, norm.eps), output[5:6])
+
+
+def test_add_rms_norm_returns_the_sum_and_its_norm():
+    norm = _norm(64, seed=3)
+    x, residual = torch.randn(9, 64, generator=_generator(4)), torch.randn(9, 64)
+    normed, total = cpu_layers.add_rms_norm(x, residual, norm.weight, norm.eps)
+    assert torch.equal(total, residual + x)
+    with torch.no_grad():
+        torch.testing.assert_close(normed, norm(residual + x), rtol=2e-6, atol=2e-6)
+
+
+def test_silu_and_mul_matches_torch():
+    gate_up = 6 * torch.randn(33, 2 * 512, generator=_generator(5))
+    gate_up[0, :4] = torch.tensor([0.0, -0.0, 90.0, -90.0])
+    output = cpu_layers.silu_and_mul(gate_up)
+    torch.testing.assert_close(output, silu_and_mul(gate_up), rtol=3e-6, atol=1e-6)
+    assert torch.equal(cpu_layers.silu_and_mul(gate_up[7:8].clone()), output[7:8])
+
+
+@pytest.mark.parametrize("has_qk_norm", [True, False])
+def test_qk_norm_rope_write_kv_matches_the_torch_layers(has_qk_norm):
+    num_heads, num_kv_heads, head_dim, num_tokens = 8, 4, 32, 20
+    rotary = RotaryEmbedding(head_dim, 512, RopeConfig(theta=10000.0), device=torch.device("cpu"))
+    q_norm, k_norm = _norm(head_dim, seed=6), _norm(head_dim, seed=7)
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim,
+                      generator=_generator(8))
+    positions = torch.randint(0, 512, (num_tokens,), generator=_generator(9))
+    slots = torch.randperm(64, generator=_generator(10))[:num_tokens]
+    slots[3] = -1  # padding: not written
+    shape = (4, 16, num_kv_heads, head_dim)
+    k_cache, v_cache = torch.full(shape, float("nan")), torch.full(shape, float("nan"))
+    query = cpu_layers.qk_norm_rope_write_kv(
+        qkv, positions, rotary.cos, rotary.sin, q_norm.weight if has_qk_norm else None,
+        k_norm.weight if has_qk_norm else None, 1e-6, k_cache, v_cache, slots,
+        num_heads=num_heads, num_kv_heads=num_kv_heads)
+
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim,
+                         num_kv_heads * head_dim], dim=-1)
+    q = q.reshape(num_tokens, num_heads, head_dim)
+    k = k.reshape(num_tokens, num_kv_heads, head_dim)
+    with torch.no_grad():
+        if has_qk_norm:
+            q, k = q_norm(q), k_norm(k)
+        q, k = rotary(positions, q, k)
+    expected_k, expected_v = torch.full(shape, float("nan")), torch.full(shape, float("nan"))
+    write_kv_cache(k, v.reshape(num_tokens, num_kv_heads, head_dim), expected_k, expected_v,
+                   slots)
+    torch.testing.assert_close(query, q, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(k_cache, expected_k, rtol=2e-6, atol=2e-6, equal_nan=True)
+    assert torch.equal(v_cache.isnan(), expected_v.isnan())
+    assert torch.equal(v_cache.nan_to_num(), expected_v.nan_to_num())
+
+
+def _executor(fused: bool, num_kv_blocks: int = 64) -> ModelExecutor:
+    executor = ModelExecutor.create(EngineConfig(model="tiny", device="cpu", dtype="float32",
+                                                 num_kv_blocks=num_kv_blocks))
+    if not fused:
+        executor.model.__class__ = cpu_layers.CausalLM
+    return executor
+
+
+def test_the_cpu_executor_runs_the_fused_model():
+    assert isinstance(_executor(fused=True).model, cpu_layers.CpuFusedCausalLM)
+
+
+def test_the_fused_model_gives_the_plain_models_logits_and_tokens():
+    prompts = [[(7 * index + 3) % 2000 + 3 for index in range(length)] for length in (5, 40, 77)]
+    runs = {}
+    for fused in (True, False):
+        executor = _executor(fused)
+        recorded = record_logits(executor)
+        requests = [DriverRequest(request_id=f"r{index}", prompt_token_ids=prompt,
+                                  max_tokens=6, sampling=GREEDY)
+                    for index, prompt in enumerate(prompts)]
+        outputs = ExecutorDriver(executor).run(requests)
+        runs[fused] = ([request.output_token_ids for request in outputs], recorded)
+    assert runs[True][0] == runs[False][0]
+    assert runs[True][1].keys() == runs[False][1].keys()
+    for key, row in runs[False][1].items():
+        torch.testing.assert_close(runs[True][1][key], row, rtol=1e-4, atol=1e-4)
+
+
+def test_other_dtypes_are_left_unfused():
+    executor = ModelExecutor.create(EngineConfig(model="tiny", device="cpu", dtype="bfloat16",
+                                                 num_kv_blocks=8))
+    assert type(executor.model) is cpu_layers.CausalLM
+
+
+def test_split_step_balances_whole_sequences():
+    decode = cpu_layers.split_step(np.full(512, 300), np.arange(513), 2)
+    assert [(part.first_seq, part.end_seq, part.first_token, part.end_token)
+            for part in decode] == [(0, 256, 0, 256), (256, 512, 256, 512)]
+    # too few tokens for a second part: the threads would spend more than they save
+    assert len(cpu_layers.split_step(np.full(64, 300), np.arange(65), 2)) == 1
+    equal = cpu_layers.split_step(np.full(6, 300), np.arange(0, 1900, 300), 3)
+    assert [(part.first_seq, part.end_seq) for part in equal] == [(0, 2), (2, 4), (4, 6)]
+    # cuts fall at the edges of sequences: an uneven step may get fewer parts
+    uneven = cpu_layers.split_step(np.array([400, 400, 80, 800]),
+                                   np.array([0, 400, 800, 880, 1680]), 3)
+    assert [(part.first_seq, part.end_seq, part.first_token, part.end_token)
+            for part in uneven] == [(0, 2, 0, 800), (2, 4, 800, 1680)]
+
+
+@pytest.mark.parametrize(("num_parts", "min_tokens_per_part"), [(2, 256), (3, 1)])
+def test_a_step_in_parts_gives_the_same_bits(monkeypatch, num_parts, min_tokens_per_part):
+    """Prefills and decodes of six requests, steps cut into parts on their own threads
+    (with one token per part allowed, the decodes too): every logit the same bits as in
+    one part."""
+    monkeypatch.setattr(cpu_layers, "MIN_TOKENS_PER_PART", min_tokens_per_part)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, 2000, length).tolist() for length in (300, 1, 33, 400, 9, 264)]
+    recorded = {}
+    for parts in (1, num_parts):
+        executor = _executor(fused=True, num_kv_blocks=128)
+        executor.model.num_parts = parts
+        logits = record_logits(executor)
+        requests = [DriverRequest(request_id=f"r{index}", prompt_token_ids=prompt,
+                                  max_tokens=12, sampling=GREEDY)
+                    for index, prompt in enumerate(prompts)]
+        ExecutorDriver(executor).run(requests)
+        recorded[parts] = logits
+    assert recorded[1].keys() == recorded[num_parts].keys()
+    for key, row in recorded[1].items():
+        assert torch.equal(recorded[num_parts][key], row), key
