@@ -194,9 +194,11 @@ _NO_WEIGHT = np.zeros(1, dtype=np.float32)
 
 
 def can_fuse(model: CausalLM) -> bool:
-    """The kernels take float32 on the CPU, rows a whole number of lanes and even heads."""
+    """The kernels take float32 on the CPU, rows a whole number of lanes and even heads;
+    the fused forward has no collectives, so a tensor-parallel shard runs unfused."""
     config = model.config
     return (model.device.type == "cpu" and model.dtype == torch.float32
+            and not model.parallel.is_parallel
             and config.hidden_size % LANES == 0 and config.head_dim % LANES == 0
             and model.attention_backend.name == "cpu")
 

@@ -143,10 +143,16 @@ class FakeEngine:
     def chat_many(self, messages: list[dict[str, Any]], params: list[SamplingParams], *,
                   priority: int = 0, request_id: str | None = None,
                   tools: list[dict[str, Any]] | None = None,
+                  documents: list[dict[str, Any]] | None = None,
                   chat_template_kwargs: dict[str, Any] | None = None,
+                  template_options: ChatTemplateOptions | None = None,
                   cache_salt: str | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
-        variables = {**(chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
-        prompt = self.tokenizer.apply_chat_template(messages, **variables)
+        variables = {**(chat_template_kwargs or {}), **({"tools": tools} if tools else {}),
+                     **({"documents": documents} if documents is not None else {})}
+        options = template_options or ChatTemplateOptions()
+        prompt = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=options.add_generation_prompt,
+            continue_final_message=options.continue_final_message, **variables)
         return self.generate_many([(prompt, choice) for choice in params], priority=priority,
                                   request_id=request_id, cache_salt=cache_salt)
 
