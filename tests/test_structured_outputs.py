@@ -25,7 +25,7 @@ from msgspec.structs import replace
 
 from trio_llm.actors.config import EngineConfig
 from trio_llm.actors.errors import RequestRejected
-from trio_llm.actors.grammar import Grammars
+from trio_llm.actors.grammar import Grammars, fill_bitmasks
 from trio_llm.actors.intake import Intake
 from trio_llm.actors.messages import (
     SamplingParams,
@@ -266,7 +266,7 @@ def allowed_ids(token_bitmask: bytes) -> set[int]:
     return {int(token_id) for token_id in np.flatnonzero(bits)}
 
 
-def test_the_scheduler_sends_a_pipelined_constrained_request_its_bitmask_after_reconcile(
+def test_the_scheduler_hands_out_each_steps_grammars_once_every_step_before_is_reconciled(
         ) -> None:
     tokenizer = Tokenizer.from_dir(resolve_model("tiny"))
     grammars = Grammars(tokenizer, vocab_size=2048)
@@ -278,25 +278,31 @@ def test_the_scheduler_sends_a_pipelined_constrained_request_its_bitmask_after_r
                                   arrival_time=0.0))
     intake.compile_constraint(request)
     first = scheduler.schedule([WaitingRequest(request=request)]).batch
-    assert first is not None and first.requests[0].token_bitmask is not None
-    first_allowed = allowed_ids(first.requests[0].token_bitmask)
+    assert first is not None and first.requests[0].bitmask_follows
+    assert first.requests[0].token_bitmask is None, "masks never ride in the batch"
+    ready = scheduler.ready_bitmasks()
+    assert ready is not None and ready[0] == first.step_id, "nothing before it: at once"
+    (first_grammar,) = ready[1]
+    first_allowed = allowed_ids(fill_bitmasks([first_grammar])[0])
+    assert scheduler.ready_bitmasks() is None, "each step once"
     # planned while step 0 is in flight: it runs on the placeholder, its mask follows
     second = scheduler.schedule([]).batch
     assert second is not None
     (scheduled,) = second.requests
     assert scheduled.input_from_previous_step and scheduled.bitmask_follows
     assert scheduled.token_bitmask is None
-    assert scheduler.step_bitmasks_after(first.step_id) is None, "not before its result"
+    assert scheduler.ready_bitmasks() is None, "not before step 0's result"
     token_id = min(first_allowed)
     scheduler.on_step_result(StepResult(step_id=first.step_id, request_ids=["r"],
                                         sampled_token_ids=[token_id]))
-    bitmasks = scheduler.step_bitmasks_after(first.step_id)
-    assert bitmasks is not None and bitmasks.step_id == second.step_id
-    (mask,) = bitmasks.token_bitmasks
+    ready = scheduler.ready_bitmasks()
+    assert ready is not None and ready[0] == second.step_id
+    (mask,) = fill_bitmasks(ready[1])
     expected = grammars.start(params.structured_outputs)  # type: ignore[arg-type]
+    assert allowed_ids(expected.next_bitmask()) == first_allowed
     assert expected.accept(token_id)
     assert allowed_ids(mask) == allowed_ids(expected.next_bitmask())
-    assert scheduler.step_bitmasks_after(first.step_id) is None, "sent once"
+    assert scheduler.ready_bitmasks() is None, "sent once"
 
 
 async def test_the_pipelined_executor_at_depth_two_gives_depth_one_tokens() -> None:
@@ -357,3 +363,27 @@ async def test_aborting_constrained_requests_mid_flight_disturbs_no_one() -> Non
             stats = engine.statistics()
     assert results == [expected]
     assert stats.num_running == 0 and stats.num_free_blocks == stats.num_total_blocks
+
+
+@pytest.mark.parametrize("num_fillers", [0, 300])
+def test_the_vocabulary_view_is_the_one_xgrammar_builds_through_transformers(
+        num_fillers: int) -> None:
+    """actors/grammar.py reads xgrammar's TokenizerInfo off the tokenizers backend;
+    xgrammar's own path wraps it in a transformers tokenizer first (12 s for the
+    built-in qwen3-0.6b's 150k added fillers, which the padded case imitates)."""
+    from tokenizers import AddedToken
+
+    from trio_llm.actors.grammar import _tokenizer_info_through_transformers, tokenizer_info
+
+    tokenizer = Tokenizer.from_dir(resolve_model("tiny"))
+    tokenizer.backend.add_tokens([AddedToken(f"<|filler_{index}|>", special=False,
+                                             normalized=False) for index in range(num_fillers)])
+    vocab_size = 2048 + num_fillers + 5  # the model's vocabulary may be larger
+    direct = tokenizer_info(tokenizer, vocab_size)
+    through = _tokenizer_info_through_transformers(tokenizer, vocab_size)
+    assert direct.vocab_type == through.vocab_type
+    assert direct.add_prefix_space == through.add_prefix_space
+    assert direct.vocab_size == through.vocab_size == vocab_size
+    assert direct.stop_token_ids == through.stop_token_ids
+    assert direct.special_token_ids == through.special_token_ids
+    assert direct.decoded_vocab == through.decoded_vocab
