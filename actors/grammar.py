@@ -148,24 +148,27 @@ _COMPILERS_LOCK = threading.Lock()
 
 def _shared_compiler(tokenizer: Tokenizer, vocab_size: int) -> tuple[Any, np.ndarray]:
     """(compiler, the bitmask words of the tokens free of control characters)."""
-    key = (hashlib.sha256(tokenizer.backend.to_str().encode()).hexdigest(), vocab_size,
+    serialised = tokenizer.backend.to_str()  # half a second for a 150k vocabulary: once
+    key = (hashlib.sha256(serialised.encode()).hexdigest(), vocab_size,
            tuple(tokenizer.eos_token_ids))
     with _COMPILERS_LOCK:
         compiler = _COMPILERS.get(key)
         if compiler is None:
-            compiler = _COMPILERS[key] = _new_compiler(tokenizer, vocab_size)
+            compiler = _COMPILERS[key] = _new_compiler(tokenizer, vocab_size, serialised)
         return compiler
 
 
-def _new_compiler(tokenizer: Tokenizer, vocab_size: int) -> tuple[Any, np.ndarray]:
+def _new_compiler(tokenizer: Tokenizer, vocab_size: int,
+                  serialised: str) -> tuple[Any, np.ndarray]:
     import xgrammar
 
-    info = tokenizer_info(tokenizer, vocab_size)
+    info = tokenizer_info(tokenizer, vocab_size, serialised=serialised)
     return (xgrammar.GrammarCompiler(info, cache_enabled=True),
             _words_without_control_characters(info.decoded_vocab, vocab_size))
 
 
-def tokenizer_info(tokenizer: Tokenizer, vocab_size: int) -> Any:
+def tokenizer_info(tokenizer: Tokenizer, vocab_size: int, *,
+                   serialised: str | None = None) -> Any:
     """xgrammar's TokenizerInfo, as ``from_huggingface`` builds it for a fast tokenizer
     (the vocabulary by id, its encoding detected from the serialised tokenizer), read
     from the ``tokenizers`` backend without building a transformers tokenizer."""
@@ -174,7 +177,7 @@ def tokenizer_info(tokenizer: Tokenizer, vocab_size: int) -> Any:
     vocab = tokenizer.backend.get_vocab(with_added_tokens=True)
     detect = getattr(xgrammar.TokenizerInfo, "_detect_metadata_from_hf", None)
     from_vocab = getattr(xgrammar.TokenizerInfo, "_detect_vocab_type_from_vocab", None)
-    metadata = None if detect is None else detect(tokenizer.backend.to_str())
+    metadata = None if detect is None else detect(serialised or tokenizer.backend.to_str())
     if metadata is None or (from_vocab is not None and from_vocab(vocab) not in
                             (None, metadata["vocab_type"])):
         # an xgrammar without these helpers, or a vocabulary whose serialised form
