@@ -254,11 +254,10 @@ class GrammarState:
         else:
             self._matcher.fill_next_token_bitmask(bitmask, index)
 
-    def narrowed(self, words: np.ndarray) -> np.ndarray:
-        """A filled row without the tokens no mask of this grammar may allow."""
-        if self._allowed_words is None or self._matcher.is_terminated():
-            return words
-        return words & self._allowed_words
+    def narrow(self, words: np.ndarray) -> None:
+        """Take the tokens no mask of this grammar may allow out of a filled row."""
+        if self._allowed_words is not None and not self._matcher.is_terminated():
+            np.bitwise_and(words, self._allowed_words, out=words)
 
 
 def fill_bitmasks(states: Sequence[GrammarState]) -> list[bytes]:
@@ -280,4 +279,6 @@ def fill_bitmasks(states: Sequence[GrammarState]) -> list[bytes]:
         assert state.vocab_size == vocab_size, "one vocabulary per step"
         state.fill_row(bitmask, index)
     words = bitmask.numpy()
-    return [state.narrowed(words[index]).tobytes() for index, state in enumerate(states)]
+    for index, state in enumerate(states):
+        state.narrow(words[index])
+    return [row.tobytes() for row in words]

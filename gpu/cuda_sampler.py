@@ -132,12 +132,21 @@ class DeviceSamplingInputs:
 
 def sample_on_device(logits: torch.Tensor, plan: SamplingPlan,
                      inputs: DeviceSamplingInputs) -> torch.Tensor:
-    """Token ids [num_rows] int64 for ``logits`` [num_rows, vocab_size] float32."""
+    """Token ids [num_rows] int64 for ``logits`` [num_rows, vocab_size] float32. On
+    CUDA the grammar's masks go into ``logits`` itself unless a row wants logprobs
+    (those are of the raw distribution, which the caller then still has)."""
     masked = logits
     if plan.bitmask_rows:
         words = inputs.bitmask_words.view(torch.int32)[:plan.num_bitmask_words]
-        masked = apply_token_bitmasks(logits, inputs.bitmask_rows,
-                                      words.view(len(plan.bitmask_rows), -1))
+        words = words.view(len(plan.bitmask_rows), -1)
+        if logits.is_cuda:
+            from trio_llm.gpu.triton_bitmask import apply_token_bitmasks_inplace
+
+            if any(count is not None for count in plan.num_logprobs):
+                masked = logits.clone()
+            apply_token_bitmasks_inplace(masked, inputs.bitmask_rows, words)
+        else:
+            masked = apply_token_bitmasks(logits, inputs.bitmask_rows, words)
     if plan.banned_rows:
         masked = masked.clone() if masked is logits else masked
         masked[inputs.banned_rows, inputs.banned_token_ids] = float("-inf")
