@@ -267,8 +267,9 @@ def fill_bitmasks(states: Sequence[GrammarState]) -> list[bytes]:
 
     After a stop token nothing follows; a mask asked for then (a step already
     planned when the request finished, whose token is dropped) allows everything.
-    One matcher at a time: xgrammar's BatchGrammarMatcher was slower at batch 64
-    on the development machine (docs/performance.md)."""
+    One matcher at a time: xgrammar's BatchGrammarMatcher, whose thread pool sizes
+    itself to the machine, was no faster at batch 64 on the 2-core development machine
+    (docs/performance.md); on the H200's host it is untried."""
     import xgrammar
 
     if not states:
