@@ -468,3 +468,84 @@ async def test_on_cuda_twenty_schemas_yield_valid_documents_through_graphs_and_k
         assert finish_reason == "stop", (schema, text)
         jsonschema.validate(json.loads(text), schema)
     assert all(len(token_ids) == 64 for _, token_ids, _ in results[len(SCHEMAS):])
+
+
+class BlockedCompiles:
+    """Holds every grammar compile in its worker thread until ``release``."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import threading
+
+        from trio_llm.actors import grammar
+
+        self.released = threading.Event()
+        self.started = trio.Event()
+        self.num_started = 0
+        compile_with = grammar.Grammars._compile_with
+
+        def blocked(compiler: Any, params: StructuredOutputsParams) -> Any:
+            self.num_started += 1
+            trio.from_thread.run_sync(self.started.set)
+            self.released.wait(60)
+            return compile_with(compiler, params)
+
+        monkeypatch.setattr(grammar.Grammars, "_compile_with", staticmethod(blocked))
+
+    def release(self) -> None:
+        self.released.set()
+
+
+async def test_a_request_behind_a_compiling_constraint_is_not_held_back(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Intake compiles a new constraint in its own worker thread: the requests
+    submitted after it are admitted and run meanwhile; it runs once compiled."""
+    compiles = BlockedCompiles(monkeypatch)
+    schema = {"type": "object", "properties": {"held": {"type": "boolean"}},
+              "required": ["held"]}
+    plain = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    results: dict[str, Any] = {}
+    try:
+        with trio.fail_after(TIMEOUT):
+            async with Engine.open(CONFIG) as engine:
+                async def held() -> None:
+                    results["held"] = await generate(engine, constrained(0, json=json.dumps(
+                        schema)))
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(held)
+                    await compiles.started.wait()
+                    _, token_ids, _ = await generate(engine, plain)
+                    assert len(token_ids) == 8 and "held" not in results
+                    compiles.release()
+    finally:
+        compiles.release()
+    text, _, finish_reason = results["held"]
+    assert finish_reason == "stop"
+    jsonschema.validate(json.loads(text), schema)
+
+
+async def test_an_abort_while_its_constraint_compiles_ends_the_request_before_it_runs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    compiles = BlockedCompiles(monkeypatch)
+    schema = json.dumps({"type": "object", "properties": {"gone": {"type": "integer"}}})
+    try:
+        with trio.fail_after(TIMEOUT):
+            async with Engine.open(CONFIG) as engine:
+                with trio.CancelScope() as scope:
+                    async def cancel_once_compiling() -> None:
+                        await compiles.started.wait()
+                        scope.cancel()  # the caller leaves: the facade sends Abort
+
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(cancel_once_compiling)
+                        await generate(engine, constrained(0, json=schema), [5, 6, 7, 8, 9])
+                assert scope.cancelled_caught and compiles.num_started == 1
+                compiles.release()
+                # the same schema queues behind the first compile, then is cached
+                text, _, _ = await generate(engine, constrained(1, json=schema), [5, 6])
+                stats = engine.statistics()
+    finally:
+        compiles.release()
+    json.loads(text)
+    assert stats.num_prompt_tokens == 2, "the aborted request never ran"
+    assert stats.num_running == 0 and stats.num_waiting == 0
