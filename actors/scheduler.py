@@ -836,7 +836,10 @@ class _BitmaskSender:
         self._sent.set()
 
     async def wait_sent(self) -> None:
-        await self._sent.wait()
+        # no checkpoint when nothing is pending: unconstrained steps keep the
+        # scheduler's interleaving exactly as it is without grammars
+        if not self._sent.is_set():
+            await self._sent.wait()
 
     async def start(self, scheduler: Scheduler) -> None:
         """Start filling every step whose masks can be filled now."""
