@@ -7,9 +7,16 @@ or more on a large vocabulary, so intake calls ``compile`` in a worker thread;
 the scheduler's ``start`` then finds the grammar in the cache.
 
 A ``GrammarState`` follows one request's confirmed output: ``accept`` each
-token as the scheduler reconciles it, ``next_bitmask`` before each sampled
-token. The bitmask is plain bytes (see ScheduledRequest.token_bitmask), so it
-crosses a channel; the matcher never does.
+token as the scheduler reconciles it; ``fill_bitmasks`` computes the masks of a
+step's constrained rows at once, in a worker thread (xgrammar releases the GIL
+while it fills). The bitmask is plain bytes (see ScheduledRequest.token_bitmask),
+so it crosses a channel; the matcher never does.
+
+xgrammar's view of the vocabulary is built from the ``tokenizers`` backend
+directly: wrapping it in a transformers tokenizer first (what
+``TokenizerInfo.from_huggingface`` wants) took 12 s for the built-in
+qwen3-0.6b's 150k added tokens, all of it before the first constrained request
+could be admitted.
 
 JSON constraints also forbid every token holding a control character (U+0000 to
 U+001F): xgrammar's JSON strings admit them raw, which strict JSON parsers
@@ -24,8 +31,11 @@ import hashlib
 import json
 import re
 import threading
+from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from trio_llm.actors.messages import StructuredOutputsParams
@@ -58,23 +68,41 @@ class Grammars:
         self._compiler: Any = None
         self._json_safe_words: np.ndarray | None = None
         self._lock = threading.Lock()
+        # constraint (its msgspec encoding) -> compiled grammar, most recently used last
+        self._compiled: OrderedDict[bytes, Any] = OrderedDict()
+
+    def is_compiled(self, params: StructuredOutputsParams) -> bool:
+        """Whether ``start`` finds ``params`` compiled (it then never blocks)."""
+        with self._lock:
+            return msgspec.msgpack.encode(params) in self._compiled
 
     def compile(self, params: StructuredOutputsParams) -> Any:
         """The compiled grammar of ``params``; GrammarError names what is wrong.
         Blocking: from a worker thread, except for constraints already compiled."""
+        key = msgspec.msgpack.encode(params)
+        with self._lock:
+            compiled = self._compiled.get(key)
+            if compiled is not None:
+                self._compiled.move_to_end(key)
+                return compiled
         kinds = constraint_kind(params)
         if len(kinds) != 1:
             raise GrammarError(f"give exactly one constraint of json, json_object, regex, "
                                f"choice, grammar (got {', '.join(kinds) or 'none'})")
         compiler = self._get_compiler()
         try:
-            return self._compile_with(compiler, params)
+            compiled = self._compile_with(compiler, params)
         except (RuntimeError, ValueError, TypeError) as error:
             raise GrammarError(f"the {kinds[0]} constraint cannot be compiled: "
                                f"{_first_line(error)}") from None
+        with self._lock:
+            self._compiled[key] = compiled
+            if len(self._compiled) > MAX_COMPILED_GRAMMARS:
+                self._compiled.popitem(last=False)
+        return compiled
 
     def start(self, params: StructuredOutputsParams) -> GrammarState:
-        """A matcher at the start of the output."""
+        """A matcher at the start of the output (blocking unless ``is_compiled``)."""
         import xgrammar
 
         matcher = xgrammar.GrammarMatcher(self.compile(params))
@@ -109,6 +137,9 @@ class Grammars:
             return self._compiler
 
 
+# Compiled grammars an engine keeps at hand (xgrammar's compiler caches more, by size).
+MAX_COMPILED_GRAMMARS = 256
+
 # Compilers (and the grammars they cached) outlive an engine: one per tokenizer and
 # vocabulary in the process, so reopening an engine over the same model recompiles nothing.
 _COMPILERS: dict[tuple[str, int, tuple[int, ...]], tuple[Any, np.ndarray]] = {}
@@ -117,24 +148,57 @@ _COMPILERS_LOCK = threading.Lock()
 
 def _shared_compiler(tokenizer: Tokenizer, vocab_size: int) -> tuple[Any, np.ndarray]:
     """(compiler, the bitmask words of the tokens free of control characters)."""
-    key = (hashlib.sha256(tokenizer.backend.to_str().encode()).hexdigest(), vocab_size,
+    serialised = tokenizer.backend.to_str()  # half a second for a 150k vocabulary: once
+    key = (hashlib.sha256(serialised.encode()).hexdigest(), vocab_size,
            tuple(tokenizer.eos_token_ids))
     with _COMPILERS_LOCK:
         compiler = _COMPILERS.get(key)
         if compiler is None:
-            compiler = _COMPILERS[key] = _new_compiler(tokenizer, vocab_size)
+            compiler = _COMPILERS[key] = _new_compiler(tokenizer, vocab_size, serialised)
         return compiler
 
 
-def _new_compiler(tokenizer: Tokenizer, vocab_size: int) -> tuple[Any, np.ndarray]:
+def _new_compiler(tokenizer: Tokenizer, vocab_size: int,
+                  serialised: str) -> tuple[Any, np.ndarray]:
+    import xgrammar
+
+    info = tokenizer_info(tokenizer, vocab_size, serialised=serialised)
+    return (xgrammar.GrammarCompiler(info, cache_enabled=True),
+            _words_without_control_characters(info.decoded_vocab, vocab_size))
+
+
+def tokenizer_info(tokenizer: Tokenizer, vocab_size: int, *,
+                   serialised: str | None = None) -> Any:
+    """xgrammar's TokenizerInfo, as ``from_huggingface`` builds it for a fast tokenizer
+    (the vocabulary by id, its encoding detected from the serialised tokenizer), read
+    from the ``tokenizers`` backend without building a transformers tokenizer."""
+    import xgrammar
+
+    vocab = tokenizer.backend.get_vocab(with_added_tokens=True)
+    detect = getattr(xgrammar.TokenizerInfo, "_detect_metadata_from_hf", None)
+    from_vocab = getattr(xgrammar.TokenizerInfo, "_detect_vocab_type_from_vocab", None)
+    metadata = None if detect is None else detect(serialised or tokenizer.backend.to_str())
+    if metadata is None or (from_vocab is not None and from_vocab(vocab) not in
+                            (None, metadata["vocab_type"])):
+        # an xgrammar without these helpers, or a vocabulary whose serialised form
+        # misdescribes it: xgrammar's own (slower) path sorts it out
+        return _tokenizer_info_through_transformers(tokenizer, vocab_size)
+    encoded_vocab = [""] * vocab_size
+    for token, token_id in vocab.items():
+        if token_id < vocab_size:
+            encoded_vocab[token_id] = token
+    return xgrammar.TokenizerInfo(encoded_vocab, metadata["vocab_type"], vocab_size=vocab_size,
+                                  stop_token_ids=tokenizer.eos_token_ids,
+                                  add_prefix_space=metadata["add_prefix_space"])
+
+
+def _tokenizer_info_through_transformers(tokenizer: Tokenizer, vocab_size: int) -> Any:
     import transformers
     import xgrammar
 
     wrapped = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend)
-    info = xgrammar.TokenizerInfo.from_huggingface(wrapped, vocab_size=vocab_size,
+    return xgrammar.TokenizerInfo.from_huggingface(wrapped, vocab_size=vocab_size,
                                                    stop_token_ids=tokenizer.eos_token_ids)
-    return (xgrammar.GrammarCompiler(info, cache_enabled=True),
-            _words_without_control_characters(info.decoded_vocab, vocab_size))
 
 
 _CONTROL_BYTE = re.compile(rb"[\x00-\x1f]")
@@ -161,15 +225,13 @@ def _first_line(error: Exception) -> str:
 class GrammarState:
     """One request's place in its grammar."""
 
-    __slots__ = ("_matcher", "_bitmask", "_allowed_words")
+    __slots__ = ("_matcher", "vocab_size", "_allowed_words")
 
     def __init__(self, matcher: Any, vocab_size: int, *,
                  allowed_words: np.ndarray | None = None) -> None:
         """``allowed_words``: a bitmask every mask is narrowed to (None: the grammar's)."""
-        import xgrammar
-
         self._matcher = matcher
-        self._bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)
+        self.vocab_size = vocab_size
         self._allowed_words = allowed_words
 
     def accept(self, token_id: int) -> bool:
@@ -182,14 +244,42 @@ class GrammarState:
         return bool(self._matcher.is_terminated())
 
     def next_bitmask(self) -> bytes:
-        """The tokens allowed next, as ScheduledRequest.token_bitmask bytes. After a
-        stop token nothing follows; a mask asked for then (a step already planned
-        when the request finished, whose token is dropped) allows everything."""
+        """The tokens allowed next (see ``fill_bitmasks``)."""
+        return fill_bitmasks([self])[0]
+
+    def fill_row(self, bitmask: Any, index: int) -> None:
+        """Write the tokens allowed next into row ``index`` of an xgrammar bitmask."""
         if self._matcher.is_terminated():
-            self._bitmask.fill_(-1)
-            return self._bitmask.numpy().tobytes()
-        self._matcher.fill_next_token_bitmask(self._bitmask, 0)
-        words = self._bitmask.numpy()[0]
-        if self._allowed_words is not None:
-            words = words & self._allowed_words
-        return words.tobytes()
+            bitmask[index].fill_(-1)
+        else:
+            self._matcher.fill_next_token_bitmask(bitmask, index)
+
+    def narrow(self, words: np.ndarray) -> None:
+        """Take the tokens no mask of this grammar may allow out of a filled row."""
+        if self._allowed_words is not None and not self._matcher.is_terminated():
+            np.bitwise_and(words, self._allowed_words, out=words)
+
+
+def fill_bitmasks(states: Sequence[GrammarState]) -> list[bytes]:
+    """The tokens each state allows next, as ScheduledRequest.token_bitmask bytes.
+    Blocking (about a millisecond for 64 rows of a 150k vocabulary, up to tens in
+    states xgrammar resolves at run time): the scheduler calls it in a worker thread.
+
+    After a stop token nothing follows; a mask asked for then (a step already
+    planned when the request finished, whose token is dropped) allows everything.
+    One matcher at a time: xgrammar's BatchGrammarMatcher, whose thread pool sizes
+    itself to the machine, was no faster at batch 64 on the 2-core development machine
+    (docs/performance.md); on the H200's host it is untried."""
+    import xgrammar
+
+    if not states:
+        return []
+    vocab_size = states[0].vocab_size
+    bitmask = xgrammar.allocate_token_bitmask(len(states), vocab_size)
+    for index, state in enumerate(states):
+        assert state.vocab_size == vocab_size, "one vocabulary per step"
+        state.fill_row(bitmask, index)
+    words = bitmask.numpy()
+    for index, state in enumerate(states):
+        state.narrow(words[index])
+    return [row.tobytes() for row in words]

@@ -219,6 +219,12 @@ class Intake:
                                       f"(the grammar decides where the output ends)",
                                       param=name)
 
+    def needs_compiling(self, request: Request) -> bool:
+        """Its constraint is not compiled yet (``compile_constraint`` would block)."""
+        constraint = request.params.structured_outputs
+        return (constraint is not None and self.grammars is not None
+                and not self.grammars.is_compiled(constraint))
+
     def compile_constraint(self, request: Request) -> None:
         """Compile the request's constraint into the grammar cache (blocking: call
         it in a worker thread). Raises RequestRejected naming what does not compile."""
@@ -472,40 +478,95 @@ async def run_intake(
 
     Each Submit is admitted in a worker thread, one at a time, so arrival
     order (and with it every derived seed) is kept and an Abort never
-    overtakes the Submit before it. A rejected request fails its stream at
-    once and never reaches the queue. Closes the queue outbox when the inbox
-    closes.
+    overtakes the Submit before it. A constraint not compiled yet is compiled
+    in a second worker thread, one at a time, while later requests go on: its
+    request reaches the queue once compiled (an Abort meanwhile follows it
+    there). A rejected request fails its stream at once and never reaches the
+    queue. Closes the queue outbox when the inbox closes and the last compile
+    has ended.
     """
-    # Its own thread: trio's shared default limiter could be exhausted by
-    # other work, and admission would wait behind it.
-    thread = trio.CapacityLimiter(1)
+    compiles = _Compiles(queue_outbox, streams, intake)
     task_status.started()
-    async with queue_outbox:
+    async with queue_outbox, trio.open_nursery() as nursery:
+        compiles.nursery = nursery
         async for message in inbox:
             match message:
                 case Submit():
-                    await _submit(message, queue_outbox, streams, intake, thread)
-                case Abort():
-                    await queue_outbox.send(message)
+                    await _submit(message, queue_outbox, streams, intake, compiles)
+                case Abort(request_id=request_id):
+                    if not compiles.defer_abort(request_id):
+                        await queue_outbox.send(message)
+
+
+class _Compiles:
+    """The requests whose constraint compiles while intake goes on, and their Aborts."""
+
+    def __init__(self, queue_outbox: trio.MemorySendChannel[QueueInbox],
+                 streams: RequestStreams, intake: Intake) -> None:
+        self.queue_outbox = queue_outbox
+        self.streams = streams
+        self.intake = intake
+        self.nursery: trio.Nursery | None = None
+        # Their own threads: trio's shared default limiter could be exhausted by
+        # other work, and admission would wait behind it.
+        self.admit_thread = trio.CapacityLimiter(1)
+        self.compile_thread = trio.CapacityLimiter(1)
+        # request id -> whether an Abort arrived while it compiled
+        self._aborted: dict[str, bool] = {}
+
+    def start(self, request: Request) -> None:
+        assert self.nursery is not None
+        self._aborted[request.request_id] = False
+        self.nursery.start_soon(self._compile_then_admit, request)
+
+    def defer_abort(self, request_id: str) -> bool:
+        """True if the request is compiling: its Abort follows its Admit later."""
+        if request_id not in self._aborted:
+            return False
+        self._aborted[request_id] = True
+        return True
+
+    async def _compile_then_admit(self, request: Request) -> None:
+        # Abandoned on cancellation: shutdown does not wait for a large schema.
+        rejection = await trio.to_thread.run_sync(_compile_or_rejection, self.intake, request,
+                                                  abandon_on_cancel=True,
+                                                  limiter=self.compile_thread)
+        aborted = self._aborted.pop(request.request_id)
+        if rejection is not None:
+            self.streams.fail(request.request_id, rejection)
+            return
+        await self.queue_outbox.send(Admit(request=request))
+        if aborted:
+            await self.queue_outbox.send(Abort(request_id=request.request_id))
 
 
 async def _submit(submit: Submit, queue_outbox: trio.MemorySendChannel[QueueInbox],
-                  streams: RequestStreams, intake: Intake, thread: trio.CapacityLimiter) -> None:
+                  streams: RequestStreams, intake: Intake, compiles: _Compiles) -> None:
     # Abandoned on cancellation: shutdown does not wait for a long prompt.
     outcome = await trio.to_thread.run_sync(_admit_or_rejection, intake, submit,
-                                            abandon_on_cancel=True, limiter=thread)
+                                            abandon_on_cancel=True,
+                                            limiter=compiles.admit_thread)
     if isinstance(outcome, RequestRejected):
         streams.fail(submit.request_id, outcome)
-        return
-    await queue_outbox.send(Admit(request=outcome))
+    elif intake.needs_compiling(outcome):
+        compiles.start(outcome)
+    else:
+        await queue_outbox.send(Admit(request=outcome))
 
 
 def _admit_or_rejection(intake: Intake, submit: Submit) -> Request | RequestRejected:
     """In the worker thread: the admitted request, or why it was refused."""
     try:
-        request = intake.admit(submit)
-        # seconds for a large schema and vocabulary: here, never on the event loop
+        return intake.admit(submit)
+    except RequestRejected as rejection:
+        return rejection
+
+
+def _compile_or_rejection(intake: Intake, request: Request) -> RequestRejected | None:
+    """In the worker thread (seconds for a large schema and vocabulary, never on the
+    event loop): None once compiled, or why it does not compile."""
+    try:
         intake.compile_constraint(request)
-        return request
+        return None
     except RequestRejected as rejection:
         return rejection

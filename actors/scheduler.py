@@ -34,24 +34,25 @@ straight from the runner (``input_from_previous_step``); the scheduler counts
 that token as a placeholder and reconciles when the StepResult arrives.
 
 Constrained requests (structured outputs) carry a grammar: each sampled token
-is masked by what the grammar allows after the confirmed output. At depth 2 a
-constrained request decoding on a placeholder is scheduled with
-``bitmask_follows``: its mask is computed once the step in flight is reconciled
-and sent to the runner as StepBitmasks (``step_bitmasks_after``), before the
-runner samples that step. Its tokens are those of depth 1.
+is masked by what the grammar allows after the confirmed output. Every sampled
+row of a constrained request is scheduled with ``bitmask_follows``: its mask is
+computed once every step before it is reconciled (at depth 2, when the step in
+flight returns; otherwise at once) and sent to the runner as StepBitmasks
+(``ready_bitmasks``), before the runner samples that step. The shell fills the
+masks in a worker thread, never on the event loop. Its tokens are those of depth 1.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections import deque
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import trio
 
 from trio_llm.actors.config import EngineConfig
-from trio_llm.actors.grammar import Grammars, GrammarState
+from trio_llm.actors.grammar import Grammars, GrammarState, fill_bitmasks
 from trio_llm.actors.kv_blocks import (
     BlockManager,
     chain_block_hashes,
@@ -75,6 +76,7 @@ from trio_llm.actors.messages import (
     StepBitmasks,
     StepResult,
     StopStringHit,
+    StructuredOutputsParams,
     TokenBatch,
     TokenDelta,
     TokenLogprobs,
@@ -191,10 +193,6 @@ class RunningRequest:
         """False while its last output token is still to come from a step in flight."""
         return len(self.output_token_ids) + self.num_placeholders < self.max_tokens
 
-    def next_token_bitmask(self) -> bytes | None:
-        """What the grammar allows for the token sampled next (None: unconstrained)."""
-        return None if self.grammar is None else self.grammar.next_bitmask()
-
     def schedule_prefill(self, num_tokens: int, new_block_ids: list[int],
                          step_id: int) -> ScheduledRequest:
         """The next ``num_tokens`` of its prefill run in step ``step_id``; the
@@ -209,7 +207,7 @@ class RunningRequest:
             request_id=self.request_id, token_ids=self.prefill_token_ids[start:start + num_tokens],
             input_from_previous_step=False, num_computed_tokens=start,
             new_block_ids=new_block_ids, sample=sample, output_index=len(self.output_token_ids),
-            token_bitmask=self.next_token_bitmask() if sample else None,
+            bitmask_follows=sample and self.grammar is not None,
             prompt_logprob_token_ids=self._prompt_logprob_targets(start, start + num_tokens),
         )
 
@@ -231,16 +229,13 @@ class RunningRequest:
         self.num_computed_tokens = num_computed_tokens + 1
         self.num_placeholders = num_placeholders + 1
         self.scheduled_step_id = step_id
-        # a constrained request's mask waits for the token in flight (StepBitmasks)
-        bitmask_follows = num_placeholders > 0 and self.grammar is not None
         return ScheduledRequest(
             request_id=self.request_id,
             token_ids=_NO_IDS if num_placeholders else [self.output_token_ids[-1]],
             input_from_previous_step=num_placeholders > 0,
             num_computed_tokens=num_computed_tokens, new_block_ids=new_block_ids, sample=True,
             output_index=len(self.output_token_ids) + num_placeholders,
-            token_bitmask=None if bitmask_follows else self.next_token_bitmask(),
-            bitmask_follows=bitmask_follows,
+            bitmask_follows=self.grammar is not None,  # StepBitmasks brings its mask
         )
 
     def accept_token(self, token_id: int) -> FinishReason | None:
@@ -297,9 +292,12 @@ class _StepBuilder:
 
     def add_prefill(self, running: RunningRequest, num_tokens: int,
                     new_block_ids: list[int]) -> None:
-        self.requests.append(running.schedule_prefill(num_tokens, new_block_ids, self.step_id))
+        scheduled = running.schedule_prefill(num_tokens, new_block_ids, self.step_id)
+        self.requests.append(scheduled)
         self.budget -= num_tokens
         self.num_prompt_tokens += num_tokens
+        if scheduled.bitmask_follows:
+            self.bitmasks_follow.append(running)
 
     def add_decode(self, running: RunningRequest, new_block_ids: list[int]) -> None:
         scheduled = running.schedule_decode(new_block_ids, self.step_id)
@@ -446,17 +444,31 @@ class Scheduler:
         self.num_generation_tokens += len(deltas)
         return TokenBatch(deltas=deltas) if deltas else None
 
-    def step_bitmasks_after(self, step_id: int) -> StepBitmasks | None:
-        """The bitmasks step ``step_id + 1`` waits for, once step ``step_id`` is
-        reconciled (each from its request's confirmed output). A request that finished
-        or left since gets its grammar's mask all the same: its token is dropped."""
-        if step_id in self._in_flight_step_ids:
-            return None  # its tokens, which the masks depend on, are still to come
-        waiting = self._bitmasks_follow.pop(step_id + 1, None)
-        if waiting is None:
+    def ready_bitmasks(self) -> tuple[int, list[GrammarState]] | None:
+        """(step id, the grammars of its rows whose masks follow, in batch order) of the
+        oldest step whose masks can be filled now: every step before it is reconciled,
+        so each grammar stands at its request's confirmed output. Each step once. A
+        request that finished or left since is filled all the same: its token is
+        dropped. The shell fills them (``fill_bitmasks``) and sends StepBitmasks."""
+        if not self._bitmasks_follow:
             return None
-        return StepBitmasks(step_id=step_id + 1, token_bitmasks=[
-            running.next_token_bitmask() or b"" for running in waiting])
+        step_id = next(iter(self._bitmasks_follow))
+        if self._in_flight_step_ids and self._in_flight_step_ids[0] < step_id:
+            return None  # a token its masks depend on is still to come
+        grammars = [running.grammar for running in self._bitmasks_follow.pop(step_id)]
+        assert all(grammars), "only constrained rows wait for a mask"
+        return step_id, cast(list[GrammarState], grammars)
+
+    def constraints_to_compile(self, pulled: list[WaitingRequest]
+                               ) -> list[StructuredOutputsParams]:
+        """The constraints of ``pulled`` not compiled yet (the served layout's core
+        meets each once): the shell compiles them in a worker thread first."""
+        if self.grammars is None:
+            return []
+        grammars = self.grammars
+        constraints = (waiting.request.params.structured_outputs for waiting in pulled)
+        return [constraint for constraint in constraints
+                if constraint is not None and not grammars.is_compiled(constraint)]
 
     def abort(self, request_id: str) -> TokenBatch | None:
         """Stop a running request, or forget a preempted one; its final (empty)
@@ -835,14 +847,58 @@ def _num_prefill_tokens(waiting: WaitingRequest) -> int:
 # -- the actor ------------------------------------------------------------------
 
 
+class _BitmaskSender:
+    """Fills the masks of the steps ``Scheduler.ready_bitmasks`` hands out in a worker
+    thread (about a millisecond for 64 rows of a 150k vocabulary, tens in some grammar
+    states; xgrammar releases the GIL meanwhile) and sends their StepBitmasks, while the
+    scheduler plans the next step on the event loop. ``wait_sent`` before anything else
+    goes to the runner (each StepBitmasks follows its batch in the runner's inbox) and
+    before a matcher advances (a fill reads it)."""
+
+    def __init__(self, nursery: trio.Nursery, runner: trio.MemorySendChannel[Any]) -> None:
+        self._nursery = nursery
+        self._runner = runner
+        # its own thread: trio's shared limiter could be busy elsewhere
+        self._thread = trio.CapacityLimiter(1)
+        self._sent = trio.Event()
+        self._sent.set()
+
+    async def wait_sent(self) -> None:
+        # no checkpoint when nothing is pending: unconstrained steps keep the
+        # scheduler's interleaving exactly as it is without grammars
+        if not self._sent.is_set():
+            await self._sent.wait()
+
+    async def start(self, scheduler: Scheduler) -> None:
+        """Start filling every step whose masks can be filled now."""
+        await self.wait_sent()
+        ready = []
+        while (step := scheduler.ready_bitmasks()) is not None:
+            ready.append(step)
+        if ready:
+            self._sent = trio.Event()
+            self._nursery.start_soon(self._fill_and_send, ready, self._sent)
+
+    async def _fill_and_send(self, ready: list[tuple[int, list[GrammarState]]],
+                             sent: trio.Event) -> None:
+        for step_id, grammars in ready:
+            token_bitmasks = await trio.to_thread.run_sync(fill_bitmasks, grammars,
+                                                           limiter=self._thread)
+            await self._runner.send(StepBitmasks(step_id=step_id,
+                                                 token_bitmasks=token_bitmasks))
+        sent.set()
+
+
 class _Outboxes:
-    """The scheduler actor's three outboxes, passed around as one."""
+    """The scheduler actor's three outboxes, passed around as one, and the sender of
+    the runner's StepBitmasks."""
 
     def __init__(self, queue: trio.MemorySendChannel[Any], runner: trio.MemorySendChannel[Any],
-                 detokenizer: trio.MemorySendChannel[Any]) -> None:
+                 detokenizer: trio.MemorySendChannel[Any], bitmasks: _BitmaskSender) -> None:
         self.queue = queue
         self.runner = runner
         self.detokenizer = detokenizer
+        self.bitmasks = bitmasks
 
 
 async def run_scheduler(
@@ -865,13 +921,16 @@ async def run_scheduler(
     outboxes then.
     """
     task_status.started()
-    async with queue_outbox, runner_outbox, detokenizer_outbox:
-        outboxes = _Outboxes(queue_outbox, runner_outbox, detokenizer_outbox)
+    async with queue_outbox, runner_outbox, detokenizer_outbox, trio.open_nursery() as nursery:
+        outboxes = _Outboxes(queue_outbox, runner_outbox, detokenizer_outbox,
+                             _BitmaskSender(nursery, runner_outbox))
         while True:
             if scheduler.can_plan_step():
                 pulled = await _pull(inbox, scheduler, outboxes)
+                await _compile_constraints(scheduler, pulled)
                 plan = scheduler.schedule(pulled)
                 await _send_plan(plan, outboxes)
+                await outboxes.bitmasks.start(scheduler)
                 # Nothing planned and nothing in flight: the last request finished
                 # while a Pull that does not wait was answered. Ask again, waiting.
                 if plan.batch is not None or not scheduler.num_in_flight:
@@ -893,22 +952,32 @@ async def _pull(inbox: trio.MemoryReceiveChannel[SchedulerInbox], scheduler: Sch
         await _handle(message, scheduler, outboxes)
 
 
+async def _compile_constraints(scheduler: Scheduler, pulled: list[WaitingRequest]) -> None:
+    """Compile in a worker thread what the scheduler would otherwise compile on the
+    event loop: in the served layout the core meets each constraint once (its
+    front compiled it too, to validate it); in-process intake compiled them all."""
+    grammars = scheduler.grammars
+    for constraint in scheduler.constraints_to_compile(pulled):
+        assert grammars is not None
+        await trio.to_thread.run_sync(grammars.compile, constraint)
+
+
 async def _send_plan(plan: StepPlan, outboxes: _Outboxes) -> None:
     for track in plan.tracks:
         await outboxes.detokenizer.send(track)
     if plan.requeue is not None:
         await outboxes.queue.send(plan.requeue)
     if plan.batch is not None:
+        await outboxes.bitmasks.wait_sent()
         await outboxes.runner.send(plan.batch)
 
 
 async def _handle(message: SchedulerInbox, scheduler: Scheduler, outboxes: _Outboxes) -> None:
     match message:
         case StepResult():
+            await outboxes.bitmasks.wait_sent()  # its matchers are about to advance
             tokens = scheduler.on_step_result(message)
-            bitmasks = scheduler.step_bitmasks_after(message.step_id)
-            if bitmasks is not None:  # the runner waits for them: first
-                await outboxes.runner.send(bitmasks)
+            await outboxes.bitmasks.start(scheduler)  # the runner waits for them
             if tokens is not None:
                 await outboxes.detokenizer.send(tokens)
         case Abort(request_id=request_id):

@@ -32,13 +32,19 @@ milliseconds per output token over the decode steps.
 structured: the throughput workload at depth 2 (``--num-prompts`` 256, all at once),
 first unconstrained, then with every fourth request (64 of 256) constrained by a
 JSON schema (an object with a free string field: random weights run it to max_tokens);
-output tokens/s of both and their ratio. An untimed constrained warm-up compiles the
-grammar (and xgrammar's view of the vocabulary) first.
+output tokens/s of both and their ratio. xgrammar's view of the vocabulary and the
+grammar are built first (timed), then an untimed constrained warm-up runs. The
+constrained run fills its masks in the scheduler's worker thread (the engine's way);
+``--masks-on-loop`` runs it again with them filled on the event loop (an A/B of that
+choice, patched in here).
+Every phase prints its figures as it ends; a phase stuck for ``--stall-seconds``
+dumps every thread's stack.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -290,16 +296,31 @@ def _throughput(args: argparse.Namespace, *, num_prompts: int, prompt_len: tuple
 
 
 def run_structured(args: argparse.Namespace) -> dict[str, Any]:
+    import faulthandler
+
     import trio
 
+    from trio_llm.actors.grammar import Grammars, tokenizer_info
     from trio_llm.actors.messages import StructuredOutputsParams
+    from trio_llm.actors.tokenizer import Tokenizer
     from trio_llm.api.bench import random_workload, run_engine_throughput
 
     schema = {"type": "object", "properties": {"text": {"type": "string"},
                                                "count": {"type": "integer"}},
               "required": ["text", "count"]}
     constraint = StructuredOutputsParams(json=json.dumps(schema))
+    faulthandler.dump_traceback_later(args.stall_seconds)
     executor = create_executor(engine_config(args.model, depth=2), measure_device_time=True)
+    results: dict[str, Any] = {"model": args.model, "schema": schema}
+    tokenizer = Tokenizer.from_dir(executor.model_path)
+    started = time.perf_counter()
+    tokenizer_info(tokenizer, executor.vocab_size)
+    results["tokenizer_info_seconds"] = time.perf_counter() - started
+    started = time.perf_counter()
+    Grammars(tokenizer, executor.vocab_size).compile(constraint)  # the process-wide compiler
+    results["first_compile_seconds"] = time.perf_counter() - started
+    print(json.dumps(results), flush=True)
+    fills = _time_mask_fills()
     max_token_id = min(10000, executor.vocab_size)
     num_prompts = args.num_prompts or 256
     workload = random_workload(seed=0, num_prompts=num_prompts, prompt_len=(100, 1024),
@@ -309,21 +330,81 @@ def run_structured(args: argparse.Namespace) -> dict[str, Any]:
                               output_len=(16, 64), max_token_id=max_token_id)
     config = engine_config(args.model, depth=2)
 
-    def run(items: list[Any], constraints: dict[int, Any]) -> dict[str, Any]:
+    def run(name: str, items: list[Any], constraints: dict[int, Any]) -> dict[str, Any]:
+        faulthandler.dump_traceback_later(args.stall_seconds)  # this phase's own clock
         executor.drain()
-        return trio.run(lambda: run_engine_throughput(
+        fills.clear()
+        stats_before = _stats_snapshot(executor)
+        cpu_before = time.process_time()
+        result = trio.run(lambda: run_engine_throughput(
             config, executor, items, temperature=0.6, executor_kind="model", progress=False,
             constraints=constraints))
+        cpu_seconds = time.process_time() - cpu_before
+        stats = {key: value - stats_before[key] for key, value in
+                 _stats_snapshot(executor).items()}
+        result.update(_profile(result, stats, cpu_seconds))
+        if fills:
+            result["mask_fills"] = {"num_steps": len(fills),
+                                    "median_ms": 1000 * statistics.median(fills),
+                                    "max_ms": 1000 * max(fills), "total_seconds": sum(fills)}
+        print(json.dumps({name: {key: result[key] for key in (
+            "elapsed_seconds", "output_tokens_per_second", "num_steps", "milliseconds_per_step",
+            "device_busy_share") + (("mask_fills",) if fills else ())}}), flush=True)
+        return result
 
-    run(warm_up, {index: constraint for index in range(0, 64, 4)})
-    results: dict[str, Any] = {"model": args.model, "num_prompts": num_prompts,
-                               "num_constrained": len(constrained), "schema": schema}
-    results["unconstrained"] = run(workload, {})
-    results["constrained"] = run(workload, constrained)
-    results["constrained_over_unconstrained"] = (
-        results["constrained"]["output_tokens_per_second"]
-        / results["unconstrained"]["output_tokens_per_second"])
+    run("warm_up", warm_up, {index: constraint for index in range(0, 64, 4)})
+    results.update(num_prompts=num_prompts, num_constrained=len(constrained))
+    results["unconstrained"] = run("unconstrained", workload, {})
+    results["constrained"] = run("constrained", workload, constrained)
+    arms = ["constrained"]
+    if args.masks_on_loop:
+        with _masks_filled_on_the_event_loop():
+            results["constrained_masks_on_loop"] = run("constrained_masks_on_loop", workload,
+                                                       constrained)
+        arms.append("constrained_masks_on_loop")
+    for name in arms:
+        results[f"{name}_over_unconstrained"] = (
+            results[name]["output_tokens_per_second"]
+            / results["unconstrained"]["output_tokens_per_second"])
+    faulthandler.cancel_dump_traceback_later()
     return results
+
+
+def _time_mask_fills() -> list[float]:
+    """Seconds of each call of the scheduler's mask fill, from here on (patched in)."""
+    from trio_llm.actors import scheduler as module
+
+    fill, seconds = module.fill_bitmasks, []
+
+    def timed_fill(grammars: Any) -> list[bytes]:
+        started = time.perf_counter()
+        try:
+            return fill(grammars)
+        finally:
+            seconds.append(time.perf_counter() - started)
+
+    module.fill_bitmasks = timed_fill
+    return seconds
+
+
+@contextlib.contextmanager
+def _masks_filled_on_the_event_loop() -> Any:
+    """The A/B arm: the scheduler fills each ready step's masks on the event loop, then
+    sends them, instead of in its worker thread overlapped with planning."""
+    from trio_llm.actors import scheduler as module
+
+    async def start(self: Any, scheduler: Any) -> None:
+        while (step := scheduler.ready_bitmasks()) is not None:
+            step_id, grammars = step
+            await self._runner.send(module.StepBitmasks(
+                step_id=step_id, token_bitmasks=module.fill_bitmasks(grammars)))
+
+    threaded = module._BitmaskSender.start
+    module._BitmaskSender.start = start  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        module._BitmaskSender.start = threaded  # type: ignore[method-assign]
 
 
 def _stats_snapshot(executor: CudaModelExecutor) -> dict[str, float]:
@@ -437,6 +518,11 @@ def main() -> None:
         command.add_argument("--time-limit", type=float, default=150.0)
         command.add_argument("--tensor-parallel-size", type=int, default=1,
                              help="decode, throughput: ranks (GPUs), one worker process each")
+        command.add_argument("--stall-seconds", type=float, default=60.0,
+                             help="structured: dump every stack after this long in one phase")
+        command.add_argument("--masks-on-loop", action="store_true",
+                             help="structured: also run the constrained workload with its "
+                                  "masks filled on the event loop (an A/B)")
         command.set_defaults(run=run)
     args = parser.parse_args()
     global TENSOR_PARALLEL_SIZE

@@ -336,15 +336,18 @@ class CudaModelExecutor(ModelExecutor):
         packed at launch and those that followed), uploaded on the compute stream."""
         indices, packed = bitmask_rows(rows)
         num_words = len(packed) // 4
-        if num_words % 2:
-            packed += bytes(4)
-        words = np.frombuffer(packed, dtype=np.int64)
+        # straight into (cached) pinned memory: a megabyte a step at 64 rows of 152k ids
+        host_words = torch.empty((num_words + 1) // 2, dtype=torch.int64,
+                                 pin_memory=self.device.type == "cuda")
+        words = host_words.numpy()
+        words.view(np.uint8)[:len(packed)] = np.frombuffer(packed, dtype=np.uint8)
+        words.view(np.uint8)[len(packed):] = 0  # an odd word count's padding
         plan = dataclasses.replace(forward.plan, bitmask_rows=indices, bitmask_words=words,
                                    num_bitmask_words=num_words)
         with self.compute.context():
             inputs = dataclasses.replace(
                 forward.inputs, bitmask_rows=self._to_device(torch.tensor(indices)),
-                bitmask_words=self._to_device(torch.from_numpy(words.copy())))
+                bitmask_words=host_words.to(self.device, non_blocking=True))
         return plan, inputs
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:

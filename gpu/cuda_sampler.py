@@ -194,7 +194,9 @@ def sample_on_device(logits: torch.Tensor, plan: SamplingPlan, inputs: DeviceSam
                      penalty_counts: PenaltyCounts | None = None) -> torch.Tensor:
     """Token ids [num_rows] int64 for ``logits`` [num_rows, vocab_size] float32. The rows
     with penalties read ``penalty_counts``; the caller records the sampled tokens
-    there afterwards (``record_on_device``)."""
+    there afterwards (``record_on_device``). On CUDA the grammar's masks go into
+    ``logits`` itself unless a row wants logprobs (those are of the raw distribution,
+    which the caller then still has)."""
     masked = _masked(logits, plan, inputs)
     if plan.use_fused_kernel and (plan.any_sampled or plan.penalty_rows):
         from trio_llm.gpu.triton_sampling import KernelPenalties, sample_without_filters
@@ -245,13 +247,21 @@ def exponential_noise_log(first_keys: torch.Tensor, second_keys: torch.Tensor,
 
 def _masked(logits: torch.Tensor, plan: SamplingPlan,
             inputs: DeviceSamplingInputs) -> torch.Tensor:
-    """The logits after the grammar, allowed-token, banned-id and logit-bias changes (a
-    copy where any applies), in the reference's order."""
+    """The logits after the grammar, allowed-token, banned-id and logit-bias changes, in
+    the reference's order: a copy where any applies, except the grammar's masks on CUDA
+    (in place when no row wants logprobs)."""
     masked = logits
     if plan.bitmask_rows:
         words = inputs.bitmask_words.view(torch.int32)[:plan.num_bitmask_words]
-        masked = apply_token_bitmasks(logits, inputs.bitmask_rows,
-                                      words.view(len(plan.bitmask_rows), -1))
+        words = words.view(len(plan.bitmask_rows), -1)
+        if logits.is_cuda:
+            from trio_llm.gpu.triton_bitmask import apply_token_bitmasks_inplace
+
+            if any(count is not None for count in plan.num_logprobs):
+                masked = logits.clone()
+            apply_token_bitmasks_inplace(masked, inputs.bitmask_rows, words)
+        else:
+            masked = apply_token_bitmasks(logits, inputs.bitmask_rows, words)
     if plan.allowed_rows:
         masked = keep_allowed_tokens(masked, inputs.allowed_rows, inputs.allowed_local_rows,
                                      inputs.allowed_token_ids)

@@ -25,7 +25,7 @@ from msgspec.structs import replace
 
 from trio_llm.actors.config import EngineConfig
 from trio_llm.actors.errors import RequestRejected
-from trio_llm.actors.grammar import Grammars
+from trio_llm.actors.grammar import Grammars, fill_bitmasks
 from trio_llm.actors.intake import Intake
 from trio_llm.actors.messages import (
     SamplingParams,
@@ -266,7 +266,7 @@ def allowed_ids(token_bitmask: bytes) -> set[int]:
     return {int(token_id) for token_id in np.flatnonzero(bits)}
 
 
-def test_the_scheduler_sends_a_pipelined_constrained_request_its_bitmask_after_reconcile(
+def test_the_scheduler_hands_out_each_steps_grammars_once_every_step_before_is_reconciled(
         ) -> None:
     tokenizer = Tokenizer.from_dir(resolve_model("tiny"))
     grammars = Grammars(tokenizer, vocab_size=2048)
@@ -278,25 +278,31 @@ def test_the_scheduler_sends_a_pipelined_constrained_request_its_bitmask_after_r
                                   arrival_time=0.0))
     intake.compile_constraint(request)
     first = scheduler.schedule([WaitingRequest(request=request)]).batch
-    assert first is not None and first.requests[0].token_bitmask is not None
-    first_allowed = allowed_ids(first.requests[0].token_bitmask)
+    assert first is not None and first.requests[0].bitmask_follows
+    assert first.requests[0].token_bitmask is None, "masks never ride in the batch"
+    ready = scheduler.ready_bitmasks()
+    assert ready is not None and ready[0] == first.step_id, "nothing before it: at once"
+    (first_grammar,) = ready[1]
+    first_allowed = allowed_ids(fill_bitmasks([first_grammar])[0])
+    assert scheduler.ready_bitmasks() is None, "each step once"
     # planned while step 0 is in flight: it runs on the placeholder, its mask follows
     second = scheduler.schedule([]).batch
     assert second is not None
     (scheduled,) = second.requests
     assert scheduled.input_from_previous_step and scheduled.bitmask_follows
     assert scheduled.token_bitmask is None
-    assert scheduler.step_bitmasks_after(first.step_id) is None, "not before its result"
+    assert scheduler.ready_bitmasks() is None, "not before step 0's result"
     token_id = min(first_allowed)
     scheduler.on_step_result(StepResult(step_id=first.step_id, request_ids=["r"],
                                         sampled_token_ids=[token_id]))
-    bitmasks = scheduler.step_bitmasks_after(first.step_id)
-    assert bitmasks is not None and bitmasks.step_id == second.step_id
-    (mask,) = bitmasks.token_bitmasks
+    ready = scheduler.ready_bitmasks()
+    assert ready is not None and ready[0] == second.step_id
+    (mask,) = fill_bitmasks(ready[1])
     expected = grammars.start(params.structured_outputs)  # type: ignore[arg-type]
+    assert allowed_ids(expected.next_bitmask()) == first_allowed
     assert expected.accept(token_id)
     assert allowed_ids(mask) == allowed_ids(expected.next_bitmask())
-    assert scheduler.step_bitmasks_after(first.step_id) is None, "sent once"
+    assert scheduler.ready_bitmasks() is None, "sent once"
 
 
 async def test_the_pipelined_executor_at_depth_two_gives_depth_one_tokens() -> None:
@@ -357,3 +363,192 @@ async def test_aborting_constrained_requests_mid_flight_disturbs_no_one() -> Non
             stats = engine.statistics()
     assert results == [expected]
     assert stats.num_running == 0 and stats.num_free_blocks == stats.num_total_blocks
+
+
+@pytest.mark.parametrize("num_fillers", [0, 300])
+def test_the_vocabulary_view_is_the_one_xgrammar_builds_through_transformers(
+        num_fillers: int) -> None:
+    """actors/grammar.py reads xgrammar's TokenizerInfo off the tokenizers backend;
+    xgrammar's own path wraps it in a transformers tokenizer first (12 s for the
+    built-in qwen3-0.6b's 150k added fillers, which the padded case imitates)."""
+    from tokenizers import AddedToken
+
+    from trio_llm.actors.grammar import _tokenizer_info_through_transformers, tokenizer_info
+
+    tokenizer = Tokenizer.from_dir(resolve_model("tiny"))
+    tokenizer.backend.add_tokens([AddedToken(f"<|filler_{index}|>", special=False,
+                                             normalized=False) for index in range(num_fillers)])
+    vocab_size = 2048 + num_fillers + 5  # the model's vocabulary may be larger
+    direct = tokenizer_info(tokenizer, vocab_size)
+    through = _tokenizer_info_through_transformers(tokenizer, vocab_size)
+    assert direct.vocab_type == through.vocab_type
+    assert direct.add_prefix_space == through.add_prefix_space
+    assert direct.vocab_size == through.vocab_size == vocab_size
+    assert direct.stop_token_ids == through.stop_token_ids
+    assert direct.special_token_ids == through.special_token_ids
+    assert direct.decoded_vocab == through.decoded_vocab
+
+
+async def test_the_scheduler_actor_compiles_and_fills_masks_off_the_event_loop() -> None:
+    """A constraint the scheduler has not seen (the served layout's core meets each
+    once) is compiled in a worker thread, not on the event loop; every mask is filled
+    in a worker thread too and reaches the runner right after its batch."""
+    import threading
+
+    from trio_llm.actors import scheduler as scheduler_module
+    from trio_llm.actors.messages import Pull, Pulled, ScheduledBatch, StepBitmasks
+    from trio_llm.actors.scheduler import run_scheduler
+
+    tokenizer = Tokenizer.from_dir(resolve_model("tiny"))
+    grammars = Grammars(tokenizer, vocab_size=2048)
+    params = constrained(0, choice=["yes", "no"])
+    constraint = params.structured_outputs
+    assert constraint is not None and not grammars.is_compiled(constraint)
+    event_loop_thread = threading.current_thread()
+    compiled_on, filled_on = [], []
+    compile, fill = grammars.compile, scheduler_module.fill_bitmasks
+
+    def recording_compile(params: Any) -> Any:
+        if not grammars.is_compiled(params):
+            compiled_on.append(threading.current_thread())
+        return compile(params)
+
+    def recording_fill(states: Any) -> list[bytes]:
+        filled_on.append(threading.current_thread())
+        return fill(states)
+
+    grammars.compile = recording_compile  # type: ignore[method-assign]
+    intake = Intake(CONFIG, tokenizer, max_model_len=512, num_kv_tokens=512 * 16,
+                    vocab_size=2048, grammars=Grammars(tokenizer, vocab_size=2048))
+    request = intake.admit(Submit(request_id="r", prompt_token_ids=[5, 6, 7], params=params,
+                                  arrival_time=0.0))
+    inbox_send, inbox = trio.open_memory_channel[Any](8)
+    queue_outbox, from_scheduler = trio.open_memory_channel[Any](8)
+    runner_outbox, to_runner = trio.open_memory_channel[Any](8)
+    detokenizer_outbox, to_detokenizer = trio.open_memory_channel[Any](8)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            scheduler_module.fill_bitmasks = recording_fill
+            try:
+                await nursery.start(run_scheduler, inbox, queue_outbox, runner_outbox,
+                                    detokenizer_outbox, Scheduler(CONFIG, 512, grammars))
+                assert isinstance(await from_scheduler.receive(), Pull)
+                await inbox_send.send(Pulled(requests=[WaitingRequest(request=request)],
+                                             num_waiting=0))
+                batch = await to_runner.receive()
+                assert isinstance(batch, ScheduledBatch) and batch.requests[0].bitmask_follows
+                bitmasks = await to_runner.receive()
+                assert isinstance(bitmasks, StepBitmasks) and bitmasks.step_id == batch.step_id
+                (mask,) = bitmasks.token_bitmasks
+                expected = grammars.start(constraint)
+                assert allowed_ids(mask) == allowed_ids(expected.next_bitmask())
+            finally:
+                scheduler_module.fill_bitmasks = fill
+            nursery.cancel_scope.cancel()
+    assert compiled_on and event_loop_thread not in compiled_on
+    assert filled_on and event_loop_thread not in filled_on
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("depth", [1, 2])
+async def test_on_cuda_twenty_schemas_yield_valid_documents_through_graphs_and_kernels(
+        depth: int) -> None:
+    """The whole engine on the device (CUDA graphs, the fused sampling kernel, masks
+    uploaded after the forward pass at depth 2): every document validates, and no
+    request stalls."""
+    config = replace(CONFIG, device="cuda", dtype="float32", pipeline_depth=depth)
+    requests = [(PROMPT, constrained(index, json=json.dumps(schema)))
+                for index, schema in enumerate(SCHEMAS)]
+    requests += [(PROMPT, SamplingParams(max_tokens=64, temperature=0.8, seed=index,
+                                         ignore_eos=True)) for index in range(12)]
+    with trio.fail_after(120):
+        async with Engine.open(config) as engine:
+            results = await generate_all(engine, requests)
+    for schema, (text, _, finish_reason) in zip(SCHEMAS, results, strict=False):
+        assert finish_reason == "stop", (schema, text)
+        jsonschema.validate(json.loads(text), schema)
+    assert all(len(token_ids) == 64 for _, token_ids, _ in results[len(SCHEMAS):])
+
+
+class BlockedCompiles:
+    """Holds every grammar compile in its worker thread until ``release``."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import threading
+
+        from trio_llm.actors import grammar
+
+        self.released = threading.Event()
+        self.started = trio.Event()
+        self.num_started = 0
+        compile_with = grammar.Grammars._compile_with
+
+        def blocked(compiler: Any, params: StructuredOutputsParams) -> Any:
+            self.num_started += 1
+            trio.from_thread.run_sync(self.started.set)
+            self.released.wait(60)
+            return compile_with(compiler, params)
+
+        monkeypatch.setattr(grammar.Grammars, "_compile_with", staticmethod(blocked))
+
+    def release(self) -> None:
+        self.released.set()
+
+
+async def test_a_request_behind_a_compiling_constraint_is_not_held_back(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Intake compiles a new constraint in its own worker thread: the requests
+    submitted after it are admitted and run meanwhile; it runs once compiled."""
+    compiles = BlockedCompiles(monkeypatch)
+    schema = {"type": "object", "properties": {"held": {"type": "boolean"}},
+              "required": ["held"]}
+    plain = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    results: dict[str, Any] = {}
+    try:
+        with trio.fail_after(TIMEOUT):
+            async with Engine.open(CONFIG) as engine:
+                async def held() -> None:
+                    results["held"] = await generate(engine, constrained(0, json=json.dumps(
+                        schema)))
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(held)
+                    await compiles.started.wait()
+                    _, token_ids, _ = await generate(engine, plain)
+                    assert len(token_ids) == 8 and "held" not in results
+                    compiles.release()
+    finally:
+        compiles.release()
+    text, _, finish_reason = results["held"]
+    assert finish_reason == "stop"
+    jsonschema.validate(json.loads(text), schema)
+
+
+async def test_an_abort_while_its_constraint_compiles_is_not_lost(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Intake holds an Abort for a request still compiling and sends it after the
+    request's Admit: the request ends within a step or two of starting (a long
+    regex would keep it running for hundreds of tokens), nothing is left behind."""
+    compiles = BlockedCompiles(monkeypatch)
+    long_output = constrained(0, max_tokens=400, regex="[a-z]{300}")
+    try:
+        with trio.fail_after(TIMEOUT):
+            async with Engine.open(CONFIG) as engine:
+                with trio.CancelScope() as scope:
+                    async def cancel_once_compiling() -> None:
+                        await compiles.started.wait()
+                        scope.cancel()  # the caller leaves: the facade sends Abort
+
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(cancel_once_compiling)
+                        await generate(engine, long_output)
+                assert scope.cancelled_caught and compiles.num_started == 1
+                compiles.release()
+                # compiled after the first (one compile at a time)
+                text, _, _ = await generate(engine, constrained(1, choice=["ok"]))
+                stats = engine.statistics()
+    finally:
+        compiles.release()
+    assert text == "ok"
+    assert stats.num_running == 0 and stats.num_waiting == 0
+    assert stats.num_generation_tokens < 20, "the aborted request stopped at once"

@@ -228,3 +228,35 @@ def test_bitmasks_that_follow_a_launched_step_sample_like_inline_ones(device: st
     results.append(executor.collect(previous))
     assert any(s.bitmask_follows for batch in deferred for s in batch.requests)
     assert [r.sampled_token_ids for r in results] == [r.sampled_token_ids for r in expected]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_in_place_kernel_masks_like_the_torch_version(device: str) -> None:
+    """gpu/triton_bitmask.py (Triton's interpreter on the CPU) leaves the logits
+    gpu/sampler.apply_token_bitmasks returns, unconstrained rows untouched."""
+    from trio_llm.gpu.sampler import apply_token_bitmasks
+    from trio_llm.gpu.triton_bitmask import apply_token_bitmasks_inplace
+
+    masks = [bitmask(allowed) for allowed in ALLOWED]
+    words = torch.from_numpy(np.frombuffer(b"".join(masks), dtype=np.int32).copy())
+    words = words.view(len(masks), -1).to(device)
+    row_indices = torch.tensor([6, 0, 3, 1, 4], device=device)
+    logits = logits_for(1, [None] * 8).to(device)  # type: ignore[list-item]
+    expected = apply_token_bitmasks(logits, row_indices, words)
+    apply_token_bitmasks_inplace(logits, row_indices, words)
+    assert torch.equal(logits, expected)
+    for index, allowed in zip(row_indices.tolist(), ALLOWED, strict=True):
+        assert torch.isfinite(logits[index]).nonzero().flatten().tolist() == sorted(allowed)
+    assert torch.isfinite(logits[[2, 5, 7]]).all()
+
+
+@pytest.mark.gpu
+def test_the_device_sampler_keeps_the_raw_logits_when_a_row_wants_logprobs() -> None:
+    rows = [SamplingRow(options(0.0, num_logprobs=1), 0, bitmask([42])),
+            SamplingRow(options(1.0), 0, bitmask([7, 8]))]
+    plan = SamplingPlan.from_rows(rows, VOCAB_SIZE, can_fuse=True)
+    logits = logits_for(2, rows).cuda()
+    raw = logits.clone()
+    got = sample_on_device(logits, plan, device_inputs(plan, "cuda")).tolist()
+    assert got[0] == 42 and got[1] in (7, 8)
+    assert torch.equal(logits, raw)
