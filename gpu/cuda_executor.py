@@ -61,6 +61,7 @@ from trio_llm.gpu.cuda_graphs import (
     VARLEN_GRAPH_TOKENS,
     DecodeGraphs,
     VarlenGraphs,
+    no_garbage_collection,
 )
 from trio_llm.gpu.cuda_sampler import (
     DeviceSamplingInputs,
@@ -768,17 +769,8 @@ class CudaModelExecutor(ModelExecutor):
             torch.cuda.empty_cache()
         memory_before = self._reserved_bytes()
         started = time.perf_counter()
-        for graphs, sizes in ((self.decode_graphs, decode_sizes),
-                              (self.varlen_graphs, varlen_sizes)):
-            for size in sizes:
-                # Tensor-parallel ranks must hold the same graphs: a step padded to a
-                # graph on one rank and run unpadded on another would hand their
-                # collectives tensors of different sizes. Each rank's budget can run
-                # out at a different size; the first rank out stops them all.
-                within = self._within_capture_budget(started, memory_before, size)
-                if not self.model.parallel.min_over_ranks(int(within), self.device):
-                    break
-                graphs.capture(size, self.compute, pool)
+        with no_garbage_collection():
+            self._capture_each(decode_sizes, varlen_sizes, started, memory_before, pool)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.graph_capture_seconds = time.perf_counter() - started
@@ -790,6 +782,20 @@ class CudaModelExecutor(ModelExecutor):
                     len(self.varlen_graphs.graphs),
                     ",".join(map(str, sorted(self.varlen_graphs.graphs))),
                     self.graph_capture_seconds, self.graph_memory_bytes / GIB)
+
+    def _capture_each(self, decode_sizes: list[int], varlen_sizes: list[int], started: float,
+                      memory_before: int, pool: Any) -> None:
+        for graphs, sizes in ((self.decode_graphs, decode_sizes),
+                              (self.varlen_graphs, varlen_sizes)):
+            for size in sizes:
+                # Tensor-parallel ranks must hold the same graphs: a step padded to a
+                # graph on one rank and run unpadded on another would hand their
+                # collectives tensors of different sizes. Each rank's budget can run
+                # out at a different size; the first rank out stops them all.
+                within = self._within_capture_budget(started, memory_before, size)
+                if not self.model.parallel.min_over_ranks(int(within), self.device):
+                    break
+                graphs.capture(size, self.compute, pool)
 
     def _within_capture_budget(self, started: float, memory_before: int, size: int) -> bool:
         options = self.options

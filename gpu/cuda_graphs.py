@@ -18,7 +18,9 @@ function on the same padded buffers eagerly, so the padding is tested in CI.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import gc
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -36,6 +38,22 @@ DECODE_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192
 # is largest against the device's work, so they are spaced closest.
 VARLEN_GRAPH_TOKENS = (16, 32, 64, 128, 192, 256, 320, 384, 512, 640, 768, 1024, 1280, 1536,
                        2048, 2560, 3072, 4096, 5120, 6144, 8192)
+
+
+@contextmanager
+def no_garbage_collection() -> Iterator[None]:
+    """Collect now, then not until the block ends. A collection inside a capture can
+    free what unreachable objects held (an earlier executor's pinned buffers and their
+    events): CUDA calls that invalidate the capture, so a graph failed to capture
+    depending on what ran before it in the process."""
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 class CapturedStep:
