@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
@@ -134,26 +135,26 @@ def _last(output: RequestOutput | None) -> RequestOutput:
 
 def combined_completion(builders: Sequence[CompletionBuilder],
                         outputs: ChoiceOutputs) -> CompletionResponse:
-    returned = outputs.returned()
-    choices = []
-    for index, child in enumerate(returned):
-        choice = builders[child].response().choices[0]
-        choice.index = index
-        choices.append(choice)
     first = builders[0]
+    choices, usage = _returned_choices(builders, outputs)
     return CompletionResponse(id=first.response_id, created=first.created, model=first.model,
-                              choices=choices, usage=outputs.usage(returned))
+                              choices=choices, usage=usage)
 
 
 def combined_chat(builders: Sequence[ChatBuilder],
                   outputs: ChoiceOutputs) -> ChatCompletionResponse:
+    first = builders[0]
+    choices, usage = _returned_choices(builders, outputs)
+    return ChatCompletionResponse(id=first.response_id, created=first.created,
+                                  model=first.model, choices=choices, usage=usage)
+
+
+def _returned_choices(builders: Sequence[Any], outputs: ChoiceOutputs) -> tuple[list[Any], Usage]:
+    """The returned children's choices, renumbered in the order returned, and their usage."""
     returned = outputs.returned()
     choices = []
     for index, child in enumerate(returned):
         choice = builders[child].response().choices[0]
         choice.index = index
         choices.append(choice)
-    first = builders[0]
-    return ChatCompletionResponse(id=first.response_id, created=first.created,
-                                  model=first.model, choices=choices,
-                                  usage=outputs.usage(returned))
+    return choices, outputs.usage(returned)

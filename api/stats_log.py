@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Protocol
 
 import trio
 
 from trio_llm.actors.errors import EngineError
+from trio_llm.api.metrics import Statistics
 
 logger = logging.getLogger("trio_llm.stats")
 request_logger = logging.getLogger("trio_llm.requests")
@@ -24,34 +24,15 @@ request_logger = logging.getLogger("trio_llm.requests")
 DEFAULT_STATS_INTERVAL_SECONDS = 10.0
 
 
-class Counters(Protocol):
-    """The part of EngineStatistics the stats line reads."""
-
-    @property
-    def num_running(self) -> int: ...
-    @property
-    def num_waiting(self) -> int: ...
-    @property
-    def kv_cache_usage(self) -> float: ...
-    @property
-    def num_prompt_tokens(self) -> int: ...
-    @property
-    def num_generation_tokens(self) -> int: ...
-    @property
-    def num_prefix_cache_queries(self) -> int: ...
-    @property
-    def num_prefix_cache_hits(self) -> int: ...
-
-
 class StatsLine:
     """Turns successive snapshots of the engine's counters into stats lines: the
     throughput is the counters' growth over the time between two snapshots."""
 
-    def __init__(self, first: Counters, now: float) -> None:
+    def __init__(self, first: Statistics, now: float) -> None:
         self._last, self._last_time = first, now
         self._was_idle = True
 
-    def next(self, counters: Counters, now: float) -> tuple[int, str]:
+    def next(self, counters: Statistics, now: float) -> tuple[int, str]:
         """The log level and text of the line for ``counters`` taken at ``now``."""
         elapsed = max(now - self._last_time, 1e-9)
         prompt_rate = (counters.num_prompt_tokens - self._last.num_prompt_tokens) / elapsed
@@ -70,7 +51,7 @@ class StatsLine:
         return level, text
 
 
-async def log_stats_every(interval: float, fetch: Callable[[], Awaitable[Counters]]) -> None:
+async def log_stats_every(interval: float, fetch: Callable[[], Awaitable[Statistics]]) -> None:
     """Log a stats line every ``interval`` seconds until cancelled. A dead
     engine has no counters: the lines stop (the server is stopping then)."""
     try:
