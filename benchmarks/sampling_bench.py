@@ -23,13 +23,13 @@ import torch
 
 from trio_llm.actors.messages import SamplingOptions
 from trio_llm.gpu.cuda_sampler import (
-    DeviceSamplingInputs,
     SamplingPlan,
     record_on_device,
     sample_on_device,
 )
 from trio_llm.gpu.penalties import PenaltyCounts
 from trio_llm.gpu.sampler import SamplingRow
+from trio_llm.gpu.testing import device_sampling_inputs
 
 
 def options(**fields: object) -> SamplingOptions:
@@ -54,27 +54,6 @@ def case_rows(case: str, num_rows: int, vocab_size: int) -> list[SamplingRow]:
     return [SamplingRow(options(), 256) for _ in range(num_rows)]
 
 
-def device_inputs(plan: SamplingPlan, device: torch.device) -> DeviceSamplingInputs:
-    def ints(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=device)
-
-    def floats(values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32, device=device)
-
-    return DeviceSamplingInputs(
-        temperatures=floats(plan.temperatures), top_ps=floats(plan.top_ps),
-        min_ps=floats(plan.min_ps), top_ks=ints(plan.top_ks), seed_keys=ints(plan.seed_keys),
-        output_indices=ints(plan.output_indices), banned_rows=ints(plan.banned_rows),
-        banned_token_ids=ints(plan.banned_token_ids), allowed_rows=ints(plan.allowed_rows),
-        allowed_local_rows=ints(plan.allowed_local_rows),
-        allowed_token_ids=ints(plan.allowed_token_ids),
-        logit_bias_rows=ints(plan.logit_bias_rows),
-        logit_bias_token_ids=ints(plan.logit_bias_token_ids),
-        logit_bias_values=floats(plan.logit_bias_values), penalty_rows=ints(plan.penalty_rows),
-        penalty_slots=ints(plan.penalty_slots), presences=floats(plan.presences),
-        frequencies=floats(plan.frequencies), repetitions=floats(plan.repetitions))
-
-
 def time_ms(step: Callable[[], object], device: torch.device) -> float:
     if device.type == "cuda":
         from triton.testing import do_bench
@@ -97,7 +76,7 @@ def run_case(case: str, num_rows: int, vocab_size: int, device: torch.device) ->
                         torch.randint(0, vocab_size, (512,), generator=generator).to(device),
                         torch.randint(0, vocab_size, (256,), generator=generator).to(device))
     plan = SamplingPlan.from_rows(rows, vocab_size, can_fuse=device.type == "cuda")
-    inputs = device_inputs(plan, device)
+    inputs = device_sampling_inputs(plan, device)
     logits = torch.randn(num_rows, vocab_size, generator=generator).to(device)
 
     def step() -> None:

@@ -24,6 +24,7 @@ from trio_llm.actors.messages import (
     StepResult,
     TokenLogprobs,
 )
+from trio_llm.gpu.cuda_sampler import DeviceSamplingInputs, SamplingPlan
 from trio_llm.gpu.executor import ModelExecutor
 
 GREEDY = SamplingOptions(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=0,
@@ -203,3 +204,26 @@ def run_depth_2(executor: Any, batches: Sequence[ScheduledBatch]) -> list[StepRe
         pending = launched
     results.append(executor.collect(pending))
     return results
+
+
+def device_sampling_inputs(plan: SamplingPlan, device: torch.device) -> DeviceSamplingInputs:
+    """``plan``'s inputs as device tensors, uploaded one by one (tests, benchmarks; the
+    executor packs them into its upload instead)."""
+    def ints(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    def floats(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=device)
+
+    return DeviceSamplingInputs(
+        temperatures=floats(plan.temperatures), top_ps=floats(plan.top_ps),
+        min_ps=floats(plan.min_ps), top_ks=ints(plan.top_ks), seed_keys=ints(plan.seed_keys),
+        output_indices=ints(plan.output_indices), banned_rows=ints(plan.banned_rows),
+        banned_token_ids=ints(plan.banned_token_ids), allowed_rows=ints(plan.allowed_rows),
+        allowed_local_rows=ints(plan.allowed_local_rows),
+        allowed_token_ids=ints(plan.allowed_token_ids),
+        logit_bias_rows=ints(plan.logit_bias_rows),
+        logit_bias_token_ids=ints(plan.logit_bias_token_ids),
+        logit_bias_values=floats(plan.logit_bias_values), penalty_rows=ints(plan.penalty_rows),
+        penalty_slots=ints(plan.penalty_slots), presences=floats(plan.presences),
+        frequencies=floats(plan.frequencies), repetitions=floats(plan.repetitions))

@@ -38,7 +38,12 @@ from trio_llm.gpu.executor import ModelExecutor  # noqa: E402
 from trio_llm.gpu.loader import load_model  # noqa: E402
 from trio_llm.gpu.penalties import PenaltyCounts  # noqa: E402
 from trio_llm.gpu.sampler import SamplingRow, record_sampled, sample  # noqa: E402
-from trio_llm.gpu.testing import record_logits, run_depth_1, run_depth_2  # noqa: E402
+from trio_llm.gpu.testing import (  # noqa: E402
+    device_sampling_inputs,
+    record_logits,
+    run_depth_1,
+    run_depth_2,
+)
 
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 # several programs of the kernel per row, and a vocabulary that does not end on a block
@@ -146,24 +151,7 @@ def test_logit_bias_and_allowed_token_ids() -> None:
 
 
 def device_inputs(plan: SamplingPlan) -> DeviceSamplingInputs:
-    def ints(values):
-        return torch.tensor(values, dtype=torch.int64, device=DEVICE)
-
-    def floats(values):
-        return torch.tensor(values, dtype=torch.float32, device=DEVICE)
-
-    return DeviceSamplingInputs(
-        temperatures=floats(plan.temperatures), top_ps=floats(plan.top_ps),
-        min_ps=floats(plan.min_ps), top_ks=ints(plan.top_ks), seed_keys=ints(plan.seed_keys),
-        output_indices=ints(plan.output_indices), banned_rows=ints(plan.banned_rows),
-        banned_token_ids=ints(plan.banned_token_ids), allowed_rows=ints(plan.allowed_rows),
-        allowed_local_rows=ints(plan.allowed_local_rows),
-        allowed_token_ids=ints(plan.allowed_token_ids),
-        logit_bias_rows=ints(plan.logit_bias_rows),
-        logit_bias_token_ids=ints(plan.logit_bias_token_ids),
-        logit_bias_values=floats(plan.logit_bias_values), penalty_rows=ints(plan.penalty_rows),
-        penalty_slots=ints(plan.penalty_slots), presences=floats(plan.presences),
-        frequencies=floats(plan.frequencies), repetitions=floats(plan.repetitions))
+    return device_sampling_inputs(plan, torch.device(DEVICE))
 
 
 @pytest.mark.parametrize("can_fuse", [False, True], ids=["torch", "triton"])
