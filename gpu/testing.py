@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import msgspec
 import torch
 
 from trio_llm.actors.messages import (
@@ -191,6 +192,33 @@ def record_logits(executor: ModelExecutor) -> dict[tuple[str, int], torch.Tensor
 def run_depth_1(executor: ModelExecutor, batches: Sequence[ScheduledBatch]) -> list[StepResult]:
     """Each step executed and collected before the next."""
     return [executor.execute(batch) for batch in batches]
+
+
+def with_bitmasks_following(batches: Sequence[ScheduledBatch]) -> list[ScheduledBatch]:
+    """``batches`` with each decode row's grammar mask taken out, to follow its step."""
+    return [msgspec.structs.replace(batch, requests=[
+        msgspec.structs.replace(scheduled, token_bitmask=None, bitmask_follows=True)
+        if scheduled.token_bitmask is not None and scheduled.input_from_previous_step
+        else scheduled for scheduled in batch.requests]) for batch in batches]
+
+
+def run_with_bitmasks_following(executor: Any, batches: Sequence[ScheduledBatch]
+                                ) -> list[StepResult]:
+    """``run_depth_2`` of ``with_bitmasks_following(batches)``, each step's masks supplied
+    after it launched, as the scheduler's StepBitmasks come."""
+    results, previous = [], None
+    for batch, with_masks in zip(with_bitmasks_following(batches), batches, strict=True):
+        pending = executor.launch(batch)
+        if previous is not None:
+            results.append(executor.collect(previous))
+        follows = [original.token_bitmask or b"" for scheduled, original in
+                   zip(batch.requests, with_masks.requests, strict=True)
+                   if scheduled.bitmask_follows]
+        if follows:
+            executor.supply_bitmasks(pending, follows)
+        previous = pending
+    results.append(executor.collect(previous))
+    return results
 
 
 def run_depth_2(executor: Any, batches: Sequence[ScheduledBatch]) -> list[StepResult]:

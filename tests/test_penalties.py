@@ -43,6 +43,7 @@ from trio_llm.gpu.testing import (  # noqa: E402
     record_logits,
     run_depth_1,
     run_depth_2,
+    run_with_bitmasks_following,
 )
 
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
@@ -536,24 +537,10 @@ def test_penalties_compose_with_bitmasks_that_follow(device: str) -> None:
 
     inline = [with_penalties(batch) for batch in
               constrained_batches(build(ModelExecutor, torch_device).vocab_size)]
-    deferred = [msgspec.structs.replace(batch, requests=[
-        msgspec.structs.replace(scheduled, token_bitmask=None, bitmask_follows=True)
-        if scheduled.token_bitmask is not None and scheduled.input_from_previous_step
-        else scheduled for scheduled in batch.requests]) for batch in inline]
     reference = pipelined()
     expected = [reference.collect(reference.launch(batch)) for batch in inline]
-    executor, results, previous = pipelined(), [], None
-    for batch, with_masks in zip(deferred, inline, strict=True):
-        pending = executor.launch(batch)
-        if previous is not None:
-            results.append(executor.collect(previous))
-        follows = [original.token_bitmask or b"" for scheduled, original in
-                   zip(batch.requests, with_masks.requests, strict=True)
-                   if scheduled.bitmask_follows]
-        if follows:
-            executor.supply_bitmasks(pending, follows)
-        previous = pending
-    results.append(executor.collect(previous))
+    executor = pipelined()
+    results = run_with_bitmasks_following(executor, inline)
     assert [r.sampled_token_ids for r in results] == [r.sampled_token_ids for r in expected]
     if device == "cpu":
         plain = build(ModelExecutor, torch_device)

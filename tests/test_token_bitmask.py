@@ -4,7 +4,6 @@ is one) only ever pick allowed tokens, leave unconstrained rows alone, and agree
 
 from __future__ import annotations
 
-import msgspec
 import numpy as np
 import pytest
 import torch
@@ -21,6 +20,7 @@ from trio_llm.gpu.cuda_sampler import DeviceSamplingInputs, SamplingPlan, sample
 from trio_llm.gpu.executor import ModelExecutor
 from trio_llm.gpu.loader import load_model
 from trio_llm.gpu.sampler import SamplingRow, sample
+from trio_llm.gpu.testing import run_with_bitmasks_following, with_bitmasks_following
 
 VOCAB_SIZE = 3000  # not a multiple of 32: the last word is partly padding
 
@@ -207,25 +207,11 @@ def test_bitmasks_that_follow_a_launched_step_sample_like_inline_ones(device: st
         return executor
 
     inline = constrained_batches(build().vocab_size)
-    deferred = [msgspec.structs.replace(batch, requests=[
-        msgspec.structs.replace(scheduled, token_bitmask=None, bitmask_follows=True)
-        if scheduled.token_bitmask is not None and scheduled.input_from_previous_step
-        else scheduled for scheduled in batch.requests]) for batch in inline]
+    deferred = with_bitmasks_following(inline)
     reference = build()
     expected = [reference.collect(reference.launch(batch)) for batch in inline]
     executor = build()
-    results, previous = [], None
-    for batch, with_masks in zip(deferred, inline, strict=True):
-        pending = executor.launch(batch)
-        if previous is not None:
-            results.append(executor.collect(previous))
-        follows = [original.token_bitmask or b"" for scheduled, original in
-                   zip(batch.requests, with_masks.requests, strict=True)
-                   if scheduled.bitmask_follows]
-        if follows:
-            executor.supply_bitmasks(pending, follows)
-        previous = pending
-    results.append(executor.collect(previous))
+    results = run_with_bitmasks_following(executor, inline)
     assert any(s.bitmask_follows for batch in deferred for s in batch.requests)
     assert [r.sampled_token_ids for r in results] == [r.sampled_token_ids for r in expected]
 
