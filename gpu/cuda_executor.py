@@ -62,10 +62,13 @@ from trio_llm.gpu.cuda_graphs import (
     DecodeGraphs,
     VarlenGraphs,
     no_garbage_collection,
+    with_previous_tokens,
 )
 from trio_llm.gpu.cuda_sampler import (
     DeviceSamplingInputs,
     SamplingPlan,
+    is_plain,
+    plain_row_values,
     record_on_device,
     sample_on_device,
 )
@@ -92,10 +95,9 @@ from trio_llm.gpu.step_packing import (
     HostStep,
     InputSlot,
     Segments,
-    end,
     fill,
+    layout,
     new_slot,
-    offsets,
     pad_decode_sequences,
     pad_varlen_sequences,
     upload,
@@ -107,6 +109,10 @@ logger = logging.getLogger(__name__)
 
 # One input slot per step in flight.
 NUM_SLOTS = MAX_PIPELINE_DEPTH
+# Where a request's latest sampled token is, as one int (no tuple per row and step):
+# the launch number above this many bits, its row in the flat [slot, row] buffer below.
+LAUNCH_SHIFT = 32
+ROW_MASK = (1 << LAUNCH_SHIFT) - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,16 +261,22 @@ class CudaModelExecutor(ModelExecutor):
                                        dtype=torch.int32, device=self.device)
         self._free_table_rows = list(range(num_table_rows - 1, -1, -1))
         self._table_rows: dict[str, int] = {}
-        # request id -> (slot index, row, launch number) of its latest sampled token
-        self._sampled_on_device: dict[str, tuple[int, int, int]] = {}
+        # request id -> its latest sampled token's launch number and flat row
+        # (LAUNCH_SHIFT) in device_sampled
+        self._sampled_on_device: dict[str, int] = {}
+        # request id -> the values its sampling rows upload (cuda_sampler.plain_row_values);
+        # and the requests whose rows need the full sampling plan (penalties, logit bias,
+        # allowed or banned ids, logprobs: cuda_sampler.is_plain)
+        self._row_values: dict[str, tuple[float, float, float, int, int]] = {}
+        self._special_requests: set[str] = set()
         self._num_launches = 0
         self._outstanding: list[PendingStep] = []
         self.stats = ExecutorStatistics()
         self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, options.max_num_seqs,
-                                          self.max_blocks_per_seq)
+                                          self.max_blocks_per_seq, self.device_sampled)
         self.varlen_graphs = VarlenGraphs(self.model, self.kv_caches,
                                           options.max_num_batched_tokens, options.max_num_seqs,
-                                          self.max_blocks_per_seq)
+                                          self.max_blocks_per_seq, self.device_sampled)
         self._started = True
         self._report_kv_cache()
         if options.use_fused_kernels:
@@ -292,6 +304,8 @@ class CudaModelExecutor(ModelExecutor):
         assert self._started, "call start() (or build with create()) first"
         assert len(self._outstanding) < NUM_SLOTS, "collect a step before launching a third"
         started = time.perf_counter()
+        if len(batch.requests) > self.device_sampled.shape[1]:
+            self._grow_device_sampled(len(batch.requests))
         self._update_states(batch)
         step = self._plan(batch)
         if step.num_tokens == 0:
@@ -322,7 +336,7 @@ class CudaModelExecutor(ModelExecutor):
         forward = pending.forward
         assert forward is not None, "this step is not waiting for bitmasks"
         started = time.perf_counter()
-        rows = list(forward.step.sampling_rows)
+        rows = list(forward.step.sampling_rows)  # a step with bitmasks to follow has them
         awaiting = forward.step.rows_awaiting_bitmasks
         assert len(awaiting) == len(token_bitmasks), "one bitmask per row that waits"
         for index, token_bitmask in zip(awaiting, token_bitmasks, strict=True):
@@ -409,6 +423,10 @@ class CudaModelExecutor(ModelExecutor):
             self._forget(new_request.request_id)
             self.requests[new_request.request_id] = RequestState(sampling=new_request.sampling)
             self._table_rows[new_request.request_id] = self._take_table_row()
+            self._row_values[new_request.request_id] = plain_row_values(new_request.sampling,
+                                                                        self.vocab_size)
+            if not is_plain(new_request.sampling):
+                self._special_requests.add(new_request.request_id)
             if new_request.sampling.has_penalties:
                 with self.compute.context():  # ordered after the steps that used the row
                     self._register_penalties(new_request)
@@ -422,6 +440,8 @@ class CudaModelExecutor(ModelExecutor):
         self.requests.pop(request_id, None)
         self.penalty_counts.release(request_id)
         self._sampled_on_device.pop(request_id, None)
+        self._row_values.pop(request_id, None)
+        self._special_requests.discard(request_id)
         row = self._table_rows.pop(request_id, None)
         if row is not None:
             self._free_table_rows.append(row)
@@ -444,24 +464,27 @@ class CudaModelExecutor(ModelExecutor):
         updates), tokens, positions, slots, per-sequence layout and sampling rows.
 
         A decode row takes the token sampled for it last step: from device memory
-        (gathered there) while that step may still be running, from the host once it
-        was collected.
+        (its id then names the row there, step_packing) while that step may still be
+        running, from the host once it was collected.
 
         This is the hot loop of a step (hundreds of requests, every step): one function
         with its lists bound to locals, since a call or a lookup per request and list
-        adds up to a good share of the host's time per step."""
+        adds up to a good share of the host's time per step. A sampled row costs two
+        appends and a lookup of its request's upload values; SamplingRows are built
+        only for a step that has a row needing the full plan (``_sampling_rows``)."""
         step = HostStep(step_id=batch.step_id)
         ints = step.ints
         token_ids, positions = ints["token_ids"], ints["positions"]
         slot_mapping, context_lens = ints["slot_mapping"], ints["context_lens"]
         query_start_loc, table_rows = ints["query_start_loc"], ints["table_rows"]
-        logits_indices, sampling_rows = ints["logits_indices"], step.sampling_rows
-        sampled_request_ids = step.sampled_request_ids
-        previous_positions = ints["previous_token_positions"]
-        previous_slots, previous_rows = ints["previous_slots"], ints["previous_rows"]
+        logits_indices, row_values = ints["logits_indices"], step.row_values
+        output_indices, sampled_request_ids = ints["output_indices"], step.sampled_request_ids
         requests, rows_by_id, block_size = self.requests, self._table_rows, self.block_size
-        on_device, oldest_readable = self._sampled_on_device, self._num_launches - NUM_SLOTS
-        max_positions, num_single_token_rows = self._max_positions, 0
+        values_by_id, special = self._row_values, self._special_requests
+        on_device = self._sampled_on_device
+        oldest_readable = (self._num_launches - NUM_SLOTS) << LAUNCH_SHIFT
+        max_positions, num_single_token_rows, num_from_device = self._max_positions, 0, 0
+        num_special = 0
         query_start_loc.append(0)
         for scheduled in batch.requests:
             request_id = scheduled.request_id
@@ -472,12 +495,10 @@ class CudaModelExecutor(ModelExecutor):
             start = scheduled.num_computed_tokens
             if scheduled.input_from_previous_step:
                 location = on_device.get(request_id)
-                if location is not None and location[2] >= oldest_readable:
-                    # sampled by a step that may still run: gathered on the device
-                    previous_positions.append(len(token_ids))
-                    previous_slots.append(location[0])
-                    previous_rows.append(location[1])
-                    token_ids.append(0)
+                if location is not None and location >= oldest_readable:
+                    # sampled by a step that may still run: read on the device
+                    token_ids.append(-1 - (location & ROW_MASK))
+                    num_from_device += 1
                 else:
                     token_ids.append(self._last_sampled(request_id, state))
                 num_single_token_rows += 1
@@ -510,15 +531,27 @@ class CudaModelExecutor(ModelExecutor):
             if scheduled.sample:
                 logits_indices.append(len(token_ids) - 1)
                 if scheduled.bitmask_follows:
-                    step.rows_awaiting_bitmasks.append(len(sampling_rows))
-                sampling_rows.append(SamplingRow(state.sampling, scheduled.output_index,
-                                                 scheduled.token_bitmask,
-                                                 self.penalty_counts.slot(request_id)))
+                    step.rows_awaiting_bitmasks.append(len(sampled_request_ids))
+                    num_special += 1
+                elif scheduled.token_bitmask is not None or request_id in special:
+                    num_special += 1
+                row_values.append(values_by_id[request_id])
+                output_indices.append(scheduled.output_index)
                 sampled_request_ids.append(request_id)
         step.num_seqs = len(batch.requests)
         step.num_tokens = len(token_ids)
         step.num_single_token_rows = num_single_token_rows
+        step.num_tokens_from_device = num_from_device
+        if num_special:
+            step.sampling_rows = self._sampling_rows(batch)
         return step
+
+    def _sampling_rows(self, batch: ScheduledBatch) -> list[SamplingRow]:
+        """Every sampled row's SamplingRow, for the full sampling plan."""
+        requests, penalty_counts = self.requests, self.penalty_counts
+        return [SamplingRow(requests[scheduled.request_id].sampling, scheduled.output_index,
+                            scheduled.token_bitmask, penalty_counts.slot(scheduled.request_id))
+                for scheduled in batch.requests if scheduled.sample]
 
     def _insert_long_chunk(self, step: HostStep, block_ids: list[int], start: int,
                            end: int) -> None:
@@ -537,8 +570,8 @@ class CudaModelExecutor(ModelExecutor):
             raise ValueError(f"request {request_id!r} needs more than "
                              f"{self.max_blocks_per_seq} blocks (max_model_len)")
         ints = step.ints
-        ints["update_rows"] += [row] * len(block_ids)
-        ints["update_columns"] += range(first_column, first_column + len(block_ids))
+        first_index = row * self.max_blocks_per_seq + first_column  # in the flat table
+        ints["update_indices"] += range(first_index, first_index + len(block_ids))
         ints["update_block_ids"] += block_ids
         state.block_ids.extend(block_ids)
 
@@ -551,8 +584,10 @@ class CudaModelExecutor(ModelExecutor):
         return state.last_sampled_token_id
 
     def _remember_sampled(self, step: HostStep, slot: InputSlot) -> None:
-        for row, request_id in enumerate(step.sampled_request_ids):
-            self._sampled_on_device[request_id] = (slot.index, row, self._num_launches)
+        first = (self._num_launches << LAUNCH_SHIFT) + slot.index * self.device_sampled.shape[1]
+        request_ids = step.sampled_request_ids
+        self._sampled_on_device.update(zip(request_ids,
+                                           range(first, first + len(request_ids)), strict=True))
 
     def _pad_for_graph(self, step: HostStep) -> None:
         """Choose the captured graph that fits the step, if any, and pad it to its sizes.
@@ -561,7 +596,7 @@ class CudaModelExecutor(ModelExecutor):
         if step.prompt_logprob_rows.rows:
             return
         is_decode = step.num_tokens == step.num_seqs
-        if is_decode and len(step.sampling_rows) == step.num_seqs:
+        if is_decode and len(step.sampled_request_ids) == step.num_seqs:
             batch_size = self.decode_graphs.batch_size_for(step.num_seqs)
             if batch_size is not None:
                 step.graph_key = ("decode", batch_size)
@@ -577,14 +612,12 @@ class CudaModelExecutor(ModelExecutor):
 
     def _launch_on_device(self, step: HostStep, slot: InputSlot) -> PendingStep:
         started = time.perf_counter()
-        plan = SamplingPlan.from_rows(step.sampling_rows, self.vocab_size,
-                                      can_fuse=self.options.use_fused_kernels)
-        int_offsets, float_offsets = self._pack(step, plan, slot)
+        plan = self._sampling_plan(step)
+        int_offsets, float_offsets, num_words = self._pack(step, plan, slot)
         self.stats.pack_seconds_by_kind[step.kind] += time.perf_counter() - started
         with self.copy.context():
             self.copy.wait(slot.compute_done)  # the device inputs were read by then
-            upload(slot.host_ints, slot.device_ints, end(int_offsets))
-            upload(slot.host_floats, slot.device_floats, end(float_offsets))
+            upload(slot.host_ints, slot.device_ints, num_words)
             slot.upload_done = self.copy.record()
         with self.compute.context(), torch.inference_mode():
             self.compute.wait(slot.upload_done)
@@ -594,51 +627,71 @@ class CudaModelExecutor(ModelExecutor):
             ints = Segments(slot.device_ints, int_offsets)
             floats = Segments(slot.device_floats, float_offsets)
             logits = self._compute_logits(step, ints)
-        pending = PendingStep(step_id=step.step_id, request_ids=step.sampled_request_ids,
-                              done=DoneEvent(), slot=slot,
-                              prompt_logprob_rows=step.prompt_logprob_rows,
-                              prompt_hidden=step.prompt_hidden,
-                              forward=ForwardState(step=step, plan=plan,
-                                                   inputs=_sampling_inputs(ints, floats),
-                                                   logits=logits,
-                                                   compute_started=compute_started))
-        if not step.rows_awaiting_bitmasks:
-            self._enqueue_sampling(pending)
+            pending = PendingStep(step_id=step.step_id, request_ids=step.sampled_request_ids,
+                                  done=DoneEvent(), slot=slot,
+                                  prompt_logprob_rows=step.prompt_logprob_rows,
+                                  prompt_hidden=step.prompt_hidden,
+                                  forward=ForwardState(step=step, plan=plan,
+                                                       inputs=_sampling_inputs(ints, floats),
+                                                       logits=logits,
+                                                       compute_started=compute_started))
+            if step.rows_awaiting_bitmasks:
+                return pending
+            self._sample(pending)  # in the same stream context: one fewer switch a step
+        self._download(pending)
         return pending
+
+    def _sampling_plan(self, step: HostStep) -> SamplingPlan:
+        """The full plan where a row needs it, else the plain rows' (the usual step)."""
+        can_fuse = self.options.use_fused_kernels
+        if step.sampling_rows:
+            return SamplingPlan.from_rows(step.sampling_rows, self.vocab_size, can_fuse=can_fuse)
+        return SamplingPlan.from_plain_rows(step.row_values, step.ints["output_indices"],
+                                            self.vocab_size, can_fuse=can_fuse)
 
     def _enqueue_sampling(self, pending: PendingStep) -> None:
         """Sample the step's logits on the compute stream, then download the ids."""
+        with self.compute.context(), torch.inference_mode():
+            self._sample(pending)
+        self._download(pending)
+
+    def _sample(self, pending: PendingStep) -> None:
+        """Sample (on the current stream, the compute stream's) into device_sampled."""
         forward, slot = pending.forward, pending.slot
         assert forward is not None and slot is not None
         plan, logits = forward.plan, forward.logits
-        with self.compute.context(), torch.inference_mode():
-            sampled = sample_on_device(logits, plan, forward.inputs, self.penalty_counts)
-            record_on_device(self.penalty_counts, plan, forward.inputs, sampled)
-            num_rows = len(pending.request_ids)
-            self.device_sampled[slot.index, :num_rows].copy_(sampled)
-            wants_logprobs = any(count is not None for count in plan.num_logprobs)
-            # a graph's logits buffer is rewritten by its next replay, which may come
-            # before this step is collected
-            kept_logits = logits.clone() if wants_logprobs else None
-            slot.compute_done = self.compute.record(
-                timing=forward.compute_started is not None)
+        sampled = sample_on_device(logits, plan, forward.inputs, self.penalty_counts)
+        record_on_device(self.penalty_counts, plan, forward.inputs, sampled)
+        num_rows = len(pending.request_ids)
+        self.device_sampled[slot.index, :num_rows].copy_(sampled)
+        wants_logprobs = any(count is not None for count in plan.num_logprobs)
+        # a graph's logits buffer is rewritten by its next replay, which may come
+        # before this step is collected
+        pending.logits = logits.clone() if wants_logprobs else None
+        pending.sampled = sampled if wants_logprobs else None
+        slot.compute_done = self.compute.record(timing=forward.compute_started is not None)
+
+    def _download(self, pending: PendingStep) -> None:
+        """Copy the sampled ids to the host once sampled; their event marks the step done."""
+        forward, slot = pending.forward, pending.slot
+        assert forward is not None and slot is not None
+        num_rows = len(pending.request_ids)
         with self.download.context():
             self.download.wait(slot.compute_done)
             slot.host_sampled[:num_rows].copy_(self.device_sampled[slot.index, :num_rows],
                                                non_blocking=True)
             slot.download_done = self.download.record(blocking=True)
-        pending.done, pending.logits = slot.download_done, kept_logits
-        pending.sampled = sampled if wants_logprobs else None
-        pending.num_logprobs = plan.num_logprobs
+        pending.done = slot.download_done
+        pending.num_logprobs = forward.plan.num_logprobs
         pending.compute_started, pending.compute_done = forward.compute_started, slot.compute_done
         pending.forward = None
 
-    def _pack(self, step: HostStep, plan: SamplingPlan,
-              slot: InputSlot) -> tuple[dict[str, tuple[int, int]], dict[str, tuple[int, int]]]:
+    def _pack(self, step: HostStep, plan: SamplingPlan, slot: InputSlot
+              ) -> tuple[dict[str, tuple[int, int]], dict[str, tuple[int, int]], int]:
+        """Fill the slot's pinned upload: (int offsets, float offsets, words to copy)."""
         ints = step.ints
-        ints["top_ks"], ints["banned_rows"] = plan.top_ks, plan.banned_rows
-        ints["seed_keys"], ints["output_indices"] = plan.seed_keys, plan.output_indices
-        ints["banned_token_ids"] = plan.banned_token_ids
+        ints["top_ks"], ints["seed_keys"] = plan.top_ks, plan.seed_keys
+        ints["banned_rows"], ints["banned_token_ids"] = plan.banned_rows, plan.banned_token_ids
         ints["bitmask_rows"] = plan.bitmask_rows
         ints["bitmask_words"] = plan.bitmask_words  # type: ignore[assignment]  # an int64 array
         ints["allowed_rows"], ints["allowed_local_rows"] = (plan.allowed_rows,
@@ -652,13 +705,13 @@ class CudaModelExecutor(ModelExecutor):
                   "min_ps": plan.min_ps, "logit_bias_values": plan.logit_bias_values,
                   "presences": plan.presences, "frequencies": plan.frequencies,
                   "repetitions": plan.repetitions}
-        int_offsets = offsets({name: step.segment_length(name) for name in INT_SEGMENTS})
-        float_offsets = offsets({name: len(floats[name]) for name in FLOAT_SEGMENTS})
-        self._ensure_capacity(slot, end(int_offsets), end(float_offsets),
-                              len(step.sampled_request_ids))
+        int_offsets, float_offsets, num_words = layout(
+            {name: step.segment_length(name) for name in INT_SEGMENTS},
+            {name: len(floats[name]) for name in FLOAT_SEGMENTS})
+        self._ensure_capacity(slot, num_words, len(step.sampled_request_ids))
         fill(slot.host_ints.numpy(), int_offsets, ints, step.inserts)
         fill(slot.host_floats.numpy(), float_offsets, floats)
-        return int_offsets, float_offsets
+        return int_offsets, float_offsets, num_words
 
     def _compute_logits(self, step: HostStep, ints: Segments) -> torch.Tensor:
         """Logits of the step's sampled rows: a graph replay, or an eager forward."""
@@ -667,11 +720,11 @@ class CudaModelExecutor(ModelExecutor):
         if step.graph_key is not None:
             family, size = step.graph_key
             graphs = self.decode_graphs if family == "decode" else self.varlen_graphs
-            token_ids = graphs.load(size, ints, self.block_table)
-            self._gather_previous_tokens(token_ids, ints)
+            graphs.load(size, ints, self.block_table)  # the graph reads previous tokens
             return graphs.graphs[size].replay()[:num_rows]
         token_ids = ints["token_ids"]
-        self._gather_previous_tokens(token_ids, ints)
+        if step.num_tokens_from_device:
+            token_ids = with_previous_tokens(token_ids, self.device_sampled)
         metadata = AttentionMetadata(
             slot_mapping=ints["slot_mapping"],
             block_tables=self.block_table.index_select(0, ints["table_rows"]),
@@ -684,37 +737,44 @@ class CudaModelExecutor(ModelExecutor):
         return self.model.compute_logits(hidden.index_select(0, ints["logits_indices"]))
 
     def _apply_table_updates(self, ints: Segments) -> None:
-        if ints.length("update_rows"):
-            self.block_table[ints["update_rows"], ints["update_columns"]] = (
-                ints["update_block_ids"].to(torch.int32))
-
-    def _gather_previous_tokens(self, token_ids: torch.Tensor, ints: Segments) -> None:
-        if ints.length("previous_rows"):
-            token_ids[ints["previous_token_positions"]] = self.device_sampled[
-                ints["previous_slots"], ints["previous_rows"]]
+        if ints.length("update_indices"):
+            self.block_table.view(-1).index_copy_(0, ints["update_indices"],
+                                                  ints["update_block_ids"].to(torch.int32))
 
     # -- buffers -------------------------------------------------------------------------
 
-    def _ensure_capacity(self, slot: InputSlot, num_ints: int, num_floats: int,
-                         num_sampled: int) -> None:
+    def _ensure_capacity(self, slot: InputSlot, num_words: int, num_sampled: int) -> None:
         """Grow this slot's buffers (rare: waits for the device first)."""
-        if (num_ints <= slot.host_ints.shape[0] and num_floats <= slot.host_floats.shape[0]
-                and num_sampled <= slot.host_sampled.shape[0]):
+        if num_words <= slot.host_ints.shape[0] and num_sampled <= slot.host_sampled.shape[0]:
             return
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        grown = new_slot(slot.index, self.device, max(num_ints, 2 * slot.host_ints.shape[0]),
-                               max(num_floats, 2 * slot.host_floats.shape[0]),
-                               max(num_sampled, slot.host_sampled.shape[0]))
+        grown = new_slot(slot.index, self.device, max(num_words, 2 * slot.host_ints.shape[0]),
+                         0, max(num_sampled, slot.host_sampled.shape[0]))
         slot.host_ints, slot.host_floats = grown.host_ints, grown.host_floats
         slot.device_ints, slot.device_floats = grown.device_ints, grown.device_floats
         slot.host_sampled = grown.host_sampled
-        if num_sampled > self.device_sampled.shape[1]:
-            # sampled ids still to be read by the next step keep their (slot, row)
-            device_sampled = torch.zeros((NUM_SLOTS, num_sampled), dtype=torch.int64,
-                                         device=self.device)
-            device_sampled[:, :self.device_sampled.shape[1]].copy_(self.device_sampled)
-            self.device_sampled = device_sampled
+
+    def _grow_device_sampled(self, num_rows: int) -> None:
+        """Widen device_sampled for a step of more rows than max_num_seqs (rare: waits
+        for the device). Ids still to be read keep their (slot, row); the graphs read the
+        old buffer, so they are dropped and every later step runs eagerly."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        old = self.device_sampled
+        old_width = old.shape[1]
+        self.device_sampled = torch.zeros((NUM_SLOTS, num_rows), dtype=torch.int64,
+                                          device=self.device)
+        self.device_sampled[:, :old_width].copy_(old)
+        for request_id, location in self._sampled_on_device.items():
+            slot_index, row = divmod(location & ROW_MASK, old_width)
+            self._sampled_on_device[request_id] = (location - (location & ROW_MASK)
+                                                   + slot_index * num_rows + row)
+        if self.decode_graphs.graphs or self.varlen_graphs.graphs:
+            logger.warning("a step of %d sequences, more than max_num_seqs (%d): CUDA graphs "
+                           "dropped, steps run eagerly from now on", num_rows, old_width)
+            self.decode_graphs.graphs.clear()
+            self.varlen_graphs.graphs.clear()
 
     # -- start-up: report and graphs -----------------------------------------------------
 
@@ -824,15 +884,22 @@ class CudaModelExecutor(ModelExecutor):
 
 
 def _sampling_inputs(ints: Segments, floats: Segments) -> DeviceSamplingInputs:
+    """The plan's device inputs: views of the upload, only of the segments it filled (a
+    view costs a few microseconds of the host's time; most steps use eight)."""
+    optional = {name: segments[name]
+                for segments, names in ((ints, OPTIONAL_INT_INPUTS),
+                                        (floats, OPTIONAL_FLOAT_INPUTS))
+                for name in names if segments.length(name)}
     return DeviceSamplingInputs(
         temperatures=floats["temperatures"], top_ps=floats["top_ps"], min_ps=floats["min_ps"],
         top_ks=ints["top_ks"], seed_keys=ints["seed_keys"],
         output_indices=ints["output_indices"],
         banned_rows=ints["banned_rows"], banned_token_ids=ints["banned_token_ids"],
-        bitmask_rows=ints["bitmask_rows"], bitmask_words=ints["bitmask_words"],
-        allowed_rows=ints["allowed_rows"], allowed_local_rows=ints["allowed_local_rows"],
-        allowed_token_ids=ints["allowed_token_ids"], logit_bias_rows=ints["logit_bias_rows"],
-        logit_bias_token_ids=ints["logit_bias_token_ids"],
-        logit_bias_values=floats["logit_bias_values"], penalty_rows=ints["penalty_rows"],
-        penalty_slots=ints["penalty_slots"], presences=floats["presences"],
-        frequencies=floats["frequencies"], repetitions=floats["repetitions"])
+        **optional)
+
+
+# DeviceSamplingInputs' fields that default to empty: set only where the plan has them
+OPTIONAL_INT_INPUTS = ("bitmask_rows", "bitmask_words", "allowed_rows", "allowed_local_rows",
+                       "allowed_token_ids", "logit_bias_rows", "logit_bias_token_ids",
+                       "penalty_rows", "penalty_slots")
+OPTIONAL_FLOAT_INPUTS = ("logit_bias_values", "presences", "frequencies", "repetitions")

@@ -27,7 +27,7 @@ import torch
 
 from trio_llm.gpu.cuda_streams import Lane
 from trio_llm.gpu.model import AttentionMetadata, CausalLM, KVCache
-from trio_llm.gpu.step_packing import Segments
+from trio_llm.gpu.step_packing import INT_SEGMENTS, Segments, end, offsets
 
 # Decode batch sizes that get a CUDA graph; a decode step runs the smallest that fits.
 DECODE_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256,
@@ -66,11 +66,15 @@ class CapturedStep:
         self._forward = forward
         if lane.torch_stream is None:
             return
+        lane.torch_stream.wait_stream(torch.cuda.current_stream())  # the static inputs' setup
         with lane.context(), torch.inference_mode():
             forward()  # compiles and loads the kernels outside the capture
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph, pool=pool, stream=lane.torch_stream):
                 self.logits = forward()
+            # the first launch of a graph uploads it to the device (milliseconds for a
+            # whole forward): at start-up, not in the first step that replays it
+            self.graph.replay()
 
     def replay(self) -> torch.Tensor:
         """The logits; a graph's buffer is rewritten by its next replay."""
@@ -81,66 +85,101 @@ class CapturedStep:
         return self.logits
 
 
+def with_previous_tokens(token_ids: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
+    """``token_ids`` with each negative id ``-1 - i`` replaced by ``sampled.view(-1)[i]``:
+    the token a step still in flight sampled (the executor's [slot, row] ids on the
+    device). Inside a graph this costs the host nothing; eagerly, a few launches."""
+    previous = sampled.view(-1).index_select(0, (-1 - token_ids).clamp(min=0))
+    return torch.where(token_ids < 0, previous, token_ids)
+
+
+class StaticInputs:
+    """The leading int64 segments of a graph step's upload (step_packing.INT_SEGMENTS
+    from the first on), laid out as the upload lays them out for that graph's sizes,
+    in one static device buffer: loading a step is one copy of its upload's start."""
+
+    def __init__(self, max_lengths: dict[str, int], device: torch.device) -> None:
+        self.buffer = torch.zeros(end(offsets(max_lengths)), dtype=torch.int64, device=device)
+        self._layouts: dict[int, dict[str, tuple[int, int]]] = {}
+
+    def views(self, size: int, lengths: dict[str, int]) -> Segments:
+        """Views of the graph of ``size`` (its segments' ``lengths``, in upload order)."""
+        assert tuple(lengths) == INT_SEGMENTS[:len(lengths)]
+        self._layouts[size] = offsets(lengths)
+        return Segments(self.buffer, self._layouts[size])
+
+    def load(self, size: int, ints: Segments) -> None:
+        segment_offsets = self._layouts[size]
+        assert all(ints.offset(name) == offset for name, offset in segment_offsets.items())
+        num_words = end(segment_offsets)
+        self.buffer[:num_words].copy_(ints.buffer[:num_words])
+
+
 class DecodeGraphs:
-    """Decode steps by batch size; static inputs [4, max_batch]: token ids, positions,
-    slots, context lengths (a decode step's first four segments)."""
+    """Decode steps by batch size; static inputs: token ids, positions, slots, context
+    lengths (a decode step's first four segments, all of the batch size)."""
 
     def __init__(self, model: CausalLM, kv_caches: list[KVCache], max_batch: int,
-                 max_blocks_per_seq: int) -> None:
+                 max_blocks_per_seq: int, sampled: torch.Tensor) -> None:
         device = model.device
-        self._model, self._kv_caches = model, kv_caches
-        self.per_token = torch.zeros((4, max_batch), dtype=torch.int64, device=device)
-        self.per_token[2].fill_(-1)  # slot -1: padding writes nothing
+        self._model, self._kv_caches, self._sampled = model, kv_caches, sampled
+        self.inputs = StaticInputs(self._lengths(max_batch), device)
         self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int64, device=device)
         self.block_tables = torch.zeros((max_batch, max_blocks_per_seq), dtype=torch.int32,
                                         device=device)
         self.graphs: dict[int, CapturedStep] = {}
 
+    @staticmethod
+    def _lengths(batch_size: int) -> dict[str, int]:
+        return dict.fromkeys(INT_SEGMENTS[:4], batch_size)
+
     def batch_size_for(self, num_seqs: int) -> int | None:
         return next((size for size in sorted(self.graphs) if size >= num_seqs), None)
 
     def capture(self, batch_size: int, lane: Lane, pool: Any) -> None:
-        self.graphs[batch_size] = CapturedStep(lambda: self._forward(batch_size), lane, pool)
+        views = self.inputs.views(batch_size, self._lengths(batch_size))
+        views["token_ids"].zero_()
+        views["slot_mapping"].fill_(-1)  # slot -1: an empty step writes nothing
+        views["context_lens"].zero_()
+        self.graphs[batch_size] = CapturedStep(lambda: self._forward(batch_size, views),
+                                               lane, pool)
 
-    def _forward(self, batch_size: int) -> torch.Tensor:
-        token_ids, positions, slot_mapping, context_lens = self.per_token[:, :batch_size]
-        metadata = AttentionMetadata(slot_mapping=slot_mapping,
+    def _forward(self, batch_size: int, views: Segments) -> torch.Tensor:
+        metadata = AttentionMetadata(slot_mapping=views["slot_mapping"],
                                      block_tables=self.block_tables[:batch_size],
-                                     context_lens=context_lens,
+                                     context_lens=views["context_lens"],
                                      query_start_loc=self.query_start_loc[:batch_size + 1])
-        hidden = self._model(token_ids, positions, self._kv_caches, metadata)
+        token_ids = with_previous_tokens(views["token_ids"], self._sampled)
+        hidden = self._model(token_ids, views["positions"], self._kv_caches, metadata)
         return self._model.compute_logits(hidden)
 
-    def load(self, batch_size: int, ints: Segments, block_table: torch.Tensor) -> torch.Tensor:
-        """Copy a padded decode step's inputs in; returns the static token ids."""
-        self.per_token[:, :batch_size].copy_(ints.leading_rows(4))
+    def load(self, batch_size: int, ints: Segments, block_table: torch.Tensor) -> None:
+        """Copy a padded decode step's inputs in."""
+        self.inputs.load(batch_size, ints)
         torch.index_select(block_table, 0, ints["table_rows"],
                            out=self.block_tables[:batch_size])
-        return self.per_token[0, :batch_size]
 
 
 class VarlenGraphs:
-    """Steps with prefill tokens by token count; static inputs: [3, max_tokens] token
-    ids, positions, slots, and per sequence slot its context length, query start,
-    block-table row, and per logits row the token it reads."""
+    """Steps with prefill tokens by token count; static inputs: token ids, positions,
+    slots, and per sequence slot its context length, query start, block-table row, and
+    per logits row the token it reads (a padded step's first seven segments)."""
 
     def __init__(self, model: CausalLM, kv_caches: list[KVCache], max_tokens: int,
-                 max_num_seqs: int, max_blocks_per_seq: int) -> None:
+                 max_num_seqs: int, max_blocks_per_seq: int, sampled: torch.Tensor) -> None:
         device = model.device
-        self._model, self._kv_caches = model, kv_caches
+        self._model, self._kv_caches, self._sampled = model, kv_caches, sampled
         self.max_num_seqs = max_num_seqs
-        max_seq_slots = max_num_seqs + 1
-
-        def zeros(*shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-            return torch.zeros(shape, dtype=dtype, device=device)
-
-        self.per_token = zeros(3, max_tokens)
-        self.per_token[2].fill_(-1)
-        self.context_lens = zeros(max_seq_slots)
-        self.query_start_loc = zeros(max_seq_slots + 1)
-        self.logits_indices = zeros(max_num_seqs)
-        self.block_tables = zeros(max_seq_slots, max_blocks_per_seq, dtype=torch.int32)
+        self.inputs = StaticInputs(self._lengths(max_tokens, max_num_seqs + 1), device)
+        self.block_tables = torch.zeros((max_num_seqs + 1, max_blocks_per_seq),
+                                        dtype=torch.int32, device=device)
         self.graphs: dict[int, CapturedStep] = {}
+
+    @staticmethod
+    def _lengths(num_tokens: int, num_slots: int) -> dict[str, int]:
+        return {"token_ids": num_tokens, "positions": num_tokens, "slot_mapping": num_tokens,
+                "context_lens": num_slots, "query_start_loc": num_slots + 1,
+                "table_rows": num_slots, "logits_indices": num_slots - 1}
 
     def num_seq_slots(self, num_tokens: int) -> int:
         """Sequence slots of the graph of ``num_tokens`` tokens: one more than it can
@@ -153,27 +192,26 @@ class VarlenGraphs:
         return next((size for size in sorted(self.graphs) if size >= num_tokens), None)
 
     def capture(self, num_tokens: int, lane: Lane, pool: Any) -> None:
+        num_slots = self.num_seq_slots(num_tokens)
+        views = self.inputs.views(num_tokens, self._lengths(num_tokens, num_slots))
+        self.inputs.buffer.zero_()
+        views["slot_mapping"].fill_(-1)
         # an empty step: every sequence slot empty, the last one owning every token
-        self.query_start_loc[self.num_seq_slots(num_tokens)] = num_tokens
-        self.graphs[num_tokens] = CapturedStep(lambda: self._forward(num_tokens), lane, pool)
+        views["query_start_loc"][num_slots] = num_tokens
+        self.graphs[num_tokens] = CapturedStep(lambda: self._forward(num_slots, views),
+                                               lane, pool)
 
-    def _forward(self, num_tokens: int) -> torch.Tensor:
-        num_slots = self.num_seq_slots(num_tokens)
-        token_ids, positions, slot_mapping = self.per_token[:, :num_tokens]
-        metadata = AttentionMetadata(slot_mapping=slot_mapping,
+    def _forward(self, num_slots: int, views: Segments) -> torch.Tensor:
+        metadata = AttentionMetadata(slot_mapping=views["slot_mapping"],
                                      block_tables=self.block_tables[:num_slots],
-                                     context_lens=self.context_lens[:num_slots],
-                                     query_start_loc=self.query_start_loc[:num_slots + 1])
-        hidden = self._model(token_ids, positions, self._kv_caches, metadata)
-        return self._model.compute_logits(
-            hidden.index_select(0, self.logits_indices[:num_slots - 1]))
+                                     context_lens=views["context_lens"],
+                                     query_start_loc=views["query_start_loc"])
+        token_ids = with_previous_tokens(views["token_ids"], self._sampled)
+        hidden = self._model(token_ids, views["positions"], self._kv_caches, metadata)
+        return self._model.compute_logits(hidden.index_select(0, views["logits_indices"]))
 
-    def load(self, num_tokens: int, ints: Segments, block_table: torch.Tensor) -> torch.Tensor:
-        """Copy a padded step's inputs in; returns the static token ids."""
-        num_slots = self.num_seq_slots(num_tokens)
-        self.per_token[:, :num_tokens].copy_(ints.leading_rows(3))
-        self.context_lens[:num_slots].copy_(ints["context_lens"])
-        self.query_start_loc[:num_slots + 1].copy_(ints["query_start_loc"])
-        self.logits_indices[:num_slots - 1].copy_(ints["logits_indices"])
-        torch.index_select(block_table, 0, ints["table_rows"], out=self.block_tables[:num_slots])
-        return self.per_token[0, :num_tokens]
+    def load(self, num_tokens: int, ints: Segments, block_table: torch.Tensor) -> None:
+        """Copy a padded step's inputs in."""
+        self.inputs.load(num_tokens, ints)
+        torch.index_select(block_table, 0, ints["table_rows"],
+                           out=self.block_tables[:self.num_seq_slots(num_tokens)])

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from trio_llm.actors.messages import SamplingOptions
 from trio_llm.gpu.penalties import (
     PenaltyCounts,
     add_logit_bias,
@@ -124,6 +125,53 @@ class SamplingPlan:
             bitmask_words=np.frombuffer(packed, dtype=np.int64),
             num_bitmask_words=num_bitmask_words,
         )
+
+
+    @classmethod
+    def from_plain_rows(cls, row_values: Sequence[tuple[float, float, float, int, int]],
+                        output_indices: list[int], vocab_size: int, *,
+                        can_fuse: bool) -> SamplingPlan:
+        """``from_rows`` of rows that are all plain (``is_plain``, no grammar bitmask),
+        from their requests' ``plain_row_values``: the same plan, without a pass over
+        rows per field (the usual step: nothing but temperature, top-k/p, min-p, seed)."""
+        if not row_values:
+            return cls.from_rows([], vocab_size, can_fuse=can_fuse)
+        temperatures, top_ps, min_ps, top_ks, seed_keys = map(list, zip(*row_values,
+                                                                        strict=True))
+        # greedy rows upload neutral values, so these see the sampled rows only
+        any_top_k_top_p = min(top_ks) < vocab_size or min(top_ps) < 1.0
+        any_min_p = max(min_ps) > 0.0
+        return cls(any_sampled=max(temperatures) > 0.0, any_top_k_top_p=any_top_k_top_p,
+                   any_min_p=any_min_p, temperatures=temperatures, top_ps=top_ps,
+                   min_ps=min_ps, top_ks=top_ks, seed_keys=seed_keys,
+                   output_indices=output_indices, banned_rows=[], banned_token_ids=[],
+                   num_logprobs=[None] * len(row_values),
+                   use_fused_kernel=can_fuse and not any_top_k_top_p and not any_min_p,
+                   bitmask_rows=[], bitmask_words=_NO_WORDS, num_bitmask_words=0)
+
+
+def plain_row_values(options: SamplingOptions, vocab_size: int
+                     ) -> tuple[float, float, float, int, int]:
+    """What a row of a request with these options uploads, as ``from_rows`` computes it:
+    (temperature, top-p, min-p, top-k, seed key), neutral values for a greedy row.
+    Computed once per request, not per row and step."""
+    temperature = (options.temperature if options.temperature >= MIN_SAMPLING_TEMPERATURE
+                   else 0.0)
+    if temperature <= 0:
+        return 0.0, 1.0, 0.0, vocab_size, seed_key(options.seed)
+    top_k = options.top_k if 0 < options.top_k < vocab_size else vocab_size
+    return temperature, options.top_p, options.min_p, top_k, seed_key(options.seed)
+
+
+def is_plain(options: SamplingOptions) -> bool:
+    """Whether a request's rows need nothing of the plan but ``plain_row_values``: no
+    penalties, logit bias, allowed ids, logprobs, or banned ids (``min_tokens``)."""
+    return (not options.has_penalties and not options.logit_bias_token_ids
+            and options.allowed_token_ids is None and options.num_logprobs is None
+            and not (options.min_tokens > 0 and options.banned_token_ids))
+
+
+_NO_WORDS = np.zeros(0, dtype=np.int64)
 
 
 def _logit_change_fields(rows: Sequence[SamplingRow]) -> dict[str, Any]:

@@ -5,11 +5,15 @@ starting at a multiple of SEGMENT_ALIGNMENT elements of one pinned buffer, which
 one copy uploads. Views into the device copy are taken by name (``Segments``).
 
 The per-token layout: the first segments are TOKEN_SEGMENTS, one value per input
-token each (token id, position, KV-cache slot), then the per-sequence ones. A
+token each (token id, position, KV-cache slot), then the per-sequence ones. A token
+id ``-1 - i`` stands for the token a step still in flight sampled into row ``i`` of
+the executor's flat [slot, row] buffer of sampled ids: the device reads it there
+(``cuda_graphs.with_previous_tokens``), inside the graph. The float32 segments
+follow the int64 ones in the same buffer, so that one copy uploads a step. A
 step that replays a CUDA graph is padded on the host to the graph's sizes, so
 that these segments have exactly the graph's token count (a multiple of
-SEGMENT_ALIGNMENT) and one copy fills the graph's static [3, num_tokens] input
-(``Segments.leading_rows``):
+SEGMENT_ALIGNMENT) and one copy of the upload's start fills the graph's static
+inputs (``cuda_graphs.StaticInputs``):
 padding tokens have token id 0, position 0 and slot -1 (the cache is not written)
 and belong to a padding sequence of context 0 (attention gives zeros).
 """
@@ -31,8 +35,7 @@ TOKEN_SEGMENTS = ("token_ids", "positions", "slot_mapping")
 SEQUENCE_SEGMENTS = ("context_lens", "query_start_loc", "table_rows")
 # Host-side int64 segments of one step's upload, in order.
 INT_SEGMENTS = (*TOKEN_SEGMENTS, *SEQUENCE_SEGMENTS, "logits_indices",
-                "previous_token_positions", "previous_slots", "previous_rows",
-                "update_rows", "update_columns", "update_block_ids", "top_ks", "seed_keys",
+                "update_indices", "update_block_ids", "top_ks", "seed_keys",
                 "output_indices", "banned_rows", "banned_token_ids", "bitmask_rows",
                 "bitmask_words", "allowed_rows", "allowed_local_rows", "allowed_token_ids",
                 "logit_bias_rows", "logit_bias_token_ids", "penalty_rows", "penalty_slots",
@@ -57,8 +60,13 @@ class HostStep:
     num_seqs: int = 0
     num_single_token_rows: int = 0  # sequences of one query token: decode rows
     graph_key: tuple[str, int] | None = None
+    # per sampled row, its request's upload values (cuda_sampler.plain_row_values);
+    # SamplingRows only where a row needs the full sampling plan (else empty)
+    row_values: list[tuple[float, float, float, int, int]] = field(default_factory=list)
     sampling_rows: list[SamplingRow] = field(default_factory=list)
     sampled_request_ids: list[str] = field(default_factory=list)
+    # decode rows whose token id names a row of the device's sampled ids (negative)
+    num_tokens_from_device: int = 0
     # indices into sampling_rows of the rows whose bitmasks follow (supply_bitmasks)
     rows_awaiting_bitmasks: list[int] = field(default_factory=list)
     # positions whose prompt logprobs are asked (the step then runs eagerly), and
@@ -132,9 +140,7 @@ def upload_capacity(max_num_tokens: int, max_num_seqs: int, block_size: int) -> 
         "token_ids": max_num_tokens, "positions": max_num_tokens,
         "slot_mapping": max_num_tokens, "context_lens": num_seq_slots,
         "query_start_loc": num_seq_slots + 1, "table_rows": num_seq_slots,
-        "logits_indices": max_num_seqs, "previous_token_positions": max_num_seqs,
-        "previous_slots": max_num_seqs, "previous_rows": max_num_seqs,
-        "update_rows": num_updates, "update_columns": num_updates,
+        "logits_indices": max_num_seqs, "update_indices": num_updates,
         "update_block_ids": num_updates, "top_ks": max_num_seqs, "seed_keys": max_num_seqs,
         "output_indices": max_num_seqs, "bitmask_rows": max_num_seqs}
     assert set(lengths) <= set(INT_SEGMENTS)
@@ -144,7 +150,9 @@ def upload_capacity(max_num_tokens: int, max_num_seqs: int, block_size: int) -> 
 
 @dataclass(slots=True)
 class InputSlot:
-    """Pinned host and device buffers for one step in flight, and the events guarding them."""
+    """Pinned host and device buffers for one step in flight, and the events guarding them.
+    ``host_floats`` and ``device_floats`` are float32 views of the int64 buffers: a step's
+    float segments follow its int ones, and one copy uploads both."""
 
     index: int
     host_ints: torch.Tensor
@@ -167,10 +175,11 @@ def new_slot(index: int, device: torch.device, num_ints: int, num_floats: int,
     def on_device(size: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(size, dtype=dtype, device=device)
 
-    return InputSlot(index=index, host_ints=host(num_ints, torch.int64),
-                     host_floats=host(num_floats, torch.float32),
-                     device_ints=on_device(num_ints, torch.int64),
-                     device_floats=on_device(num_floats, torch.float32),
+    num_words = num_ints + (num_floats + 1) // 2
+    host_ints, device_ints = host(num_words, torch.int64), on_device(num_words, torch.int64)
+    return InputSlot(index=index, host_ints=host_ints,
+                     host_floats=host_ints.view(torch.float32),
+                     device_ints=device_ints, device_floats=device_ints.view(torch.float32),
                      host_sampled=host(num_sampled, torch.int64))
 
 
@@ -188,21 +197,18 @@ class Segments:
     def length(self, name: str) -> int:
         return self._offsets[name][1]
 
-    def leading_rows(self, num_rows: int) -> torch.Tensor:
-        """The first ``num_rows`` segments as one [num_rows, length] view: TOKEN_SEGMENTS
-        (and, in a decode step, where tokens and sequences pair up, context_lens), which
-        a graph step's padding made equally long."""
-        length = self._offsets[INT_SEGMENTS[0]][1]
-        stride = aligned(length)
-        assert all(self._offsets[name] == (row * stride, length)
-                   for row, name in enumerate(INT_SEGMENTS[:num_rows]))
-        return self._buffer[:num_rows * stride].view(num_rows, stride)[:, :length]
+    def offset(self, name: str) -> tuple[int, int]:
+        """(start, length) of a segment in ``buffer``."""
+        return self._offsets[name]
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
 
 
-def offsets(lengths: dict[str, int]) -> dict[str, tuple[int, int]]:
-    """(start, length) of each segment, starts aligned."""
+def offsets(lengths: dict[str, int], start: int = 0) -> dict[str, tuple[int, int]]:
+    """(start, length) of each segment from ``start`` on, starts aligned."""
     result: dict[str, tuple[int, int]] = {}
-    start = 0
     for name, length in lengths.items():
         result[name] = (start, length)
         start += aligned(length)
@@ -215,6 +221,17 @@ def aligned(length: int) -> int:
 
 def end(segment_offsets: dict[str, tuple[int, int]]) -> int:
     return max((start + length for start, length in segment_offsets.values()), default=0)
+
+
+def layout(int_lengths: dict[str, int], float_lengths: dict[str, int]
+           ) -> tuple[dict[str, tuple[int, int]], dict[str, tuple[int, int]], int]:
+    """Offsets of the int64 segments, of the float32 ones (in float32 elements of the
+    same buffer, after the ints), and the int64 words the upload copies."""
+    int_offsets = offsets(int_lengths)
+    num_int_words = aligned(end(int_offsets))
+    float_offsets = offsets(float_lengths, 2 * num_int_words)
+    num_float_values = end(float_offsets) - 2 * num_int_words
+    return int_offsets, float_offsets, num_int_words + (max(num_float_values, 0) + 1) // 2
 
 
 def fill(target: np.ndarray, segment_offsets: dict[str, tuple[int, int]],

@@ -23,7 +23,6 @@ from trio_llm.actors.messages import (  # noqa: E402
 from trio_llm.gpu import step_packing  # noqa: E402
 from trio_llm.gpu.builtin import resolve_model  # noqa: E402
 from trio_llm.gpu.cuda_executor import CudaExecutorOptions, CudaModelExecutor  # noqa: E402
-from trio_llm.gpu.cuda_sampler import SamplingPlan  # noqa: E402
 from trio_llm.gpu.executor import ModelExecutor, kv_slots  # noqa: E402
 from trio_llm.gpu.loader import load_model  # noqa: E402
 from trio_llm.gpu.testing import run_depth_1, run_depth_2  # noqa: E402
@@ -253,8 +252,7 @@ def test_long_chunks_pack_their_positions_and_slots_in_place():
     step = executor._plan(batch)
     executor._pad_for_graph(step)
     assert step.graph_key == ("varlen", 384) and len(step.inserts["positions"]) == 2
-    plan = SamplingPlan.from_rows(step.sampling_rows, executor.vocab_size, can_fuse=False)
-    int_offsets, _ = executor._pack(step, plan, executor.slots[0])
+    int_offsets, _, _ = executor._pack(step, executor._sampling_plan(step), executor.slots[0])
     packed = executor.slots[0].host_ints.numpy()
 
     def segment(name):
