@@ -69,11 +69,14 @@ def profile_layout(executor: CudaModelExecutor, context_lens: list[int],
     result: dict[str, float] = {}
     with torch.inference_mode(), torch.cuda.stream(executor.compute.torch_stream):
         inputs = executor.decode_graphs
-        inputs.per_token[:, :num_seqs].copy_(torch.stack(
-            [token_ids, positions, metadata.slot_mapping, metadata.context_lens]))
-        inputs.block_tables[:num_seqs].copy_(metadata.block_tables)
         graph = executor.graphs.get(num_seqs)
         if graph is not None:
+            views = inputs.inputs.segments(num_seqs)
+            for name, values in (("token_ids", token_ids), ("positions", positions),
+                                 ("slot_mapping", metadata.slot_mapping),
+                                 ("context_lens", metadata.context_lens)):
+                views[name].copy_(values)
+            inputs.block_tables[:num_seqs].copy_(metadata.block_tables)
             result["graph_replay_us"] = bench(graph.graph.replay)
         result["eager_forward_us"] = bench(
             lambda: model(token_ids, positions, executor.kv_caches, metadata))

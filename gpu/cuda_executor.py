@@ -664,7 +664,7 @@ class CudaModelExecutor(ModelExecutor):
         record_on_device(self.penalty_counts, plan, forward.inputs, sampled)
         num_rows = len(pending.request_ids)
         self.device_sampled[slot.index, :num_rows].copy_(sampled)
-        wants_logprobs = any(count is not None for count in plan.num_logprobs)
+        wants_logprobs = plan.num_logprobs.count(None) < num_rows
         # a graph's logits buffer is rewritten by its next replay, which may come
         # before this step is collected
         pending.logits = logits.clone() if wants_logprobs else None

@@ -108,6 +108,10 @@ class StaticInputs:
         self._layouts[size] = offsets(lengths)
         return Segments(self.buffer, self._layouts[size])
 
+    def segments(self, size: int) -> Segments:
+        """The views of a captured size (benchmarks fill them directly)."""
+        return Segments(self.buffer, self._layouts[size])
+
     def load(self, size: int, ints: Segments) -> None:
         segment_offsets = self._layouts[size]
         assert all(ints.offset(name) == offset for name, offset in segment_offsets.items())

@@ -331,6 +331,47 @@ def test_a_largest_step_fits_the_slots_as_started():
                for slot, (ints, floats) in zip(executor.slots, buffers, strict=True))
 
 
+def test_previous_tokens_are_read_from_the_device_where_ids_are_negative():
+    from trio_llm.gpu.cuda_graphs import with_previous_tokens
+
+    sampled = torch.tensor([[11, 12, 13], [21, 22, 23]])
+    token_ids = torch.tensor([5, -1, 0, -6, -4, 7])
+    assert with_previous_tokens(token_ids, sampled).tolist() == [5, 11, 0, 23, 21, 7]
+
+
+def test_a_step_wider_than_max_num_seqs_drops_the_graphs_and_keeps_the_tokens():
+    """device_sampled is as wide as max_num_seqs and the graphs read it; a wider step
+    (never from the scheduler) widens it, re-addresses the tokens still to be read, and
+    runs every later step eagerly, with the plain executor's tokens at depth 2."""
+    cpu = torch.device("cpu")
+    num_requests = 6
+    new = [NewRequestData(request_id=f"r{i}", sampling=options(0.0)) for i in range(4)]
+    wide_new = [NewRequestData(request_id=f"r{i}", sampling=options(0.0))
+                for i in range(4, num_requests)]
+    first = [scheduled(f"r{i}", [3 + i, 9, 4], computed=0, blocks=[2 * i, 2 * i + 1])
+             for i in range(4)]
+    # the wide step comes third: the tokens it reads were sampled into slot 1, whose
+    # rows move when the buffer widens
+    second = [scheduled(f"r{i}", None, computed=3, output_index=1) for i in range(4)]
+    wide = [scheduled(f"r{i}", None, computed=4, output_index=2) for i in range(4)] + [
+        scheduled(f"r{i}", [2 * i, 5], computed=0, blocks=[2 * i, 2 * i + 1])
+        for i in range(4, num_requests)]
+    last = [scheduled(f"r{i}", None, computed=5 if i < 4 else 2, output_index=3 if i < 4 else 1)
+            for i in range(num_requests)]
+    batches = [ScheduledBatch(step_id=index, new_requests=new_requests, requests=requests,
+                              finished_request_ids=[],
+                              num_tokens=sum(len(r.token_ids) or 1 for r in requests))
+               for index, (new_requests, requests) in enumerate(
+                   [(new, first), ([], second), (wide_new, wide), ([], last)])]
+    expected = run_depth_1(build(ModelExecutor, cpu), batches)
+    padded = build(CudaModelExecutor, cpu, use_cuda_graphs=True, use_fused_kernels=False,
+                   max_num_batched_tokens=64)
+    assert_same_results(run_depth_2(padded, batches), expected)
+    assert padded.device_sampled.shape[1] == num_requests
+    assert not padded.decode_graphs.graphs and not padded.varlen_graphs.graphs
+    assert padded.stats.num_graph_steps == 2  # the steps before the wide one
+
+
 # -- CUDA -----------------------------------------------------------------------------------
 
 
