@@ -4,7 +4,7 @@ buffers) and the model's forward replaced by a constant, so what is timed is
 planning, packing, the upload, the graph-input copies, the previous-token gather,
 sampling and the download: every host call of a step but the model's kernels.
 
-    python benchmarks/host_launch_bench.py [--profile]
+    python benchmarks/host_launch_bench.py [--profile] [--device cuda]
 
 Three kinds of step over 256 requests: decode-only (256 decode rows), mixed
 (255 decode rows and a 3,969-token chunk) and prefill-only (two 2,048-token
@@ -13,6 +13,12 @@ of each kind in milliseconds (on a shared machine the best is the steadier figur
 ``--profile`` prints cProfile's top functions of the mixed and decode runs. On the
 CPU torch's calls cost less than a CUDA launch, so these figures are a lower bound of
 the H200's, to compare code, not machines.
+
+``--device cuda`` runs the same steps on the GPU with the tiny model itself (bf16,
+graphs captured, fused kernels; its device time is a fraction of the host's), so
+that what it prints is the host's launch with real CUDA calls: per kind, the median
+launch time and its planning, packing and waiting shares (ExecutorStatistics), and
+with ``--profile`` where the rest goes.
 """
 
 from __future__ import annotations
@@ -27,7 +33,11 @@ import torch
 
 from trio_llm.actors.messages import NewRequestData, ScheduledBatch, ScheduledRequest
 from trio_llm.gpu.builtin import resolve_model
-from trio_llm.gpu.cuda_executor import CudaExecutorOptions, CudaModelExecutor
+from trio_llm.gpu.cuda_executor import (
+    CudaExecutorOptions,
+    CudaModelExecutor,
+    ExecutorStatistics,
+)
 from trio_llm.gpu.loader import load_model
 from trio_llm.gpu.testing import GREEDY
 
@@ -50,14 +60,18 @@ class ConstantForward:
         return self._logits[:hidden.shape[0]]
 
 
-def build() -> CudaModelExecutor:
-    model = load_model(resolve_model("tiny"), dtype=torch.float32, device=torch.device("cpu"))
+def build(device: torch.device) -> CudaModelExecutor:
+    on_cuda = device.type == "cuda"
+    model = load_model(resolve_model("tiny"), dtype=torch.bfloat16 if on_cuda else torch.float32,
+                       device=device)
     num_blocks = NUM_REQUESTS * (MAX_MODEL_LEN // BLOCK_SIZE)
     executor = CudaModelExecutor(model, model_path=resolve_model("tiny"),
                                  num_kv_blocks=num_blocks, block_size=BLOCK_SIZE,
                                  max_model_len=MAX_MODEL_LEN)
     executor.start(CudaExecutorOptions(max_num_seqs=NUM_REQUESTS, use_cuda_graphs=True,
-                                       use_fused_kernels=False))
+                                       use_fused_kernels=on_cuda))
+    if on_cuda:
+        return executor
     constant = ConstantForward()
     for graphs in (executor.decode_graphs, executor.varlen_graphs):
         graphs._model = constant  # type: ignore[assignment]
@@ -147,20 +161,26 @@ def run(executor: CudaModelExecutor, workload: Workload, kind: str, num_steps: i
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    executor = build()
+    executor = build(torch.device(args.device))
     workload = Workload(executor)
     for kind in ("decode", "mixed", "prefill"):
         run(executor, workload, kind, 5)  # warm-up
         if args.profile and kind != "prefill":
             profiler = cProfile.Profile()
             profiler.runcall(run, executor, workload, kind, 40)
-            pstats.Stats(profiler).sort_stats("tottime").print_stats(18)
+            pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+        executor.stats = ExecutorStatistics()
         times = run(executor, workload, kind, 40)
-        graph_steps = executor.stats.num_graph_steps_by_kind[kind]
+        stats = executor.stats
+        shares = {name: 1000 * getattr(stats, f"{name}_seconds_by_kind")[kind] / len(times)
+                  for name in ("launch", "plan", "pack", "launch_wait")}
         print(f"{kind}: median {1000 * statistics.median(times):.2f} ms, best "
-              f"{1000 * min(times):.2f} ms ({graph_steps} graph steps)")
+              f"{1000 * min(times):.2f} ms ({stats.num_graph_steps_by_kind[kind]} graph "
+              f"steps); launch per step " + ", ".join(f"{name} {ms:.3f}"
+                                                       for name, ms in shares.items()))
 
 
 if __name__ == "__main__":

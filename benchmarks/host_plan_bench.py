@@ -17,7 +17,6 @@ import torch
 from trio_llm.actors.messages import NewRequestData, ScheduledBatch, ScheduledRequest
 from trio_llm.gpu.builtin import resolve_model
 from trio_llm.gpu.cuda_executor import CudaExecutorOptions, CudaModelExecutor
-from trio_llm.gpu.cuda_sampler import SamplingPlan
 from trio_llm.gpu.loader import load_model
 from trio_llm.gpu.testing import GREEDY
 
@@ -70,8 +69,7 @@ def host_seconds(executor: CudaModelExecutor, batch: ScheduledBatch) -> float:
     started = time.perf_counter()
     executor._update_states(batch)
     host_step = executor._plan(batch)
-    plan = SamplingPlan.from_rows(host_step.sampling_rows, executor.vocab_size, can_fuse=True)
-    executor._pack(host_step, plan, executor.slots[0])
+    executor._pack(host_step, executor._sampling_plan(host_step), executor.slots[0])
     return time.perf_counter() - started
 
 

@@ -142,9 +142,9 @@ class DecodeGraphs:
 
     def capture(self, batch_size: int, lane: Lane, pool: Any) -> None:
         views = self.inputs.views(batch_size, self._lengths(batch_size))
-        views["token_ids"].zero_()
-        views["slot_mapping"].fill_(-1)  # slot -1: an empty step writes nothing
-        views["context_lens"].zero_()
+        # an empty step (what a larger size's capture left there would be read as one)
+        self.inputs.buffer.zero_()
+        views["slot_mapping"].fill_(-1)  # slot -1: writes nothing
         self.graphs[batch_size] = CapturedStep(lambda: self._forward(batch_size, views),
                                                lane, pool)
 
