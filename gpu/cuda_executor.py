@@ -100,7 +100,6 @@ from trio_llm.gpu.step_packing import (
     new_slot,
     pad_decode_sequences,
     pad_varlen_sequences,
-    upload,
     upload_capacity,
 )
 from trio_llm.gpu.tensor_parallel import TensorParallel
@@ -615,10 +614,9 @@ class CudaModelExecutor(ModelExecutor):
         plan = self._sampling_plan(step)
         int_offsets, float_offsets, num_words = self._pack(step, plan, slot)
         self.stats.pack_seconds_by_kind[step.kind] += time.perf_counter() - started
-        with self.copy.context():
-            self.copy.wait(slot.compute_done)  # the device inputs were read by then
-            upload(slot.host_ints, slot.device_ints, num_words)
-            slot.upload_done = self.copy.record()
+        self.copy.wait(slot.compute_done)  # the device inputs were read by then
+        self.copy.copy(slot.device_ints[:num_words], slot.host_ints[:num_words])
+        slot.upload_done = self.copy.record()
         with self.compute.context(), torch.inference_mode():
             self.compute.wait(slot.upload_done)
             self.compute.wait(slot.download_done)  # device_sampled was copied out by then
@@ -676,11 +674,9 @@ class CudaModelExecutor(ModelExecutor):
         forward, slot = pending.forward, pending.slot
         assert forward is not None and slot is not None
         num_rows = len(pending.request_ids)
-        with self.download.context():
-            self.download.wait(slot.compute_done)
-            slot.host_sampled[:num_rows].copy_(self.device_sampled[slot.index, :num_rows],
-                                               non_blocking=True)
-            slot.download_done = self.download.record(blocking=True)
+        self.download.wait(slot.compute_done)
+        self.download.copy(slot.host_sampled[:num_rows], self.device_sampled[slot.index, :num_rows])
+        slot.download_done = self.download.record(blocking=True)
         pending.done = slot.download_done
         pending.num_logprobs = forward.plan.num_logprobs
         pending.compute_started, pending.compute_done = forward.compute_started, slot.compute_done

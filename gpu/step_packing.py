@@ -268,8 +268,3 @@ def as_array(values: Any, dtype: np.dtype) -> Any:
     if dtype == np.int64 and isinstance(values, list) and len(values) >= MIN_ARRAY_CONVERSION:
         return np.frombuffer(typed_array("q", values), dtype=np.int64)
     return values
-
-
-def upload(host: torch.Tensor, device: torch.Tensor, length: int) -> None:
-    if length:
-        device[:length].copy_(host[:length], non_blocking=True)
