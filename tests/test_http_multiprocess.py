@@ -183,7 +183,8 @@ async def test_a_killed_supervisor_leaves_no_process_and_open_streams_finish() -
     sees its lifeline end and stops as on SIGTERM (its open streams finish), and the
     engine core stops once every API server has gone."""
     with trio.fail_after(TIMEOUT):
-        async with serve_process(num_api_servers=2) as server:
+        async with serve_process("--shutdown-grace-seconds", "60",
+                                 num_api_servers=2) as server:
             request = {"prompt": "x", "max_tokens": 40, "ignore_eos": True}
             streams = [await open_stream_on(server, f"api-server-{index}", request)
                        for index in range(2)]
