@@ -436,14 +436,18 @@ def run_benchmark_in_processes(options: BenchServeOptions
     context = multiprocessing.get_context("spawn")
     barrier = context.Barrier(len(shares))
     queue = context.Queue()
-    processes = [context.Process(target=_client_process,
+    # Daemons: a parent that ends however it ends takes them along (multiprocessing
+    # joins the others at exit, and these ignore Ctrl-C: the parent would hang).
+    processes = [context.Process(target=_client_process, daemon=True,
                                  args=(msgspec.msgpack.encode(share), barrier, queue))
                  for share in shares]
-    for process in processes:
-        process.start()
-    logger.info("%d client processes started", len(processes))
     outcomes: list[ClientOutcome] = []
     try:
+        # started inside the try: an interrupt between two starts, or while the
+        # line below is logged, stops those already started
+        for process in processes:
+            process.start()
+        logger.info("%d client processes started", len(processes))
         while len(outcomes) < len(processes):
             try:
                 outcomes.append(msgspec.msgpack.decode(queue.get(timeout=1.0),
@@ -452,17 +456,21 @@ def run_benchmark_in_processes(options: BenchServeOptions
                 if any(process.exitcode not in (None, 0) for process in processes):
                     raise CompletionError("a client process failed (see its error above)") from None
     except BaseException:
-        for process in processes:  # interrupted, or one failed: the rest stop now
+        for process in _started(processes):  # interrupted, or one failed: the rest stop now
             process.kill()
         raise
     finally:
-        for process in processes:
+        for process in _started(processes):
             process.join(timeout=5)
             if process.is_alive():
                 process.kill()
     report, results = merge_outcomes(options, outcomes)
     counters_after = trio.run(prefix_cache_counters, options)
     return with_prefix_hit_rate(report, counters_before, counters_after), results
+
+
+def _started(processes: list[Any]) -> list[Any]:
+    return [process for process in processes if process.pid is not None]
 
 
 async def _served_model(client: CompletionClient,

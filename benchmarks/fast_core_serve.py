@@ -10,6 +10,7 @@ The model is loaded for its sizes only; each step sleeps ``STEP_MS`` millisecond
 (default 2) and samples token ``TOKEN_ID`` (default 300, a token the tiny model's
 tokenizer turns into text) for every request. Steps go through the launch/collect
 interface of the CUDA executor (the result is ready ``STEP_MS`` after the launch,
+or after the step launched before it, as on a device that runs one step at a time;
 waited for in a worker thread), unless ``PIPELINED=0``. Every other argument is
 `trio-llm`'s; the engine-core and API-server processes run this script too.
 
@@ -43,12 +44,18 @@ IS_PIPELINED = os.environ.get("PIPELINED", "1") != "0"
 
 
 class PendingStep:
-    """A launched step: done ``STEP_SECONDS`` after its launch."""
+    """A launched step: done ``STEP_SECONDS`` after the device is free for it (steps
+    run one at a time, in launch order, as on a GPU's stream)."""
+
+    device_free_at = 0.0
 
     def __init__(self, result: StepResult) -> None:
         self.result = result
         self.done = threading.Event()
-        threading.Timer(STEP_SECONDS, self.done.set).start()
+        now = time.monotonic()
+        done_at = max(now, PendingStep.device_free_at) + STEP_SECONDS
+        PendingStep.device_free_at = done_at
+        threading.Timer(done_at - now, self.done.set).start()
 
     def is_ready(self) -> bool:
         return self.done.is_set()
@@ -87,14 +94,13 @@ def sampled(batch: ScheduledBatch) -> StepResult:
 
 
 def install() -> None:
-    real_create = processes.create_executor
+    real_create = engine_module.create_executor
     kind = FastPipelinedExecutor if IS_PIPELINED else FastExecutor
 
     def create(config: Any) -> Any:
         return kind(real_create(config))
 
-    processes.create_executor = create
-    engine_module.create_executor = create
+    engine_module.create_executor = create  # what created_executor calls
     real_child_command = processes._child_command
 
     def child_command(role: str, config: Any) -> list[str]:

@@ -164,3 +164,38 @@ async def test_a_dead_engine_core_ends_every_request_with_an_error_and_every_pro
     assert exit_code == 1
     assert re.search(rb"API servers \[1, 1\]", server.log)
     assert still_running == []
+
+
+async def wait_exited(pid: int) -> None:
+    """Until process ``pid`` (not a child of ours) has ended: its pidfd turns readable."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        await trio.lowlevel.wait_readable(pidfd)
+    finally:
+        os.close(pidfd)
+
+
+async def test_a_killed_supervisor_leaves_no_process_and_open_streams_finish() -> None:
+    """However the supervisor dies, its children do not outlive it: each API server
+    sees its lifeline end and stops as on SIGTERM (its open streams finish), and the
+    engine core stops once every API server has gone."""
+    with trio.fail_after(TIMEOUT):
+        async with serve_process("--shutdown-grace-seconds", "60",
+                                 num_api_servers=2) as server:
+            request = {"prompt": "x", "max_tokens": 40, "ignore_eos": True}
+            streams = [await open_stream_on(server, f"api-server-{index}", request)
+                       for index in range(2)]
+            os.kill(server.process.pid, signal.SIGKILL)
+            await server.process.wait()
+            rests = [await receive_until(stream, b"data: [DONE]") for stream in streams]
+            for stream in streams:
+                await stream.aclose()
+            for pid in server.pids.values():
+                await wait_exited(pid)
+            await server.wait_for(rb"the supervisor is gone: stopping", count=2)
+            still_running = [name for name, pid in server.pids.items() if is_running(pid)]
+    assert all(b'"error"' not in rest for rest in rests)
+    assert still_running == []

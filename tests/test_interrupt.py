@@ -99,3 +99,44 @@ async def test_ctrl_c_ends_bench_serve_with_one_line(num_client_processes: int) 
             returncode, stderr = await _interrupted_while_working(command,
                                                                   stderr_marker=marker)
     _assert_one_line(returncode, stderr)
+
+
+class Interrupted(BaseException):
+    """Stands in for KeyboardInterrupt (which would stop pytest itself)."""
+
+
+async def test_an_interrupt_as_the_client_processes_start_stops_every_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The interrupt of the two-client case above may land anywhere, even while the
+    line it waits for is being logged: the client processes ignore Ctrl-C, so any
+    left running would outlive the command (and the command hang at exit, joining them)."""
+    import multiprocessing
+
+    from test_http_support import FakeEngine, running_server
+
+    import trio_llm.api.bench_serve as bench_serve
+
+    real_info = bench_serve.logger.info
+
+    def info(message: str, *args: object) -> None:
+        real_info(message, *args)
+        if "client processes started" in message:
+            raise Interrupted
+
+    monkeypatch.setattr(bench_serve.logger, "info", info)
+    try:
+        with trio.fail_after(TIMEOUT):
+            async with running_server(FakeEngine(max_model_len=4096)) as url:
+                options = bench_serve.BenchServeOptions(
+                    base_url=url, num_prompts=100000, random_input_len=4,
+                    random_output_len=2000, max_concurrency=8, num_client_processes=2,
+                    show_progress=False)
+                with pytest.raises(Interrupted):
+                    await trio.to_thread.run_sync(bench_serve.run_benchmark_in_processes,
+                                                  options)
+        still_running = multiprocessing.active_children()
+    finally:
+        for child in multiprocessing.active_children():
+            child.kill()
+            child.join()
+    assert still_running == []

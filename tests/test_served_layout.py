@@ -286,3 +286,37 @@ async def test_constrained_outputs_over_fronts_equal_the_in_process_ones() -> No
                       for index, (prompt, params) in enumerate(requests)]
     assert served == expected
     assert all(expected), "every constrained request produced output"
+
+
+async def test_a_front_with_no_requests_receives_no_frames() -> None:
+    """The core writes to a front only about the front's own requests: each step's
+    tokens, tracks, aborts and statistics go to their owner alone, so an idle API
+    server is never woken (one stream through four API servers costs what it costs
+    through one)."""
+    import socket
+
+    from trio_llm.actors.fronts import CoreReady, CoreToFront
+    from trio_llm.actors.wire import WireDecoder
+
+    busy_core_end, busy_front_end = trio.socket.socketpair()
+    idle_core_end, idle_front_end = socket.socketpair()
+    core_streams = [trio.SocketStream(busy_core_end),
+                    trio.SocketStream(trio.socket.from_stdlib_socket(idle_core_end))]
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(partial(run_engine_core, CONFIG, core_streams))
+            async with Engine.open_front(CONFIG, trio.SocketStream(busy_front_end)) as front:
+                async with trio.open_nursery() as requests:
+                    for prompt in PROMPTS[:4]:
+                        requests.start_soon(collect, front, prompt, greedy(8))
+                async with aclosing(front.generate(PROMPTS[5], greedy(100))) as aborted:
+                    await anext(aborted)  # leaving it early aborts it
+                await collect(front, PROMPTS[6], greedy(20, stop=["a"]))
+                await wait_statistics(front, is_idle)
+                # the core and this front share one event loop: anything the core
+                # wrote to the idle front is in its socket's buffer by now
+                await trio.testing.wait_all_tasks_blocked()
+                received = idle_front_end.recv(1 << 20, socket.MSG_DONTWAIT)
+                idle_front_end.close()  # the idle front goes; the core serves on
+                assert await collect(front, PROMPTS[0], greedy(3))
+    assert [type(message) for message in WireDecoder(CoreToFront).feed(received)] == [CoreReady]
