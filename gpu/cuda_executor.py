@@ -336,13 +336,9 @@ class CudaModelExecutor(ModelExecutor):
         """The plan and device inputs of ``forward`` with every row's bitmask (those
         packed at launch and those that followed), uploaded on the compute stream."""
         indices, packed = bitmask_rows(rows)
-        num_words = len(packed) // 4
-        # straight into (cached) pinned memory: a megabyte a step at 64 rows of 152k ids
-        host_words = torch.empty((num_words + 1) // 2, dtype=torch.int64,
-                                 pin_memory=self.device.type == "cuda")
+        host_words, num_words = stage_token_bitmasks([packed],
+                                                     pin_memory=self.device.type == "cuda")
         words = host_words.numpy()
-        words.view(np.uint8)[:len(packed)] = np.frombuffer(packed, dtype=np.uint8)
-        words.view(np.uint8)[len(packed):] = 0  # an odd word count's padding
         plan = dataclasses.replace(forward.plan, bitmask_rows=indices, bitmask_words=words,
                                    num_bitmask_words=num_words)
         with self.compute.context():
@@ -821,6 +817,23 @@ class CudaModelExecutor(ModelExecutor):
 
 
 # -- helpers -----------------------------------------------------------------------------
+
+
+def stage_token_bitmasks(token_bitmasks: list[bytes], *, pin_memory: bool
+                         ) -> tuple[torch.Tensor, int]:
+    """(host buffer of int64s, number of int32 words) holding the masks one after the
+    other, as the sampler's ``bitmask_words`` upload them; an odd word count padded."""
+    num_bytes = sum(len(token_bitmask) for token_bitmask in token_bitmasks)
+    num_words = num_bytes // 4
+    # straight into (cached) pinned memory: a megabyte a step at 64 rows of 152k ids
+    host_words = torch.empty((num_words + 1) // 2, dtype=torch.int64, pin_memory=pin_memory)
+    view = host_words.numpy().view(np.uint8)
+    start = 0
+    for token_bitmask in token_bitmasks:
+        view[start:start + len(token_bitmask)] = np.frombuffer(token_bitmask, dtype=np.uint8)
+        start += len(token_bitmask)
+    view[start:] = 0  # an odd word count's padding
+    return host_words, num_words
 
 
 def _sampling_inputs(ints: Segments, floats: Segments) -> DeviceSamplingInputs:
