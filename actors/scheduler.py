@@ -52,7 +52,7 @@ import msgspec
 import trio
 
 from trio_llm.actors.config import EngineConfig
-from trio_llm.actors.grammar import Grammars, GrammarState, fill_bitmasks
+from trio_llm.actors.grammar import Grammars, GrammarState, accept_tokens, fill_bitmasks
 from trio_llm.actors.kv_blocks import (
     BlockManager,
     chain_block_hashes,
@@ -244,10 +244,7 @@ class RunningRequest:
         assert self.num_placeholders > 0, "a token it did not ask for"
         self.num_placeholders -= 1
         output_token_ids = self.output_token_ids
-        output_token_ids.append(token_id)
-        if self.grammar is not None:
-            accepted = self.grammar.accept(token_id)
-            assert accepted, "the sampler obeys the grammar's mask"
+        output_token_ids.append(token_id)  # (its grammar accepts it with the step's others)
         # A stop token only counts from output index min_tokens on: the
         # runner masks it before that; the rule holds here too.
         if token_id in self.stop_token_ids and len(output_token_ids) > self.min_tokens:
@@ -423,11 +420,16 @@ class Scheduler:
                     and running.prompt_logprobs is not None):
                 running.prompt_logprobs += chunk.logprobs
         deltas = []
+        grammars: list[GrammarState] = []
+        grammar_token_ids: list[int] = []
         sampled = zip(result.request_ids, result.sampled_token_ids, strict=True)
         for index, (request_id, token_id) in enumerate(sampled):
             running = running_by_id.get(request_id)
             if running is None or running.start_step_id > expected_step_id:
                 continue  # finished, aborted or preempted since: its token is dropped
+            if running.grammar is not None:
+                grammars.append(running.grammar)
+                grammar_token_ids.append(token_id)
             finish_reason = running.accept_token(token_id)
             prompt_logprobs: list[TokenLogprobs | None] | None = None
             if running.prompt_logprobs is not None:  # its first token
@@ -441,6 +443,9 @@ class Scheduler:
                 prompt_logprobs=prompt_logprobs))
             if finish_reason is not None:
                 self._stop(running)
+        # the step's constrained rows in one call (nothing reads a grammar meanwhile)
+        accepted = accept_tokens(grammars, grammar_token_ids)
+        assert all(accepted), "the sampler obeys the grammar's mask"
         self.num_generation_tokens += len(deltas)
         return TokenBatch(deltas=deltas) if deltas else None
 

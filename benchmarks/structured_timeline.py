@@ -115,7 +115,8 @@ class SimulatedDeviceExecutor:
 
     def supply_bitmasks(self, pending: SimulatedStep, token_bitmasks: list[bytes]) -> None:
         started = time.perf_counter()
-        stage_token_bitmasks(token_bitmasks, pin_memory=False)
+        stage_token_bitmasks(token_bitmasks, row_indices=list(range(len(token_bitmasks))),
+                             pin_memory=False)
         pending.bitmasks = token_bitmasks
         enqueued = time.perf_counter()
         TIMES[pending.batch.step_id]["supply"] = (started, enqueued)
@@ -213,7 +214,14 @@ def main() -> None:
     parser.add_argument("--launch-ms", type=float, default=1.0)
     parser.add_argument("--max-output-len", type=int, default=300)
     parser.add_argument("--unconstrained", action="store_true")
+    parser.add_argument("--masks-on-loop", action="store_true",
+                        help="fill the masks on the event loop (gpu_bench.py's A/B arm)")
     args = parser.parse_args()
+    if args.masks_on_loop:
+        from gpu_bench import _masks_filled_on_the_event_loop
+
+        on_loop = _masks_filled_on_the_event_loop()
+        on_loop.__enter__()  # (kept: its generator restores the thread when collected)
     model_path = resolve_model("qwen3-0.6b")
     vocab_size = json.loads((model_path / "config.json").read_text())["vocab_size"]
     executor = SimulatedDeviceExecutor(model_path, vocab_size, args)

@@ -25,7 +25,7 @@ from msgspec.structs import replace
 
 from trio_llm.actors.config import EngineConfig
 from trio_llm.actors.errors import RequestRejected
-from trio_llm.actors.grammar import Grammars, fill_bitmasks
+from trio_llm.actors.grammar import Grammars, accept_tokens, fill_bitmasks
 from trio_llm.actors.intake import Intake
 from trio_llm.actors.messages import (
     SamplingParams,
@@ -264,6 +264,48 @@ async def test_choices_with_quotes_backslashes_and_accents_come_out_verbatim() -
 def allowed_ids(token_bitmask: bytes) -> set[int]:
     bits = np.unpackbits(np.frombuffer(token_bitmask, dtype=np.uint8), bitorder="little")
     return {int(token_id) for token_id in np.flatnonzero(bits)}
+
+
+def test_a_steps_masks_filled_in_one_call_are_each_matchers_own() -> None:
+    """fill_bitmasks (xgrammar's batch fill, the JSON rows narrowed at once) gives every
+    row the mask its matcher fills alone, narrowed as its own; a terminated matcher's
+    row allows everything; accept_tokens advances each matcher as accept does."""
+    import xgrammar
+
+    tokenizer = Tokenizer.from_dir(resolve_model("tiny"))
+    grammars = Grammars(tokenizer, vocab_size=2048)
+    constraints = [StructuredOutputsParams(json=json.dumps(SCHEMAS[index])) for index in (0, 6)]
+    constraints.append(StructuredOutputsParams(regex="[a-c]{1,3}"))
+    states = [grammars.start(constraints[index % 3]) for index in range(9)]
+    twins = [grammars.start(constraints[index % 3]) for index in range(9)]
+    for step in range(6):  # each row walks on, by its own mask, a different number of steps
+        walking = [index for index, state in enumerate(states)
+                   if index > step and not state.is_terminated]
+        masks = fill_bitmasks([states[index] for index in walking])
+        token_ids = [sorted(allowed_ids(mask))[(step + index) % len(allowed_ids(mask))]
+                     for index, mask in zip(walking, masks, strict=True)]
+        assert all(accept_tokens([states[index] for index in walking], token_ids))
+        for index, token_id in zip(walking, token_ids, strict=True):
+            assert twins[index].accept(token_id)
+    terminated = grammars.start(StructuredOutputsParams(choice=["a"]))
+    assert terminated.accept(tokenizer.encode("a")[0])
+    assert terminated.accept(tokenizer.eos_token_ids[0]) and terminated.is_terminated
+    states.append(terminated)
+    twins.append(terminated)
+    masks = fill_bitmasks(states)
+    json_rows = [index for index in range(9) if index % 3 != 2]  # all narrowed at once
+    assert fill_bitmasks([states[index] for index in json_rows]) == [
+        masks[index] for index in json_rows]
+    for mask, twin in zip(masks, twins, strict=True):
+        own = xgrammar.allocate_token_bitmask(1, 2048)
+        if twin.is_terminated:
+            assert mask == b"\xff" * len(mask)
+            continue
+        twin._matcher.fill_next_token_bitmask(own, 0)
+        words = own.numpy()[0]
+        if twin._allowed_words is not None:  # a JSON row: no control characters
+            words &= twin._allowed_words
+        assert mask == words.tobytes()
 
 
 def test_the_scheduler_hands_out_each_steps_grammars_once_every_step_before_is_reconciled(
