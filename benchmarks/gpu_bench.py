@@ -36,7 +36,8 @@ output tokens/s of both and their ratio. xgrammar's view of the vocabulary and t
 grammar are built first (timed), then an untimed constrained warm-up runs. The
 constrained run fills its masks in the scheduler's worker thread (the engine's way);
 ``--masks-on-loop`` runs it again with them filled on the event loop (an A/B of that
-choice, patched in here).
+choice, patched in here); ``--rounds N`` runs the arms N times, interleaved, and adds
+the ratio over all rounds.
 Every phase prints its figures as it ends; a phase stuck for ``--stall-seconds``
 dumps every thread's stack.
 """
@@ -354,18 +355,33 @@ def run_structured(args: argparse.Namespace) -> dict[str, Any]:
 
     run("warm_up", warm_up, {index: constraint for index in range(0, 64, 4)})
     results.update(num_prompts=num_prompts, num_constrained=len(constrained))
-    results["unconstrained"] = run("unconstrained", workload, {})
-    results["constrained"] = run("constrained", workload, constrained)
-    arms = ["constrained"]
-    if args.masks_on_loop:
-        with _masks_filled_on_the_event_loop():
-            results["constrained_masks_on_loop"] = run("constrained_masks_on_loop", workload,
-                                                       constrained)
-        arms.append("constrained_masks_on_loop")
-    for name in arms:
-        results[f"{name}_over_unconstrained"] = (
-            results[name]["output_tokens_per_second"]
-            / results["unconstrained"]["output_tokens_per_second"])
+    arms = ["unconstrained", "constrained"] + (
+        ["constrained_masks_on_loop"] if args.masks_on_loop else [])
+    rounds: list[dict[str, Any]] = []
+    for _ in range(args.rounds):  # the arms interleaved: the machine drifts between rounds
+        one_round = {"unconstrained": run("unconstrained", workload, {}),
+                     "constrained": run("constrained", workload, constrained)}
+        if args.masks_on_loop:
+            with _masks_filled_on_the_event_loop():
+                one_round["constrained_masks_on_loop"] = run(
+                    "constrained_masks_on_loop", workload, constrained)
+        for name in arms[1:]:
+            one_round[f"{name}_over_unconstrained"] = (
+                one_round[name]["output_tokens_per_second"]
+                / one_round["unconstrained"]["output_tokens_per_second"])
+        print(json.dumps({key: value for key, value in one_round.items()
+                          if key.endswith("_over_unconstrained")}), flush=True)
+        rounds.append(one_round)
+    results.update(rounds[0])  # the first round's figures where a single run's were
+    if args.rounds > 1:
+        results["rounds"] = rounds
+        for name in arms[1:]:
+            # tokens over seconds, all rounds together
+            results[f"{name}_over_unconstrained_all_rounds"] = (
+                sum(r[name]["num_output_tokens"] for r in rounds)
+                / sum(r[name]["elapsed_seconds"] for r in rounds)
+                / (sum(r["unconstrained"]["num_output_tokens"] for r in rounds)
+                   / sum(r["unconstrained"]["elapsed_seconds"] for r in rounds)))
     faulthandler.cancel_dump_traceback_later()
     return results
 
@@ -520,6 +536,8 @@ def main() -> None:
                              help="decode, throughput: ranks (GPUs), one worker process each")
         command.add_argument("--stall-seconds", type=float, default=60.0,
                              help="structured: dump every stack after this long in one phase")
+        command.add_argument("--rounds", type=int, default=1,
+                             help="structured: the arms this many times, interleaved")
         command.add_argument("--masks-on-loop", action="store_true",
                              help="structured: also run the constrained workload with its "
                                   "masks filled on the event loop (an A/B)")
