@@ -176,7 +176,7 @@ def instrument() -> None:
         try:
             return fill(grammars)
         finally:
-            TIMES[step_id]["fill (thread)"] = (started, time.perf_counter())
+            TIMES[step_id]["fill"] = (started, time.perf_counter())
 
     cls.on_step_result, cls.schedule = timed_on_step_result, timed_schedule  # type: ignore
     cls.ready_bitmasks = recorded_ready  # type: ignore[method-assign]
@@ -196,7 +196,7 @@ def steady_state_timeline(num_rows_of: dict[int, int]) -> list[tuple[str, float,
         t0 = before["device sample"][1]
         phases = [(f"N: {name}", before.get(name)) for name in ("collect", "reconcile")]
         phases += [(f"N+1: {name}", times.get(name)) for name in (
-            "fill (thread)", "supply", "device forward", "device sample")]
+            "fill", "supply", "device forward", "device sample")]
         phases += [(f"N+2: {name}", after.get(name)) for name in (
             "plan", "launch", "device forward")]
         for name, span in phases:
@@ -214,14 +214,7 @@ def main() -> None:
     parser.add_argument("--launch-ms", type=float, default=1.0)
     parser.add_argument("--max-output-len", type=int, default=300)
     parser.add_argument("--unconstrained", action="store_true")
-    parser.add_argument("--masks-on-loop", action="store_true",
-                        help="fill the masks on the event loop (gpu_bench.py's A/B arm)")
     args = parser.parse_args()
-    if args.masks_on_loop:
-        from gpu_bench import _masks_filled_on_the_event_loop
-
-        on_loop = _masks_filled_on_the_event_loop()
-        on_loop.__enter__()  # (kept: its generator restores the thread when collected)
     model_path = resolve_model("qwen3-0.6b")
     vocab_size = json.loads((model_path / "config.json").read_text())["vocab_size"]
     executor = SimulatedDeviceExecutor(model_path, vocab_size, args)
