@@ -1,7 +1,7 @@
 """Where a constrained step's time goes at depth 2: a timeline of the host side on the CPU.
 
     python benchmarks/structured_timeline.py [--num-prompts 256] [--forward-ms 5.2]
-        [--sample-ms 0.15] [--launch-ms 1.0] [--unconstrained]
+        [--sample-ms 0.15] [--launch-ms 1.0] [--max-output-len 300] [--unconstrained]
 
 ``gpu_bench.py structured``'s workload (every fourth request constrained by its JSON
 schema, depth 2, the built-in qwen3-0.6b's 151,936-id vocabulary, so the masks and
@@ -10,17 +10,18 @@ pipelined CUDA executor that simulates the device's timeline: a step's forward p
 starts when it is launched and the compute stream is free, takes ``--forward-ms``;
 its sampling starts when the forward pass is done and (for a step whose masks follow)
 its masks are supplied, takes ``--sample-ms``; the step is done then. ``launch``
-spends ``--launch-ms`` of host time (a spin, holding the GIL as the plan and the
-packing do), ``supply_bitmasks`` does the CUDA executor's own host work on the masks
-(gpu/cuda_executor.stage_token_bitmasks, on plain memory), ``collect`` returns for
-each row a token its mask allows (a few probes into the mask's bits).
+spends ``--launch-ms`` of host time (a spin that holds the GIL and lets go of it
+every 0.1 ms, as a torch call would), ``supply_bitmasks`` does the CUDA executor's
+own host work on the masks (gpu/cuda_executor.stage_token_bitmasks, on plain
+memory), ``collect`` returns for each row a token its mask allows (a few probes into
+the mask's bits).
 
 Every host phase of the engine is timed (the scheduler's reconcile, mask fill and
 planning, the runner's launch, supply and collect) and printed for the steady state
-(full-batch decode steps): when each phase starts and ends, in ms after the device
-finished sampling the step before (t0), medians over the steps; then what is
-serial, the device's wait for the masks inside a step, and its idle time between
-steps.
+(full-batch steps): when each phase starts and ends, in ms after the device
+finished sampling the step before (t0), medians over the steps, after the run's
+output tok/s, ms per step and the simulated device's busy share. Output lengths are
+cut to ``--max-output-len`` (gpu_bench's go to 1024) to keep a CPU run short.
 """
 
 from __future__ import annotations
