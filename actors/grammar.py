@@ -247,39 +247,70 @@ class GrammarState:
         """The tokens allowed next (see ``fill_bitmasks``)."""
         return fill_bitmasks([self])[0]
 
-    def fill_row(self, bitmask: Any, index: int) -> None:
-        """Write the tokens allowed next into row ``index`` of an xgrammar bitmask."""
-        if self._matcher.is_terminated():
-            bitmask[index].fill_(-1)
-        else:
-            self._matcher.fill_next_token_bitmask(bitmask, index)
 
-    def narrow(self, words: np.ndarray) -> None:
-        """Take the tokens no mask of this grammar may allow out of a filled row."""
-        if self._allowed_words is not None and not self._matcher.is_terminated():
-            np.bitwise_and(words, self._allowed_words, out=words)
-
-
-def fill_bitmasks(states: Sequence[GrammarState]) -> list[bytes]:
-    """The tokens each state allows next, as ScheduledRequest.token_bitmask bytes.
-    Blocking (about a millisecond for 64 rows of a 150k vocabulary, up to tens in
-    states xgrammar resolves at run time): the scheduler calls it in a worker thread.
-
-    After a stop token nothing follows; a mask asked for then (a step already
-    planned when the request finished, whose token is dropped) allows everything.
-    One matcher at a time: xgrammar's BatchGrammarMatcher, whose thread pool sizes
-    itself to the machine, was no faster at batch 64 on the 2-core development machine
-    (docs/performance.md); on the H200's host it is untried."""
+def accept_tokens(states: Sequence[GrammarState], token_ids: Sequence[int]) -> list[bool]:
+    """``GrammarState.accept`` of each state's token, in one call into xgrammar (a
+    step's constrained rows at once, on the event loop: one call instead of 64)."""
     import xgrammar
 
     if not states:
         return []
+    return xgrammar.BatchGrammarMatcher.batch_accept_token(
+        [state._matcher for state in states], list(token_ids))
+
+
+def fill_bitmasks(states: Sequence[GrammarState]) -> list[bytes]:
+    """The tokens each state allows next, as ScheduledRequest.token_bitmask bytes.
+
+    One call into xgrammar fills every row (its BatchGrammarMatcher, on a thread pool
+    of half the machine's cores, without the GIL): about 0.8 ms for 64 rows of a 150k
+    vocabulary on the H200's host, as long as the matchers' own fills one after the
+    other took, but the GIL is let go and taken back once, not 64 times (each a wait of
+    up to the interpreter's switch interval, 5 ms, behind a busy event loop:
+    docs/performance.md, "Structured outputs"). Up to tens of ms in states xgrammar
+    resolves at run time.
+
+    After a stop token nothing follows; a mask asked for then (a step already
+    planned when the request finished, whose token is dropped) allows everything."""
+
+    if not states:
+        return []
     vocab_size = states[0].vocab_size
-    bitmask = xgrammar.allocate_token_bitmask(len(states), vocab_size)
-    for index, state in enumerate(states):
-        assert state.vocab_size == vocab_size, "one vocabulary per step"
-        state.fill_row(bitmask, index)
-    words = bitmask.numpy()
-    for index, state in enumerate(states):
-        state.narrow(words[index])
+    assert all(state.vocab_size == vocab_size for state in states), "one vocabulary per step"
+    words = np.full((len(states), (vocab_size + 31) // 32), -1, dtype=np.int32)
+    live = [index for index, state in enumerate(states) if not state.is_terminated]
+    if live:
+        _batch_matcher().batch_fill_next_token_bitmask(
+            [states[index]._matcher for index in live], words, live)
+    _narrow(words, states, live)
     return [row.tobytes() for row in words]
+
+
+def _narrow(words: np.ndarray, states: Sequence[GrammarState], live: list[int]) -> None:
+    """Take out of each live row the tokens no mask of its grammar may allow: one
+    vectorised operation for all the rows that share an ``allowed_words``."""
+    by_allowed: dict[int, tuple[np.ndarray, list[int]]] = {}
+    for index in live:
+        allowed = states[index]._allowed_words
+        if allowed is not None:
+            by_allowed.setdefault(id(allowed), (allowed, []))[1].append(index)
+    for allowed, rows in by_allowed.values():
+        if len(rows) == len(states):
+            np.bitwise_and(words, allowed, out=words)
+        else:
+            words[rows] &= allowed
+
+
+_BATCH_MATCHER: Any = None
+_BATCH_MATCHER_LOCK = threading.Lock()
+
+
+def _batch_matcher() -> Any:
+    """xgrammar's batch matcher, whose thread pool the process shares."""
+    global _BATCH_MATCHER
+    import xgrammar
+
+    with _BATCH_MATCHER_LOCK:
+        if _BATCH_MATCHER is None:
+            _BATCH_MATCHER = xgrammar.BatchGrammarMatcher()
+        return _BATCH_MATCHER

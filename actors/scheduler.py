@@ -39,7 +39,9 @@ row of a constrained request is scheduled with ``bitmask_follows``: its mask is
 computed once every step before it is reconciled (at depth 2, when the step in
 flight returns; otherwise at once) and sent to the runner as StepBitmasks
 (``ready_bitmasks``), before the runner samples that step. The shell fills the
-masks in a worker thread, never on the event loop. Its tokens are those of depth 1.
+masks on the event loop, the moment they can be filled, in one call of xgrammar's
+batch matcher (which works without the GIL; docs/architecture.md says why not in a
+worker thread). Its tokens are those of depth 1.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ import msgspec
 import trio
 
 from trio_llm.actors.config import EngineConfig
-from trio_llm.actors.grammar import Grammars, GrammarState, fill_bitmasks
+from trio_llm.actors.grammar import Grammars, GrammarState, accept_tokens, fill_bitmasks
 from trio_llm.actors.kv_blocks import (
     BlockManager,
     chain_block_hashes,
@@ -244,10 +246,7 @@ class RunningRequest:
         assert self.num_placeholders > 0, "a token it did not ask for"
         self.num_placeholders -= 1
         output_token_ids = self.output_token_ids
-        output_token_ids.append(token_id)
-        if self.grammar is not None:
-            accepted = self.grammar.accept(token_id)
-            assert accepted, "the sampler obeys the grammar's mask"
+        output_token_ids.append(token_id)  # (its grammar accepts it with the step's others)
         # A stop token only counts from output index min_tokens on: the
         # runner masks it before that; the rule holds here too.
         if token_id in self.stop_token_ids and len(output_token_ids) > self.min_tokens:
@@ -423,11 +422,16 @@ class Scheduler:
                     and running.prompt_logprobs is not None):
                 running.prompt_logprobs += chunk.logprobs
         deltas = []
+        grammars: list[GrammarState] = []
+        grammar_token_ids: list[int] = []
         sampled = zip(result.request_ids, result.sampled_token_ids, strict=True)
         for index, (request_id, token_id) in enumerate(sampled):
             running = running_by_id.get(request_id)
             if running is None or running.start_step_id > expected_step_id:
                 continue  # finished, aborted or preempted since: its token is dropped
+            if running.grammar is not None:
+                grammars.append(running.grammar)
+                grammar_token_ids.append(token_id)
             finish_reason = running.accept_token(token_id)
             prompt_logprobs: list[TokenLogprobs | None] | None = None
             if running.prompt_logprobs is not None:  # its first token
@@ -441,6 +445,9 @@ class Scheduler:
                 prompt_logprobs=prompt_logprobs))
             if finish_reason is not None:
                 self._stop(running)
+        # the step's constrained rows in one call (nothing reads a grammar meanwhile)
+        accepted = accept_tokens(grammars, grammar_token_ids)
+        assert all(accepted), "the sampler obeys the grammar's mask"
         self.num_generation_tokens += len(deltas)
         return TokenBatch(deltas=deltas) if deltas else None
 
@@ -847,58 +854,33 @@ def _num_prefill_tokens(waiting: WaitingRequest) -> int:
 # -- the actor ------------------------------------------------------------------
 
 
-class _BitmaskSender:
-    """Fills the masks of the steps ``Scheduler.ready_bitmasks`` hands out in a worker
-    thread (about a millisecond for 64 rows of a 150k vocabulary, tens in some grammar
-    states; xgrammar releases the GIL meanwhile) and sends their StepBitmasks, while the
-    scheduler plans the next step on the event loop. ``wait_sent`` before anything else
-    goes to the runner (each StepBitmasks follows its batch in the runner's inbox) and
-    before a matcher advances (a fill reads it)."""
+async def _send_ready_bitmasks(scheduler: Scheduler,
+                               runner: trio.MemorySendChannel[Any]) -> None:
+    """Fill and send the StepBitmasks of every step whose masks can be filled now.
 
-    def __init__(self, nursery: trio.Nursery, runner: trio.MemorySendChannel[Any]) -> None:
-        self._nursery = nursery
-        self._runner = runner
-        # its own thread: trio's shared limiter could be busy elsewhere
-        self._thread = trio.CapacityLimiter(1)
-        self._sent = trio.Event()
-        self._sent.set()
-
-    async def wait_sent(self) -> None:
-        # no checkpoint when nothing is pending: unconstrained steps keep the
-        # scheduler's interleaving exactly as it is without grammars
-        if not self._sent.is_set():
-            await self._sent.wait()
-
-    async def start(self, scheduler: Scheduler) -> None:
-        """Start filling every step whose masks can be filled now."""
-        await self.wait_sent()
-        ready = []
-        while (step := scheduler.ready_bitmasks()) is not None:
-            ready.append(step)
-        if ready:
-            self._sent = trio.Event()
-            self._nursery.start_soon(self._fill_and_send, ready, self._sent)
-
-    async def _fill_and_send(self, ready: list[tuple[int, list[GrammarState]]],
-                             sent: trio.Event) -> None:
-        for step_id, grammars in ready:
-            token_bitmasks = await trio.to_thread.run_sync(fill_bitmasks, grammars,
-                                                           limiter=self._thread)
-            await self._runner.send(StepBitmasks(step_id=step_id,
-                                                 token_bitmasks=token_bitmasks))
-        sent.set()
+    On the event loop, at once: at depth 2 the device waits for these masks once the
+    step's forward pass is done, so they go before anything else the loop has to do.
+    One call into xgrammar fills a step's rows (about 0.8 ms for 64 rows of a 150k
+    vocabulary on the H200's host, without the GIL); a worker thread had to win the GIL
+    back from the busy loop to start and to finish, and that wait made the step later,
+    not earlier (docs/performance.md, "Structured outputs"). Sent right after its batch
+    (or after the result that made it ready), so each StepBitmasks follows its batch in
+    the runner's inbox. No checkpoint when nothing is ready: unconstrained steps keep
+    the scheduler's interleaving exactly as it is without grammars."""
+    while (step := scheduler.ready_bitmasks()) is not None:
+        step_id, grammars = step
+        await runner.send(StepBitmasks(step_id=step_id,
+                                       token_bitmasks=fill_bitmasks(grammars)))
 
 
 class _Outboxes:
-    """The scheduler actor's three outboxes, passed around as one, and the sender of
-    the runner's StepBitmasks."""
+    """The scheduler actor's three outboxes, passed around as one."""
 
     def __init__(self, queue: trio.MemorySendChannel[Any], runner: trio.MemorySendChannel[Any],
-                 detokenizer: trio.MemorySendChannel[Any], bitmasks: _BitmaskSender) -> None:
+                 detokenizer: trio.MemorySendChannel[Any]) -> None:
         self.queue = queue
         self.runner = runner
         self.detokenizer = detokenizer
-        self.bitmasks = bitmasks
 
 
 async def run_scheduler(
@@ -921,16 +903,15 @@ async def run_scheduler(
     outboxes then.
     """
     task_status.started()
-    async with queue_outbox, runner_outbox, detokenizer_outbox, trio.open_nursery() as nursery:
-        outboxes = _Outboxes(queue_outbox, runner_outbox, detokenizer_outbox,
-                             _BitmaskSender(nursery, runner_outbox))
+    async with queue_outbox, runner_outbox, detokenizer_outbox:
+        outboxes = _Outboxes(queue_outbox, runner_outbox, detokenizer_outbox)
         while True:
             if scheduler.can_plan_step():
                 pulled = await _pull(inbox, scheduler, outboxes)
                 await _compile_constraints(scheduler, pulled)
                 plan = scheduler.schedule(pulled)
                 await _send_plan(plan, outboxes)
-                await outboxes.bitmasks.start(scheduler)
+                await _send_ready_bitmasks(scheduler, outboxes.runner)
                 # Nothing planned and nothing in flight: the last request finished
                 # while a Pull that does not wait was answered. Ask again, waiting.
                 if plan.batch is not None or not scheduler.num_in_flight:
@@ -968,16 +949,14 @@ async def _send_plan(plan: StepPlan, outboxes: _Outboxes) -> None:
     if plan.requeue is not None:
         await outboxes.queue.send(plan.requeue)
     if plan.batch is not None:
-        await outboxes.bitmasks.wait_sent()
         await outboxes.runner.send(plan.batch)
 
 
 async def _handle(message: SchedulerInbox, scheduler: Scheduler, outboxes: _Outboxes) -> None:
     match message:
         case StepResult():
-            await outboxes.bitmasks.wait_sent()  # its matchers are about to advance
             tokens = scheduler.on_step_result(message)
-            await outboxes.bitmasks.start(scheduler)  # the runner waits for them
+            await _send_ready_bitmasks(scheduler, outboxes.runner)  # the runner waits
             if tokens is not None:
                 await outboxes.detokenizer.send(tokens)
         case Abort(request_id=request_id):

@@ -33,10 +33,9 @@ structured: the throughput workload at depth 2 (``--num-prompts`` 256, all at on
 first unconstrained, then with every fourth request (64 of 256) constrained by a
 JSON schema (an object with a free string field: random weights run it to max_tokens);
 output tokens/s of both and their ratio. xgrammar's view of the vocabulary and the
-grammar are built first (timed), then an untimed constrained warm-up runs. The
-constrained run fills its masks in the scheduler's worker thread (the engine's way);
-``--masks-on-loop`` runs it again with them filled on the event loop (an A/B of that
-choice, patched in here).
+grammar are built first (timed), then an untimed constrained warm-up runs.
+``--rounds N`` runs the two arms N times, interleaved, and adds the ratio over all
+rounds (tokens over seconds).
 Every phase prints its figures as it ends; a phase stuck for ``--stall-seconds``
 dumps every thread's stack.
 """
@@ -44,7 +43,6 @@ dumps every thread's stack.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import logging
@@ -354,18 +352,26 @@ def run_structured(args: argparse.Namespace) -> dict[str, Any]:
 
     run("warm_up", warm_up, {index: constraint for index in range(0, 64, 4)})
     results.update(num_prompts=num_prompts, num_constrained=len(constrained))
-    results["unconstrained"] = run("unconstrained", workload, {})
-    results["constrained"] = run("constrained", workload, constrained)
-    arms = ["constrained"]
-    if args.masks_on_loop:
-        with _masks_filled_on_the_event_loop():
-            results["constrained_masks_on_loop"] = run("constrained_masks_on_loop", workload,
-                                                       constrained)
-        arms.append("constrained_masks_on_loop")
-    for name in arms:
-        results[f"{name}_over_unconstrained"] = (
-            results[name]["output_tokens_per_second"]
-            / results["unconstrained"]["output_tokens_per_second"])
+    arms = ["unconstrained", "constrained"]
+    rounds: list[dict[str, Any]] = []
+    for _ in range(args.rounds):  # the arms interleaved: the machine drifts between rounds
+        one_round = {name: run(name, workload, constrained if name == "constrained" else {})
+                     for name in arms}
+        one_round["constrained_over_unconstrained"] = (
+            one_round["constrained"]["output_tokens_per_second"]
+            / one_round["unconstrained"]["output_tokens_per_second"])
+        print(json.dumps({"constrained_over_unconstrained":
+                          one_round["constrained_over_unconstrained"]}), flush=True)
+        rounds.append(one_round)
+    results.update(rounds[0])  # the first round's figures where a single run's were
+    if args.rounds > 1:
+        results["rounds"] = rounds
+        # tokens over seconds, all rounds together
+        results["constrained_over_unconstrained_all_rounds"] = (
+            sum(r["constrained"]["num_output_tokens"] for r in rounds)
+            / sum(r["constrained"]["elapsed_seconds"] for r in rounds)
+            / (sum(r["unconstrained"]["num_output_tokens"] for r in rounds)
+               / sum(r["unconstrained"]["elapsed_seconds"] for r in rounds)))
     faulthandler.cancel_dump_traceback_later()
     return results
 
@@ -385,26 +391,6 @@ def _time_mask_fills() -> list[float]:
 
     module.fill_bitmasks = timed_fill
     return seconds
-
-
-@contextlib.contextmanager
-def _masks_filled_on_the_event_loop() -> Any:
-    """The A/B arm: the scheduler fills each ready step's masks on the event loop, then
-    sends them, instead of in its worker thread overlapped with planning."""
-    from trio_llm.actors import scheduler as module
-
-    async def start(self: Any, scheduler: Any) -> None:
-        while (step := scheduler.ready_bitmasks()) is not None:
-            step_id, grammars = step
-            await self._runner.send(module.StepBitmasks(
-                step_id=step_id, token_bitmasks=module.fill_bitmasks(grammars)))
-
-    threaded = module._BitmaskSender.start
-    module._BitmaskSender.start = start  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        module._BitmaskSender.start = threaded  # type: ignore[method-assign]
 
 
 def _stats_snapshot(executor: CudaModelExecutor) -> dict[str, float]:
@@ -520,9 +506,8 @@ def main() -> None:
                              help="decode, throughput: ranks (GPUs), one worker process each")
         command.add_argument("--stall-seconds", type=float, default=60.0,
                              help="structured: dump every stack after this long in one phase")
-        command.add_argument("--masks-on-loop", action="store_true",
-                             help="structured: also run the constrained workload with its "
-                                  "masks filled on the event loop (an A/B)")
+        command.add_argument("--rounds", type=int, default=1,
+                             help="structured: the arms this many times, interleaved")
         command.set_defaults(run=run)
     args = parser.parse_args()
     global TENSOR_PARALLEL_SIZE

@@ -85,7 +85,6 @@ from trio_llm.gpu.model import AttentionMetadata, CausalLM
 from trio_llm.gpu.sampler import (
     PromptLogprobRows,
     SamplingRow,
-    bitmask_rows,
     prompt_logprobs,
     raw_logprobs,
 )
@@ -331,37 +330,43 @@ class CudaModelExecutor(ModelExecutor):
 
     def supply_bitmasks(self, pending: PendingStep, token_bitmasks: list[bytes]) -> None:
         """Enqueue the sampling of a step launched with rows whose bitmasks follow:
-        ``token_bitmasks`` are theirs, in batch order (StepBitmasks)."""
+        ``token_bitmasks`` are theirs, in batch order (StepBitmasks).
+
+        On the critical path at depth 2 (the device waits for it when the forward pass
+        is done first), so it does as little as it can on the host: the masks go
+        straight into one pinned buffer with their rows' indices, and up in one copy."""
         forward = pending.forward
         assert forward is not None, "this step is not waiting for bitmasks"
         started = time.perf_counter()
-        rows = list(forward.step.sampling_rows)  # a step with bitmasks to follow has them
         awaiting = forward.step.rows_awaiting_bitmasks
         assert len(awaiting) == len(token_bitmasks), "one bitmask per row that waits"
-        for index, token_bitmask in zip(awaiting, token_bitmasks, strict=True):
-            rows[index] = dataclasses.replace(rows[index], token_bitmask=token_bitmask)
-        forward.plan, forward.inputs = self._with_bitmasks(forward, rows)
+        forward.plan, forward.inputs = self._with_bitmasks(forward, awaiting, token_bitmasks)
         self._enqueue_sampling(pending)
         self.stats.launch_seconds += time.perf_counter() - started
 
-    def _with_bitmasks(self, forward: ForwardState, rows: list[SamplingRow]
+    def _with_bitmasks(self, forward: ForwardState, awaiting: list[int],
+                       token_bitmasks: list[bytes]
                        ) -> tuple[SamplingPlan, DeviceSamplingInputs]:
         """The plan and device inputs of ``forward`` with every row's bitmask (those
         packed at launch and those that followed), uploaded on the compute stream."""
-        indices, packed = bitmask_rows(rows)
-        num_words = len(packed) // 4
-        # straight into (cached) pinned memory: a megabyte a step at 64 rows of 152k ids
-        host_words = torch.empty((num_words + 1) // 2, dtype=torch.int64,
-                                 pin_memory=self.device.type == "cuda")
-        words = host_words.numpy()
-        words.view(np.uint8)[:len(packed)] = np.frombuffer(packed, dtype=np.uint8)
-        words.view(np.uint8)[len(packed):] = 0  # an odd word count's padding
-        plan = dataclasses.replace(forward.plan, bitmask_rows=indices, bitmask_words=words,
+        rows, plan = forward.step.sampling_rows, forward.plan
+        if plan.bitmask_rows:  # a request's first token: its mask came with the batch
+            masks = {index: rows[index].token_bitmask or b"" for index in plan.bitmask_rows}
+            masks.update(zip(awaiting, token_bitmasks, strict=True))
+            indices = sorted(masks)
+            token_bitmasks = [masks[index] for index in indices]
+        else:
+            indices = awaiting
+        host, words_start, num_words = stage_token_bitmasks(
+            token_bitmasks, row_indices=indices, pin_memory=self.device.type == "cuda")
+        plan = dataclasses.replace(plan, bitmask_rows=indices,
+                                   bitmask_words=host.numpy()[words_start:],
                                    num_bitmask_words=num_words)
         with self.compute.context():
-            inputs = dataclasses.replace(
-                forward.inputs, bitmask_rows=self._to_device(torch.tensor(indices)),
-                bitmask_words=host_words.to(self.device, non_blocking=True))
+            uploaded = host.to(self.device, non_blocking=True)
+            inputs = dataclasses.replace(forward.inputs,
+                                         bitmask_rows=uploaded[:len(indices)],
+                                         bitmask_words=uploaded[words_start:])
         return plan, inputs
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
@@ -877,6 +882,27 @@ class CudaModelExecutor(ModelExecutor):
 
 
 # -- helpers -----------------------------------------------------------------------------
+
+
+def stage_token_bitmasks(token_bitmasks: list[bytes], *, row_indices: list[int],
+                         pin_memory: bool) -> tuple[torch.Tensor, int, int]:
+    """(host buffer of int64s, where the masks start in it, number of int32 words of
+    masks): ``row_indices`` first, then the masks one after the other (an odd word
+    count padded), as the sampler's ``bitmask_rows`` and ``bitmask_words`` read them,
+    so one upload carries both. The masks start 16-byte aligned: Triton specialises
+    the mask kernel on its pointers' alignment (and would compile again mid-run)."""
+    packed = b"".join(token_bitmasks)  # one pass in C: cheaper than a copy per mask
+    num_words = len(packed) // 4
+    words_start = len(row_indices) + len(row_indices) % 2
+    # straight into (cached) pinned memory: a megabyte a step at 64 rows of 152k ids
+    host = torch.empty(words_start + (num_words + 1) // 2, dtype=torch.int64,
+                       pin_memory=pin_memory)
+    values = host.numpy()
+    values[:len(row_indices)] = row_indices
+    view = values[words_start:].view(np.uint8)
+    view[:len(packed)] = np.frombuffer(packed, dtype=np.uint8)
+    view[len(packed):] = 0  # an odd word count's padding
+    return host, words_start, num_words
 
 
 def _sampling_inputs(ints: Segments, floats: Segments) -> DeviceSamplingInputs:

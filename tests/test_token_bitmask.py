@@ -4,6 +4,7 @@ is one) only ever pick allowed tokens, leave unconstrained rows alone, and agree
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -250,3 +251,50 @@ def test_the_device_sampler_keeps_the_raw_logits_when_a_row_wants_logprobs() -> 
     got = sample_on_device(logits, plan, device_inputs(plan, "cuda")).tolist()
     assert got[0] == 42 and got[1] in (7, 8)
     assert torch.equal(logits, raw)
+
+
+def late_constrained_batches(vocab_size: int) -> list[ScheduledBatch]:
+    """constrained_batches with a constrained request "late" that starts at step 2: its
+    first token's mask comes inline with the batch, beside decode rows whose masks follow
+    (three masked rows then: an odd count of row indices before the masks)."""
+    batches = constrained_batches(vocab_size)
+    bits = np.zeros((vocab_size + 31) // 32 * 32, dtype=np.uint8)
+    bits[[11, 400, 1500]] = 1
+    first_mask = np.packbits(bits, bitorder="little").tobytes()
+    late = ScheduledRequest(request_id="late", token_ids=[9, 10], input_from_previous_step=False,
+                            num_computed_tokens=0,
+                            new_block_ids=[12, 13], sample=True, output_index=0,
+                            token_bitmask=first_mask)
+    batches[2] = msgspec.structs.replace(
+        batches[2], requests=[*batches[2].requests, late],
+        new_requests=[NewRequestData(request_id="late", sampling=options(0.9, seed=2))])
+    return batches
+
+
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_a_first_tokens_inline_mask_and_masks_that_follow_share_a_step(device: str) -> None:
+    """supply_bitmasks merges the masks that came with the batch (a request's first
+    token) with those that followed, by row, into one upload: the tokens are those of
+    every mask sent inline."""
+    path = resolve_model("tiny")
+
+    def build() -> CudaModelExecutor:
+        model = load_model(path, dtype=torch.float32, device=torch.device(device))
+        executor = CudaModelExecutor(model, model_path=path, num_kv_blocks=16, block_size=4,
+                                     max_model_len=64)
+        executor.start(CudaExecutorOptions(max_num_seqs=4, use_cuda_graphs=device == "cuda",
+                                           use_fused_kernels=device == "cuda"))
+        return executor
+
+    inline = late_constrained_batches(build().vocab_size)
+    deferred = with_bitmasks_following(inline)
+    assert any(s.bitmask_follows for s in deferred[2].requests)
+    assert deferred[2].requests[-1].token_bitmask is not None  # "late" keeps its own
+    reference = build()
+    expected = [reference.collect(reference.launch(batch)) for batch in inline]
+    results = run_with_bitmasks_following(build(), inline)
+    assert [r.sampled_token_ids for r in results] == [r.sampled_token_ids for r in expected]
+    late_token = expected[2].sampled_token_ids[-1]
+    assert late_token in (11, 400, 1500)
