@@ -75,6 +75,11 @@ class CapturedStep:
             # the first launch of a graph uploads it to the device (milliseconds for a
             # whole forward): at start-up, not in the first step that replays it
             self.graph.replay()
+        # The next capture rewrites the static inputs, in its own size's layout, from the
+        # host's stream: this replay must have read them by then (a replay still running
+        # would read the next size's -1 slots as its positions or context lengths: the
+        # likely cause of an illegal memory access seen once at qwen3-8b's start-up).
+        lane.torch_stream.synchronize()
 
     def replay(self) -> torch.Tensor:
         """The logits; a graph's buffer is rewritten by its next replay."""
