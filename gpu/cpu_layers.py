@@ -30,7 +30,7 @@ from __future__ import annotations
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import numba
 import numpy as np
@@ -38,7 +38,8 @@ import torch
 import torch.nn.functional as F
 
 from trio_llm.gpu import cpu_attention
-from trio_llm.gpu.cpu_attention import LANES, _exp_nonpositive, _lane_sum
+from trio_llm.gpu.cpu_attention import LANES, _attend_rows, _exp_nonpositive, _lane_sum
+from trio_llm.gpu.cpu_blas import ROWS_PER_CHUNK, _gemm, sgemm_address
 from trio_llm.gpu.model import AttentionMetadata, CausalLM, DecoderLayer, KVCache
 
 _kernel = numba.njit(boundscheck=False, error_model="numpy", cache=True, nogil=True)
@@ -133,6 +134,70 @@ def _silu_and_mul(gate_up: np.ndarray, out: np.ndarray) -> None:  # pragma: no c
             decay = _exp_nonpositive(-abs(gate))
             numerator = gate if gate >= np.float32(0.0) else gate * decay
             out[row, index] = numerator / (np.float32(1.0) + decay) * gate_up[row, size + index]
+
+
+@_kernel
+def _linear_chunks(address: int, x: np.ndarray, weight: np.ndarray,
+                   out: np.ndarray) -> None:  # pragma: no cover
+    """``out = x weight^T``, one GEMM per ROWS_PER_CHUNK rows (``x`` a whole number of
+    chunks): chunked_linear's shapes and bits (gpu/cpu_blas.py)."""
+    num_in, num_out = x.shape[1], weight.shape[0]
+    x_flat, out_flat = x.reshape(-1), out.reshape(-1)
+    for first_row in range(0, x.shape[0], ROWS_PER_CHUNK):
+        _gemm(address, num_out, ROWS_PER_CHUNK, num_in, weight, 0, x_flat,
+              first_row * num_in, np.float32(0.0), out_flat, first_row * num_out)
+
+
+@_kernel
+def _forward_layers(address: int, token_ids: np.ndarray, embed: np.ndarray,
+                    positions: np.ndarray, slot_mapping: np.ndarray, cos: np.ndarray,
+                    sin: np.ndarray, block_tables: np.ndarray, context_lens: np.ndarray,
+                    query_start_loc: np.ndarray, block_size: int, scale: np.float32,
+                    norms: Any, weights: Any, k_caches: Any, v_caches: Any,
+                    has_qk_norm: bool, eps: np.float32, num_heads: int, num_kv_heads: int,
+                    out: np.ndarray) -> None:  # pragma: no cover
+    """The decoder's whole forward over one part of a step, as CpuFusedCausalLM's torch
+    operations compute it, op for op and bit for bit: every row of ``token_ids`` (a whole
+    number of GEMM chunks; rows past the sequences have position 0 and slot -1) to its
+    final norm in ``out``. ``norms`` (input, post-attention, q, k, final) and ``weights``
+    (qkv, o, gate_up, down): tuples of each layer's arrays; the caches one row per
+    (slot, KV head)."""
+    num_rows, hidden_size = token_ids.shape[0], embed.shape[1]
+    input_norms, post_norms, q_norms, k_norms, final_norm = norms
+    qkv_weights, o_weights, gate_up_weights, down_weights = weights
+    head_dim = k_caches[0].shape[1]
+    residual = np.empty((num_rows, hidden_size), dtype=np.float32)
+    normed = np.empty_like(residual)
+    hidden = np.empty_like(residual)
+    qkv = np.empty((num_rows, qkv_weights[0].shape[0]), dtype=np.float32)
+    query = np.empty((num_rows * num_heads, head_dim), dtype=np.float32)
+    # rows of no sequence read as zeros, as attend() leaves them
+    attended = np.zeros((num_rows * num_heads, head_dim), dtype=np.float32)
+    gate_up = np.empty((num_rows, gate_up_weights[0].shape[0]), dtype=np.float32)
+    activated = np.empty((num_rows, gate_up.shape[1] // 2), dtype=np.float32)
+    for row in range(num_rows):
+        residual[row] = embed[token_ids[row]]
+    for layer in range(len(qkv_weights)):
+        if layer == 0:
+            _rms_norm(residual, input_norms[0], eps, normed)
+        else:
+            _add_rms_norm(hidden, residual, input_norms[layer], eps, normed, residual)
+        _linear_chunks(address, normed, qkv_weights[layer], qkv)
+        _qk_norm_rope_write_kv(qkv, positions, cos, sin, q_norms[layer], k_norms[layer],
+                               has_qk_norm, eps, slot_mapping, k_caches[layer],
+                               v_caches[layer], num_heads, num_kv_heads, query)
+        _attend_rows(query, k_caches[layer], v_caches[layer], block_tables, context_lens,
+                     query_start_loc, block_size, num_heads, num_kv_heads, scale, attended)
+        _linear_chunks(address, attended.reshape(num_rows, num_heads * head_dim),
+                       o_weights[layer], hidden)
+        _add_rms_norm(hidden, residual, post_norms[layer], eps, normed, residual)
+        _linear_chunks(address, normed, gate_up_weights[layer], gate_up)
+        _silu_and_mul(gate_up, activated)
+        _linear_chunks(address, activated, down_weights[layer], hidden)
+    if len(qkv_weights) == 0:
+        _rms_norm(residual, final_norm, eps, out)
+    else:
+        _add_rms_norm(hidden, residual, final_norm, eps, out, residual)
 
 
 # -- torch-facing wrappers ---------------------------------------------------------------
@@ -250,6 +315,8 @@ class CpuFusedCausalLM(CausalLM):
     """
 
     num_parts: int = 1
+    # torch's sgemm_ (gpu/cpu_blas.py): a part runs in one compiled call; 0: in torch ops
+    sgemm_address: int = 0
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], metadata: AttentionMetadata) -> torch.Tensor:
@@ -278,6 +345,62 @@ class CpuFusedCausalLM(CausalLM):
 
     def _forward_part(self, token_ids: torch.Tensor, positions: torch.Tensor,
                       kv_caches: list[KVCache], plan: cpu_attention.StepPlan) -> torch.Tensor:
+        if self.sgemm_address:
+            return self._forward_part_compiled(token_ids, positions, kv_caches, plan)
+        return self._forward_part_in_ops(token_ids, positions, kv_caches, plan)
+
+    def _forward_part_compiled(self, token_ids: torch.Tensor, positions: torch.Tensor,
+                               kv_caches: list[KVCache],
+                               plan: cpu_attention.StepPlan) -> torch.Tensor:
+        """The part in one call of ``_forward_layers``, which holds no GIL: the other
+        parts' threads and the trio thread run meanwhile."""
+        num_tokens = len(token_ids)
+        if num_tokens and not 0 <= int(token_ids.min()) <= int(token_ids.max()) < len(
+                self.embed_tokens):
+            raise ValueError(f"token ids must lie in 0..{len(self.embed_tokens) - 1}")
+        num_rows = -(-num_tokens // ROWS_PER_CHUNK) * ROWS_PER_CHUNK
+        padded_ids, padded_positions = np.zeros(num_rows, np.int64), np.zeros(num_rows, np.int64)
+        padded_slots = np.full(num_rows, -1, np.int64)
+        padded_ids[:num_tokens] = token_ids.numpy()
+        padded_positions[:num_tokens] = positions.numpy()
+        padded_slots[:num_tokens] = cast(torch.Tensor, plan.slot_mapping).numpy()
+        out = np.empty((num_rows, self.config.hidden_size), dtype=np.float32)
+        attention = cast(DecoderLayer, self.layers[0]).self_attn if len(self.layers) else None
+        _forward_layers(self.sgemm_address, padded_ids, self.embed_tokens.numpy(),
+                        padded_positions, padded_slots, self.rotary.cos.numpy(),
+                        self.rotary.sin.numpy(), plan.block_tables, plan.context_lens,
+                        plan.query_start_loc, kv_caches[0][0].shape[1],
+                        np.float32(attention.scale if attention else 1.0), self._norms(),
+                        self._weights(), _cache_rows(kv_caches, 0), _cache_rows(kv_caches, 1),
+                        attention is not None and attention.q_norm is not None,
+                        np.float32(self.norm.eps), self.config.num_heads,
+                        self.config.num_kv_heads, out)
+        return torch.from_numpy(out[:num_tokens])
+
+    def _norms(self) -> tuple[Any, ...]:
+        """The norms' weights as _forward_layers takes them (every layer's, per kind)."""
+        layers = cast(list[DecoderLayer], list(self.layers))
+
+        def weights(modules: list[Any]) -> tuple[np.ndarray, ...]:
+            return tuple(_NO_WEIGHT if module is None else module.weight.numpy()
+                         for module in modules)
+
+        return (weights([layer.input_layernorm for layer in layers]),
+                weights([layer.post_attention_layernorm for layer in layers]),
+                weights([layer.self_attn.q_norm for layer in layers]),
+                weights([layer.self_attn.k_norm for layer in layers]), self.norm.weight.numpy())
+
+    def _weights(self) -> tuple[tuple[np.ndarray, ...], ...]:
+        """The linear layers' weights as _forward_layers takes them."""
+        layers = cast(list[DecoderLayer], list(self.layers))
+        return tuple(tuple(linear(layer).weight.numpy() for layer in layers) for linear in (
+            lambda layer: layer.self_attn.qkv_proj, lambda layer: layer.self_attn.o_proj,
+            lambda layer: layer.mlp.gate_up_proj, lambda layer: layer.mlp.down_proj))
+
+    def _forward_part_in_ops(self, token_ids: torch.Tensor, positions: torch.Tensor,
+                             kv_caches: list[KVCache],
+                             plan: cpu_attention.StepPlan) -> torch.Tensor:
+        """The part in torch operations and one kernel call per fused op."""
         hidden = F.embedding(token_ids, self.embed_tokens)
         residual: torch.Tensor | None = None
         # nn.ModuleList yields Modules; its items are DecoderLayers (CausalLM builds them).
@@ -314,6 +437,12 @@ class CpuFusedCausalLM(CausalLM):
         return attention.o_proj(attended.view(hidden.shape[0], attention.q_size))
 
 
+def _cache_rows(kv_caches: list[KVCache], index: int) -> tuple[np.ndarray, ...]:
+    """Every layer's key (``index`` 0) or value cache, one row per (slot, KV head)."""
+    return tuple(caches[index].view(-1, caches[index].shape[-1]).numpy()
+                 for caches in kv_caches)
+
+
 _helper_pools: dict[int, ThreadPoolExecutor] = {}
 _pool_lock = threading.Lock()
 
@@ -333,8 +462,16 @@ def fuse_model(model: CausalLM, num_parts: int = 1) -> CausalLM:
     and row-chunked linear layers stay as they were."""
     if can_fuse(model):
         model.__class__ = CpuFusedCausalLM
-        cast(CpuFusedCausalLM, model).num_parts = num_parts
+        fused = cast(CpuFusedCausalLM, model)
+        fused.num_parts = num_parts
+        fused.sgemm_address = sgemm_address() if can_compile_forward(model) else 0
     return model
+
+
+def can_compile_forward(model: CausalLM) -> bool:
+    """The compiled forward has no biases (Llama's and Qwen3's layers have none)."""
+    config = model.config
+    return not (config.qkv_bias or config.o_proj_bias or config.mlp_bias)
 
 
 _warm_lock = threading.Lock()
