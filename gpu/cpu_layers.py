@@ -268,11 +268,15 @@ def can_fuse(model: CausalLM) -> bool:
             and model.attention_backend.name == "cpu")
 
 
-# A part of a step is worth a thread of its own from this many tokens. Each part runs
-# every op of the forward, and the threads hand the GIL back and forth at each: a decode
-# step of 64 sequences in two parts of 32 took 18 ms of CPU against 12 in one part (the
-# shared 2-core machine), where a prefill of 8,313 tokens took the same CPU either way.
+# A part of a step is worth a thread of its own from this many tokens. A part in torch
+# operations runs every op of the forward, and the threads hand the GIL back and forth at
+# each: a decode step of 64 sequences in two parts of 32 took 18 ms of CPU against 12 in
+# one part (the shared 2-core machine), where a prefill of 8,313 tokens took the same CPU
+# either way.
 MIN_TOKENS_PER_PART = 256
+# A part in one compiled call holds the GIL only to start: its cost is its GEMM chunks.
+# From this many tokens a step has two parts (a decode step of 32 sequences: a chunk each).
+MIN_TOKENS_PER_COMPILED_PART = ROWS_PER_CHUNK // 2
 # What a token costs in its linear layers, counted in (query, key) pairs of attention
 # (about 2.4 M multiply-adds against 8 heads x 64 per pair, for the issue's model).
 PAIRS_PER_TOKEN = 200
@@ -288,20 +292,51 @@ class StepPart:
     end_token: int
 
 
-def split_step(context_lens: np.ndarray, query_start_loc: np.ndarray,
-               max_parts: int) -> list[StepPart]:
+def split_step(context_lens: np.ndarray, query_start_loc: np.ndarray, max_parts: int,
+               min_tokens_per_part: int | None = None) -> list[StepPart]:
     """Contiguous runs of whole sequences of about equal work (tokens, plus attention pairs),
-    at most ``max_parts`` and each at least MIN_TOKENS_PER_PART tokens."""
+    at most ``max_parts`` and each at least ``min_tokens_per_part`` tokens (default
+    MIN_TOKENS_PER_PART); a cut moves to a nearby edge of a GEMM chunk where a sequence
+    ends there (decode steps), so that no part pads a chunk it could have filled."""
+    min_tokens_per_part = min_tokens_per_part or MIN_TOKENS_PER_PART
     num_queries = np.diff(query_start_loc).astype(np.int64)
     num_tokens = int(query_start_loc[-1]) if len(query_start_loc) else 0
-    num_parts = max(1, min(max_parts, num_tokens // MIN_TOKENS_PER_PART))
+    num_parts = max(1, min(max_parts, num_tokens // min_tokens_per_part))
     costs = np.cumsum(num_queries * (PAIRS_PER_TOKEN + context_lens.astype(np.int64)))
     total = int(costs[-1]) if len(costs) else 0
-    ends = [int(np.searchsorted(costs, total * index / num_parts)) + 1
-            for index in range(1, num_parts)]
+    ends = _chunk_aligned_ends([int(np.searchsorted(costs, total * index / num_parts)) + 1
+                                for index in range(1, num_parts)], query_start_loc)
     bounds = [0, *sorted({min(end, len(costs)) for end in ends}), len(costs)]
     return [StepPart(first, end, int(query_start_loc[first]), int(query_start_loc[end]))
             for first, end in zip(bounds, bounds[1:], strict=False) if end > first]
+
+
+def _chunk_aligned_ends(ends: list[int], query_start_loc: np.ndarray) -> list[int]:
+    """``ends`` (sequence counts), each moved to the nearest cut within half a chunk of its
+    tokens where the part before it fills whole GEMM chunks, if that saves a chunk (a
+    part pads its tokens to whole chunks: in a decode step, 30 + 34 tokens cost three)."""
+    token_ends = query_start_loc.astype(np.int64)
+    num_tokens, first_token = int(token_ends[-1]), 0
+    aligned = []
+    for end in ends:
+        end = min(end, len(token_ends) - 1)
+        distance = np.abs(token_ends - token_ends[end])
+        fills_chunks = (token_ends - first_token) % ROWS_PER_CHUNK == 0
+        candidates = np.flatnonzero(fills_chunks & (distance <= ROWS_PER_CHUNK // 2)
+                                    & (token_ends > first_token) & (token_ends < num_tokens))
+        if len(candidates):
+            best = int(candidates[np.argmin(distance[candidates])])
+            if (_num_chunks(token_ends[best] - first_token) + _num_chunks(num_tokens - token_ends[best])
+                    < _num_chunks(token_ends[end] - first_token)
+                    + _num_chunks(num_tokens - token_ends[end])):
+                end = best
+        aligned.append(end)
+        first_token = int(token_ends[end])
+    return aligned
+
+
+def _num_chunks(num_tokens: int) -> int:
+    return -(-int(num_tokens) // ROWS_PER_CHUNK)
 
 
 class CpuFusedCausalLM(CausalLM):
@@ -330,7 +365,8 @@ class CpuFusedCausalLM(CausalLM):
                                        metadata.query_start_loc, metadata.slot_mapping,
                                        num_tokens=len(token_ids), num_blocks=k_cache.shape[0],
                                        block_size=k_cache.shape[1], max_runs=self.num_parts)
-        parts = split_step(plan.context_lens, plan.query_start_loc, self.num_parts)
+        parts = split_step(plan.context_lens, plan.query_start_loc, self.num_parts,
+                           MIN_TOKENS_PER_COMPILED_PART if self.sgemm_address else None)
         if len(parts) == 1:
             return self._forward_part(token_ids, positions, kv_caches, plan)
         helpers = [_helper_pool(len(parts) - 1).submit(
@@ -376,6 +412,31 @@ class CpuFusedCausalLM(CausalLM):
                         np.float32(self.norm.eps), self.config.num_heads,
                         self.config.num_kv_heads, out)
         return torch.from_numpy(out[:num_tokens])
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """CausalLM's logits, bit for bit: the lm_head's GEMM chunks, spread over up to
+        ``num_parts`` threads in whole chunks, none holding the GIL."""
+        if not self.sgemm_address:
+            return super().compute_logits(hidden)
+        num_rows = hidden.shape[0]
+        num_chunks = -(-num_rows // ROWS_PER_CHUNK)
+        rows = np.zeros((num_chunks * ROWS_PER_CHUNK, hidden.shape[1]), dtype=np.float32)
+        rows[:num_rows] = hidden.numpy()
+        logits = np.empty((len(rows), self.lm_head.weight.shape[0]), dtype=np.float32)
+        weight = self.lm_head.weight.numpy()
+        num_threads = max(1, min(self.num_parts, num_chunks))
+        bounds = [ROWS_PER_CHUNK * (num_chunks * index // num_threads)
+                  for index in range(num_threads + 1)]
+
+        def run(first: int, end: int) -> None:
+            _linear_chunks(self.sgemm_address, rows[first:end], weight, logits[first:end])
+
+        helpers = [_helper_pool(num_threads - 1).submit(run, first, end)
+                   for first, end in zip(bounds[1:-1], bounds[2:], strict=True)]
+        run(bounds[0], bounds[1])
+        for helper in helpers:
+            helper.result()
+        return torch.from_numpy(logits[:num_rows])
 
     def _norms(self) -> tuple[Any, ...]:
         """The norms' weights as _forward_layers takes them (every layer's, per kind)."""
@@ -465,7 +526,24 @@ def fuse_model(model: CausalLM, num_parts: int = 1) -> CausalLM:
         fused = cast(CpuFusedCausalLM, model)
         fused.num_parts = num_parts
         fused.sgemm_address = sgemm_address() if can_compile_forward(model) else 0
+        if fused.sgemm_address:
+            _compile_forward(fused)
     return model
+
+
+def _compile_forward(model: CpuFusedCausalLM) -> None:
+    """Compile (or load from numba's disk cache) the compiled forward for this model's
+    argument types with a step of one token on a cache of one slot: seconds better spent
+    at start-up than in the first step."""
+    caches = model.allocate_kv_caches(1, 1)
+    metadata = AttentionMetadata(
+        slot_mapping=torch.zeros(1, dtype=torch.int64),
+        block_tables=torch.zeros(1, 1, dtype=torch.int32),
+        context_lens=torch.ones(1, dtype=torch.int32),
+        query_start_loc=torch.tensor([0, 1], dtype=torch.int32))
+    token_ids = torch.zeros(1, dtype=torch.int64)
+    with torch.inference_mode():
+        model.compute_logits(model(token_ids, token_ids, caches, metadata))
 
 
 def can_compile_forward(model: CausalLM) -> bool:
