@@ -326,17 +326,20 @@ def _chunk_aligned_ends(ends: list[int], query_start_loc: np.ndarray) -> list[in
                                     & (token_ends > first_token) & (token_ends < num_tokens))
         if len(candidates):
             best = int(candidates[np.argmin(distance[candidates])])
-            if (_num_chunks(token_ends[best] - first_token) + _num_chunks(num_tokens - token_ends[best])
-                    < _num_chunks(token_ends[end] - first_token)
-                    + _num_chunks(num_tokens - token_ends[end])):
+            if (_num_chunks_around(int(token_ends[best]), first_token, num_tokens)
+                    < _num_chunks_around(int(token_ends[end]), first_token, num_tokens)):
                 end = best
         aligned.append(end)
         first_token = int(token_ends[end])
     return aligned
 
 
-def _num_chunks(num_tokens: int) -> int:
-    return -(-int(num_tokens) // ROWS_PER_CHUNK)
+def _num_chunks_around(cut_token: int, first_token: int, num_tokens: int) -> int:
+    """The GEMM chunks of the part that ends at ``cut_token`` and of the rest of the step."""
+    def num_chunks(count: int) -> int:
+        return -(-count // ROWS_PER_CHUNK)
+
+    return num_chunks(cut_token - first_token) + num_chunks(num_tokens - cut_token)
 
 
 class CpuFusedCausalLM(CausalLM):
