@@ -194,10 +194,7 @@ def _forward_layers(address: int, token_ids: np.ndarray, embed: np.ndarray,
         _linear_chunks(address, normed, gate_up_weights[layer], gate_up)
         _silu_and_mul(gate_up, activated)
         _linear_chunks(address, activated, down_weights[layer], hidden)
-    if len(qkv_weights) == 0:
-        _rms_norm(residual, final_norm, eps, out)
-    else:
-        _add_rms_norm(hidden, residual, final_norm, eps, out, residual)
+    _add_rms_norm(hidden, residual, final_norm, eps, out, residual)
 
 
 # -- torch-facing wrappers ---------------------------------------------------------------
@@ -311,6 +308,27 @@ def split_step(context_lens: np.ndarray, query_start_loc: np.ndarray, max_parts:
             for first, end in zip(bounds, bounds[1:], strict=False) if end > first]
 
 
+def reads_another_parts_writes(plan: cpu_attention.StepPlan, parts: list[StepPart],
+                               num_blocks: int, block_size: int) -> bool:
+    """Whether a sequence reads a cache block that another part writes in this step.
+
+    With prefix caching a request may hit the blocks another request of the same step
+    is computing (a repeated prompt): in one part every layer stores the step's keys and
+    values before it attends, but parts on their own threads would race, and the reader
+    could see the block before it is written. Such a step runs as one part."""
+    slots = cast(torch.Tensor, plan.slot_mapping).numpy()
+    writer = np.full(num_blocks, -1, dtype=np.int64)
+    part_of_seq = np.empty(len(plan.context_lens), dtype=np.int64)
+    for index, part in enumerate(parts):
+        part_slots = slots[part.first_token:part.end_token]
+        writer[part_slots[part_slots >= 0] // block_size] = index
+        part_of_seq[part.first_seq:part.end_seq] = index
+    num_used_blocks = -(-plan.context_lens.astype(np.int64) // block_size)
+    is_used = np.arange(plan.block_tables.shape[1]) < num_used_blocks[:, None]
+    writers = writer[plan.block_tables]
+    return bool(((writers >= 0) & (writers != part_of_seq[:, None]) & is_used).any())
+
+
 def _chunk_aligned_ends(ends: list[int], query_start_loc: np.ndarray) -> list[int]:
     """``ends`` (sequence counts), each moved to the nearest cut within half a chunk of its
     tokens where the part before it fills whole GEMM chunks, if that saves a chunk (a
@@ -370,7 +388,8 @@ class CpuFusedCausalLM(CausalLM):
                                        block_size=k_cache.shape[1], max_runs=self.num_parts)
         parts = split_step(plan.context_lens, plan.query_start_loc, self.num_parts,
                            MIN_TOKENS_PER_COMPILED_PART if self.sgemm_address else None)
-        if len(parts) == 1:
+        if len(parts) == 1 or reads_another_parts_writes(plan, parts, k_cache.shape[0],
+                                                         k_cache.shape[1]):
             return self._forward_part(token_ids, positions, kv_caches, plan)
         helpers = [_helper_pool(len(parts) - 1).submit(
             self._forward_part, token_ids[part.first_token:part.end_token],
@@ -404,14 +423,14 @@ class CpuFusedCausalLM(CausalLM):
         padded_positions[:num_tokens] = positions.numpy()
         padded_slots[:num_tokens] = cast(torch.Tensor, plan.slot_mapping).numpy()
         out = np.empty((num_rows, self.config.hidden_size), dtype=np.float32)
-        attention = cast(DecoderLayer, self.layers[0]).self_attn if len(self.layers) else None
+        attention = cast(DecoderLayer, self.layers[0]).self_attn
         _forward_layers(self.sgemm_address, padded_ids, self.embed_tokens.numpy(),
                         padded_positions, padded_slots, self.rotary.cos.numpy(),
                         self.rotary.sin.numpy(), plan.block_tables, plan.context_lens,
                         plan.query_start_loc, kv_caches[0][0].shape[1],
-                        np.float32(attention.scale if attention else 1.0), self._norms(),
-                        self._weights(), _cache_rows(kv_caches, 0), _cache_rows(kv_caches, 1),
-                        attention is not None and attention.q_norm is not None,
+                        np.float32(attention.scale), self._norms(), self._weights(),
+                        _cache_rows(kv_caches, 0), _cache_rows(kv_caches, 1),
+                        attention.q_norm is not None and attention.k_norm is not None,
                         np.float32(self.norm.eps), self.config.num_heads,
                         self.config.num_kv_heads, out)
         return torch.from_numpy(out[:num_tokens])
@@ -552,7 +571,8 @@ def _compile_forward(model: CpuFusedCausalLM) -> None:
 def can_compile_forward(model: CausalLM) -> bool:
     """The compiled forward has no biases (Llama's and Qwen3's layers have none)."""
     config = model.config
-    return not (config.qkv_bias or config.o_proj_bias or config.mlp_bias)
+    return config.num_layers > 0 and not (config.qkv_bias or config.o_proj_bias
+                                          or config.mlp_bias)
 
 
 _warm_lock = threading.Lock()

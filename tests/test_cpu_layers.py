@@ -266,3 +266,22 @@ def test_split_step_cuts_decode_steps_at_chunk_edges():
     assert cuts(40, np.full(40, 300)) == [20, 40]  # 20 + 20 is one chunk each already
     assert cuts(100, np.full(100, 300)) == [50, 100]  # 64 + 36 saves no chunk on 50 + 50
     assert cuts(31, np.full(31, 300)) == [31]  # one part below two parts of 16 tokens
+
+
+def test_a_step_whose_parts_would_share_a_block_being_written_is_not_cut():
+    """A repeated prompt hits the blocks its twin computes in the same step (prefix
+    caching): the twins in two parts on their own threads would race on those blocks."""
+    def reads_the_others_writes(twin_blocks: list[int]) -> bool:
+        # the first prompt: 20 tokens into blocks 4 and 5 (of 16 slots); its twin has its
+        # first 16 tokens cached and computes the last 4 into its second block
+        tables = torch.tensor([[4, 5], twin_blocks], dtype=torch.int32)
+        slots = torch.cat([torch.arange(64, 84), torch.arange(4) + 16 * twin_blocks[1]])
+        plan = cpu_layers.cpu_attention.plan_step(
+            tables, torch.tensor([20, 20], dtype=torch.int32),
+            torch.tensor([0, 20, 24], dtype=torch.int32), slots, num_tokens=24,
+            num_blocks=8, block_size=16, max_runs=2)
+        parts = [cpu_layers.StepPart(0, 1, 0, 20), cpu_layers.StepPart(1, 2, 20, 24)]
+        return cpu_layers.reads_another_parts_writes(plan, parts, 8, 16)
+
+    assert reads_the_others_writes([4, 6])  # block 4: a hit on what the first part writes
+    assert not reads_the_others_writes([3, 6])  # block 3 was written in an earlier step
