@@ -23,6 +23,10 @@ of those sums and the exponential in SiLU (the attention kernel's).
 ``fuse_model(model)`` makes a loaded float32 CausalLM on the CPU run its forward
 through these kernels and the CPU attention kernel, keeping its weights; the
 layout checks of the attention kernel then run once per step, not once per layer.
+A model without biases goes further: each part of a step runs its whole forward
+as one compiled call, ``_forward_layers``, the linear layers through torch's own
+``sgemm_`` (gpu/cpu_blas.py) in the chunks ``chunked_linear`` uses, so the bits are
+those of the same model in torch operations, and no GIL is held while it runs.
 """
 
 from __future__ import annotations
