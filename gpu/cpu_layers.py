@@ -163,25 +163,25 @@ def _forward_layers(address: int, token_ids: np.ndarray, embed: np.ndarray,
     """The decoder's whole forward over one part of a step, as CpuFusedCausalLM's torch
     operations compute it, op for op and bit for bit: every row of ``token_ids`` (a whole
     number of GEMM chunks; rows past the sequences have position 0 and slot -1) to its
-    final norm in ``out``. ``norms`` (input, post-attention, q, k, final) and ``weights``
-    (qkv, o, gate_up, down): tuples of each layer's arrays; the caches one row per
-    (slot, KV head)."""
+    final norm in ``out``. ``norms`` (input, post-attention, q, k: [layer, size]; final)
+    and ``weights`` (qkv, o, gate_up, down: [layer, out, in]) hold every layer's arrays
+    stacked; the caches [layer, slot * KV head, head_dim]."""
     num_rows, hidden_size = token_ids.shape[0], embed.shape[1]
     input_norms, post_norms, q_norms, k_norms, final_norm = norms
     qkv_weights, o_weights, gate_up_weights, down_weights = weights
-    head_dim = k_caches[0].shape[1]
+    head_dim = k_caches.shape[2]
     residual = np.empty((num_rows, hidden_size), dtype=np.float32)
     normed = np.empty_like(residual)
     hidden = np.empty_like(residual)
-    qkv = np.empty((num_rows, qkv_weights[0].shape[0]), dtype=np.float32)
+    qkv = np.empty((num_rows, qkv_weights.shape[1]), dtype=np.float32)
     query = np.empty((num_rows * num_heads, head_dim), dtype=np.float32)
     # rows of no sequence read as zeros, as attend() leaves them
     attended = np.zeros((num_rows * num_heads, head_dim), dtype=np.float32)
-    gate_up = np.empty((num_rows, gate_up_weights[0].shape[0]), dtype=np.float32)
+    gate_up = np.empty((num_rows, gate_up_weights.shape[1]), dtype=np.float32)
     activated = np.empty((num_rows, gate_up.shape[1] // 2), dtype=np.float32)
     for row in range(num_rows):
         residual[row] = embed[token_ids[row]]
-    for layer in range(len(qkv_weights)):
+    for layer in range(qkv_weights.shape[0]):
         if layer == 0:
             _rms_norm(residual, input_norms[0], eps, normed)
         else:
@@ -364,6 +364,60 @@ def _num_chunks_around(cut_token: int, first_token: int, num_tokens: int) -> int
     return num_chunks(cut_token - first_token) + num_chunks(num_tokens - cut_token)
 
 
+class StackedLayers:
+    """Every layer's weights of one kind as one [layer, ...] array, the layers' parameters
+    made views of it (so nothing is stored twice), and the caches of the model's last
+    ``allocate_kv_caches``: what ``_forward_layers`` takes, as few arrays as numba
+    checks quickly at each call (a tuple of arrays per kind took it some 0.5 ms)."""
+
+    def __init__(self, model: CausalLM) -> None:
+        layers = cast(list[DecoderLayer], list(model.layers))
+
+        def stack(parameters: list[torch.nn.Parameter | None]) -> np.ndarray:
+            if any(parameter is None for parameter in parameters):
+                return np.zeros((len(parameters), 1), dtype=np.float32)
+            stacked = torch.stack([cast(torch.Tensor, parameter).detach()
+                                   for parameter in parameters]).contiguous()
+            for index, parameter in enumerate(parameters):
+                cast(torch.nn.Parameter, parameter).data = stacked[index]
+            return stacked.numpy()
+
+        def norm_weights(norms: list[Any]) -> list[torch.nn.Parameter | None]:
+            return [None if norm is None else norm.weight for norm in norms]
+
+        self.norms = (stack([layer.input_layernorm.weight for layer in layers]),
+                      stack([layer.post_attention_layernorm.weight for layer in layers]),
+                      stack(norm_weights([layer.self_attn.q_norm for layer in layers])),
+                      stack(norm_weights([layer.self_attn.k_norm for layer in layers])),
+                      model.norm.weight.detach().numpy())
+        self.weights = tuple(stack([linear.weight for linear in linears]) for linears in (
+            [layer.self_attn.qkv_proj for layer in layers],
+            [layer.self_attn.o_proj for layer in layers],
+            [layer.mlp.gate_up_proj for layer in layers],
+            [layer.mlp.down_proj for layer in layers]))
+        self.caches: torch.Tensor | None = None
+
+    @property
+    def k_rows(self) -> np.ndarray:
+        return self._rows(0)
+
+    @property
+    def v_rows(self) -> np.ndarray:
+        return self._rows(1)
+
+    def _rows(self, index: int) -> np.ndarray:
+        caches = cast(torch.Tensor, self.caches)[index]
+        return caches.view(caches.shape[0], -1, caches.shape[-1]).numpy()
+
+    def holds(self, kv_caches: list[KVCache]) -> bool:
+        """Whether ``kv_caches`` are the views of the caches allocated last."""
+        caches = self.caches
+        return (caches is not None and len(kv_caches) == caches.shape[1]
+                and kv_caches[0][0].shape == caches.shape[2:]
+                and kv_caches[0][0].data_ptr() == caches.data_ptr()
+                and kv_caches[-1][1].data_ptr() == caches[1, -1].data_ptr())
+
+
 class CpuFusedCausalLM(CausalLM):
     """A CausalLM whose forward runs through this module's kernels; see ``fuse_model``.
 
@@ -377,6 +431,8 @@ class CpuFusedCausalLM(CausalLM):
     num_parts: int = 1
     # torch's sgemm_ (gpu/cpu_blas.py): a part runs in one compiled call; 0: in torch ops
     sgemm_address: int = 0
+    # the weights and caches as the compiled forward takes them
+    stacked: StackedLayers | None = None
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], metadata: AttentionMetadata) -> torch.Tensor:
@@ -390,32 +446,30 @@ class CpuFusedCausalLM(CausalLM):
                                        metadata.query_start_loc, metadata.slot_mapping,
                                        num_tokens=len(token_ids), num_blocks=k_cache.shape[0],
                                        block_size=k_cache.shape[1], max_runs=self.num_parts)
+        is_compiled = bool(self.sgemm_address) and self.stacked is not None and (
+            self.stacked.holds(kv_caches))
+        forward_part = self._forward_part_compiled if is_compiled else self._forward_part_in_ops
         parts = split_step(plan.context_lens, plan.query_start_loc, self.num_parts,
-                           MIN_TOKENS_PER_COMPILED_PART if self.sgemm_address else None)
+                           MIN_TOKENS_PER_COMPILED_PART if is_compiled else None)
         if len(parts) == 1 or reads_another_parts_writes(plan, parts, k_cache.shape[0],
                                                          k_cache.shape[1]):
-            return self._forward_part(token_ids, positions, kv_caches, plan)
+            return forward_part(token_ids, positions, kv_caches, plan)
         helpers = [_helper_pool(len(parts) - 1).submit(
-            self._forward_part, token_ids[part.first_token:part.end_token],
+            forward_part, token_ids[part.first_token:part.end_token],
             positions[part.first_token:part.end_token], kv_caches, plan.part(part))
             for part in parts[1:]]
         first = parts[0]
-        hidden = [self._forward_part(token_ids[first.first_token:first.end_token],
-                                     positions[first.first_token:first.end_token], kv_caches,
-                                     plan.part(first))]
+        hidden = [forward_part(token_ids[first.first_token:first.end_token],
+                               positions[first.first_token:first.end_token], kv_caches,
+                               plan.part(first))]
         return torch.cat(hidden + [helper.result() for helper in helpers])
-
-    def _forward_part(self, token_ids: torch.Tensor, positions: torch.Tensor,
-                      kv_caches: list[KVCache], plan: cpu_attention.StepPlan) -> torch.Tensor:
-        if self.sgemm_address:
-            return self._forward_part_compiled(token_ids, positions, kv_caches, plan)
-        return self._forward_part_in_ops(token_ids, positions, kv_caches, plan)
 
     def _forward_part_compiled(self, token_ids: torch.Tensor, positions: torch.Tensor,
                                kv_caches: list[KVCache],
                                plan: cpu_attention.StepPlan) -> torch.Tensor:
         """The part in one call of ``_forward_layers``, which holds no GIL: the other
         parts' threads and the trio thread run meanwhile."""
+        stacked = cast(StackedLayers, self.stacked)  # holds(kv_caches): forward checked
         num_tokens = len(token_ids)
         if num_tokens and not 0 <= int(token_ids.min()) <= int(token_ids.max()) < len(
                 self.embed_tokens):
@@ -432,12 +486,24 @@ class CpuFusedCausalLM(CausalLM):
                         padded_positions, padded_slots, self.rotary.cos.numpy(),
                         self.rotary.sin.numpy(), plan.block_tables, plan.context_lens,
                         plan.query_start_loc, kv_caches[0][0].shape[1],
-                        np.float32(attention.scale), self._norms(), self._weights(),
-                        _cache_rows(kv_caches, 0), _cache_rows(kv_caches, 1),
+                        np.float32(attention.scale), stacked.norms, stacked.weights,
+                        stacked.k_rows, stacked.v_rows,
                         attention.q_norm is not None and attention.k_norm is not None,
                         np.float32(self.norm.eps), self.config.num_heads,
                         self.config.num_kv_heads, out)
         return torch.from_numpy(out[:num_tokens])
+
+    def allocate_kv_caches(self, num_blocks: int, block_size: int) -> list[KVCache]:
+        """CausalLM's caches, every layer's keys (and values) views of one tensor, which
+        the compiled forward takes whole."""
+        if not self.sgemm_address:
+            return super().allocate_kv_caches(num_blocks, block_size)
+        config = self.config
+        caches = torch.empty(2, config.num_layers, num_blocks, block_size,
+                             self.num_local_kv_heads, config.head_dim, dtype=self.dtype)
+        assert self.stacked is not None
+        self.stacked.caches = caches
+        return [(caches[0, layer], caches[1, layer]) for layer in range(config.num_layers)]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """CausalLM's logits, bit for bit: the lm_head's GEMM chunks, spread over up to
@@ -463,26 +529,6 @@ class CpuFusedCausalLM(CausalLM):
         for helper in helpers:
             helper.result()
         return torch.from_numpy(logits[:num_rows])
-
-    def _norms(self) -> tuple[Any, ...]:
-        """The norms' weights as _forward_layers takes them (every layer's, per kind)."""
-        layers = cast(list[DecoderLayer], list(self.layers))
-
-        def weights(modules: list[Any]) -> tuple[np.ndarray, ...]:
-            return tuple(_NO_WEIGHT if module is None else module.weight.numpy()
-                         for module in modules)
-
-        return (weights([layer.input_layernorm for layer in layers]),
-                weights([layer.post_attention_layernorm for layer in layers]),
-                weights([layer.self_attn.q_norm for layer in layers]),
-                weights([layer.self_attn.k_norm for layer in layers]), self.norm.weight.numpy())
-
-    def _weights(self) -> tuple[tuple[np.ndarray, ...], ...]:
-        """The linear layers' weights as _forward_layers takes them."""
-        layers = cast(list[DecoderLayer], list(self.layers))
-        return tuple(tuple(linear(layer).weight.numpy() for layer in layers) for linear in (
-            lambda layer: layer.self_attn.qkv_proj, lambda layer: layer.self_attn.o_proj,
-            lambda layer: layer.mlp.gate_up_proj, lambda layer: layer.mlp.down_proj))
 
     def _forward_part_in_ops(self, token_ids: torch.Tensor, positions: torch.Tensor,
                              kv_caches: list[KVCache],
@@ -524,12 +570,6 @@ class CpuFusedCausalLM(CausalLM):
         return attention.o_proj(attended.view(hidden.shape[0], attention.q_size))
 
 
-def _cache_rows(kv_caches: list[KVCache], index: int) -> tuple[np.ndarray, ...]:
-    """Every layer's key (``index`` 0) or value cache, one row per (slot, KV head)."""
-    return tuple(caches[index].view(-1, caches[index].shape[-1]).numpy()
-                 for caches in kv_caches)
-
-
 _helper_pools: dict[int, ThreadPoolExecutor] = {}
 _pool_lock = threading.Lock()
 
@@ -553,6 +593,7 @@ def fuse_model(model: CausalLM, num_parts: int = 1) -> CausalLM:
         fused.num_parts = num_parts
         fused.sgemm_address = sgemm_address() if can_compile_forward(model) else 0
         if fused.sgemm_address:
+            fused.stacked = StackedLayers(fused)
             _compile_forward(fused)
     return model
 

@@ -285,3 +285,25 @@ def test_a_step_whose_parts_would_share_a_block_being_written_is_not_cut():
 
     assert reads_the_others_writes([4, 6])  # block 4: a hit on what the first part writes
     assert not reads_the_others_writes([3, 6])  # block 3 was written in an earlier step
+
+
+def test_the_compiled_forward_shares_the_layers_weights_and_takes_its_own_caches():
+    """The stacked weights are the layers' own parameters (nothing stored twice); caches
+    allocated elsewhere are not the fused model's one tensor, and run in torch ops."""
+    executor = _executor(fused=True)
+    model, stacked = executor.model, executor.model.stacked
+    with torch.no_grad():
+        model.layers[1].mlp.down_proj.weight[0, 0] = 123.0
+    assert stacked.weights[3][1, 0, 0] == 123.0
+    assert stacked.holds(executor.kv_caches)
+    others = cpu_layers.CausalLM.allocate_kv_caches(model, executor.num_kv_blocks, 16)
+    assert not stacked.holds(others)
+    metadata = AttentionMetadata(slot_mapping=torch.arange(3),
+                                 block_tables=torch.zeros(1, 1, dtype=torch.int32),
+                                 context_lens=torch.full((1,), 3, dtype=torch.int32),
+                                 query_start_loc=torch.tensor([0, 3], dtype=torch.int32))
+    token_ids, positions = torch.tensor([5, 6, 7]), torch.arange(3)
+    with torch.inference_mode():
+        compiled = model(token_ids, positions, executor.kv_caches, metadata)
+        in_ops = model(token_ids, positions, others, metadata)
+    assert torch.equal(compiled, in_ops)
