@@ -23,7 +23,7 @@ of those sums and the exponential in SiLU (the attention kernel's).
 ``fuse_model(model)`` makes a loaded float32 CausalLM on the CPU run its forward
 through these kernels and the CPU attention kernel, keeping its weights; the
 layout checks of the attention kernel then run once per step, not once per layer.
-A model without biases goes further: each part of a step runs its whole forward
+The compiled forward goes further: each part of a step runs its whole forward
 as one compiled call, ``_forward_layers``, the linear layers through torch's own
 ``sgemm_`` (gpu/cpu_blas.py) in the chunks ``chunked_linear`` uses, so the bits are
 those of the same model in torch operations, and no GIL is held while it runs.
@@ -153,11 +153,29 @@ def _linear_chunks(address: int, x: np.ndarray, weight: np.ndarray,
 
 
 @_kernel
+def _biased_linear_chunks(address: int, x: np.ndarray, weight: np.ndarray, bias: np.ndarray,
+                          has_bias: bool, out: np.ndarray) -> None:  # pragma: no cover
+    """``_linear_chunks`` plus ``bias`` where ``has_bias``, as ``torch.baddbmm`` adds it
+    in chunked_linear: every row of ``out`` starts as the bias, the GEMM adds to it."""
+    if not has_bias:
+        _linear_chunks(address, x, weight, out)
+        return
+    num_in, num_out = x.shape[1], weight.shape[0]
+    x_flat, out_flat = x.reshape(-1), out.reshape(-1)
+    for row in range(out.shape[0]):
+        out[row] = bias
+    for first_row in range(0, x.shape[0], ROWS_PER_CHUNK):
+        _gemm(address, num_out, ROWS_PER_CHUNK, num_in, weight, 0, x_flat,
+              first_row * num_in, np.float32(1.0), out_flat, first_row * num_out)
+
+
+@_kernel
 def _forward_layers(address: int, token_ids: np.ndarray, embed: np.ndarray,
                     positions: np.ndarray, slot_mapping: np.ndarray, cos: np.ndarray,
                     sin: np.ndarray, block_tables: np.ndarray, context_lens: np.ndarray,
                     query_start_loc: np.ndarray, block_size: int, scale: np.float32,
-                    norms: Any, weights: Any, k_caches: Any, v_caches: Any,
+                    norms: Any, weights: Any, biases: Any, has_biases: np.ndarray,
+                    k_caches: Any, v_caches: Any,
                     has_qk_norm: bool, eps: np.float32, num_heads: int, num_kv_heads: int,
                     out: np.ndarray) -> None:  # pragma: no cover
     """The decoder's whole forward over one part of a step, as CpuFusedCausalLM's torch
@@ -165,10 +183,12 @@ def _forward_layers(address: int, token_ids: np.ndarray, embed: np.ndarray,
     number of GEMM chunks; rows past the sequences have position 0 and slot -1) to its
     final norm in ``out``. ``norms`` (input, post-attention, q, k: [layer, size]; final)
     and ``weights`` (qkv, o, gate_up, down: [layer, out, in]) hold every layer's arrays
-    stacked; the caches [layer, slot * KV head, head_dim]."""
+    stacked, ``biases`` theirs ([layer, out]; read where ``has_biases``, per kind); the
+    caches [layer, slot * KV head, head_dim]."""
     num_rows, hidden_size = token_ids.shape[0], embed.shape[1]
     input_norms, post_norms, q_norms, k_norms, final_norm = norms
     qkv_weights, o_weights, gate_up_weights, down_weights = weights
+    qkv_biases, o_biases, gate_up_biases, down_biases = biases
     head_dim = k_caches.shape[2]
     residual = np.empty((num_rows, hidden_size), dtype=np.float32)
     normed = np.empty_like(residual)
@@ -186,18 +206,21 @@ def _forward_layers(address: int, token_ids: np.ndarray, embed: np.ndarray,
             _rms_norm(residual, input_norms[0], eps, normed)
         else:
             _add_rms_norm(hidden, residual, input_norms[layer], eps, normed, residual)
-        _linear_chunks(address, normed, qkv_weights[layer], qkv)
+        _biased_linear_chunks(address, normed, qkv_weights[layer], qkv_biases[layer],
+                              has_biases[0], qkv)
         _qk_norm_rope_write_kv(qkv, positions, cos, sin, q_norms[layer], k_norms[layer],
                                has_qk_norm, eps, slot_mapping, k_caches[layer],
                                v_caches[layer], num_heads, num_kv_heads, query)
         _attend_rows(query, k_caches[layer], v_caches[layer], block_tables, context_lens,
                      query_start_loc, block_size, num_heads, num_kv_heads, scale, attended)
-        _linear_chunks(address, attended.reshape(num_rows, num_heads * head_dim),
-                       o_weights[layer], hidden)
+        _biased_linear_chunks(address, attended.reshape(num_rows, num_heads * head_dim),
+                              o_weights[layer], o_biases[layer], has_biases[1], hidden)
         _add_rms_norm(hidden, residual, post_norms[layer], eps, normed, residual)
-        _linear_chunks(address, normed, gate_up_weights[layer], gate_up)
+        _biased_linear_chunks(address, normed, gate_up_weights[layer],
+                              gate_up_biases[layer], has_biases[2], gate_up)
         _silu_and_mul(gate_up, activated)
-        _linear_chunks(address, activated, down_weights[layer], hidden)
+        _biased_linear_chunks(address, activated, down_weights[layer], down_biases[layer],
+                              has_biases[3], hidden)
     _add_rms_norm(hidden, residual, final_norm, eps, out, residual)
 
 
@@ -367,8 +390,8 @@ def _num_chunks_around(cut_token: int, first_token: int, num_tokens: int) -> int
 class StackedLayers:
     """Every layer's weights of one kind as one [layer, ...] array, the layers' parameters
     made views of it (so nothing is stored twice), and the caches of the model's last
-    ``allocate_kv_caches``: what ``_forward_layers`` takes, as few arrays as numba
-    checks quickly at each call (a tuple of arrays per kind took it some 0.5 ms)."""
+    ``allocate_kv_caches``: what ``_forward_layers`` takes, built once (a tuple of every
+    layer's arrays built at each call cost some 0.16 ms of GIL-holding Python a part)."""
 
     def __init__(self, model: CausalLM) -> None:
         layers = cast(list[DecoderLayer], list(model.layers))
@@ -390,11 +413,13 @@ class StackedLayers:
                       stack(norm_weights([layer.self_attn.q_norm for layer in layers])),
                       stack(norm_weights([layer.self_attn.k_norm for layer in layers])),
                       model.norm.weight.detach().numpy())
-        self.weights = tuple(stack([linear.weight for linear in linears]) for linears in (
-            [layer.self_attn.qkv_proj for layer in layers],
-            [layer.self_attn.o_proj for layer in layers],
-            [layer.mlp.gate_up_proj for layer in layers],
-            [layer.mlp.down_proj for layer in layers]))
+        kinds = ([layer.self_attn.qkv_proj for layer in layers],
+                 [layer.self_attn.o_proj for layer in layers],
+                 [layer.mlp.gate_up_proj for layer in layers],
+                 [layer.mlp.down_proj for layer in layers])
+        self.weights = tuple(stack([linear.weight for linear in linears]) for linears in kinds)
+        self.biases = tuple(stack([linear.bias for linear in linears]) for linears in kinds)
+        self.has_biases = np.array([linears[0].bias is not None for linears in kinds])
         self.caches: torch.Tensor | None = None
 
     @property
@@ -487,7 +512,7 @@ class CpuFusedCausalLM(CausalLM):
                         self.rotary.sin.numpy(), plan.block_tables, plan.context_lens,
                         plan.query_start_loc, kv_caches[0][0].shape[1],
                         np.float32(attention.scale), stacked.norms, stacked.weights,
-                        stacked.k_rows, stacked.v_rows,
+                        stacked.biases, stacked.has_biases, stacked.k_rows, stacked.v_rows,
                         attention.q_norm is not None and attention.k_norm is not None,
                         np.float32(self.norm.eps), self.config.num_heads,
                         self.config.num_kv_heads, out)
@@ -614,10 +639,8 @@ def _compile_forward(model: CpuFusedCausalLM) -> None:
 
 
 def can_compile_forward(model: CausalLM) -> bool:
-    """The compiled forward has no biases (Llama's and Qwen3's layers have none)."""
-    config = model.config
-    return config.num_layers > 0 and not (config.qkv_bias or config.o_proj_bias
-                                          or config.mlp_bias)
+    """The compiled forward takes a model with layers."""
+    return model.config.num_layers > 0
 
 
 _warm_lock = threading.Lock()

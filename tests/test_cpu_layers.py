@@ -7,7 +7,6 @@ step in one call, its GEMMs through torch's sgemm_: gpu/cpu_blas.py) gives the f
 operations' bits.
 """
 
-import dataclasses
 
 import numpy as np
 import pytest
@@ -183,16 +182,29 @@ def test_sgemm_chunks_give_chunked_linears_bits(num_in, num_out):
         assert torch.equal(torch.from_numpy(ours), chunked_linear(x, weight, None, 32))
 
 
-def _without_qk_norm(executor: ModelExecutor) -> ModelExecutor:
+def _without_qk_norm(executor: ModelExecutor) -> None:
     for layer in executor.model.layers:
         layer.self_attn.q_norm = layer.self_attn.k_norm = None
-    return executor
+
+
+def _with_biases(executor: ModelExecutor) -> None:
+    """Qwen2's q/k/v biases and, beyond it, the others: the fused model built again."""
+    generator = _generator(5)
+    for layer in executor.model.layers:
+        for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                       layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            linear.bias = torch.nn.Parameter(
+                0.1 * torch.randn(linear.weight.shape[0], generator=generator),
+                requires_grad=False)
+    cpu_layers.fuse_model(executor.model, num_parts=executor.model.num_parts)
+    executor.kv_caches = executor.model.allocate_kv_caches(executor.num_kv_blocks,
+                                                           executor.block_size)
 
 
 @pytest.mark.parametrize("num_parts", [1, 3])
-@pytest.mark.parametrize("has_qk_norm", [True, False])
+@pytest.mark.parametrize("variant", ["qwen3", "without qk norm", "with biases"])
 def test_the_compiled_forward_gives_the_fused_operations_bits(monkeypatch, num_parts,
-                                                              has_qk_norm):
+                                                              variant):
     """Prefills, chunked prefills and decodes of seven requests (a step of 1 to 700
     tokens, up to three parts of one token or more): every logit the same bits whether
     each part runs in one compiled call or in torch operations."""
@@ -203,9 +215,12 @@ def test_the_compiled_forward_gives_the_fused_operations_bits(monkeypatch, num_p
     runs = {}
     for is_compiled in (True, False):
         executor = _executor(fused=True, num_kv_blocks=128)
-        if not has_qk_norm:
+        if variant == "without qk norm":
             _without_qk_norm(executor)
+        if variant == "with biases":
+            _with_biases(executor)
         assert executor.model.sgemm_address
+        assert executor.model.stacked.holds(executor.kv_caches)
         if not is_compiled:
             executor.model.sgemm_address = 0
         executor.model.num_parts = num_parts
@@ -244,13 +259,6 @@ def test_a_token_id_outside_the_vocabulary_is_refused():
     with torch.inference_mode(), pytest.raises(ValueError, match="token ids"):
         executor.model(torch.tensor([vocab_size]), torch.tensor([0]), executor.kv_caches,
                        metadata)
-
-
-def test_a_model_with_biases_runs_in_torch_operations(monkeypatch):
-    model = _executor(fused=False).model
-    monkeypatch.setattr(model, "config", dataclasses.replace(model.config, qkv_bias=True))
-    assert not cpu_layers.can_compile_forward(model)
-    assert cpu_layers.fuse_model(model, num_parts=2).sgemm_address == 0
 
 
 def test_split_step_cuts_decode_steps_at_chunk_edges():
