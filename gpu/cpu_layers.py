@@ -447,10 +447,13 @@ class CpuFusedCausalLM(CausalLM):
     """A CausalLM whose forward runs through this module's kernels; see ``fuse_model``.
 
     A step's sequences are split into up to ``num_parts`` runs of about equal work, each
-    run's whole forward on its own thread (torch ops and the kernels release the GIL),
-    every op inside a part on one thread. Each part is a step of its own to the model:
-    a row's result is the same bits whichever part, or company, it has. A step too small
-    for parts still spreads its attention (one hand-off per layer) over as many threads.
+    run's whole forward on its own thread, every op inside a part on one thread: one
+    compiled call (``_forward_layers``) where ``sgemm_address`` is set and the caches are
+    the model's own, else torch ops and one kernel call per fused op (they release the
+    GIL between them). Each part is a step of its own to the model: a row's result is
+    the same bits whichever part, or company, it has, and whichever of the two ways
+    ran it. In torch ops, a step too small for parts still spreads its attention (one
+    hand-off per layer) over as many threads.
     """
 
     num_parts: int = 1
