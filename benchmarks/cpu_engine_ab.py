@@ -1,16 +1,18 @@
-"""The first workload of issue 15 through the engine: this tree's CPU path against an
-earlier commit's, interleaved in one process.
+"""The first workload of issue 15 through the engine: CPU forwards of this tree against
+each other (and against an earlier commit's), interleaved in one process.
 
+    python benchmarks/cpu_engine_ab.py --rounds 3
     python benchmarks/cpu_engine_ab.py --baseline 366b21e --rounds 3
 
-The baseline is rebuilt from that commit's gpu/cpu_attention.py (read with
-`git show`) as the attention backend of the plain CausalLM, one torch thread: the
-CPU forward as it was before gpu/cpu_layers.py, where gpu/layers.py and
-gpu/model.py are unchanged since. Contenders in every round, in this order: the
-baseline, this tree at 1 forward thread, this tree at 2. Figures: output tok/s
-(wall) and output tokens per CPU second of the process (all threads: less
-disturbed by other load), with the load average at each run's start; the greedy
-tokens of every contender are compared with the baseline's.
+Contenders, in this order in every round: with ``--baseline``, the plain CausalLM with
+that commit's gpu/cpu_attention.py (read with `git show`) as its attention backend,
+one torch thread (the CPU forward before gpu/cpu_layers.py); this tree's fused model
+with each part of a step in torch operations and one kernel call per fused op (the
+CPU path of 90229a8), at 2 forward threads; this tree's default, each part of a step
+in one compiled call (gpu/cpu_layers.py, ``_forward_layers``), at 1 and 2 threads.
+Figures: output tok/s (wall) and output tokens per CPU second of the process (all
+threads: less disturbed by other load), with the load average at each run's start;
+the greedy tokens of every contender are compared with the first contender's.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import types
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,20 +52,35 @@ def baseline_backend(commit: str) -> AttentionBackend:
     return AttentionBackend("baseline", module.write_kv_cache, module.paged_attention)
 
 
+def in_torch_ops(executor: Any) -> None:
+    """The fused model with each part in torch operations (sgemm_address 0)."""
+    executor.model.sgemm_address = 0
+
+
+def contenders(baseline: str | None) -> list[tuple[str, str, Callable[[Any], None] | None]]:
+    """(name, OMP_NUM_THREADS, prepare) of each contender, in the order they run."""
+    runs: list[tuple[str, str, Callable[[Any], None] | None]] = []
+    if baseline:
+        backend = baseline_backend(baseline)
+
+        def as_baseline(executor: Any) -> None:
+            executor.model.__class__ = CausalLM
+            executor.model.attention_backend = backend
+            torch.set_num_threads(1)
+
+        runs.append((f"baseline {baseline}", "1", as_baseline))
+    return runs + [("fused, in torch ops, 2 threads", "2", in_torch_ops),
+                   ("compiled, 1 thread", "1", None), ("compiled, 2 threads", "2", None)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--baseline", default="366b21e")
+    parser.add_argument("--baseline", help="an earlier commit's attention kernel, e.g. 366b21e")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", help="write every round's figures here")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    backend = baseline_backend(args.baseline)
-
-    def as_baseline(executor: Any) -> None:
-        executor.model.__class__ = CausalLM
-        executor.model.attention_backend = backend
-        torch.set_num_threads(1)
-
+    runs = contenders(args.baseline)
     items = workload("first", 0)
     rounds: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="cpu-ab-") as tmp:
@@ -70,9 +88,7 @@ def main() -> None:
                               dtype="float32", num_kv_blocks=4096)
         for index in range(args.rounds):
             results = {}
-            for name, threads, prepare in ((f"baseline {args.baseline}", "1", as_baseline),
-                                           ("this tree, 1 thread", "1", None),
-                                           ("this tree, 2 threads", "2", None)):
+            for name, threads, prepare in runs:
                 os.environ["OMP_NUM_THREADS"] = threads
                 torch.set_num_threads(int(threads))
                 results[name] = run_engine(config, items, prepare)
@@ -82,15 +98,15 @@ def main() -> None:
                 f"({round(value['num_output_tokens'] / value['cpu_seconds'])} per CPU s, "
                 f"load {value['load_average']:.1f})" for name, value in results.items()),
                 file=sys.stderr, flush=True)
-    baseline_name = f"baseline {args.baseline}"
+    first_name = runs[0][0]
     summary = {name: {"output_tokens_per_second": [round(r[name]["output_tokens_per_second"])
                                                    for r in rounds],
                       "output_tokens_per_cpu_second": [
                           round(r[name]["num_output_tokens"] / r[name]["cpu_seconds"])
                           for r in rounds],
                       "load_average": [round(r[name]["load_average"], 1) for r in rounds],
-                      "greedy_tokens_equal_to_baseline": all(
-                          r[name]["token_ids"] == r[baseline_name]["token_ids"] for r in rounds)}
+                      f"greedy_tokens_equal_to {first_name}": all(
+                          r[name]["token_ids"] == r[first_name]["token_ids"] for r in rounds)}
                for name in rounds[0]}
     print(json.dumps(summary, indent=1))
     if args.json:

@@ -6,9 +6,11 @@ The model is benchmarks/cpu_bench.py's small Qwen3 (float32). The prefill step
 holds 57 prompts of 32..256 tokens (8,313 tokens: what the first workload's first
 step prefills); the decode step 64 sequences with contexts 100..380. Contenders,
 interleaved in every round: the plain CausalLM (torch operations, the CPU
-attention kernel, one thread), and the fused model of gpu/cpu_layers.py at 1 and 2
-forward threads. Each figure is the best of the round's repeats, in ms: wall time
-and the process's CPU time (all threads), the latter less disturbed by other load.
+attention kernel, one thread), the fused model of gpu/cpu_layers.py with each part
+in torch operations at 1 and 2 forward threads, and the fused model's default, each
+part in one compiled call, at 1 and 2 threads. Each figure is the best of the round's
+repeats, in ms: wall time and the process's CPU time (all threads), the latter less
+disturbed by other load.
 """
 
 from __future__ import annotations
@@ -91,22 +93,30 @@ def main() -> None:
     steps = {"prefill": (make_step(prompt_lens, prompt_lens, rng), 2),
              "decode": (make_step([1] * 64, decode_lens, rng), 15)}
     with tempfile.TemporaryDirectory(prefix="cpu-step-") as tmp:
-        model = load_model(build_small_model(Path(tmp)), dtype=torch.float32,
-                           device=torch.device("cpu"))
+        model_dir = build_small_model(Path(tmp))
+        model = load_model(model_dir, dtype=torch.float32, device=torch.device("cpu"))
+        compiled = cpu_layers.fuse_model(load_model(model_dir, dtype=torch.float32,
+                                                    device=torch.device("cpu")))
     model.attention_backend.warm_up()
     cpu_layers.warm_up()
     caches = model.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE)
-    contenders = {"plain": (CausalLM, 1), "fused, 1 thread": (cpu_layers.CpuFusedCausalLM, 1),
-                  "fused, 2 threads": (cpu_layers.CpuFusedCausalLM, 2)}
+    compiled_caches = compiled.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE)
+    contenders = {"plain": (model, CausalLM, 1),
+                  "fused in torch ops, 1 thread": (model, cpu_layers.CpuFusedCausalLM, 1),
+                  "fused in torch ops, 2 threads": (model, cpu_layers.CpuFusedCausalLM, 2),
+                  "compiled, 1 thread": (compiled, cpu_layers.CpuFusedCausalLM, 1),
+                  "compiled, 2 threads": (compiled, cpu_layers.CpuFusedCausalLM, 2)}
     results: dict[str, list] = {}
     for index in range(args.rounds):
-        for name, (model_class, num_parts) in contenders.items():
-            model.__class__ = model_class
-            model.num_parts = num_parts  # read by the fused forward only
+        for name, (contender, model_class, num_parts) in contenders.items():
+            contender.__class__ = model_class
+            contender.num_parts = num_parts  # read by the fused forward only
+            contender_caches = compiled_caches if contender is compiled else caches
             for step_name, (step, repeats) in steps.items():
                 key = f"{step_name}, {name} (wall ms, CPU ms)"
                 results.setdefault(key, []).append(
-                    best_ms(lambda step=step: run_step(model, caches, step), repeats))
+                    best_ms(lambda step=step, contender=contender, kv=contender_caches:
+                            run_step(contender, kv, step), repeats))
         print(f"round {index + 1} done", file=sys.stderr, flush=True)
     print(json.dumps(results, indent=1))
 

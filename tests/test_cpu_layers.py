@@ -2,19 +2,23 @@
 
 Each kernel is close to the torch operation it replaces (the order of a row's sums
 differs, nothing else), never depends on the other rows, and the fused model gives
-the plain model's logits and greedy tokens.
+the plain model's logits and greedy tokens. The compiled forward (a whole part of a
+step in one call, its GEMMs through torch's sgemm_: gpu/cpu_blas.py) gives the fused
+operations' bits.
 """
+
 
 import numpy as np
 import pytest
 import torch
 
 from trio_llm.actors.config import EngineConfig
-from trio_llm.gpu import cpu_layers
+from trio_llm.gpu import cpu_blas, cpu_layers
 from trio_llm.gpu.attention import write_kv_cache
 from trio_llm.gpu.config import RopeConfig
 from trio_llm.gpu.executor import ModelExecutor
-from trio_llm.gpu.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from trio_llm.gpu.layers import RMSNorm, RotaryEmbedding, chunked_linear, silu_and_mul
+from trio_llm.gpu.model import AttentionMetadata, CausalLM
 from trio_llm.gpu.testing import GREEDY, DriverRequest, ExecutorDriver, record_logits
 
 
@@ -147,6 +151,7 @@ def test_a_step_in_parts_gives_the_same_bits(monkeypatch, num_parts, min_tokens_
     (with one token per part allowed, the decodes too): every logit the same bits as in
     one part."""
     monkeypatch.setattr(cpu_layers, "MIN_TOKENS_PER_PART", min_tokens_per_part)
+    monkeypatch.setattr(cpu_layers, "MIN_TOKENS_PER_COMPILED_PART", min_tokens_per_part)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, 2000, length).tolist() for length in (300, 1, 33, 400, 9, 264)]
     recorded = {}
@@ -162,3 +167,151 @@ def test_a_step_in_parts_gives_the_same_bits(monkeypatch, num_parts, min_tokens_
     assert recorded[1].keys() == recorded[num_parts].keys()
     for key, row in recorded[1].items():
         assert torch.equal(recorded[num_parts][key], row), key
+
+
+@pytest.mark.parametrize(("num_in", "num_out"), [(64, 128), (256, 512), (512, 256)])
+def test_sgemm_chunks_give_chunked_linears_bits(num_in, num_out):
+    """The compiled forward's GEMMs: torch's own sgemm_, one chunk of rows at a time, as
+    torch.bmm runs chunked_linear; any number of rows, the last chunk zero-padded."""
+    address = cpu_blas.sgemm_address()
+    assert address
+    weight = torch.randn(num_out, num_in, generator=_generator(num_out))
+    for num_rows in (1, 31, 32, 33, 100):
+        x = torch.randn(num_rows, num_in, generator=_generator(num_rows))
+        ours = cpu_blas.chunked_linear(x.numpy(), weight.numpy(), address)
+        assert torch.equal(torch.from_numpy(ours), chunked_linear(x, weight, None, 32))
+
+
+def _without_qk_norm(executor: ModelExecutor) -> None:
+    for layer in executor.model.layers:
+        layer.self_attn.q_norm = layer.self_attn.k_norm = None
+
+
+def _with_biases(executor: ModelExecutor) -> None:
+    """Qwen2's q/k/v biases and, beyond it, the others: the fused model built again."""
+    generator = _generator(5)
+    for layer in executor.model.layers:
+        for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                       layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            linear.bias = torch.nn.Parameter(
+                0.1 * torch.randn(linear.weight.shape[0], generator=generator),
+                requires_grad=False)
+    cpu_layers.fuse_model(executor.model, num_parts=executor.model.num_parts)
+    executor.kv_caches = executor.model.allocate_kv_caches(executor.num_kv_blocks,
+                                                           executor.block_size)
+
+
+@pytest.mark.parametrize("num_parts", [1, 3])
+@pytest.mark.parametrize("variant", ["qwen3", "without qk norm", "with biases"])
+def test_the_compiled_forward_gives_the_fused_operations_bits(monkeypatch, num_parts,
+                                                              variant):
+    """Prefills, chunked prefills and decodes of seven requests (a step of 1 to 700
+    tokens, up to three parts of one token or more): every logit the same bits whether
+    each part runs in one compiled call or in torch operations."""
+    monkeypatch.setattr(cpu_layers, "MIN_TOKENS_PER_PART", 1)
+    monkeypatch.setattr(cpu_layers, "MIN_TOKENS_PER_COMPILED_PART", 1)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, 2000, length).tolist() for length in (300, 1, 33, 64, 9, 2, 31)]
+    runs = {}
+    for is_compiled in (True, False):
+        executor = _executor(fused=True, num_kv_blocks=128)
+        if variant == "without qk norm":
+            _without_qk_norm(executor)
+        if variant == "with biases":
+            _with_biases(executor)
+        assert executor.model.sgemm_address
+        assert executor.model.stacked.holds(executor.kv_caches)
+        if not is_compiled:
+            executor.model.sgemm_address = 0
+        executor.model.num_parts = num_parts
+        logits = record_logits(executor)
+        requests = [DriverRequest(request_id=f"r{index}", prompt_token_ids=prompt,
+                                  max_tokens=10, sampling=GREEDY, chunk_sizes=[40, 7],
+                                  arrival_step=index % 3)
+                    for index, prompt in enumerate(prompts)]
+        ExecutorDriver(executor).run(requests)
+        runs[is_compiled] = ([request.output_token_ids for request in requests], logits)
+    assert runs[True][0] == runs[False][0]
+    assert runs[True][1].keys() == runs[False][1].keys()
+    for key, row in runs[False][1].items():
+        assert torch.equal(runs[True][1][key], row), key
+
+
+@pytest.mark.parametrize("num_parts", [1, 2, 3])
+def test_the_compiled_logits_give_the_lm_heads_bits(num_parts):
+    model = _executor(fused=True).model
+    model.num_parts = num_parts
+    for num_rows in (1, 32, 33, 100):
+        hidden = torch.randn(num_rows, model.config.hidden_size, generator=_generator(num_rows))
+        with torch.inference_mode():
+            assert torch.equal(model.compute_logits(hidden),
+                               CausalLM.compute_logits(model, hidden))
+
+
+def test_a_token_id_outside_the_vocabulary_is_refused():
+    """The compiled forward trusts its indices: the wrapper checks the token ids."""
+    executor = _executor(fused=True)
+    metadata = AttentionMetadata(slot_mapping=torch.tensor([0]),
+                                 block_tables=torch.zeros(1, 1, dtype=torch.int32),
+                                 context_lens=torch.ones(1, dtype=torch.int32),
+                                 query_start_loc=torch.tensor([0, 1], dtype=torch.int32))
+    vocab_size = executor.model.config.vocab_size
+    with torch.inference_mode(), pytest.raises(ValueError, match="token ids"):
+        executor.model(torch.tensor([vocab_size]), torch.tensor([0]), executor.kv_caches,
+                       metadata)
+
+
+def test_split_step_cuts_decode_steps_at_chunk_edges():
+    """A part pads its tokens to whole GEMM chunks of 32 rows: a decode step of 64
+    sequences cut 30 + 34 costs three chunks, 32 + 32 two; a cut that saves none stays
+    where the work is even."""
+    def cuts(num_seqs: int, context_lens: np.ndarray, max_parts: int = 2) -> list[int]:
+        parts = cpu_layers.split_step(context_lens, np.arange(num_seqs + 1), max_parts, 16)
+        return [part.end_seq for part in parts]
+
+    uneven = np.array([380] * 30 + [100] * 34)  # even work cuts near 28
+    assert cuts(64, uneven) == [32, 64]
+    assert cuts(40, np.full(40, 300)) == [20, 40]  # 20 + 20 is one chunk each already
+    assert cuts(100, np.full(100, 300)) == [50, 100]  # 64 + 36 saves no chunk on 50 + 50
+    assert cuts(31, np.full(31, 300)) == [31]  # one part below two parts of 16 tokens
+
+
+def test_a_step_whose_parts_would_share_a_block_being_written_is_not_cut():
+    """A repeated prompt hits the blocks its twin computes in the same step (prefix
+    caching): the twins in two parts on their own threads would race on those blocks."""
+    def reads_the_others_writes(twin_blocks: list[int]) -> bool:
+        # the first prompt: 20 tokens into blocks 4 and 5 (of 16 slots); its twin has its
+        # first 16 tokens cached and computes the last 4 into its second block
+        tables = torch.tensor([[4, 5], twin_blocks], dtype=torch.int32)
+        slots = torch.cat([torch.arange(64, 84), torch.arange(4) + 16 * twin_blocks[1]])
+        plan = cpu_layers.cpu_attention.plan_step(
+            tables, torch.tensor([20, 20], dtype=torch.int32),
+            torch.tensor([0, 20, 24], dtype=torch.int32), slots, num_tokens=24,
+            num_blocks=8, block_size=16, max_runs=2)
+        parts = [cpu_layers.StepPart(0, 1, 0, 20), cpu_layers.StepPart(1, 2, 20, 24)]
+        return cpu_layers.reads_another_parts_writes(plan, parts, 8, 16)
+
+    assert reads_the_others_writes([4, 6])  # block 4: a hit on what the first part writes
+    assert not reads_the_others_writes([3, 6])  # block 3 was written in an earlier step
+
+
+def test_the_compiled_forward_shares_the_layers_weights_and_takes_its_own_caches():
+    """The stacked weights are the layers' own parameters (nothing stored twice); caches
+    allocated elsewhere are not the fused model's one tensor, and run in torch ops."""
+    executor = _executor(fused=True)
+    model, stacked = executor.model, executor.model.stacked
+    with torch.no_grad():
+        model.layers[1].mlp.down_proj.weight[0, 0] = 123.0
+    assert stacked.weights[3][1, 0, 0] == 123.0
+    assert stacked.holds(executor.kv_caches)
+    others = cpu_layers.CausalLM.allocate_kv_caches(model, executor.num_kv_blocks, 16)
+    assert not stacked.holds(others)
+    metadata = AttentionMetadata(slot_mapping=torch.arange(3),
+                                 block_tables=torch.zeros(1, 1, dtype=torch.int32),
+                                 context_lens=torch.full((1,), 3, dtype=torch.int32),
+                                 query_start_loc=torch.tensor([0, 3], dtype=torch.int32))
+    token_ids, positions = torch.tensor([5, 6, 7]), torch.arange(3)
+    with torch.inference_mode():
+        compiled = model(token_ids, positions, executor.kv_caches, metadata)
+        in_ops = model(token_ids, positions, others, metadata)
+    assert torch.equal(compiled, in_ops)
