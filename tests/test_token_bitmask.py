@@ -163,6 +163,17 @@ def constrained_batches(vocab_size: int) -> list[ScheduledBatch]:
     return batches
 
 
+def tiny_pipelined_executor(device: str) -> CudaModelExecutor:
+    """The tiny model's pipelined executor on ``device`` (graphs and fused kernels on CUDA)."""
+    path = resolve_model("tiny")
+    model = load_model(path, dtype=torch.float32, device=torch.device(device))
+    executor = CudaModelExecutor(model, model_path=path, num_kv_blocks=16, block_size=4,
+                                 max_model_len=64)
+    executor.start(CudaExecutorOptions(max_num_seqs=4, use_cuda_graphs=device == "cuda",
+                                       use_fused_kernels=device == "cuda"))
+    return executor
+
+
 @pytest.mark.parametrize("device", [
     "cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
         not torch.cuda.is_available(), reason="needs a CUDA device")])])
@@ -197,21 +208,11 @@ def test_the_pipelined_executor_masks_like_the_plain_one(device: str) -> None:
 def test_bitmasks_that_follow_a_launched_step_sample_like_inline_ones(device: str) -> None:
     """Depth 2's deferred sampling (launch, then supply_bitmasks once the previous step
     is collected) gives the tokens of the same masks sent inline at depth 1."""
-    path = resolve_model("tiny")
-
-    def build() -> CudaModelExecutor:
-        model = load_model(path, dtype=torch.float32, device=torch.device(device))
-        executor = CudaModelExecutor(model, model_path=path, num_kv_blocks=16, block_size=4,
-                                     max_model_len=64)
-        executor.start(CudaExecutorOptions(max_num_seqs=4, use_cuda_graphs=device == "cuda",
-                                           use_fused_kernels=device == "cuda"))
-        return executor
-
-    inline = constrained_batches(build().vocab_size)
+    inline = constrained_batches(tiny_pipelined_executor(device).vocab_size)
     deferred = with_bitmasks_following(inline)
-    reference = build()
+    reference = tiny_pipelined_executor(device)
     expected = [reference.collect(reference.launch(batch)) for batch in inline]
-    executor = build()
+    executor = tiny_pipelined_executor(device)
     results = run_with_bitmasks_following(executor, inline)
     assert any(s.bitmask_follows for batch in deferred for s in batch.requests)
     assert [r.sampled_token_ids for r in results] == [r.sampled_token_ids for r in expected]
@@ -278,23 +279,13 @@ def test_a_first_tokens_inline_mask_and_masks_that_follow_share_a_step(device: s
     """supply_bitmasks merges the masks that came with the batch (a request's first
     token) with those that followed, by row, into one upload: the tokens are those of
     every mask sent inline."""
-    path = resolve_model("tiny")
-
-    def build() -> CudaModelExecutor:
-        model = load_model(path, dtype=torch.float32, device=torch.device(device))
-        executor = CudaModelExecutor(model, model_path=path, num_kv_blocks=16, block_size=4,
-                                     max_model_len=64)
-        executor.start(CudaExecutorOptions(max_num_seqs=4, use_cuda_graphs=device == "cuda",
-                                           use_fused_kernels=device == "cuda"))
-        return executor
-
-    inline = late_constrained_batches(build().vocab_size)
+    inline = late_constrained_batches(tiny_pipelined_executor(device).vocab_size)
     deferred = with_bitmasks_following(inline)
     assert any(s.bitmask_follows for s in deferred[2].requests)
     assert deferred[2].requests[-1].token_bitmask is not None  # "late" keeps its own
-    reference = build()
+    reference = tiny_pipelined_executor(device)
     expected = [reference.collect(reference.launch(batch)) for batch in inline]
-    results = run_with_bitmasks_following(build(), inline)
+    results = run_with_bitmasks_following(tiny_pipelined_executor(device), inline)
     assert [r.sampled_token_ids for r in results] == [r.sampled_token_ids for r in expected]
     late_token = expected[2].sampled_token_ids[-1]
     assert late_token in (11, 400, 1500)
