@@ -905,10 +905,13 @@ async def run_scheduler(
     task_status.started()
     async with queue_outbox, runner_outbox, detokenizer_outbox:
         outboxes = _Outboxes(queue_outbox, runner_outbox, detokenizer_outbox)
+        # A thread of its own: trio's shared default limiter could be held by other
+        # work, and every step would wait behind it.
+        compile_thread = trio.CapacityLimiter(1)
         while True:
             if scheduler.can_plan_step():
                 pulled = await _pull(inbox, scheduler, outboxes)
-                await _compile_constraints(scheduler, pulled)
+                await _compile_constraints(scheduler, pulled, compile_thread)
                 plan = scheduler.schedule(pulled)
                 await _send_plan(plan, outboxes)
                 await _send_ready_bitmasks(scheduler, outboxes.runner)
@@ -933,14 +936,15 @@ async def _pull(inbox: trio.MemoryReceiveChannel[SchedulerInbox], scheduler: Sch
         await _handle(message, scheduler, outboxes)
 
 
-async def _compile_constraints(scheduler: Scheduler, pulled: list[WaitingRequest]) -> None:
+async def _compile_constraints(scheduler: Scheduler, pulled: list[WaitingRequest],
+                               compile_thread: trio.CapacityLimiter) -> None:
     """Compile in a worker thread what the scheduler would otherwise compile on the
     event loop: in the served layout the core meets each constraint once (its
     front compiled it too, to validate it); in-process intake compiled them all."""
     grammars = scheduler.grammars
     for constraint in scheduler.constraints_to_compile(pulled):
         assert grammars is not None
-        await trio.to_thread.run_sync(grammars.compile, constraint)
+        await trio.to_thread.run_sync(grammars.compile, constraint, limiter=compile_thread)
 
 
 async def _send_plan(plan: StepPlan, outboxes: _Outboxes) -> None:

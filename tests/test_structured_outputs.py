@@ -435,7 +435,8 @@ def test_the_vocabulary_view_is_the_one_xgrammar_builds_through_transformers(
 async def test_the_scheduler_actor_compiles_off_the_event_loop_and_sends_masks_after_batches(
         ) -> None:
     """A constraint the scheduler has not seen (the served layout's core meets each
-    once) is compiled in a worker thread, not on the event loop; a step's masks are
+    once) is compiled in a worker thread of its own (not on the event loop, and not
+    behind trio's shared default limiter, held here by other work); a step's masks are
     filled at once, in one call on the event loop (xgrammar works without the GIL; a
     worker thread waited for the GIL to start), and reach the runner right after its
     batch."""
@@ -472,6 +473,10 @@ async def test_the_scheduler_actor_compiles_off_the_event_loop_and_sends_masks_a
     queue_outbox, from_scheduler = trio.open_memory_channel[Any](8)
     runner_outbox, to_runner = trio.open_memory_channel[Any](8)
     detokenizer_outbox, to_detokenizer = trio.open_memory_channel[Any](8)
+    default_threads = trio.to_thread.current_default_thread_limiter()
+    default_threads.total_tokens = 1
+    other_work = object()
+    await default_threads.acquire_on_behalf_of(other_work)
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
             scheduler_module.fill_bitmasks = recording_fill
@@ -490,6 +495,7 @@ async def test_the_scheduler_actor_compiles_off_the_event_loop_and_sends_masks_a
                 assert allowed_ids(mask) == allowed_ids(expected.next_bitmask())
             finally:
                 scheduler_module.fill_bitmasks = fill
+                default_threads.release_on_behalf_of(other_work)
             nursery.cancel_scope.cancel()
     assert compiled_on and event_loop_thread not in compiled_on
     assert filled_on == [event_loop_thread]
