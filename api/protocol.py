@@ -832,14 +832,7 @@ class CompletionBuilder(_OutputBuilder):
         if output.logprobs is None:
             return prompt
         logprobs = prompt or CompletionLogprobs()
-        offset = self._num_chars
-        for token_id, entry in zip(output.token_ids, output.logprobs, strict=False):
-            token = self.token_text(token_id)
-            logprobs.tokens.append(token)
-            logprobs.token_logprobs.append(None if entry is None else entry.logprob)
-            logprobs.top_logprobs.append(self._top_dict(token, entry))
-            logprobs.text_offset.append(offset)
-            offset += len(token)
+        self._append_logprobs(logprobs, output.token_ids, output.logprobs, self._num_chars)
         return logprobs
 
     def _prompt_logprobs(self, output: RequestOutput) -> CompletionLogprobs | None:
@@ -848,16 +841,19 @@ class CompletionBuilder(_OutputBuilder):
         if output.prompt_logprobs is None or output.prompt_token_ids is None:
             return None
         logprobs = CompletionLogprobs()
-        offset = 0
-        for token_id, entry in zip(output.prompt_token_ids, output.prompt_logprobs,
-                                   strict=False):
+        self._append_logprobs(logprobs, output.prompt_token_ids, output.prompt_logprobs, 0)
+        return logprobs
+
+    def _append_logprobs(self, logprobs: CompletionLogprobs, token_ids: Sequence[int],
+                         entries: Sequence[TokenLogprobs | None], offset: int) -> None:
+        """One entry per token, its text starting at character ``offset``."""
+        for token_id, entry in zip(token_ids, entries, strict=False):
             token = self.token_text(token_id)
             logprobs.tokens.append(token)
             logprobs.token_logprobs.append(None if entry is None else entry.logprob)
             logprobs.top_logprobs.append(self._top_dict(token, entry))
             logprobs.text_offset.append(offset)
             offset += len(token)
-        return logprobs
 
     def _top_dict(self, token: str, entry: TokenLogprobs | None) -> dict[str, float] | None:
         if entry is None:
