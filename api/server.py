@@ -380,13 +380,7 @@ class OpenAIServer:
             return self._json(builder.response())
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         events = self._events(outputs, builder, timer, log_line, include_usage=include_usage)
-        # Run the body to its first event before answering, so that a request
-        # the engine refuses gets its 4xx/503 status rather than an error event
-        # inside a 200. Once started, the generator's cleanup runs however it
-        # ends, even if the response is dropped before Quart sends it.
-        first_event = await anext(events)
-        return Response(_resumed(first_event, events), content_type="text/event-stream",
-                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await _event_stream(events)
 
     async def respond_choices(self, outputs: AsyncIterator[tuple[int, RequestOutput]],
                               builders: Sequence[protocol.CompletionBuilder]
@@ -415,9 +409,7 @@ class OpenAIServer:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         events = self._choice_events(outputs, builders, collected, timers, log_line,
                                      include_usage=include_usage)
-        first_event = await anext(events)
-        return Response(_resumed(first_event, events), content_type="text/event-stream",
-                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await _event_stream(events)
 
     async def _choice_events(self, outputs: AsyncIterator[tuple[int, RequestOutput]],
                              builders: Sequence[protocol.CompletionBuilder]
@@ -734,6 +726,16 @@ def _sse_event(body: msgspec.Struct) -> bytes:
 
 def _error_event(error: EngineError) -> bytes:
     return _sse_event(_error_body(*_error_info(error)))
+
+
+async def _event_stream(events: AsyncGenerator[bytes, None]) -> Response:
+    """The SSE response of ``events``, run to its first event before answering, so
+    that a request the engine refuses gets its 4xx/503 status rather than an error
+    event inside a 200. Once started, the generator's cleanup runs however it ends,
+    even if the response is dropped before Quart sends it."""
+    first_event = await anext(events)
+    return Response(_resumed(first_event, events), content_type="text/event-stream",
+                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 async def _resumed(first_event: bytes,
