@@ -6,15 +6,13 @@ batched prompts (each choice its solo run), ``echo``; and what is refused."""
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import openai
 import pytest
 import trio
-from test_http_openai import LAYOUTS, Served, served_engine
-from test_http_support import running_server
+from test_http_openai import LAYOUTS, served_engine
+from test_http_support import openai_clients, running_server
 
 from trio_llm.actors.config import EngineConfig
 from trio_llm.actors.intake import derive_seed
@@ -31,17 +29,6 @@ SAMPLED = {"model": "tiny", "temperature": 5.0, "max_tokens": 8,
            "extra_body": {"ignore_eos": True}}
 
 
-@asynccontextmanager
-async def clients(served: Served) -> AsyncIterator[tuple[openai.AsyncOpenAI, openai.OpenAI]]:
-    client = openai.AsyncOpenAI(base_url=f"{served.url}/v1", api_key="none", max_retries=0)
-    sync_client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="none", max_retries=0)
-    try:
-        yield client, sync_client
-    finally:
-        await client.close()
-        sync_client.close()
-
-
 async def engine_text(engine: Engine, prompt: str | list[int], params: SamplingParams) -> str:
     return "".join([output.text async for output in engine.generate(prompt, params)])
 
@@ -53,7 +40,7 @@ def sampled_params(seed: int, **fields: Any) -> SamplingParams:
 @pytest.mark.parametrize("layout", LAYOUTS)
 async def test_n_seeded_children_differ_are_reproducible_and_in_index_order(layout) -> None:
     with trio.fail_after(TIMEOUT):
-        async with served_engine(layout) as served, clients(served) as (client, _):
+        async with served_engine(layout) as served, openai_clients(served.url) as (client, _):
             first = await client.completions.create(prompt=PROMPT, n=4, seed=7, **SAMPLED)
             again = await client.completions.create(prompt=PROMPT, n=4, seed=7, **SAMPLED)
             solo = [await engine_text(served.engine, PROMPT, sampled_params(seed))
@@ -72,7 +59,7 @@ async def test_n_seeded_children_differ_are_reproducible_and_in_index_order(layo
 
 async def test_children_share_the_prompts_cached_blocks() -> None:
     with trio.fail_after(TIMEOUT):
-        async with served_engine("in-process") as served, clients(served) as (client, _):
+        async with served_engine("in-process") as served, openai_clients(served.url) as (client, _):
             before = served.engine.statistics()
             await client.completions.create(prompt=LONG_PROMPT, n=4, seed=1, **SAMPLED)
             after = served.engine.statistics()
@@ -93,7 +80,8 @@ async def test_stream_chunks_name_their_choice() -> None:
             return list(chunks)
 
     with trio.fail_after(TIMEOUT):
-        async with served_engine("in-process") as served, clients(served) as (client, sync):
+        async with (served_engine("in-process") as served,
+                    openai_clients(served.url) as (client, sync)):
             whole = await client.completions.create(prompt=PROMPT, n=3, seed=5, **SAMPLED)
             chunks = await trio.to_thread.run_sync(lambda: stream(
                 sync.completions.create, prompt=PROMPT, n=3, seed=5, **SAMPLED))
@@ -120,7 +108,7 @@ async def test_stream_chunks_name_their_choice() -> None:
 
 async def test_best_of_returns_the_highest_cumulative_logprob() -> None:
     with trio.fail_after(TIMEOUT):
-        async with served_engine("in-process") as served, clients(served) as (client, _):
+        async with served_engine("in-process") as served, openai_clients(served.url) as (client, _):
             candidates = await client.completions.create(prompt=PROMPT, n=4, seed=3,
                                                          logprobs=0, **SAMPLED)
             best = await client.completions.create(prompt=PROMPT, n=2, best_of=4, seed=3,
@@ -143,7 +131,7 @@ async def test_batched_prompts_are_each_their_solo_run() -> None:
     greedy = {"model": "tiny", "temperature": 0.0, "max_tokens": 6,
               "extra_body": {"ignore_eos": True}}
     with trio.fail_after(TIMEOUT):
-        async with served_engine("in-process") as served, clients(served) as (client, _):
+        async with served_engine("in-process") as served, openai_clients(served.url) as (client, _):
             batch = await client.completions.create(prompt=prompts, **greedy)
             token_batch = await client.completions.create(prompt=token_prompts, **greedy)
             seeded = await client.completions.create(prompt=prompts, n=2, seed=11, **SAMPLED)
@@ -167,7 +155,8 @@ async def test_echo_prepends_the_prompt() -> None:
     greedy = {"model": "tiny", "temperature": 0.0, "max_tokens": 5,
               "extra_body": {"ignore_eos": True}}
     with trio.fail_after(TIMEOUT):
-        async with served_engine("in-process") as served, clients(served) as (client, sync):
+        async with (served_engine("in-process") as served,
+                    openai_clients(served.url) as (client, sync)):
             plain = await client.completions.create(prompt=PROMPT, **greedy)
             echoed = await client.completions.create(prompt=PROMPT, echo=True, **greedy)
             batch = await client.completions.create(prompt=[PROMPT, [5, 6, 7]], echo=True,
@@ -256,7 +245,7 @@ async def test_sampling_fields_cross_the_process_boundary(layout: str) -> None:
     """Penalties, logit_bias and echoed prompt logprobs give the in-process engine's
     results in the served layout too (the request crosses the wire to the core)."""
     with trio.fail_after(TIMEOUT):
-        async with served_engine(layout) as served, clients(served) as (client, _):
+        async with served_engine(layout) as served, openai_clients(served.url) as (client, _):
             response = await client.completions.create(
                 model="tiny", prompt=PROMPT, max_tokens=12, temperature=0.0, echo=True,
                 logprobs=1, logit_bias={"44": 5.0}, presence_penalty=0.5,

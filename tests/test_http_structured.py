@@ -18,7 +18,7 @@ import pydantic
 import pytest
 import trio
 from msgspec.structs import replace
-from test_http_support import running_server
+from test_http_support import openai_clients, running_server
 
 from trio_llm.actors.config import EngineConfig
 from trio_llm.api.engine import Engine
@@ -49,14 +49,9 @@ class Person(pydantic.BaseModel):
 @asynccontextmanager
 async def clients(config: EngineConfig = CONFIG, **server_options: Any
                   ) -> AsyncIterator[tuple[openai.AsyncOpenAI, openai.OpenAI]]:
-    async with Engine.open(config) as engine, running_server(engine, **server_options) as url:
-        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-        sync_client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-        try:
-            yield client, sync_client
-        finally:
-            await client.close()
-            sync_client.close()
+    async with (Engine.open(config) as engine, running_server(engine, **server_options) as url,
+                openai_clients(url) as pair):
+        yield pair
 
 
 async def stream_chat(sync_client: openai.OpenAI, **fields: Any) -> list[Any]:

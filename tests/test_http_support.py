@@ -316,6 +316,20 @@ async def running_server(engine: Any, **config: Any) -> AsyncIterator[str]:
         nursery.cancel_scope.cancel()
 
 
+@asynccontextmanager
+async def openai_clients(url: str) -> AsyncIterator[tuple[Any, Any]]:
+    """The official SDK's async and sync clients of the server at ``url``."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    sync_client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    try:
+        yield client, sync_client
+    finally:
+        await client.close()
+        sync_client.close()
+
+
 async def wait_until(predicate: Callable[[], bool], *, max_rounds: int = 1000) -> None:
     """Let every task run until ``predicate`` holds (no wall-clock sleeps)."""
     for _ in range(max_rounds):
