@@ -5,11 +5,14 @@ HTTP in the legacy completions shape with the first token's logprob null."""
 
 from __future__ import annotations
 
+import threading
+
 import msgspec
 import openai
 import pytest
 import torch
 import trio
+import trio.lowlevel
 
 from trio_llm.actors.config import EngineConfig
 from trio_llm.actors.messages import (
@@ -19,6 +22,7 @@ from trio_llm.actors.messages import (
     SamplingParams,
     ScheduledBatch,
     ScheduledRequest,
+    StepResult,
 )
 from trio_llm.api.engine import Engine
 from trio_llm.gpu.builtin import resolve_model
@@ -78,31 +82,78 @@ async def test_prompt_logprobs_are_each_tokens_logprob_at_the_position_before() 
         assert entry.logprob <= entry.top_logprobs[0] + 1e-6
 
 
+class HeldFirstStep:
+    """The real executor, its first step held until ``release``: the test queues
+    every request behind it, so how they batch never depends on thread timing."""
+
+    def __init__(self, inner: ModelExecutor) -> None:
+        self.inner = inner
+        self._released = threading.Event()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def release(self) -> None:
+        self._released.set()
+
+    def execute(self, batch: ScheduledBatch) -> StepResult:
+        # bounded: a failing test must not leave the runner's thread blocked
+        assert self._released.wait(timeout=60), "the first step was never released"
+        return self.inner.execute(batch)
+
+
 async def collect_all(config: EngineConfig, *, together: bool, min_preemptions: int = 0
                       ) -> list[tuple[list[int], list[float | None]]]:
+    """Each prompt's tokens and prompt logprobs: one after another, or ``together``
+    (all four queued in order while the first step is held, then batched)."""
     results: list[tuple[list[int], list[float | None]]] = [([], [])] * len(PROMPTS)
-    async with Engine.open(config) as engine:
+    inner = await trio.to_thread.run_sync(ModelExecutor.create, config)
+    executor = HeldFirstStep(inner)
+    async with Engine.open(config, executor=executor) as engine:
+
+        def keep(index: int, token_ids: list[int], first: RequestOutput | None) -> None:
+            assert first is not None and first.prompt_logprobs is not None
+            results[index] = (token_ids, [None if entry is None else entry.logprob
+                                          for entry in first.prompt_logprobs])
 
         async def one(index: int) -> None:
             token_ids, first = [], None
             async for output in engine.generate(PROMPTS[index], asked(max_tokens=16)):
                 first = first or output
                 token_ids += output.token_ids
-            assert first is not None and first.prompt_logprobs is not None
-            results[index] = (token_ids, [None if entry is None else entry.logprob
-                                          for entry in first.prompt_logprobs])
+            keep(index, token_ids, first)
+
+        async def all_four() -> None:
+            token_ids: list[list[int]] = [[] for _ in PROMPTS]
+            firsts: list[RequestOutput | None] = [None] * len(PROMPTS)
+            async for index, output in engine.generate_many(
+                    [(prompt, asked(max_tokens=16)) for prompt in PROMPTS]):
+                firsts[index] = firsts[index] or output
+                token_ids[index] += output.token_ids
+            for index, first in enumerate(firsts):
+                keep(index, token_ids[index], first)
 
         if together:
             async with trio.open_nursery() as nursery:
-                for index in range(len(PROMPTS)):
-                    nursery.start_soon(one, index)
+                nursery.start_soon(all_four)
+                # no event to wait on: intake's worker thread admits them one by one
+                while sum(stats_now(engine)) < len(PROMPTS):  # noqa: ASYNC110
+                    await trio.lowlevel.checkpoint()
+                executor.release()
         else:
+            executor.release()
             for index in range(len(PROMPTS)):
                 await one(index)
         stats = engine.statistics()
         assert stats.num_free_blocks == stats.num_total_blocks
         assert stats.num_preemptions >= min_preemptions
     return results
+
+
+def stats_now(engine: Engine) -> tuple[int, int]:
+    """Requests the scheduler runs (the held first step's) and those still queued."""
+    stats = engine.statistics()
+    return stats.num_running, stats.num_waiting
 
 
 async def test_the_same_prompt_logprobs_chunked_batched_preempted_and_cached() -> None:
