@@ -139,7 +139,9 @@ async def _run_pipelined(inbox: trio.MemoryReceiveChannel[RunnerInbox],
     async def collect_each() -> None:
         async for pending in receive_pending:
             if not pending.is_ready():
-                await trio.to_thread.run_sync(pending.wait)
+                # Abandoned on cancellation: the wait touches nothing, and a step
+                # that never completes (a hung device) must not hold shutdown.
+                await trio.to_thread.run_sync(pending.wait, abandon_on_cancel=True)
             result = executor.collect(pending)
             free_slots.release()
             await scheduler_outbox.send(result)

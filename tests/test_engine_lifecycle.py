@@ -7,11 +7,16 @@ from contextlib import aclosing
 
 import pytest
 import trio
+from test_executor_support import (
+    HOLD_LIMIT_SECONDS,
+    FaultyExecutor,
+    HangingPipelinedExecutor,
+)
 from trio.testing import wait_all_tasks_blocked
 
 from trio_llm.actors.config import EngineConfig
 from trio_llm.actors.errors import EngineDead, RequestRejected
-from trio_llm.actors.messages import SamplingParams, ScheduledBatch, StepResult
+from trio_llm.actors.messages import SamplingParams
 from trio_llm.api.engine import Engine
 from trio_llm.gpu.executor import ModelExecutor
 
@@ -203,20 +208,32 @@ async def test_abort_by_id_finishes_the_stream_with_reason_abort() -> None:
 # -- failure --------------------------------------------------------------------
 
 
-class FaultyExecutor:
-    """The real executor, until step ``fail_at`` raises."""
+async def test_a_step_that_never_completes_does_not_hold_shutdown() -> None:
+    """A hung device step: at exit its request ends with EngineDead once the grace
+    is over, and the engine closes without waiting for the step."""
+    inner = await trio.to_thread.run_sync(ModelExecutor.create, CONFIG)
+    executor = HangingPipelinedExecutor(inner, hang_at=3)
+    errors: list[EngineDead] = []
+    try:
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                async with Engine.open(msgspec_replace(CONFIG, shutdown_grace_seconds=0),
+                                       executor=executor) as engine:  # type: ignore[arg-type]
 
-    def __init__(self, inner: ModelExecutor, fail_at: int) -> None:
-        self.inner = inner
-        self.fail_at = fail_at
+                    async def run() -> None:
+                        try:
+                            await collect(engine, [3, 4, 5], greedy(20))
+                        except EngineDead as error:
+                            errors.append(error)
 
-    def __getattr__(self, name: str) -> object:
-        return getattr(self.inner, name)
-
-    def execute(self, batch: ScheduledBatch) -> StepResult:
-        if batch.step_id >= self.fail_at:
-            raise RuntimeError("injected device failure")
-        return self.inner.execute(batch)
+                    nursery.start_soon(run)
+                    await executor.hung.wait()
+                    start = trio.current_time()
+            elapsed = trio.current_time() - start
+    finally:
+        executor.release()
+    assert len(errors) == 1
+    assert elapsed < HOLD_LIMIT_SECONDS / 2, "the exit waited for the hung step"
 
 
 async def test_runner_failure_reaches_every_request_and_closes_the_engine() -> None:

@@ -5,14 +5,13 @@ HTTP in the legacy completions shape with the first token's logprob null."""
 
 from __future__ import annotations
 
-import threading
-
 import msgspec
 import openai
 import pytest
 import torch
 import trio
 import trio.lowlevel
+from test_executor_support import HeldFirstStep
 
 from trio_llm.actors.config import EngineConfig
 from trio_llm.actors.messages import (
@@ -22,7 +21,6 @@ from trio_llm.actors.messages import (
     SamplingParams,
     ScheduledBatch,
     ScheduledRequest,
-    StepResult,
 )
 from trio_llm.api.engine import Engine
 from trio_llm.gpu.builtin import resolve_model
@@ -80,26 +78,6 @@ async def test_prompt_logprobs_are_each_tokens_logprob_at_the_position_before() 
         assert len(entry.top_token_ids) == 3 and entry.top_logprobs == sorted(
             entry.top_logprobs, reverse=True)
         assert entry.logprob <= entry.top_logprobs[0] + 1e-6
-
-
-class HeldFirstStep:
-    """The real executor, its first step held until ``release``: the test queues
-    every request behind it, so how they batch never depends on thread timing."""
-
-    def __init__(self, inner: ModelExecutor) -> None:
-        self.inner = inner
-        self._released = threading.Event()
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self.inner, name)
-
-    def release(self) -> None:
-        self._released.set()
-
-    def execute(self, batch: ScheduledBatch) -> StepResult:
-        # bounded: a failing test must not leave the runner's thread blocked
-        assert self._released.wait(timeout=60), "the first step was never released"
-        return self.inner.execute(batch)
 
 
 async def collect_all(config: EngineConfig, *, together: bool, min_preemptions: int = 0

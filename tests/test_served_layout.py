@@ -10,10 +10,11 @@ from functools import partial
 
 import pytest
 import trio
+from test_executor_support import FaultyExecutor, InstantPipelinedExecutor
 
 from trio_llm.actors.config import EngineConfig
 from trio_llm.actors.errors import EngineDead, RequestRejected
-from trio_llm.actors.messages import SamplingParams, ScheduledBatch, StepResult
+from trio_llm.actors.messages import SamplingParams
 from trio_llm.api.engine import Engine
 from trio_llm.api.processes import open_served_layout, run_engine_core
 from trio_llm.gpu.executor import ModelExecutor
@@ -162,57 +163,10 @@ async def test_a_front_that_dies_has_its_requests_aborted_and_the_other_goes_on(
     assert len(errors) == 3
 
 
-class FaultyExecutor:
-    """The real executor, until step ``fail_at`` raises."""
-
-    def __init__(self, inner: ModelExecutor, fail_at: int) -> None:
-        self.inner = inner
-        self.fail_at = fail_at
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self.inner, name)
-
-    def execute(self, batch: ScheduledBatch) -> StepResult:
-        if batch.step_id >= self.fail_at:
-            raise RuntimeError("injected device failure")
-        return self.inner.execute(batch)
-
-
 def leaves(error: BaseException) -> list[BaseException]:
     if isinstance(error, BaseExceptionGroup):
         return [leaf for inner in error.exceptions for leaf in leaves(inner)]
     return [error]
-
-
-class DoneStep:
-    """A launched step whose result is ready at once."""
-
-    def __init__(self, result: StepResult) -> None:
-        self.result = result
-
-    def is_ready(self) -> bool:
-        return True
-
-    def wait(self) -> None:
-        pass
-
-
-class InstantPipelinedExecutor:
-    """The real executor behind the launch/collect interface of the CUDA one, each
-    step done by the time it is launched: like a GPU step that is short next to
-    the host's work, its result reaches the scheduler before anything else."""
-
-    def __init__(self, inner: ModelExecutor) -> None:
-        self.inner = inner
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self.inner, name)
-
-    def launch(self, batch: ScheduledBatch) -> DoneStep:
-        return DoneStep(self.inner.execute(batch))
-
-    def collect(self, pending: DoneStep) -> StepResult:
-        return pending.result
 
 
 async def test_requests_one_after_another_through_a_pipelined_core_all_finish() -> None:
