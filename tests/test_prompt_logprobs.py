@@ -115,7 +115,7 @@ async def collect_all(config: EngineConfig, *, together: bool, min_preemptions: 
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(all_four)
                 # no event to wait on: intake's worker thread admits them one by one
-                while sum(stats_now(engine)) < len(PROMPTS):  # noqa: ASYNC110
+                while num_admitted(engine) < len(PROMPTS):  # noqa: ASYNC110
                     await trio.lowlevel.checkpoint()
                 executor.release()
         else:
@@ -128,10 +128,10 @@ async def collect_all(config: EngineConfig, *, together: bool, min_preemptions: 
     return results
 
 
-def stats_now(engine: Engine) -> tuple[int, int]:
-    """Requests the scheduler runs (the held first step's) and those still queued."""
+def num_admitted(engine: Engine) -> int:
+    """Requests the scheduler runs (the held first step's) and those queued."""
     stats = engine.statistics()
-    return stats.num_running, stats.num_waiting
+    return stats.num_running + stats.num_waiting
 
 
 async def test_the_same_prompt_logprobs_chunked_batched_preempted_and_cached() -> None:
