@@ -93,6 +93,12 @@ class Intake:
         if not isinstance(submit.priority, int):
             raise RequestRejected(f"priority must be an integer, not {submit.priority!r}",
                                   param="priority")
+        if submit.priority != 0 and self.config.scheduling_policy != "priority":
+            # vLLM refuses it too: under fcfs it could only be accepted and ignored
+            raise RequestRejected(
+                f"priority {submit.priority} needs the priority scheduling policy "
+                "(--scheduling-policy priority); this engine schedules first come, "
+                "first served", param="priority")
         params = self._validated_params(submit.params)
         _check_cache_salt(submit.cache_salt)
         prompt_token_ids = self._prompt_token_ids(submit)
@@ -108,9 +114,7 @@ class Intake:
             sampling=self._sampling_options(params, stop_token_ids, arrival_index),
             stop_token_ids=stop_token_ids,
             max_tokens=max_tokens,
-            # Under fcfs a priority is accepted and ignored: normalised so that
-            # nothing downstream orders by it by mistake.
-            priority=submit.priority if self.config.scheduling_policy == "priority" else 0,
+            priority=submit.priority,
             arrival_index=arrival_index,
             arrival_time=submit.arrival_time,
             cache_salt=submit.cache_salt,

@@ -43,6 +43,8 @@ def make_workload(*, sampled: bool) -> list[tuple[list[int], SamplingParams, int
 async def collect(engine: Engine, prompt: list[int], params: SamplingParams,
                   priority: int) -> list[int]:
     token_ids: list[int] = []
+    if engine.config.scheduling_policy != "priority":
+        priority = 0  # fcfs refuses any other
     async for output in engine.generate(prompt, params, priority=priority):
         token_ids += output.token_ids
     return token_ids

@@ -239,10 +239,17 @@ def test_a_single_stop_string_is_accepted() -> None:
     assert make_intake().admit(submit(params=params)).params.stop == ["fox"]
 
 
-@pytest.mark.parametrize(("policy", "expected"), [("fcfs", 0), ("priority", -5)])
-def test_priority_counts_only_under_the_priority_policy(policy: str, expected: int) -> None:
-    request = make_intake(scheduling_policy=policy).admit(submit(priority=-5))
-    assert request.priority == expected
+def test_a_priority_is_kept_under_the_priority_policy() -> None:
+    assert make_intake(scheduling_policy="priority").admit(submit(priority=-5)).priority == -5
+
+
+def test_a_priority_under_fcfs_is_rejected_not_ignored() -> None:
+    fcfs = make_intake(scheduling_policy="fcfs")
+    assert fcfs.admit(submit(priority=0)).priority == 0
+    with pytest.raises(RequestRejected) as caught:
+        fcfs.admit(submit(priority=-5))
+    error = caught.value
+    assert error.param == "priority" and "--scheduling-policy priority" in error.message
 
 
 def test_the_request_carries_what_the_engine_needs() -> None:
