@@ -57,16 +57,17 @@ PromptItem = int | str | list[int]
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
-    """``include_usage`` adds a last chunk with no choices and the token counts.
-    vLLM's ``continuous_usage_stats`` (usage in every chunk) is refused."""
+    """``include_usage`` adds a last chunk with no choices and the token counts;
+    vLLM's ``continuous_usage_stats`` adds its choice's counts so far to every
+    chunk as well. Alone it would do nothing (vLLM ignores it): refused."""
 
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
     def __post_init__(self) -> None:
-        if self.continuous_usage_stats:
-            raise ValueError("continuous_usage_stats is not supported by trio-llm: the usage "
-                             "comes in the last chunk, with include_usage")
+        if self.continuous_usage_stats and not self.include_usage:
+            raise ValueError("continuous_usage_stats needs include_usage: usage is only "
+                             "streamed with it")
 
 
 class JsonSchemaFormat(msgspec.Struct, kw_only=True):
@@ -726,6 +727,11 @@ def _reject_unsupported(request: _GenerationFields) -> None:
 TokenText = Callable[[int], str]
 
 
+def streams_usage_in_every_chunk(request: _GenerationFields) -> bool:
+    return (request.stream_options is not None
+            and request.stream_options.continuous_usage_stats)
+
+
 def usage_of(output: RequestOutput) -> Usage:
     return Usage(prompt_tokens=output.num_prompt_tokens,
                  completion_tokens=output.num_output_tokens,
@@ -749,7 +755,8 @@ class _OutputBuilder:
 
     ``token_text`` renders a token id for logprobs; it is only called when the
     request asked for logprobs. ``index`` is the choice's (api/choices.py builds one
-    builder per choice).
+    builder per choice). ``usage_in_every_chunk``: each streamed chunk carries the
+    choice's counts so far (``continuous_usage_stats``).
     """
 
     response_id: str
@@ -757,6 +764,7 @@ class _OutputBuilder:
     token_text: TokenText
     created: int = field(default_factory=_now)
     index: int = 0
+    usage_in_every_chunk: bool = False
     _text_parts: list[str] = field(default_factory=list, init=False)
     _last: RequestOutput | None = field(default=None, init=False)
 
@@ -764,6 +772,9 @@ class _OutputBuilder:
         if self._last is None:
             raise RuntimeError("no output was added")
         return self._last
+
+    def _chunk_usage(self, output: RequestOutput) -> Usage | None:
+        return usage_of(output) if self.usage_in_every_chunk else None
 
 
 @dataclass(kw_only=True)
@@ -793,7 +804,7 @@ class CompletionBuilder(_OutputBuilder):
         choice = CompletionChoice(index=self.index, text=echo + output.text, logprobs=logprobs,
                                   finish_reason=output.finish_reason,
                                   stop_reason=output.stop_reason)
-        return self._response([choice])
+        return self._response([choice], usage=self._chunk_usage(output))
 
     def add(self, output: RequestOutput) -> None:
         """Accumulate ``output`` for a non-streamed response."""
@@ -912,7 +923,7 @@ class ChatBuilder(_OutputBuilder):
         choice = ChatChunkChoice(index=self.index, delta=delta, logprobs=logprobs,
                                  finish_reason=output.finish_reason,
                                  stop_reason=output.stop_reason)
-        return self._chunk([choice])
+        return self._chunk([choice], usage=self._chunk_usage(output))
 
     def _parsed_chunk(self, output: RequestOutput,
                       logprobs: ChatLogprobs | None) -> ChatCompletionChunk | None:
@@ -928,7 +939,7 @@ class ChatBuilder(_OutputBuilder):
         finish_reason = _chat_finish_reason(output.finish_reason, parsed.calls)
         choice = ChatChunkChoice(index=self.index, delta=delta, logprobs=logprobs,
                                  finish_reason=finish_reason, stop_reason=output.stop_reason)
-        return self._chunk([choice])
+        return self._chunk([choice], usage=self._chunk_usage(output))
 
     def _delta_since_last(self, parsed: ParsedOutput, *, is_final: bool) -> ChatDelta:
         assert self.parser is not None

@@ -267,7 +267,8 @@ class OpenAIServer:
         response_id = f"cmpl-{uuid.uuid4().hex}"
         builders = [protocol.CompletionBuilder(
             response_id=response_id, model=self.model_name, token_text=self._token_text,
-            index=index, echo_text=echo_texts[plan.prompt_of(index)])
+            index=index, echo_text=echo_texts[plan.prompt_of(index)],
+            usage_in_every_chunk=protocol.streams_usage_in_every_chunk(body))
             for index in range(plan.num_children)]
         if plan.is_single:
             outputs = self.engine.generate(prompts[0], params, priority=body.priority,
@@ -304,9 +305,10 @@ class OpenAIServer:
         parser = (ChatOutputParser(reasoning=reasoning, tools=tool_plan.parser,
                                    max_calls=tool_plan.max_calls)
                   if reasoning is not None or tool_plan.parser is not None else None)
-        builder = protocol.ChatBuilder(response_id=f"chatcmpl-{uuid.uuid4().hex}",
-                                       model=self.model_name, token_text=self._token_text,
-                                       parser=parser)
+        builder = protocol.ChatBuilder(
+            response_id=f"chatcmpl-{uuid.uuid4().hex}", model=self.model_name,
+            token_text=self._token_text, parser=parser,
+            usage_in_every_chunk=protocol.streams_usage_in_every_chunk(body))
         template_variables: dict[str, Any] = {}
         if body.tools:
             template_variables["tools"] = [msgspec.to_builtins(tool) for tool in body.tools]

@@ -83,14 +83,42 @@ async def test_openai_and_vllm_fields_not_honoured_are_a_400_naming_them() -> No
             }
             usage_stats = await refusal(client.completions.create(
                 model="fake-model", prompt="x", max_tokens=2, stream=True,
-                stream_options={"include_usage": True,
-                                "continuous_usage_stats": True}))  # type: ignore[typeddict-unknown-key]
+                stream_options={"continuous_usage_stats": True}))  # type: ignore[typeddict-unknown-key]
     assert usage_stats["param"] == "stream_options"
-    assert "continuous_usage_stats is not supported by trio-llm" in usage_stats["message"]
+    assert "continuous_usage_stats needs include_usage" in usage_stats["message"]
     for name, body in refused.items():
         assert body["param"] == name
         assert f"{name} is not supported by trio-llm" in body["message"]
     assert engine.submitted == []  # none reached the engine
+
+
+async def test_continuous_usage_stats_put_each_choices_counts_so_far_in_every_chunk() -> None:
+    """vLLM's stream option: every chunk with a choice carries that choice's usage
+    so far; the last chunk (no choices) the request's, as without the option."""
+    every_chunk = {"include_usage": True, "continuous_usage_stats": True}
+    with trio.fail_after(TIMEOUT):
+        async with Engine.open(CONFIG) as engine, openai_client(engine) as client:
+            completion = [chunk async for chunk in await client.completions.create(
+                model="tiny", prompt="Once upon a time", max_tokens=6, stream=True,
+                stream_options=every_chunk,  # type: ignore[arg-type]
+                extra_body={"ignore_eos": True})]
+            chat = [chunk async for chunk in await client.chat.completions.create(
+                model="tiny", messages=MESSAGES, max_tokens=5, n=2, stream=True,
+                stream_options=every_chunk,  # type: ignore[arg-type]
+                extra_body={"ignore_eos": True})]
+    for chunks, num_choices, max_tokens in ((completion, 1, 6), (chat, 2, 5)):
+        *with_choices, last = chunks
+        assert last.choices == [] and last.usage is not None
+        counts: dict[int, list[int]] = {index: [] for index in range(num_choices)}
+        for chunk in with_choices:
+            assert chunk.usage is not None and len(chunk.choices) == 1
+            assert chunk.usage.prompt_tokens == last.usage.prompt_tokens  # n shares one prompt
+            assert chunk.usage.total_tokens == (chunk.usage.prompt_tokens
+                                                + chunk.usage.completion_tokens)
+            counts[chunk.choices[0].index].append(chunk.usage.completion_tokens)
+        for so_far in counts.values():
+            assert so_far == sorted(so_far) and so_far[0] >= 1 and so_far[-1] == max_tokens
+        assert last.usage.completion_tokens == num_choices * max_tokens
 
 
 async def test_a_refused_fields_default_or_null_is_accepted() -> None:
