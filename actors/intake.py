@@ -101,7 +101,7 @@ class Intake:
                 "first served", param="priority")
         params = self._validated_params(submit.params)
         _check_cache_salt(submit.cache_salt)
-        prompt_token_ids = self._prompt_token_ids(submit)
+        prompt_token_ids = self._prompt_token_ids(submit, self._keep_last(params))
         max_tokens = self._max_tokens(len(prompt_token_ids), params, _prompt_param(submit))
         stop_token_ids = self._stop_token_ids(params)
         _check_allowed_after_bans(params, stop_token_ids)
@@ -253,7 +253,23 @@ class Intake:
 
     # -- the prompt -------------------------------------------------------------
 
-    def _prompt_token_ids(self, submit: Submit) -> list[int]:
+    def _keep_last(self, params: SamplingParams) -> int | None:
+        """How many of the prompt's last tokens ``truncate_prompt_tokens`` keeps
+        (vLLM's: -1 is the context length); None keeps them all."""
+        keep = params.truncate_prompt_tokens
+        if keep is None:
+            return None
+        if keep == 0 or keep < -1:
+            raise RequestRejected(f"truncate_prompt_tokens must be at least 1, or -1 (the "
+                                  f"context length), not {keep}", param="truncate_prompt_tokens")
+        if keep > self.max_model_len:
+            raise RequestRejected(
+                f"truncate_prompt_tokens ({keep}) is over the model's maximum context "
+                f"length ({self.max_model_len})", param="truncate_prompt_tokens")
+        return self.max_model_len if keep == -1 else keep
+
+    def _prompt_token_ids(self, submit: Submit, keep_last: int | None) -> list[int]:
+        """The prompt's token ids, only the last ``keep_last`` of them if set."""
         given = [name for name in ("prompt", "prompt_token_ids", "messages")
                  if getattr(submit, name) is not None]
         if len(given) != 1:
@@ -262,19 +278,21 @@ class Intake:
                 f"(got {', '.join(given) or 'none'})", param="prompt")
         if submit.messages is not None:
             return self._chat_token_ids(submit.messages, _template_variables(submit),
-                                        submit.template_options)
+                                        submit.template_options, keep_last=keep_last)
         if submit.prompt_token_ids is not None:
-            return self._checked_token_ids(submit.prompt_token_ids)
+            token_ids = self._checked_token_ids(submit.prompt_token_ids)
+            return token_ids if keep_last is None else token_ids[-keep_last:]
         assert submit.prompt is not None
-        return self._text_token_ids(submit.prompt)
+        return self._text_token_ids(submit.prompt, keep_last)
 
-    def _text_token_ids(self, prompt: str) -> list[int]:
+    def _text_token_ids(self, prompt: str, keep_last: int | None = None) -> list[int]:
         if not isinstance(prompt, str):
             raise RequestRejected(f"the prompt must be a string, not {type(prompt).__name__}",
                                   param="prompt")
         token_ids = []
         if prompt:
-            token_ids = self._encoded(prompt, "prompt", add_special_tokens=True)
+            token_ids = self._encoded(prompt, "prompt", add_special_tokens=True,
+                                      keep_last=keep_last)
         if not token_ids:
             raise RequestRejected("the prompt is empty", param="prompt")
         return token_ids
@@ -292,7 +310,8 @@ class Intake:
 
     def _chat_token_ids(self, messages: list[dict[str, Any]],
                         template_variables: dict[str, Any] | None = None,
-                        options: ChatTemplateOptions | None = None) -> list[int]:
+                        options: ChatTemplateOptions | None = None, *,
+                        keep_last: int | None = None) -> list[int]:
         if not messages:
             raise RequestRejected("the conversation is empty: no messages", param="messages")
         for index, message in enumerate(messages):
@@ -310,14 +329,20 @@ class Intake:
                                   continue_final_message=options.continue_final_message,
                                   **(template_variables or {}))
         # The template already wrote every special token the model expects.
-        token_ids = self._encoded(text, "messages", add_special_tokens=False)
+        token_ids = self._encoded(text, "messages", add_special_tokens=False,
+                                  keep_last=keep_last)
         if not token_ids:
             raise RequestRejected("the chat template rendered an empty prompt", param="messages")
         return token_ids
 
-    def _encoded(self, text: str, param: str, *, add_special_tokens: bool) -> list[int]:
-        """The text's token ids; a prompt over the context is refused from its
-        count, without building its list of ids."""
+    def _encoded(self, text: str, param: str, *, add_special_tokens: bool,
+                 keep_last: int | None = None) -> list[int]:
+        """The text's token ids (only the last ``keep_last`` if set); else a prompt
+        over the context is refused from its count, without building its list of ids."""
+        if keep_last is not None:
+            token_ids = _scoped_to_request("tokenizer", param, self.tokenizer.encode, text,
+                                           add_special_tokens=add_special_tokens)
+            return token_ids[-keep_last:]
         try:
             return _scoped_to_request("tokenizer", param, self.tokenizer.encode, text,
                                       add_special_tokens=add_special_tokens,

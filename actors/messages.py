@@ -59,7 +59,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     ``allowed_token_ids`` (vLLM's) keeps only those tokens. ``prompt_logprobs``
     (vLLM's): the logprob of every prompt token after the first, with that many
     alternatives (the request then never starts from cached blocks: every prompt
-    position must be computed).
+    position must be computed). ``truncate_prompt_tokens`` (vLLM's): keep only the
+    prompt's last k tokens (-1: as many as the context holds), after the chat
+    template when there is one.
     """
 
     max_tokens: PositiveInt | None = 16
@@ -82,6 +84,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     logit_bias: dict[int, LogitBias] | None = None
     allowed_token_ids: list[int] | None = None
     prompt_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
+    truncate_prompt_tokens: Annotated[int, msgspec.Meta(ge=-1)] | None = None
 
 
 class SamplingOptions(msgspec.Struct, frozen=True, kw_only=True):

@@ -126,6 +126,7 @@ class _GenerationFields(msgspec.Struct, kw_only=True):
     repetition_penalty: RepetitionPenalty | None = None
     logit_bias: dict[str, LogitBiasValue] | None = None
     allowed_token_ids: list[NonNegativeInt] | None = None
+    truncate_prompt_tokens: Annotated[int, msgspec.Meta(ge=-1)] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
 
@@ -569,6 +570,10 @@ def completion_sampling_params(request: CompletionRequest,
                               num_logprobs=request.logprobs,
                               structured_outputs=structured_outputs_of(request),
                               defaults=defaults)
+    if request.echo and request.truncate_prompt_tokens is not None:
+        # the echo would be the prompt as sent, the model's prompt only its end
+        raise RequestRejected("echo and truncate_prompt_tokens exclude each other",
+                              param="truncate_prompt_tokens")
     if request.echo and request.logprobs is not None:
         # the echoed prompt's tokens come with their logprobs too (OpenAI's echo)
         params = msgspec.structs.replace(params, prompt_logprobs=request.logprobs)
@@ -674,6 +679,7 @@ def _sampling_params(request: _GenerationFields, *, max_tokens: int | None,
         repetition_penalty=_or(request.repetition_penalty, default.repetition_penalty),
         logit_bias=logit_bias_of(request.logit_bias),
         allowed_token_ids=request.allowed_token_ids,
+        truncate_prompt_tokens=request.truncate_prompt_tokens,
     )
 
 

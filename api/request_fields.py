@@ -41,8 +41,6 @@ _NO_LOGITS_PROCESSORS = Refusal((), "trio-llm runs no custom logits processors")
 _NO_DISAGGREGATION = Refusal((), "trio-llm has no disaggregated prefill")
 _NO_XARGS = Refusal((), "trio-llm has no request extensions")
 _SERVER_REQUEST_IDS = Refusal((), "the server names each request itself (the response's id)")
-_NO_TRUNCATION = Refusal((), "trio-llm does not truncate prompts; a prompt over the context "
-                             "is refused")
 _NO_MULTIMODAL = Refusal((), "trio-llm serves text models only")
 _SPACES = Refusal((True,), "the tokenizer decodes special tokens as they are")
 _NO_TOKEN_ID_STRINGS = Refusal((False,), "logprobs name tokens by their text")
@@ -52,7 +50,6 @@ _REFUSED_SHARED: dict[str, Refusal] = {
     "use_beam_search": _NO_BEAM_SEARCH,
     "length_penalty": Refusal((1.0,), "trio-llm has no beam search"),
     "spaces_between_special_tokens": _SPACES,
-    "truncate_prompt_tokens": _NO_TRUNCATION,
     "guided_json": _LEGACY_GUIDED,
     "guided_regex": _LEGACY_GUIDED,
     "guided_choice": _LEGACY_GUIDED,

@@ -77,9 +77,6 @@ async def test_openai_and_vllm_fields_not_honoured_are_a_400_naming_them() -> No
                 "guided_json": await refusal(create(extra_body={"guided_json": {}}, **chat)),
                 "chat_template": await refusal(create(extra_body={"chat_template": "x"},
                                                       **chat)),
-                "truncate_prompt_tokens": await refusal(client.completions.create(
-                    model="fake-model", prompt="x", max_tokens=2,
-                    extra_body={"truncate_prompt_tokens": 4})),
             }
             usage_stats = await refusal(client.completions.create(
                 model="fake-model", prompt="x", max_tokens=2, stream=True,
@@ -119,6 +116,27 @@ async def test_continuous_usage_stats_put_each_choices_counts_so_far_in_every_ch
         for so_far in counts.values():
             assert so_far == sorted(so_far) and so_far[0] >= 1 and so_far[-1] == max_tokens
         assert last.usage.completion_tokens == num_choices * max_tokens
+
+
+async def test_truncate_prompt_tokens_answers_as_the_prompts_end_alone() -> None:
+    prompt = [(7 * index + 3) % 200 + 10 for index in range(40)]
+    greedy = {"max_tokens": 4, "temperature": 0.0}
+    with trio.fail_after(TIMEOUT):
+        async with Engine.open(CONFIG) as engine, openai_client(engine) as client:
+            cut = await client.completions.create(
+                model="tiny", prompt=prompt, extra_body={"truncate_prompt_tokens": 9}, **greedy)
+            alone = await client.completions.create(model="tiny", prompt=prompt[-9:], **greedy)
+            chat = await client.chat.completions.create(
+                model="tiny", messages=MESSAGES, extra_body={"truncate_prompt_tokens": 3},
+                **greedy)
+            with_echo = await refusal(client.completions.create(
+                model="tiny", prompt=prompt, echo=True,
+                extra_body={"truncate_prompt_tokens": 9}, **greedy))
+    assert cut.choices[0].text == alone.choices[0].text
+    assert cut.usage is not None and alone.usage is not None and chat.usage is not None
+    assert cut.usage.prompt_tokens == alone.usage.prompt_tokens == 9
+    assert chat.usage.prompt_tokens == 3
+    assert with_echo["param"] == "truncate_prompt_tokens"
 
 
 async def test_a_refused_fields_default_or_null_is_accepted() -> None:

@@ -304,3 +304,38 @@ async def test_run_intake_admits_rejects_and_forwards_aborts() -> None:
             await inbox_send.aclose()
         with pytest.raises(trio.EndOfChannel):
             await queue_receive.receive()
+
+
+# -- truncate_prompt_tokens ---------------------------------------------------------
+
+
+def truncated(keep: int) -> SamplingParams:
+    return SamplingParams(max_tokens=1, truncate_prompt_tokens=keep)
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens() -> None:
+    intake = make_intake()
+    assert intake.admit(submit([5, 6, 7, 8, 9], params=truncated(2))).prompt_token_ids == [8, 9]
+    assert intake.admit(submit([5, 6], params=truncated(4))).prompt_token_ids == [5, 6]
+    # a text prompt over the context: encoded whole, then its end kept
+    text = "the quick brown fox " * MAX_MODEL_LEN
+    full = make_tokenizer().encode(text)
+    assert len(full) > MAX_MODEL_LEN
+    assert rejection(intake, submit(text, params=SamplingParams(max_tokens=1))).param == "prompt"
+    assert intake.admit(submit(text, params=truncated(10))).prompt_token_ids == full[-10:]
+    # -1: as many as the context holds, which leaves no room for output
+    assert "no room for output" in rejection(intake, submit(text, params=truncated(-1))).message
+
+
+def test_truncate_prompt_tokens_cuts_the_rendered_conversation() -> None:
+    intake = make_intake()
+    messages = [{"role": "user", "content": "Hello world, the quick brown fox."}]
+    whole = intake.admit(submit(None, messages=messages)).prompt_token_ids
+    cut = intake.admit(submit(None, messages=messages, params=truncated(5))).prompt_token_ids
+    assert len(whole) > 5 and cut == whole[-5:]
+
+
+@pytest.mark.parametrize("keep", [0, -2, MAX_MODEL_LEN + 1])
+def test_a_truncation_of_no_tokens_or_over_the_context_is_rejected(keep: int) -> None:
+    error = rejection(make_intake(), submit([5, 6, 7], params=truncated(keep)))
+    assert error.param == "truncate_prompt_tokens"
