@@ -285,9 +285,8 @@ class _DecodingRequest:
         self.min_tokens = params.min_tokens
         self.wants_logprobs = params.logprobs is not None
         self.num_prompt_tokens = len(request.prompt_token_ids)
-        # kept only to go out with the prompt logprobs
-        self.prompt_token_ids = (request.prompt_token_ids if params.prompt_logprobs is not None
-                                 else None)
+        # goes out with the first output (and the prompt logprobs), then let go
+        self.prompt_token_ids: list[int] | None = request.prompt_token_ids
         self.num_output_tokens = 0
         self.pending_text = ""
         self.queue_time: float | None = queue_time
@@ -357,13 +356,13 @@ class _DecodingRequest:
         if self.wants_logprobs and delta.logprobs is not None:
             logprobs = delta.logprobs[:len(token_ids)]
         queue_time, self.queue_time = self.queue_time, None
+        prompt_token_ids, self.prompt_token_ids = self.prompt_token_ids, None
         output = RequestOutput(request_id=self.request_id, token_ids=token_ids, text=text,
                                logprobs=logprobs, stop_reason=delta.stop_reason,
                                num_prompt_tokens=self.num_prompt_tokens,
-                               num_output_tokens=self.num_output_tokens, queue_time=queue_time)
-        if delta.prompt_logprobs is not None:
-            output.prompt_token_ids, output.prompt_logprobs = (self.prompt_token_ids,
-                                                               delta.prompt_logprobs)
+                               num_output_tokens=self.num_output_tokens, queue_time=queue_time,
+                               prompt_token_ids=prompt_token_ids,
+                               prompt_logprobs=delta.prompt_logprobs)
         # Most outputs do not finish: the constructor leaves the finish fields unset.
         if stop_reason is not None:
             output.finished, output.finish_reason, output.stop_reason = True, "stop", stop_reason

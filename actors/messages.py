@@ -426,7 +426,8 @@ class RequestOutput(msgspec.Struct, kw_only=True, gc=False):
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     queue_time: float | None = None
-    # with prompt logprobs (SamplingParams.prompt_logprobs), on the first output: the
-    # prompt's token ids and their logprobs (None for the first)
+    # on the first output: the prompt's token ids as the model saw them (after the
+    # chat template and truncate_prompt_tokens); with SamplingParams.prompt_logprobs,
+    # their logprobs too (None for the first)
     prompt_token_ids: list[int] | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None

@@ -146,7 +146,8 @@ def combined_chat(builders: Sequence[ChatBuilder],
     first = builders[0]
     choices, usage = _returned_choices(builders, outputs)
     return ChatCompletionResponse(id=first.response_id, created=first.created,
-                                  model=first.model, choices=choices, usage=usage)
+                                  model=first.model, choices=choices, usage=usage,
+                                  prompt_token_ids=first.prompt_token_ids_returned())
 
 
 def _returned_choices(builders: Sequence[Any], outputs: ChoiceOutputs) -> tuple[list[Any], Usage]:

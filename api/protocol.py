@@ -127,6 +127,7 @@ class _GenerationFields(msgspec.Struct, kw_only=True):
     logit_bias: dict[str, LogitBiasValue] | None = None
     allowed_token_ids: list[NonNegativeInt] | None = None
     truncate_prompt_tokens: Annotated[int, msgspec.Meta(ge=-1)] | None = None
+    return_token_ids: bool | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
 
@@ -258,12 +259,18 @@ class CompletionLogprobs(msgspec.Struct, kw_only=True):
     text_offset: list[int] = []
 
 
+# With vLLM's return_token_ids only: absent (not null) otherwise.
+TokenIds = list[int] | msgspec.UnsetType
+
+
 class CompletionChoice(msgspec.Struct, kw_only=True):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_token_ids: TokenIds = msgspec.UNSET
+    token_ids: TokenIds = msgspec.UNSET
 
 
 class CompletionResponse(msgspec.Struct, kw_only=True):
@@ -345,6 +352,7 @@ class ChatChoice(msgspec.Struct, kw_only=True):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: TokenIds = msgspec.UNSET
 
 
 class ChatChunkChoice(msgspec.Struct, kw_only=True):
@@ -353,6 +361,7 @@ class ChatChunkChoice(msgspec.Struct, kw_only=True):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: TokenIds = msgspec.UNSET
 
 
 class ChatCompletionResponse(msgspec.Struct, kw_only=True):
@@ -362,6 +371,7 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
+    prompt_token_ids: TokenIds = msgspec.UNSET
 
 
 class ChatCompletionChunk(msgspec.Struct, kw_only=True):
@@ -371,6 +381,7 @@ class ChatCompletionChunk(msgspec.Struct, kw_only=True):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    prompt_token_ids: TokenIds = msgspec.UNSET
 
 
 class VersionResponse(msgspec.Struct, kw_only=True):
@@ -762,7 +773,9 @@ class _OutputBuilder:
     ``token_text`` renders a token id for logprobs; it is only called when the
     request asked for logprobs. ``index`` is the choice's (api/choices.py builds one
     builder per choice). ``usage_in_every_chunk``: each streamed chunk carries the
-    choice's counts so far (``continuous_usage_stats``).
+    choice's counts so far (``continuous_usage_stats``). ``returns_token_ids``
+    (vLLM's ``return_token_ids``): the prompt's token ids once (a stream's first
+    chunk) and the output's (each chunk's new ones).
     """
 
     response_id: str
@@ -771,8 +784,12 @@ class _OutputBuilder:
     created: int = field(default_factory=_now)
     index: int = 0
     usage_in_every_chunk: bool = False
+    returns_token_ids: bool = False
     _text_parts: list[str] = field(default_factory=list, init=False)
     _last: RequestOutput | None = field(default=None, init=False)
+    _prompt_token_ids: list[int] | None = field(default=None, init=False)
+    _prompt_ids_sent: bool = field(default=False, init=False)
+    _token_ids: list[int] = field(default_factory=list, init=False)
 
     def _require_last(self) -> RequestOutput:
         if self._last is None:
@@ -781,6 +798,32 @@ class _OutputBuilder:
 
     def _chunk_usage(self, output: RequestOutput) -> Usage | None:
         return usage_of(output) if self.usage_in_every_chunk else None
+
+    def _chunk_token_ids(self, output: RequestOutput) -> tuple[TokenIds, TokenIds]:
+        """A chunk's (prompt, output) token ids: the prompt's in the first chunk only."""
+        if not self.returns_token_ids:
+            return msgspec.UNSET, msgspec.UNSET
+        prompt: TokenIds = msgspec.UNSET
+        if output.prompt_token_ids is not None and not self._prompt_ids_sent:
+            prompt, self._prompt_ids_sent = output.prompt_token_ids, True
+        return prompt, output.token_ids
+
+    def _gather_token_ids(self, output: RequestOutput) -> None:
+        """For a whole response: the prompt's token ids and the output's so far."""
+        if self.returns_token_ids:
+            if self._prompt_token_ids is None:
+                self._prompt_token_ids = output.prompt_token_ids
+            self._token_ids += output.token_ids
+
+    def _whole_token_ids(self) -> tuple[TokenIds, TokenIds]:
+        """A whole response's (prompt, output) token ids."""
+        if not self.returns_token_ids:
+            return msgspec.UNSET, msgspec.UNSET
+        prompt = self._prompt_token_ids
+        return (msgspec.UNSET if prompt is None else prompt), self._token_ids
+
+    def prompt_token_ids_returned(self) -> TokenIds:
+        return self._whole_token_ids()[0]
 
 
 @dataclass(kw_only=True)
@@ -805,17 +848,20 @@ class CompletionBuilder(_OutputBuilder):
         """The chunk to stream for ``output``; None when it carries nothing to send."""
         echo = self._echo()
         logprobs = self._take(output)
-        if not (echo or output.text or output.finished or logprobs):
+        prompt_ids, token_ids = self._chunk_token_ids(output)
+        if not (echo or output.text or output.finished or logprobs or prompt_ids or token_ids):
             return None
         choice = CompletionChoice(index=self.index, text=echo + output.text, logprobs=logprobs,
                                   finish_reason=output.finish_reason,
-                                  stop_reason=output.stop_reason)
+                                  stop_reason=output.stop_reason,
+                                  prompt_token_ids=prompt_ids, token_ids=token_ids)
         return self._response([choice], usage=self._chunk_usage(output))
 
     def add(self, output: RequestOutput) -> None:
         """Accumulate ``output`` for a non-streamed response."""
         echo = self._echo()
         logprobs = self._take(output)
+        self._gather_token_ids(output)
         self._text_parts.append(echo + output.text)
         if logprobs is not None:
             self._logprobs = _extend_completion_logprobs(self._logprobs, logprobs)
@@ -829,9 +875,11 @@ class CompletionBuilder(_OutputBuilder):
 
     def response(self) -> CompletionResponse:
         last = self._require_last()
+        prompt_ids, token_ids = self._whole_token_ids()
         choice = CompletionChoice(index=self.index, text="".join(self._text_parts),
                                   logprobs=self._logprobs, finish_reason=last.finish_reason,
-                                  stop_reason=last.stop_reason)
+                                  stop_reason=last.stop_reason, prompt_token_ids=prompt_ids,
+                                  token_ids=token_ids)
         return self._response([choice], usage=usage_of(last))
 
     def usage_chunk(self, usage: Usage | None = None) -> CompletionResponse:
@@ -919,20 +967,22 @@ class ChatBuilder(_OutputBuilder):
         """The chunk to stream for ``output``; None when it carries nothing to send."""
         self._last = output
         logprobs = self._delta_logprobs(output)
+        prompt_ids, token_ids = self._chunk_token_ids(output)
         if self.parser is not None:
-            return self._parsed_chunk(output, logprobs)
-        if not (output.text or output.finished or logprobs or not self._sent_role):
+            return self._parsed_chunk(output, logprobs, prompt_ids, token_ids)
+        if not (output.text or output.finished or logprobs or not self._sent_role
+                or token_ids):
             return None
         delta = ChatDelta(content=output.text)
         if not self._sent_role:
             delta.role, self._sent_role = "assistant", True
         choice = ChatChunkChoice(index=self.index, delta=delta, logprobs=logprobs,
                                  finish_reason=output.finish_reason,
-                                 stop_reason=output.stop_reason)
-        return self._chunk([choice], usage=self._chunk_usage(output))
+                                 stop_reason=output.stop_reason, token_ids=token_ids)
+        return self._chunk([choice], usage=self._chunk_usage(output), prompt_token_ids=prompt_ids)
 
-    def _parsed_chunk(self, output: RequestOutput,
-                      logprobs: ChatLogprobs | None) -> ChatCompletionChunk | None:
+    def _parsed_chunk(self, output: RequestOutput, logprobs: ChatLogprobs | None,
+                      prompt_ids: TokenIds, token_ids: TokenIds) -> ChatCompletionChunk | None:
         assert self.parser is not None
         self._text += output.text
         parsed = self.parser.parse(self._text, is_final=output.finished)
@@ -940,12 +990,13 @@ class ChatBuilder(_OutputBuilder):
         is_empty = delta == ChatDelta()
         if not self._sent_role:
             delta.role, self._sent_role = "assistant", True
-        elif is_empty and not (output.finished or logprobs):
+        elif is_empty and not (output.finished or logprobs or token_ids):
             return None
         finish_reason = _chat_finish_reason(output.finish_reason, parsed.calls)
         choice = ChatChunkChoice(index=self.index, delta=delta, logprobs=logprobs,
-                                 finish_reason=finish_reason, stop_reason=output.stop_reason)
-        return self._chunk([choice], usage=self._chunk_usage(output))
+                                 finish_reason=finish_reason, stop_reason=output.stop_reason,
+                                 token_ids=token_ids)
+        return self._chunk([choice], usage=self._chunk_usage(output), prompt_token_ids=prompt_ids)
 
     def _delta_since_last(self, parsed: ParsedOutput, *, is_final: bool) -> ChatDelta:
         assert self.parser is not None
@@ -982,6 +1033,7 @@ class ChatBuilder(_OutputBuilder):
         """Accumulate ``output`` for a non-streamed response."""
         self._last = output
         self._text_parts.append(output.text)
+        self._gather_token_ids(output)
         logprobs = self._delta_logprobs(output)
         if logprobs is not None:
             self._logprobs = self._logprobs or ChatLogprobs()
@@ -1003,20 +1055,24 @@ class ChatBuilder(_OutputBuilder):
                                                            arguments=call.arguments))
                             for index, call in enumerate(parsed.calls)] or None)
             finish_reason = _chat_finish_reason(finish_reason, parsed.calls)
+        prompt_ids, token_ids = self._whole_token_ids()
         choice = ChatChoice(index=self.index, message=message, logprobs=self._logprobs,
-                            finish_reason=finish_reason, stop_reason=last.stop_reason)
+                            finish_reason=finish_reason, stop_reason=last.stop_reason,
+                            token_ids=token_ids)
         return ChatCompletionResponse(id=self.response_id, created=self.created,
-                                      model=self.model, choices=[choice], usage=usage_of(last))
+                                      model=self.model, choices=[choice], usage=usage_of(last),
+                                      prompt_token_ids=prompt_ids)
 
     def usage_chunk(self, usage: Usage | None = None) -> ChatCompletionChunk:
         """The last chunk of a stream with ``include_usage``: no choices, the counts
         (``usage``: several choices' together)."""
         return self._chunk([], usage=usage or usage_of(self._require_last()))
 
-    def _chunk(self, choices: list[ChatChunkChoice],
-               usage: Usage | None = None) -> ChatCompletionChunk:
+    def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None,
+               prompt_token_ids: TokenIds = msgspec.UNSET) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.response_id, created=self.created, model=self.model,
-                                   choices=choices, usage=usage)
+                                   choices=choices, usage=usage,
+                                   prompt_token_ids=prompt_token_ids)
 
     def _delta_logprobs(self, output: RequestOutput) -> ChatLogprobs | None:
         if output.logprobs is None:

@@ -139,6 +139,55 @@ async def test_truncate_prompt_tokens_answers_as_the_prompts_end_alone() -> None
     assert with_echo["param"] == "truncate_prompt_tokens"
 
 
+def extra(item: Any, name: str) -> Any:
+    """A field the openai SDK's models do not declare (vLLM's), or None."""
+    return (item.model_extra or {}).get(name)
+
+
+async def test_return_token_ids_gives_the_prompts_and_the_outputs_token_ids() -> None:
+    """vLLM's return_token_ids: the prompt's ids once (a stream's first chunk), the
+    output's in every chunk; absent without it."""
+    asked = {"max_tokens": 6, "temperature": 0.0,
+             "extra_body": {"return_token_ids": True, "ignore_eos": True}}
+    with trio.fail_after(TIMEOUT):
+        async with Engine.open(CONFIG) as engine, openai_client(engine) as client:
+            prompt_ids = engine.tokenizer.encode("Once upon a time")
+            whole = await client.completions.create(model="tiny", prompt="Once upon a time",
+                                                    **asked)
+            chunks = [chunk async for chunk in await client.completions.create(
+                model="tiny", prompt="Once upon a time", stream=True, **asked)]
+            chat = await client.chat.completions.create(model="tiny", messages=MESSAGES, **asked)
+            chat_chunks = [chunk async for chunk in await client.chat.completions.create(
+                model="tiny", messages=MESSAGES, stream=True, **asked)]
+            pair = await client.chat.completions.create(model="tiny", messages=MESSAGES, n=2,
+                                                        **asked)
+            plain = await client.completions.create(model="tiny", prompt="Once upon a time",
+                                                    max_tokens=2)
+            decode = engine.tokenizer.decode
+    choice = whole.choices[0]
+    assert whole.usage is not None and chat.usage is not None
+    assert extra(choice, "prompt_token_ids") == prompt_ids
+    assert len(extra(choice, "token_ids")) == whole.usage.completion_tokens == 6
+    assert decode(extra(choice, "token_ids")) == choice.text
+    assert extra(chunks[0].choices[0], "prompt_token_ids") == prompt_ids
+    assert all(extra(chunk.choices[0], "prompt_token_ids") is None for chunk in chunks[1:])
+    assert [token_id for chunk in chunks
+            for token_id in extra(chunk.choices[0], "token_ids")] == extra(choice, "token_ids")
+
+    chat_prompt_ids = extra(chat, "prompt_token_ids")
+    assert len(chat_prompt_ids) == chat.usage.prompt_tokens
+    chat_ids = extra(chat.choices[0], "token_ids")
+    assert len(chat_ids) == 6 and decode(chat_ids) == chat.choices[0].message.content
+    assert extra(chat_chunks[0], "prompt_token_ids") == chat_prompt_ids
+    assert all(extra(chunk, "prompt_token_ids") is None for chunk in chat_chunks[1:])
+    assert [token_id for chunk in chat_chunks for choice in chunk.choices
+            for token_id in extra(choice, "token_ids")] == chat_ids
+    assert extra(pair, "prompt_token_ids") == chat_prompt_ids  # n shares one prompt
+    assert [extra(choice, "token_ids") for choice in pair.choices] == [chat_ids, chat_ids]
+    assert extra(plain.choices[0], "token_ids") is None
+    assert extra(plain.choices[0], "prompt_token_ids") is None
+
+
 async def test_a_refused_fields_default_or_null_is_accepted() -> None:
     engine = FakeEngine()
     with trio.fail_after(TIMEOUT):
