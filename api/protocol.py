@@ -128,6 +128,7 @@ class _GenerationFields(msgspec.Struct, kw_only=True):
     allowed_token_ids: list[NonNegativeInt] | None = None
     truncate_prompt_tokens: Annotated[int, msgspec.Meta(ge=-1)] | None = None
     return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
 
@@ -775,7 +776,9 @@ class _OutputBuilder:
     builder per choice). ``usage_in_every_chunk``: each streamed chunk carries the
     choice's counts so far (``continuous_usage_stats``). ``returns_token_ids``
     (vLLM's ``return_token_ids``): the prompt's token ids once (a stream's first
-    chunk) and the output's (each chunk's new ones).
+    chunk) and the output's (each chunk's new ones). ``labels_token_ids`` (vLLM's
+    ``return_tokens_as_token_ids``): logprobs name each token "token_id:{id}"; the
+    text offsets and bytes stay those of its text.
     """
 
     response_id: str
@@ -785,6 +788,7 @@ class _OutputBuilder:
     index: int = 0
     usage_in_every_chunk: bool = False
     returns_token_ids: bool = False
+    labels_token_ids: bool = False
     _text_parts: list[str] = field(default_factory=list, init=False)
     _last: RequestOutput | None = field(default=None, init=False)
     _prompt_token_ids: list[int] | None = field(default=None, init=False)
@@ -795,6 +799,12 @@ class _OutputBuilder:
         if self._last is None:
             raise RuntimeError("no output was added")
         return self._last
+
+    def _label(self, token_id: int, text: str | None = None) -> str:
+        """How logprobs name a token: its text, or its id when asked."""
+        if self.labels_token_ids:
+            return f"token_id:{token_id}"
+        return self.token_text(token_id) if text is None else text
 
     def _chunk_usage(self, output: RequestOutput) -> Usage | None:
         return usage_of(output) if self.usage_in_every_chunk else None
@@ -913,17 +923,18 @@ class CompletionBuilder(_OutputBuilder):
                          entries: Sequence[TokenLogprobs | None], offset: int) -> None:
         """One entry per token, its text starting at character ``offset``."""
         for token_id, entry in zip(token_ids, entries, strict=False):
-            token = self.token_text(token_id)
-            logprobs.tokens.append(token)
+            text = self.token_text(token_id)
+            label = self._label(token_id, text)
+            logprobs.tokens.append(label)
             logprobs.token_logprobs.append(None if entry is None else entry.logprob)
-            logprobs.top_logprobs.append(self._top_dict(token, entry))
+            logprobs.top_logprobs.append(self._top_dict(label, entry))
             logprobs.text_offset.append(offset)
-            offset += len(token)
+            offset += len(text)
 
     def _top_dict(self, token: str, entry: TokenLogprobs | None) -> dict[str, float] | None:
         if entry is None:
             return None
-        top = {self.token_text(token_id): logprob
+        top = {self._label(token_id): logprob
                for token_id, logprob in zip(entry.top_token_ids, entry.top_logprobs, strict=False)}
         top.setdefault(token, entry.logprob)
         return top
@@ -1084,8 +1095,8 @@ class ChatBuilder(_OutputBuilder):
 
     def _token_logprob(self, token_id: int, entry: TokenLogprobs) -> ChatTokenLogprob:
         token = self.token_text(token_id)
-        top = [TopLogprob(token=(text := self.token_text(top_id)), logprob=logprob,
-                          bytes=list(text.encode()))
+        top = [TopLogprob(token=self._label(top_id, text := self.token_text(top_id)),
+                          logprob=logprob, bytes=list(text.encode()))
                for top_id, logprob in zip(entry.top_token_ids, entry.top_logprobs, strict=False)]
-        return ChatTokenLogprob(token=token, logprob=entry.logprob, bytes=list(token.encode()),
-                                top_logprobs=top)
+        return ChatTokenLogprob(token=self._label(token_id, token), logprob=entry.logprob,
+                                bytes=list(token.encode()), top_logprobs=top)

@@ -43,7 +43,6 @@ _NO_XARGS = Refusal((), "trio-llm has no request extensions")
 _SERVER_REQUEST_IDS = Refusal((), "the server names each request itself (the response's id)")
 _NO_MULTIMODAL = Refusal((), "trio-llm serves text models only")
 _SPACES = Refusal((True,), "the tokenizer decodes special tokens as they are")
-_NO_TOKEN_ID_STRINGS = Refusal((False,), "logprobs name tokens by their text")
 
 # Fields both endpoints share (OpenAI's and vLLM's).
 _REFUSED_SHARED: dict[str, Refusal] = {
@@ -60,7 +59,6 @@ _REFUSED_SHARED: dict[str, Refusal] = {
     "structural_tag": Refusal((), "structural tags are not supported"),
     "request_id": _SERVER_REQUEST_IDS,
     "logits_processors": _NO_LOGITS_PROCESSORS,
-    "return_tokens_as_token_ids": _NO_TOKEN_ID_STRINGS,
     "kv_transfer_params": _NO_DISAGGREGATION,
     "vllm_xargs": _NO_XARGS,
     "mm_processor_kwargs": _NO_MULTIMODAL,

@@ -188,6 +188,42 @@ async def test_return_token_ids_gives_the_prompts_and_the_outputs_token_ids() ->
     assert extra(plain.choices[0], "prompt_token_ids") is None
 
 
+async def test_return_tokens_as_token_ids_names_logprobs_tokens_by_id() -> None:
+    asked = {"max_tokens": 5, "temperature": 0.0, "extra_body": {"ignore_eos": True}}
+    by_id = {"max_tokens": 5, "temperature": 0.0,
+             "extra_body": {"ignore_eos": True, "return_token_ids": True,
+                            "return_tokens_as_token_ids": True}}
+    with trio.fail_after(TIMEOUT):
+        async with Engine.open(CONFIG) as engine, openai_client(engine) as client:
+            named = await client.completions.create(model="tiny", prompt="Once", logprobs=2,
+                                                    **asked)
+            numbered = await client.completions.create(model="tiny", prompt="Once", logprobs=2,
+                                                       **by_id)
+            chat_named = await client.chat.completions.create(
+                model="tiny", messages=MESSAGES, logprobs=True, top_logprobs=2, **asked)
+            chat_numbered = await client.chat.completions.create(
+                model="tiny", messages=MESSAGES, logprobs=True, top_logprobs=2, **by_id)
+    labels = [f"token_id:{token_id}" for token_id in extra(numbered.choices[0], "token_ids")]
+    named_logprobs, numbered_logprobs = named.choices[0].logprobs, numbered.choices[0].logprobs
+    assert named_logprobs is not None and numbered_logprobs is not None
+    assert numbered_logprobs.tokens == labels
+    assert numbered_logprobs.text_offset == named_logprobs.text_offset  # of the text
+    assert numbered_logprobs.token_logprobs == named_logprobs.token_logprobs
+    assert all(label in top and all(key.startswith("token_id:") for key in top)
+               for label, top in zip(labels, numbered_logprobs.top_logprobs or [], strict=True))
+    chat_labels = [f"token_id:{token_id}"
+                   for token_id in extra(chat_numbered.choices[0], "token_ids")]
+    chat_named_logprobs = chat_named.choices[0].logprobs
+    chat_numbered_logprobs = chat_numbered.choices[0].logprobs
+    assert chat_named_logprobs is not None and chat_numbered_logprobs is not None
+    named_content = chat_named_logprobs.content or []
+    numbered_content = chat_numbered_logprobs.content or []
+    assert [entry.token for entry in numbered_content] == chat_labels
+    assert [entry.bytes for entry in numbered_content] == [entry.bytes for entry in named_content]
+    assert all(top.token.startswith("token_id:")
+               for entry in numbered_content for top in entry.top_logprobs)
+
+
 async def test_a_refused_fields_default_or_null_is_accepted() -> None:
     engine = FakeEngine()
     with trio.fail_after(TIMEOUT):
