@@ -259,7 +259,7 @@ class Intake:
         keep = params.truncate_prompt_tokens
         if keep is None:
             return None
-        if keep == 0 or keep < -1:
+        if keep == 0:  # below -1 msgspec's bound already refused
             raise RequestRejected(f"truncate_prompt_tokens must be at least 1, or -1 (the "
                                   f"context length), not {keep}", param="truncate_prompt_tokens")
         if keep > self.max_model_len:
