@@ -118,6 +118,30 @@ async def test_openai_client_gets_what_the_engine_generates_in_process(layout: s
 
 
 @layouts
+async def test_token_ids_and_a_truncated_prompt_come_back_in_either_layout(layout: str) -> None:
+    """return_token_ids and truncate_prompt_tokens: intake and the detokenizer run in
+    the API server, the model in the core; the ids are those the engine generates."""
+    prompt_ids = [(5 * index + 7) % 300 + 10 for index in range(30)]
+    with trio.fail_after(TIMEOUT):
+        async with served_engine(layout) as served:
+            outputs = [output async for output in served.engine.generate(prompt_ids[-6:],
+                                                                          greedy(5))]
+            client = openai.AsyncOpenAI(base_url=f"{served.url}/v1", api_key="none",
+                                        max_retries=0)
+            try:
+                completion = await client.completions.create(
+                    model="tiny", prompt=prompt_ids, max_tokens=5, temperature=0.0,
+                    extra_body={"ignore_eos": True, "return_token_ids": True,
+                                "truncate_prompt_tokens": 6})
+            finally:
+                await client.close()
+    returned = completion.choices[0].model_extra or {}
+    assert returned["prompt_token_ids"] == prompt_ids[-6:] == outputs[0].prompt_token_ids
+    assert returned["token_ids"] == [token_id for output in outputs
+                                     for token_id in output.token_ids]
+
+
+@layouts
 async def test_openai_client_sees_errors_as_exceptions(layout: str) -> None:
     with trio.fail_after(TIMEOUT):
         async with served_engine(layout) as served:
