@@ -101,7 +101,7 @@ class Intake:
                 "first served", param="priority")
         params = self._validated_params(submit.params)
         _check_cache_salt(submit.cache_salt)
-        prompt_token_ids = self._prompt_token_ids(submit, self._keep_last(params))
+        prompt_token_ids = self._prompt_token_ids(submit, params)
         max_tokens = self._max_tokens(len(prompt_token_ids), params, _prompt_param(submit))
         stop_token_ids = self._stop_token_ids(params)
         _check_allowed_after_bans(params, stop_token_ids)
@@ -268,8 +268,10 @@ class Intake:
                 f"length ({self.max_model_len})", param="truncate_prompt_tokens")
         return self.max_model_len if keep == -1 else keep
 
-    def _prompt_token_ids(self, submit: Submit, keep_last: int | None) -> list[int]:
-        """The prompt's token ids, only the last ``keep_last`` of them if set."""
+    def _prompt_token_ids(self, submit: Submit, params: SamplingParams) -> list[int]:
+        """The prompt's token ids, only the last ``truncate_prompt_tokens`` if set."""
+        keep_last = self._keep_last(params)
+        add_special_tokens = params.add_special_tokens
         given = [name for name in ("prompt", "prompt_token_ids", "messages")
                  if getattr(submit, name) is not None]
         if len(given) != 1:
@@ -277,21 +279,24 @@ class Intake:
                 "give exactly one of prompt, prompt_token_ids, messages "
                 f"(got {', '.join(given) or 'none'})", param="prompt")
         if submit.messages is not None:
-            return self._chat_token_ids(submit.messages, _template_variables(submit),
-                                        submit.template_options, keep_last=keep_last)
+            return self._chat_token_ids(
+                submit.messages, _template_variables(submit), submit.template_options,
+                keep_last=keep_last, add_special_tokens=bool(add_special_tokens))
         if submit.prompt_token_ids is not None:
             token_ids = self._checked_token_ids(submit.prompt_token_ids)
             return token_ids if keep_last is None else token_ids[-keep_last:]
         assert submit.prompt is not None
-        return self._text_token_ids(submit.prompt, keep_last)
+        return self._text_token_ids(submit.prompt, keep_last,
+                                    add_special_tokens=add_special_tokens is not False)
 
-    def _text_token_ids(self, prompt: str, keep_last: int | None = None) -> list[int]:
+    def _text_token_ids(self, prompt: str, keep_last: int | None = None, *,
+                        add_special_tokens: bool = True) -> list[int]:
         if not isinstance(prompt, str):
             raise RequestRejected(f"the prompt must be a string, not {type(prompt).__name__}",
                                   param="prompt")
         token_ids = []
         if prompt:
-            token_ids = self._encoded(prompt, "prompt", add_special_tokens=True,
+            token_ids = self._encoded(prompt, "prompt", add_special_tokens=add_special_tokens,
                                       keep_last=keep_last)
         if not token_ids:
             raise RequestRejected("the prompt is empty", param="prompt")
@@ -311,7 +316,8 @@ class Intake:
     def _chat_token_ids(self, messages: list[dict[str, Any]],
                         template_variables: dict[str, Any] | None = None,
                         options: ChatTemplateOptions | None = None, *,
-                        keep_last: int | None = None) -> list[int]:
+                        keep_last: int | None = None,
+                        add_special_tokens: bool = False) -> list[int]:
         if not messages:
             raise RequestRejected("the conversation is empty: no messages", param="messages")
         for index, message in enumerate(messages):
@@ -328,8 +334,9 @@ class Intake:
                                   add_generation_prompt=options.add_generation_prompt,
                                   continue_final_message=options.continue_final_message,
                                   **(template_variables or {}))
-        # The template already wrote every special token the model expects.
-        token_ids = self._encoded(text, "messages", add_special_tokens=False,
+        # The template already wrote every special token the model expects, unless
+        # the request asks for the tokenizer's too (vLLM's add_special_tokens).
+        token_ids = self._encoded(text, "messages", add_special_tokens=add_special_tokens,
                                   keep_last=keep_last)
         if not token_ids:
             raise RequestRejected("the chat template rendered an empty prompt", param="messages")

@@ -61,7 +61,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     alternatives (the request then never starts from cached blocks: every prompt
     position must be computed). ``truncate_prompt_tokens`` (vLLM's): keep only the
     prompt's last k tokens (-1: as many as the context holds), after the chat
-    template when there is one.
+    template when there is one. ``add_special_tokens`` (vLLM's): whether the
+    tokenizer adds its special tokens (BOS and the like) to the prompt's text; None
+    is the default, true for a text prompt, false for a chat template's output
+    (which wrote them already).
     """
 
     max_tokens: PositiveInt | None = 16
@@ -85,6 +88,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     allowed_token_ids: list[int] | None = None
     prompt_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
     truncate_prompt_tokens: Annotated[int, msgspec.Meta(ge=-1)] | None = None
+    add_special_tokens: bool | None = None
 
 
 class SamplingOptions(msgspec.Struct, frozen=True, kw_only=True):

@@ -129,6 +129,7 @@ class _GenerationFields(msgspec.Struct, kw_only=True):
     truncate_prompt_tokens: Annotated[int, msgspec.Meta(ge=-1)] | None = None
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
+    add_special_tokens: bool | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
 
@@ -692,6 +693,7 @@ def _sampling_params(request: _GenerationFields, *, max_tokens: int | None,
         logit_bias=logit_bias_of(request.logit_bias),
         allowed_token_ids=request.allowed_token_ids,
         truncate_prompt_tokens=request.truncate_prompt_tokens,
+        add_special_tokens=request.add_special_tokens,
     )
 
 

@@ -87,7 +87,6 @@ REFUSED_CHAT_FIELDS: dict[str, Refusal] = {
     # vLLM's
     "echo": Refusal((False,), "chat does not echo the last message; /v1/completions echoes "
                               "its prompt"),
-    "add_special_tokens": Refusal((False,), "the chat template writes the special tokens"),
     "chat_template": Refusal((), "a request may not bring its own chat template (vLLM refuses "
                                  "it too by default); start the server with --chat-template"),
     "include_reasoning": Refusal((True,), "reasoning is always returned, in "
@@ -97,8 +96,6 @@ REFUSED_CHAT_FIELDS: dict[str, Refusal] = {
 REFUSED_COMPLETION_FIELDS: dict[str, Refusal] = {
     **_REFUSED_SHARED,
     "prompt_embeds": Refusal((), "prompts are text or token ids"),
-    "add_special_tokens": Refusal((True,), "the tokenizer's special tokens are always added "
-                                           "to a text prompt"),
 }
 
 # They never change the output, so accepting them does what they ask.

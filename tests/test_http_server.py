@@ -57,7 +57,8 @@ async def test_completion_passes_sampling_fields_to_the_engine() -> None:
     engine = FakeEngine()
     request = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0.5, "top_p": 0.9,
                "top_k": 7, "min_p": 0.1, "seed": 3, "stop": "zz", "stop_token_ids": [9],
-               "ignore_eos": True, "min_tokens": 2, "priority": 4, "user": "u", "n": 1}
+               "ignore_eos": True, "min_tokens": 2, "priority": 4, "user": "u", "n": 1,
+               "truncate_prompt_tokens": 2, "add_special_tokens": False}
     with trio.fail_after(TIMEOUT):
         async with running_server(engine) as url:
             response = await post(url, "/v1/completions", request)
@@ -69,6 +70,7 @@ async def test_completion_passes_sampling_fields_to_the_engine() -> None:
     assert (params.max_tokens, params.temperature, params.top_p, params.top_k) == (4, 0.5, 0.9, 7)
     assert (params.min_p, params.seed, params.stop, params.stop_token_ids) == (0.1, 3, ["zz"], [9])
     assert (params.ignore_eos, params.min_tokens) == (True, 2)
+    assert (params.truncate_prompt_tokens, params.add_special_tokens) == (2, False)
 
 
 async def test_completion_logprobs_in_the_legacy_shape() -> None:

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import trio
 from tokenizers import Tokenizer as BackendTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
+from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from trio_llm.actors.config import EngineConfig
 from trio_llm.actors.errors import RequestRejected
@@ -339,3 +339,34 @@ def test_truncate_prompt_tokens_cuts_the_rendered_conversation() -> None:
 def test_a_truncation_of_no_tokens_or_over_the_context_is_rejected(keep: int) -> None:
     error = rejection(make_intake(), submit([5, 6, 7], params=truncated(keep)))
     assert error.param == "truncate_prompt_tokens"
+
+
+# -- add_special_tokens ---------------------------------------------------------------
+
+
+def bos_tokenizer() -> Tokenizer:
+    """The test tokenizer with a post-processor that puts <|im_start|> (id 1) first."""
+    with_bos = BackendTokenizer.from_str(backend().to_str())
+    with_bos.post_processor = processors.TemplateProcessing(
+        single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)])
+    return Tokenizer(with_bos, special_tokens={"eos_token": "<|im_end|>"},
+                     chat_template=CHATML_TEMPLATE, generation_eos_ids=[2, 0])
+
+
+def admitted_ids(intake: Intake, prompt: Any, add_special_tokens: bool | None,
+                 **fields: Any) -> list[int]:
+    params = SamplingParams(max_tokens=1, add_special_tokens=add_special_tokens)
+    return intake.admit(submit(prompt, params=params, **fields)).prompt_token_ids
+
+
+def test_add_special_tokens_says_whether_the_tokenizer_adds_its_own() -> None:
+    intake = make_intake(tokenizer=bos_tokenizer())
+    text = "the quick brown fox"
+    plain = admitted_ids(intake, text, False)
+    assert admitted_ids(intake, text, None) == admitted_ids(intake, text, True) == [1, *plain]
+    messages = [{"role": "user", "content": "Hello world"}]
+    rendered = admitted_ids(intake, None, None, messages=messages)
+    assert admitted_ids(intake, None, False, messages=messages) == rendered
+    assert admitted_ids(intake, None, True, messages=messages) == [1, *rendered]
+    # token ids are the prompt as given, with or without
+    assert admitted_ids(intake, [5, 6], True) == admitted_ids(intake, [5, 6], False) == [5, 6]
