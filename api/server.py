@@ -540,9 +540,10 @@ class OpenAIServer:
     def _tokenized(self, body: protocol.TokenizeRequest) -> protocol.TokenizeResponse:
         """In a worker thread: tokenizing costs time linear in the text."""
         tokenizer = self.engine.tokenizer
-        # A rendered conversation already holds its special tokens: the engine
-        # encodes it without adding more, and so does this.
-        add_special_tokens = body.add_special_tokens and body.messages is None
+        # As the engine's intake does: a rendered conversation already holds its
+        # special tokens, so the tokenizer adds its own only when asked to.
+        add_special_tokens = (body.messages is None if body.add_special_tokens is None
+                              else body.add_special_tokens)
         token_ids = tokenizer.encode(self._tokenize_text(body),
                                      add_special_tokens=add_special_tokens)
         token_strs = None

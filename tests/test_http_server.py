@@ -9,7 +9,14 @@ import httpx
 import pytest
 import trio
 import trio.testing
-from test_http_support import FakeEngine, host_port, running_server, sse_events, sse_json
+from test_http_support import (
+    FakeEngine,
+    FakeTokenizer,
+    host_port,
+    running_server,
+    sse_events,
+    sse_json,
+)
 
 from trio_llm.api.server import KEEP_ALIVE_SECONDS, LISTEN_BACKLOG, ServerConfig, hypercorn_config
 
@@ -167,6 +174,26 @@ async def test_streamed_chat_starts_with_the_role() -> None:
 
 
 # -- models, health, tokenize -----------------------------------------------------------
+
+
+class BosTokenizer(FakeTokenizer):
+    """Adds a BOS (id 1) when asked to add special tokens."""
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return [1] * add_special_tokens + super().encode(text)
+
+
+async def test_tokenize_adds_special_tokens_as_the_generation_endpoints_do() -> None:
+    engine = FakeEngine()
+    engine.tokenizer = BosTokenizer()
+    conversation = {"messages": [{"role": "user", "content": "x"}]}
+    with trio.fail_after(TIMEOUT):
+        async with running_server(engine) as url:
+            answers = [(await post(url, "/tokenize", body)).json()["tokens"] for body in (
+                {"prompt": "ab"}, {"prompt": "ab", "add_special_tokens": False},
+                conversation, {**conversation, "add_special_tokens": True})]
+    rendered = FakeTokenizer().encode("<user>x<assistant>")
+    assert answers == [[1, 97, 98], [97, 98], rendered, [1, *rendered]]
 
 
 async def test_models_health_tokenize_detokenize() -> None:
