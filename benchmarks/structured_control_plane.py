@@ -22,6 +22,7 @@ import json
 import random
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,23 @@ def allowed_token(mask: bytes, vocab_size: int, key: int) -> int:
             return token_id
     allowed = np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little")[:vocab_size])
     return int(allowed[rng.randrange(len(allowed))])
+
+
+def sampled_result(batch: ScheduledBatch, bitmasks: list[bytes],
+                   draw: Callable[[bytes | None, int], int]) -> StepResult:
+    """A stand-in executor's StepResult: each sampled row's token from ``draw(mask,
+    key)``, its mask inline or among the ``bitmasks`` that followed the batch, ``key``
+    from the row's request and output index."""
+    following = iter(bitmasks)
+    request_ids, token_ids = [], []
+    for scheduled in batch.requests:
+        if not scheduled.sample:
+            continue
+        mask = next(following) if scheduled.bitmask_follows else scheduled.token_bitmask
+        token_ids.append(draw(mask, hash((scheduled.request_id, scheduled.output_index))))
+        request_ids.append(scheduled.request_id)
+    return StepResult(step_id=batch.step_id, request_ids=request_ids,
+                      sampled_token_ids=token_ids)
 
 
 class PacedStep:
@@ -84,18 +102,8 @@ class PacedExecutor:
         pending.bitmasks = token_bitmasks
 
     def collect(self, pending: PacedStep) -> StepResult:
-        following = iter(pending.bitmasks)
-        request_ids, token_ids = [], []
-        for scheduled in pending.batch.requests:
-            if not scheduled.sample:
-                continue
-            mask = next(following) if scheduled.bitmask_follows else scheduled.token_bitmask
-            key = hash((scheduled.request_id, scheduled.output_index))
-            token_ids.append(100 + key % 9000 if mask is None
-                             else allowed_token(mask, self.vocab_size, key))
-            request_ids.append(scheduled.request_id)
-        return StepResult(step_id=pending.batch.step_id, request_ids=request_ids,
-                          sampled_token_ids=token_ids)
+        return sampled_result(pending.batch, pending.bitmasks, lambda mask, key: (
+            100 + key % 9000 if mask is None else allowed_token(mask, self.vocab_size, key)))
 
 
 def main() -> None:

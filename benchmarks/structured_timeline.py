@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -42,6 +43,9 @@ from trio_llm.actors.messages import ScheduledBatch, StepResult, StructuredOutpu
 from trio_llm.api.bench import random_workload, run_engine_throughput
 from trio_llm.gpu.builtin import resolve_model
 from trio_llm.gpu.cuda_executor import stage_token_bitmasks
+
+sys.path.insert(0, str(Path(__file__).parent))
+from structured_control_plane import sampled_result  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {"text": {"type": "string"},
                                            "count": {"type": "integer"}},
@@ -130,18 +134,10 @@ class SimulatedDeviceExecutor:
 
     def collect(self, pending: SimulatedStep) -> StepResult:
         started = time.perf_counter()
-        following = iter(pending.bitmasks)
-        request_ids, token_ids = [], []
-        for scheduled in pending.batch.requests:
-            if not scheduled.sample:
-                continue
-            mask = next(following) if scheduled.bitmask_follows else scheduled.token_bitmask
-            key = hash((scheduled.request_id, scheduled.output_index)) & 0xFFFFFFFF
-            token_ids.append(allowed_token(mask, self.vocab_size, key))
-            request_ids.append(scheduled.request_id)
+        result = sampled_result(pending.batch, pending.bitmasks, lambda mask, key: (
+            allowed_token(mask, self.vocab_size, key & 0xFFFFFFFF)))
         TIMES[pending.batch.step_id]["collect"] = (started, time.perf_counter())
-        return StepResult(step_id=pending.batch.step_id, request_ids=request_ids,
-                          sampled_token_ids=token_ids)
+        return result
 
 
 def instrument() -> None:
