@@ -747,9 +747,12 @@ def _reject_unsupported(request: _GenerationFields) -> None:
 TokenText = Callable[[int], str]
 
 
-def streams_usage_in_every_chunk(request: _GenerationFields) -> bool:
-    return (request.stream_options is not None
-            and request.stream_options.continuous_usage_stats)
+def output_options(request: _GenerationFields) -> dict[str, bool]:
+    """What the request asks of its output builders (see ``_OutputBuilder``)."""
+    return {"usage_in_every_chunk": (request.stream_options is not None
+                                     and request.stream_options.continuous_usage_stats),
+            "returns_token_ids": bool(request.return_token_ids),
+            "labels_token_ids": bool(request.return_tokens_as_token_ids)}
 
 
 def usage_of(output: RequestOutput) -> Usage:

@@ -268,9 +268,7 @@ class OpenAIServer:
         builders = [protocol.CompletionBuilder(
             response_id=response_id, model=self.model_name, token_text=self._token_text,
             index=index, echo_text=echo_texts[plan.prompt_of(index)],
-            usage_in_every_chunk=protocol.streams_usage_in_every_chunk(body),
-            returns_token_ids=bool(body.return_token_ids),
-            labels_token_ids=bool(body.return_tokens_as_token_ids))
+            **protocol.output_options(body))
             for index in range(plan.num_children)]
         if plan.is_single:
             outputs = self.engine.generate(prompts[0], params, priority=body.priority,
@@ -309,10 +307,7 @@ class OpenAIServer:
                   if reasoning is not None or tool_plan.parser is not None else None)
         builder = protocol.ChatBuilder(
             response_id=f"chatcmpl-{uuid.uuid4().hex}", model=self.model_name,
-            token_text=self._token_text, parser=parser,
-            usage_in_every_chunk=protocol.streams_usage_in_every_chunk(body),
-            returns_token_ids=bool(body.return_token_ids),
-            labels_token_ids=bool(body.return_tokens_as_token_ids))
+            token_text=self._token_text, parser=parser, **protocol.output_options(body))
         template_variables: dict[str, Any] = {}
         if body.tools:
             template_variables["tools"] = [msgspec.to_builtins(tool) for tool in body.tools]
