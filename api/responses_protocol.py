@@ -84,13 +84,13 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     store: bool | None = None
     reasoning: ReasoningConfig | None = None
     include: list[str] | None = None
-    truncation: Literal["disabled"] | None = None
-    top_logprobs: Literal[0] | None = None
+    truncation: str | None = None
+    top_logprobs: protocol.NonNegativeInt | None = None
     # accepted without effect: see docs/http-api.md
     max_tool_calls: protocol.NonNegativeInt | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
-    service_tier: Literal["auto", "default"] | None = None
+    service_tier: str | None = None
     # vLLM's extras (its ResponsesRequest has them), as on chat
     top_k: protocol.TopK | None = None
     min_p: protocol.MinP | None = None
@@ -318,6 +318,16 @@ def check_refused_values(body: ResponsesRequest) -> None:
             raise RequestRejected("stream_options.include_obfuscation is not supported by "
                                   "trio-llm: stream events are not padded",
                                   param="stream_options.include_obfuscation")
+    if body.truncation not in (None, "disabled"):
+        raise RequestRejected(f"truncation {body.truncation!r} is not supported by trio-llm: "
+                              'only "disabled"; a conversation over the context is refused, '
+                              "never cut", param="truncation")
+    if body.top_logprobs:
+        raise RequestRejected("top_logprobs is not supported by trio-llm: responses carry no "
+                              "logprobs", param="top_logprobs")
+    if body.service_tier not in (None, "auto", "default"):
+        raise RequestRejected(f"service_tier {body.service_tier!r} is not supported by "
+                              "trio-llm: it has one service tier", param="service_tier")
     if body.include:
         raise RequestRejected(f"include {body.include[0]!r} is not supported by trio-llm: "
                               "responses carry no logprobs, encrypted reasoning or tool "
