@@ -20,6 +20,7 @@ import pydantic
 import pytest
 import trio
 from msgspec.structs import replace
+from test_http_openai import served_engine
 from test_http_support import (
     FakeEngine,
     open_raw_request,
@@ -101,14 +102,16 @@ def deltas(events: list[Any], kind: str) -> str:
     return "".join(event.delta for event in events if event.type == kind)
 
 
-async def test_text_streamed_or_not_is_what_the_engine_generates() -> None:
+@pytest.mark.parametrize("layout", ["in-process", "served"])
+async def test_text_streamed_or_not_is_what_the_engine_generates(layout: str) -> None:
     fields: dict[str, Any] = {**GREEDY, "input": "Tell me a story.", "max_output_tokens": 8}
     with trio.fail_after(TIMEOUT):
-        async with Engine.open(CONFIG) as engine, running_server(engine) as url:
-            expected = "".join([output.text async for output in engine.chat(
+        async with served_engine(layout) as served:
+            # in the served layout, through another front than the server's
+            expected = "".join([output.text async for output in served.engine.chat(
                 [{"role": "user", "content": "Tell me a story."}],
                 SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))])
-            async with openai_clients(url) as (client, sync_client):
+            async with openai_clients(served.url) as (client, sync_client):
                 response = await client.responses.create(**fields)
                 events = await stream_events(sync_client, **fields)
     assert response.output_text == expected and len(expected) > 0
@@ -462,6 +465,8 @@ REFUSED: list[tuple[dict[str, Any], str, str]] = [
     ({"prompt_cache_retention": "24h"}, "prompt_cache_retention", "memory"),
     ({"context_management": [{"type": "compaction"}]}, "context_management", "compacted"),
     ({"request_id": "mine"}, "request_id", "names each response"),
+    ({"text": {"format": {"type": "json_object"}}, "structured_outputs": {"regex": "a"}},
+     "structured_outputs", "not both"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema",
      "schema"),
 ]
