@@ -31,6 +31,7 @@ count and BLOCK_M, and prints the best configurations as lines to paste into
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
@@ -62,6 +63,8 @@ SHAPES = {
 }
 TOKEN_COUNTS = (1, 64, 256, 8192)
 TOLERANCE = 2e-2  # relative error of bf16 operands and a bf16 activation
+# Where the layers live, and their dtype (a CPU smoke run under the interpreter changes both).
+DEVICE, DTYPE = "cuda", torch.bfloat16
 
 
 @dataclass(slots=True)
@@ -76,18 +79,18 @@ class Layer:
 
 
 def make_layer(shape: MoeShape, num_tokens: int, copies: int) -> Layer:
-    generator = torch.Generator(device="cuda").manual_seed(num_tokens)
+    generator = torch.Generator(device=DEVICE).manual_seed(num_tokens)
 
     def random_bf16(*size: int, scale: float = 1.0) -> torch.Tensor:
-        values = torch.randn(*size, device="cuda", generator=generator) * scale
-        return values.to(torch.bfloat16)
+        values = torch.randn(*size, device=DEVICE, generator=generator) * scale
+        return values.to(DTYPE)
 
     w13 = [random_bf16(shape.num_experts, 2 * shape.intermediate, shape.hidden,
                        scale=shape.hidden**-0.5) for _ in range(copies)]
     w2 = [random_bf16(shape.num_experts, shape.hidden, shape.intermediate,
                       scale=shape.intermediate**-0.5) for _ in range(copies)]
     hidden = random_bf16(num_tokens, shape.hidden)
-    logits = torch.randn(num_tokens, shape.num_experts, device="cuda", generator=generator)
+    logits = torch.randn(num_tokens, shape.num_experts, device=DEVICE, generator=generator)
     weights, ids = logits.softmax(-1).topk(shape.top_k, dim=-1)
     weights = weights / weights.sum(-1, keepdim=True)
     return Layer(hidden, w13, w2, weights, ids.to(torch.int32))
@@ -170,8 +173,8 @@ def bench_size(shape: MoeShape, num_tokens: int, args) -> dict:
     record["torch_loop_us"] = time_per_call(loop, graph=False, repeats=max(3, args.repeats // 4))
     dense_gate_up = [w.view(-1, shape.hidden)[: 2 * shape.top_k * shape.intermediate]
                      for w in layer.w13]
-    dense_down = [torch.randn(shape.hidden, shape.top_k * shape.intermediate, device="cuda",
-                              dtype=torch.bfloat16) for _ in copies]
+    dense_down = [torch.randn(shape.hidden, shape.top_k * shape.intermediate, device=DEVICE,
+                              dtype=DTYPE) for _ in copies]
     dense = [lambda i=i: dense_mlp(layer.hidden, dense_gate_up[i], dense_down[i]) for i in copies]
     record["dense_us"] = time_per_call(dense, graph=args.graph, repeats=args.repeats)
     work, traffic = flops(shape, num_tokens), bytes_moved(shape, layer)
@@ -193,7 +196,7 @@ def print_table(model: str, records: list[dict]) -> None:
           "(torch loop always eager)")
     header = f"{'tokens':>6} {'rel.err':>8}"
     for name in ("fused", "torch loop", "dense"):
-        header += f" | {name:>10} {'us':>3} {'TFLOP/s':>8} {'GB/s':>7}"
+        header += f" | {name + ' us':>14} {'TFLOP/s':>8} {'GB/s':>7}"
     print(header)
     for record in records:
         if "error" in record:
@@ -206,12 +209,15 @@ def print_table(model: str, records: list[dict]) -> None:
         print(line)
 
 
-# --tune: candidate tiles; BLOCK_M per token count (decode wants short blocks).
-TILES = [moe.GemmConfig(n, k, warps, stages)
-         for n, k, warps, stages in itertools.product((32, 64, 128, 256), (64, 128, 256),
-                                                      (4, 8), (3, 4, 5))
-         if n * k <= 128 * 128 or warps == 8]
+# --tune: the candidates. Decode (short row blocks) is bound by streaming the
+# experts: narrow column blocks for many programs, deep reductions, many stages.
+# Prefill is bound by the tensor cores: wide tiles, more warps.
+DECODE_TILES = [moe.GemmConfig(n, k, 4, stages) for n, k, stages in
+                itertools.product((16, 32, 64, 128), (64, 128, 256), (3, 4, 5))]
+PREFILL_TILES = [moe.GemmConfig(n, k, warps, stages) for n, k, warps, stages in
+                 itertools.product((64, 128, 256), (32, 64, 128), (4, 8), (3, 4))]
 GROUP_M = (1, 8)
+SHARED_MEMORY = 227 * 1024  # an H100/H200 SM's, per block
 
 
 def block_m_candidates(num_tokens: int, shape: MoeShape) -> tuple[int, ...]:
@@ -220,53 +226,69 @@ def block_m_candidates(num_tokens: int, shape: MoeShape) -> tuple[int, ...]:
         return (16,)
     if rows_per_expert <= 32:
         return (16, 32, 64)
-    return (32, 64, 128)
+    return (64, 128)
 
 
-def time_gemm(launch: Callable[[], None], repeats: int) -> float:
+def tile_candidates(gemm: str, block_m: int) -> list[moe.GemmConfig]:
+    """The tiles worth compiling: their pipelined operands fit in shared memory and their
+    float32 accumulators (two for gate/up) in the registers of their warps."""
+    num_weight_tiles = 2 if gemm == "gate_up" else 1
+    fitting = []
+    for tile in DECODE_TILES if block_m <= 32 else PREFILL_TILES:
+        operand_bytes = 2 * tile.block_k * (block_m + num_weight_tiles * tile.block_n)
+        accumulators = num_weight_tiles * block_m * tile.block_n
+        if (operand_bytes * tile.num_stages <= SHARED_MEMORY
+                and accumulators <= 128 * tile.num_warps * 32):
+            fitting.append(tile)
+    return fitting
+
+
+def time_gemm(launches: list[Callable[[], None]], repeats: int) -> float:
     try:
-        return time_per_call([launch], graph=False, repeats=repeats)
-    except Exception as error:  # a tile that does not fit (shared memory, registers)
+        return time_per_call(launches, graph=False, repeats=repeats)
+    except Exception as error:  # a tile the compiler refuses (resources)
         print(f"    skipped: {type(error).__name__}: {str(error)[:120]}", flush=True)
         return float("inf")
 
 
 def tune_size(shape: MoeShape, num_tokens: int, args) -> dict:
     """The fastest gate/up and down tiles for each BLOCK_M and group size, each GEMM
-    timed alone over one alignment; the best sum wins."""
-    layer = make_layer(shape, num_tokens, 1)
-    hidden, w13, w2 = layer.hidden, layer.w13[0], layer.w2[0]
+    timed alone (cycling through the layer copies) over one alignment; the best sum wins."""
+    layer = make_layer(shape, num_tokens, args.layers)
     num_rows = num_tokens * shape.top_k
-    activation = torch.randn(num_rows, shape.intermediate, device="cuda", dtype=hidden.dtype)
-    per_slot = torch.empty(num_rows, shape.hidden, device="cuda", dtype=hidden.dtype)
-    best: tuple[float, moe.MoeConfig] | None = None
-
-    def launcher(gemm: str, block_m: int, group_m: int,
-                 tile: moe.GemmConfig) -> Callable[[], None]:
-        config = moe.MoeConfig(block_m, group_m, tile, tile)
-        plan = plans[block_m]
-        if gemm == "gate_up":
-            return lambda: moe.launch_gate_up(hidden, w13, activation, plan, shape.top_k, config)
-        return lambda: moe.launch_down(activation, w2, per_slot, layer.topk_weights, plan, config)
-
+    activation = torch.randn(num_rows, shape.intermediate, device=DEVICE).to(DTYPE)
+    per_slot = torch.empty(num_rows, shape.hidden, device=DEVICE, dtype=DTYPE)
     plans = {block_m: moe.align_by_expert(layer.topk_ids, shape.num_experts, block_m)
              for block_m in block_m_candidates(num_tokens, shape)}
-    for block_m, group_m in itertools.product(block_m_candidates(num_tokens, shape), GROUP_M):
-        timings = {gemm: min(((time_gemm(launcher(gemm, block_m, group_m, tile), args.repeats),
-                               tile) for tile in TILES), key=lambda result: result[0])
-                   for gemm in ("gate_up", "down")}
-        total = timings["gate_up"][0] + timings["down"][0]
-        config = moe.MoeConfig(block_m, group_m, timings["gate_up"][1], timings["down"][1])
-        print(f"  tokens {num_tokens} block_m {block_m} group_m {group_m}: "
-              f"{total:.1f} us {config}", flush=True)
+
+    def launches(gemm: str, config: moe.MoeConfig) -> list[Callable[[], None]]:
+        plan = plans[config.block_m]
+        if gemm == "gate_up":
+            return [functools.partial(moe.launch_gate_up, layer.hidden, w13, activation, plan,
+                                      shape.top_k, config) for w13 in layer.w13]
+        return [functools.partial(moe.launch_down, activation, w2, per_slot,
+                                  layer.topk_weights, plan, config) for w2 in layer.w2]
+
+    best: tuple[float, moe.MoeConfig] | None = None
+    for block_m, group_m in itertools.product(plans, GROUP_M):
+        fastest = {}
+        for gemm in ("gate_up", "down"):
+            timed = [(time_gemm(launches(gemm, moe.MoeConfig(block_m, group_m, tile, tile)),
+                                args.repeats), tile) for tile in tile_candidates(gemm, block_m)]
+            fastest[gemm] = min(timed, key=lambda result: result[0])
+        total = fastest["gate_up"][0] + fastest["down"][0]
+        config = moe.MoeConfig(block_m, group_m, fastest["gate_up"][1], fastest["down"][1])
+        print(f"  tokens {num_tokens}: {total:.1f} us (gate/up {fastest['gate_up'][0]:.1f}, "
+              f"down {fastest['down'][0]:.1f}) {config_literal(config)}", flush=True)
         if best is None or total < best[0]:
             best = (total, config)
     assert best is not None
     total, config = best
-    out = moe.fused_moe(hidden, w13, w2, layer.topk_weights, layer.topk_ids, config=config)
-    expected = moe.fused_moe_reference(hidden, w13, w2, layer.topk_weights, layer.topk_ids)
+    inputs = (layer.hidden, layer.w13[0], layer.w2[0], layer.topk_weights, layer.topk_ids)
+    out = moe.fused_moe(*inputs, config=config)
     return {"tokens": num_tokens, "gemm_us": total, "config": asdict(config),
-            "relative_error": relative_error(out, expected), "literal": config_literal(config)}
+            "relative_error": relative_error(out, moe.fused_moe_reference(*inputs)),
+            "literal": config_literal(config)}
 
 
 def config_literal(config: moe.MoeConfig) -> str:

@@ -73,7 +73,7 @@ class MoeConfig:
 # every larger count. Guesses from the shapes of qwen3-30b-a3b (H=2048, E=128,
 # top-8, I=768) until benchmarks/moe_kernel_bench.py --tune replaces them.
 CONFIGS: tuple[tuple[int, MoeConfig], ...] = (
-    (32, MoeConfig(16, 1, GemmConfig(64, 128, 4, 4), GemmConfig(64, 128, 4, 4))),
+    (32, MoeConfig(16, 1, GemmConfig(32, 128, 4, 4), GemmConfig(64, 128, 4, 4))),
     (128, MoeConfig(16, 1, GemmConfig(64, 128, 4, 4), GemmConfig(128, 128, 4, 3))),
     (512, MoeConfig(32, 8, GemmConfig(64, 128, 4, 4), GemmConfig(128, 64, 4, 4))),
     (2048, MoeConfig(64, 8, GemmConfig(64, 64, 4, 4), GemmConfig(128, 64, 4, 4))),
@@ -114,7 +114,9 @@ def max_sorted_rows(num_rows: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(bound, block_m) * block_m
 
 
-@triton.jit
+# Counts that change with the batch are not specialised on (divisibility by 16, being
+# 1): one compiled kernel serves every batch size, so no new batch compiles mid-capture.
+@triton.jit(do_not_specialize=["num_rows", "num_blocks"])
 def _plan_blocks_kernel(topk_ids_ptr, sorted_rows_ptr, block_experts_ptr, num_padded_ptr,
                         cursor_ptr, num_rows, num_experts, num_blocks,
                         BLOCK_M: tl.constexpr, EXPERTS_PAD: tl.constexpr,
@@ -150,7 +152,7 @@ def _plan_blocks_kernel(topk_ids_ptr, sorted_rows_ptr, block_experts_ptr, num_pa
                  mask=positions < total)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _scatter_rows_kernel(topk_ids_ptr, sorted_rows_ptr, cursor_ptr, num_rows,
                          CHUNK: tl.constexpr):
     """Each row takes the next free position of its expert's segment. The order within
@@ -204,7 +206,7 @@ def _block_rows(sorted_rows_ptr, block_experts_ptr, pid_m, BLOCK_M: tl.constexpr
     return rows, expert
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows", "num_m_blocks"])
 def _gate_up_kernel(hidden_ptr, w13_ptr, activation_ptr, sorted_rows_ptr, block_experts_ptr,
                     num_padded_ptr, num_rows, num_m_blocks, group_m, hidden_row_stride,
                     w13_expert_stride, w13_row_stride,
@@ -251,7 +253,7 @@ def _gate_up_kernel(hidden_ptr, w13_ptr, activation_ptr, sorted_rows_ptr, block_
              mask=row_mask[:, None] & (columns < INTERMEDIATE)[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows", "num_m_blocks"])
 def _down_kernel(activation_ptr, w2_ptr, out_ptr, topk_weights_ptr, sorted_rows_ptr,
                  block_experts_ptr, num_padded_ptr, num_rows, num_m_blocks, group_m,
                  w2_expert_stride, w2_row_stride,
@@ -320,7 +322,7 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     num_tokens, hidden_size = hidden.shape
     num_experts, intermediate = w13.shape[0], w13.shape[1] // 2
     top_k = topk_ids.shape[1]
-    out = torch.empty_like(hidden)
+    out = torch.empty((num_tokens, hidden_size), dtype=hidden.dtype, device=hidden.device)
     if num_tokens == 0 or top_k == 0:
         return out.zero_()
     config = config or config_for(num_tokens)
