@@ -107,6 +107,10 @@ def test_mismatched_shapes_are_refused_by_name():
         fused_moe(x, w13, w2, weights, ids[:, :1])
     with pytest.raises(ValueError, match="w13"):
         fused_moe(x[:, :-1], w13, w2, weights, ids)
+    with pytest.raises(ValueError, match="one dtype"):
+        fused_moe(x.double(), w13, w2, weights, ids)
+    with pytest.raises(ValueError, match="int32 or int64"):
+        fused_moe(x, w13, w2, weights, ids.float())
 
 
 def test_the_configuration_table_covers_every_token_count():
@@ -152,6 +156,17 @@ def test_alignment_places_every_row_once_and_marks_the_padding(routing, num_expe
     # Each expert pads to a multiple of the block, so at most block_m - 1 padding rows each.
     padding_per_expert = torch.bincount(used.long(), minlength=num_experts) * block_m - counts
     assert ((padding_per_expert >= 0) & (padding_per_expert < block_m)).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 64, 300])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_qwen3_moe_shapes_with_the_table_configurations(num_tokens, dtype):
+    # qwen3-30b-a3b's layer: 128 experts, top-8, hidden 2048, intermediate 768.
+    x, w13, w2, weights, ids = random_layer(num_tokens, 128, 8, hidden=2048, intermediate=768,
+                                            seed=num_tokens)
+    layer = (x.to(dtype), w13.to(dtype), w2.to(dtype), weights, ids)
+    check_against_reference(layer, config_for(num_tokens))
 
 
 @pytest.mark.gpu

@@ -305,6 +305,9 @@ def _check_inputs(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != num_tokens:
         raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights "
                          f"{tuple(topk_weights.shape)} must both be [{num_tokens}, top_k]")
+    if not hidden.dtype == w13.dtype == w2.dtype:
+        raise ValueError(f"hidden ({hidden.dtype}), w13 ({w13.dtype}) and w2 ({w2.dtype}) "
+                         "must share one dtype")
     if topk_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"topk_ids must be int32 or int64, not {topk_ids.dtype}")
     if hidden.stride(1) != 1 or w13.stride(2) != 1 or w2.stride(2) != 1:
