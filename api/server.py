@@ -141,7 +141,7 @@ FORCED_STOP_SECONDS = 2.0
 EXIT_FORCED = 3
 OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json", "/version", "/ping"})
 # OpenAI endpoints trio-llm does not serve: a clear 404 instead of "URL not found".
-NOT_SUPPORTED_PATHS = ("/v1/embeddings", "/v1/responses", "/v1/audio/<path:rest>",
+NOT_SUPPORTED_PATHS = ("/v1/embeddings", "/v1/audio/<path:rest>",
                        "/v1/images/<path:rest>", "/v1/moderations", "/v1/rerank",
                        "/v1/score", "/pooling", "/classify")
 SSE_DONE = b"data: [DONE]\n\n"
@@ -206,6 +206,8 @@ def create_app(engine: Engine, config: ServerConfig) -> QuartTrio:
     ]
     for path, view, method in routes:
         app.add_url_rule(path, view_func=view, methods=[method], endpoint=f"{method} {path}")
+    from trio_llm.api.responses import register_routes  # it imports this module
+    register_routes(app, api)
     for path in NOT_SUPPORTED_PATHS:
         app.add_url_rule(path, view_func=api.not_supported, methods=["GET", "POST"],
                          endpoint=f"not supported {path}")
@@ -590,7 +592,8 @@ class OpenAIServer:
         """Endpoints of the OpenAI API that trio-llm does not serve: say so, rather
         than a bare "URL not found"."""
         return self._error(404, f"{request.path} is not supported by trio-llm: it serves "
-                                "/v1/completions and /v1/chat/completions (docs/http-api.md)")
+                                "/v1/completions, /v1/chat/completions and /v1/responses "
+                                "(docs/http-api.md)")
 
     # -- guards and errors --------------------------------------------------------
 
