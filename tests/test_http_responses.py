@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 import jsonschema
+import msgspec
 import openai
 import pydantic
 import pytest
@@ -32,9 +33,11 @@ from test_http_support import (
 
 from trio_llm.actors.config import EngineConfig
 from trio_llm.actors.errors import RequestRejected
-from trio_llm.actors.messages import SamplingParams
+from trio_llm.actors.messages import RequestOutput, SamplingParams
 from trio_llm.api.engine import Engine
-from trio_llm.api.responses_protocol import ResponsesRequest, chat_translation
+from trio_llm.api.responses import ResponseBuilder
+from trio_llm.api.responses_protocol import ResponseBody, ResponsesRequest, chat_translation
+from trio_llm.api.tool_calls import ChatOutputParser
 from trio_llm.gpu.builtin import resolve_model
 
 CONFIG = EngineConfig(model="tiny", num_kv_blocks=128, block_size=16, max_num_seqs=8,
@@ -515,3 +518,55 @@ def test_every_field_of_openais_request_schema_has_a_status() -> None:
              | NO_EFFECT_FIELDS)
     assert openai_fields - known == set()
     assert {"input", "store", "previous_response_id", "tools"} <= openai_fields
+
+
+THINK_THEN_CALL = ('<think>look it up</think>On it.<tool_call>\n{"name": "get_time", '
+                   '"arguments": {"zone": "UTC"}}\n</tool_call><tool_call>\n{"name": '
+                   '"get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>')
+
+
+def _builder() -> ResponseBuilder:
+    from trio_llm.api.reasoning_parsers import Qwen3ReasoningParser
+    from trio_llm.api.tool_parsers import HermesToolParser
+
+    template = ResponseBody(id="resp_1", created_at=0, status="in_progress", model="m")
+    parser = ChatOutputParser(reasoning=Qwen3ReasoningParser(), tools=HermesToolParser())
+    return ResponseBuilder(template=template, parser=parser, token_text=lambda _: "x")
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, len(THINK_THEN_CALL)])
+def test_streamed_items_are_the_whole_responses_whatever_the_chunks(chunk: int) -> None:
+    """Reasoning, then a message, then two calls: the items the events build are
+    the non-streamed response's, however the text arrives."""
+    pieces = [THINK_THEN_CALL[start:start + chunk]
+              for start in range(0, len(THINK_THEN_CALL), chunk)]
+    outputs = [RequestOutput(request_id="r", token_ids=[1], text=piece,
+                             finished=index == len(pieces) - 1,
+                             finish_reason="stop" if index == len(pieces) - 1 else None,
+                             num_prompt_tokens=3, num_output_tokens=index + 1)
+               for index, piece in enumerate(pieces)]
+    streamed, whole = _builder(), _builder()
+    events = streamed.start()
+    for output in outputs:
+        events += streamed.feed(output)
+        whole.add(output)
+    response = msgspec.to_builtins(whole.response())
+    assert [event["sequence_number"] for event in events] == list(range(len(events)))
+    done = [msgspec.to_builtins(event["item"]) for event in events
+            if event["type"] == "response.output_item.done"]
+    final = msgspec.to_builtins(events[-1]["response"])
+    assert events[-1]["type"] == "response.completed"
+    without_ids = [{**item, "id": None, "call_id": None} for item in done]
+    assert without_ids == [{**item, "id": None, "call_id": None}
+                           for item in response["output"]]
+    assert final["output"] == done
+    assert [item["type"] for item in done] == ["reasoning", "message", "function_call",
+                                               "function_call"]
+    assert done[0]["content"] == [{"type": "reasoning_text", "text": "look it up"}]
+    assert done[1]["content"][0]["text"] == "On it."
+    assert [(item["name"], json.loads(item["arguments"])) for item in done[2:]] == [
+        ("get_time", {"zone": "UTC"}), ("get_weather", {"city": "Oslo"})]
+    arguments = "".join(event["delta"] for event in events
+                        if event["type"] == "response.function_call_arguments.delta")
+    assert arguments == done[2]["arguments"] + done[3]["arguments"]
+    assert final["usage"]["output_tokens_details"]["reasoning_tokens"] > 0
