@@ -21,7 +21,7 @@ import pydantic
 import pytest
 import trio
 from msgspec.structs import replace
-from test_http_openai import served_engine
+from test_http_openai import _wait_engine_idle, served_engine
 from test_http_support import (
     FakeEngine,
     open_raw_request,
@@ -135,6 +135,33 @@ async def test_text_streamed_or_not_is_what_the_engine_generates(layout: str) ->
     assert types[2:4] == ["response.output_item.added", "response.content_part.added"]
     assert types[-4:] == ["response.output_text.done", "response.content_part.done",
                           "response.output_item.done", "response.incomplete"]
+
+
+@pytest.mark.parametrize("layout", ["in-process", "served"])
+async def test_dropped_connections_free_their_kv_blocks(layout: str) -> None:
+    """As on chat: a stream left after its first delta, and a whole response whose
+    client went away, end their engine requests and free every block."""
+    request = {"model": "tiny", "input": "Tell me a story.", "max_output_tokens": 200,
+               "ignore_eos": True}
+    with trio.fail_after(TIMEOUT):
+        async with served_engine(layout) as served:
+            engine, url = served.engine, served.url
+            connection = await open_raw_request(url, "/v1/responses",
+                                                {**request, "stream": True})
+            await receive_until(connection, b"response.output_text.delta")
+            assert (await engine.fetch_statistics()).num_running == 1
+            await connection.aclose()
+            await _wait_engine_idle(served)
+            after_stream = await engine.fetch_statistics()
+            connection = await open_raw_request(url, "/v1/responses", request)
+            await wait_until(lambda: served.http_engine.num_open_requests == 1)
+            await connection.aclose()
+            await _wait_engine_idle(served)
+            after_whole = await engine.fetch_statistics()
+    for snapshot in (after_stream, after_whole):
+        assert snapshot.num_running == 0
+        assert snapshot.num_free_blocks == snapshot.num_total_blocks
+    assert after_whole.num_generation_tokens < 200, "neither ran to its 200 tokens"
 
 
 async def test_the_stream_helper_and_a_completed_response() -> None:
