@@ -208,9 +208,11 @@ def _converted(value: Any, kind: type[Any], param: str) -> Any:
     try:
         return msgspec.convert(value, kind)
     except msgspec.ValidationError as error:
+        # the error's path is within the item: make it the body's
+        message = (str(error).replace("`$", f"`$.{param}") if "`$" in str(error)
+                   else f"{error} - at `$.{param}`")
         path = protocol.param_of_validation_error(str(error))
-        raise RequestRejected(f"{param}: {error}", param=f"{param}.{path}" if path else param
-                              ) from None
+        raise RequestRejected(message, param=f"{param}.{path}" if path else param) from None
 
 
 def input_items(items: list[dict[str, Any]]) -> list[InputItem]:
@@ -377,10 +379,13 @@ def _item_text(content: str | list[ContentPart], part_types: tuple[str, ...],
     if isinstance(content, str):
         return content
     for part_index, part in enumerate(content):
-        if part.type not in part_types or part.text is None:
+        if part.type not in part_types:
             raise RequestRejected(
                 f"content parts of type {part.type!r} are not supported here; trio-llm "
                 f"takes text ({', '.join(part_types)})", param=f"{param}[{part_index}]")
+        if part.text is None:
+            raise RequestRejected(f"a content part of type {part.type!r} needs text",
+                                  param=f"{param}[{part_index}].text")
     return "".join(part.text or "" for part in content)
 
 
@@ -429,8 +434,10 @@ def _tools(tools: list[dict[str, Any]] | None) -> list[protocol.ToolDefinition] 
 def _tool_choice(choice: str | dict[str, Any] | None) -> protocol.ToolChoice | None:
     if choice is None or choice in ("none", "auto", "required"):
         return choice  # type: ignore[return-value]
-    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(
-            choice.get("name"), str):
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        if not isinstance(choice.get("name"), str):
+            raise RequestRejected('tool_choice of type "function" needs the name of one of '
+                                  "the tools", param="tool_choice.name")
         return protocol.NamedToolChoice(type="function",
                                         function=protocol.NamedFunction(name=choice["name"]))
     shown = choice if isinstance(choice, str) else choice.get("type")
