@@ -34,13 +34,14 @@ import trio
 from quart import request
 from quart_trio.wrappers.response import TrioResponse as Response
 
-from trio_llm.actors.errors import EngineError
+from trio_llm.actors.errors import EngineError, RequestRejected
 from trio_llm.actors.generation_defaults import GenerationDefaults
-from trio_llm.actors.messages import RequestOutput, SamplingParams
+from trio_llm.actors.messages import RequestOutput, SamplingParams, TokenLogprobs
 from trio_llm.api import protocol
 from trio_llm.api import server as http
 from trio_llm.api.reasoning_parsers import THINK_END
 from trio_llm.api.responses_protocol import (
+    LOGPROBS_INCLUDE,
     REFUSED_RESPONSES_FIELDS,
     ChatTranslation,
     IncompleteDetails,
@@ -56,7 +57,10 @@ from trio_llm.api.responses_protocol import (
     ResponseError,
     ResponsesRequest,
     ResponseUsage,
+    TokenLogprob,
+    TopLogprob,
     chat_translation,
+    wants_logprobs,
 )
 from trio_llm.api.tool_calls import (
     ChatOutputParser,
@@ -129,19 +133,24 @@ async def respond(api: http.OpenAIServer) -> Response:
     prepared = await api._converted(partial(
         engine_request, options=api.tool_options,
         defaults=api.engine.generation_defaults), body)
+    reasoning = reasoning_parser_for(api.tool_options)
+    parser = (ChatOutputParser(reasoning=reasoning, tools=prepared.tool_plan.parser,
+                               max_calls=prepared.tool_plan.max_calls)
+              if reasoning is not None or prepared.tool_plan.parser is not None else None)
+    if parser is not None and wants_logprobs(body):
+        # a token's text may land in reasoning or a call rather than the message
+        raise RequestRejected(f"include {LOGPROBS_INCLUDE!r} is not supported with a "
+                              "reasoning parser or tool calls", param="include")
     response_id = f"resp_{uuid.uuid4().hex}"
     chat = prepared.translation.request
     outputs = api.engine.chat(prepared.messages, prepared.params, priority=chat.priority,
                               request_id=response_id, cache_salt=chat.cache_salt,
                               template_options=protocol.template_options(chat),
                               **prepared.template_variables())
-    reasoning = reasoning_parser_for(api.tool_options)
-    parser = (ChatOutputParser(reasoning=reasoning, tools=prepared.tool_plan.parser,
-                               max_calls=prepared.tool_plan.max_calls)
-              if reasoning is not None or prepared.tool_plan.parser is not None else None)
     builder = ResponseBuilder(template=_template(response_id, api.model_name, body,
                                                  prepared.params),
-                              parser=parser, token_text=api._token_text)
+                              parser=parser, token_text=api._token_text,
+                              returns_logprobs=wants_logprobs(body))
     timer = api.metrics.timer(trio.current_time())
     log_line = partial(api._logged, timer, f"POST {request.path}", response_id)
     if not body.stream:
@@ -166,7 +175,8 @@ def _template(response_id: str, model: str, body: ResponsesRequest,
         parallel_tool_calls=body.parallel_tool_calls, temperature=params.temperature,
         top_p=params.top_p, text=text, tools=body.tools or [],
         tool_choice=body.tool_choice if body.tool_choice is not None else "auto",
-        user=body.user, metadata=body.metadata, max_tool_calls=body.max_tool_calls)
+        user=body.user, metadata=body.metadata, max_tool_calls=body.max_tool_calls,
+        top_logprobs=body.top_logprobs or 0)
 
 
 async def _events(outputs: AsyncIterator[RequestOutput], builder: ResponseBuilder,
@@ -218,6 +228,7 @@ class _Item:
     name: str = ""
     call_id: str = ""
     status: str = "in_progress"
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def output(self) -> OutputItem:
         match self.kind:
@@ -227,7 +238,7 @@ class _Item:
                                        if self.status != "in_progress" else [])
             case "message":
                 return OutputMessage(id=self.item_id, status=self.status,
-                                     content=[OutputText(text=self.text)]
+                                     content=[OutputText(text=self.text, logprobs=self.logprobs)]
                                      if self.status != "in_progress" else [])
             case "function_call":
                 return OutputFunctionCall(id=self.item_id, call_id=self.call_id,
@@ -236,7 +247,7 @@ class _Item:
 
     def part(self) -> OutputText | ReasoningText:
         return (ReasoningText(text=self.text) if self.kind == "reasoning"
-                else OutputText(text=self.text))
+                else OutputText(text=self.text, logprobs=self.logprobs))
 
 
 @dataclass(kw_only=True)
@@ -252,7 +263,10 @@ class ResponseBuilder:
     template: ResponseBody
     parser: ChatOutputParser | None
     token_text: Callable[[int], str]
+    # include ["message.output_text.logprobs"]: only without a parser (see respond)
+    returns_logprobs: bool = False
     _items: list[_Item] = field(default_factory=list)
+    _pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     _text: str = ""
     _last: RequestOutput | None = None
     # (text offset where the output starts, its token ids): to count reasoning tokens
@@ -297,6 +311,24 @@ class ResponseBuilder:
             self._outputs.append((len(self._text), output.token_ids))
         self._last = output
         self._text += output.text
+        if self.returns_logprobs and output.logprobs is not None:
+            self._pending_logprobs += [
+                self._token_logprob(token_id, entry) for token_id, entry in zip(
+                    output.token_ids, output.logprobs, strict=False) if entry is not None]
+
+    def _token_logprob(self, token_id: int, entry: TokenLogprobs) -> TokenLogprob:
+        top = [TopLogprob(token=(text := self.token_text(top_id)), bytes=list(text.encode()),
+                          logprob=logprob)
+               for top_id, logprob in zip(entry.top_token_ids, entry.top_logprobs, strict=False)]
+        token = self.token_text(token_id)
+        return TokenLogprob(token=token, bytes=list(token.encode()), logprob=entry.logprob,
+                            top_logprobs=top)
+
+    def _take_logprobs(self, item: _Item) -> list[TokenLogprob]:
+        """The message's logprobs not sent yet, now its item's."""
+        taken, self._pending_logprobs = self._pending_logprobs, []
+        item.logprobs += taken
+        return taken
 
     def _parsed(self, *, is_final: bool) -> ParsedOutput:
         if self.parser is None:
@@ -358,7 +390,7 @@ class ResponseBuilder:
         if item.kind == "reasoning":
             return self._event("response.reasoning_text.delta", **self._at(item), delta=delta)
         return self._event("response.output_text.delta", **self._at(item), delta=delta,
-                           logprobs=[])
+                           logprobs=self._take_logprobs(item))
 
     def _close_open(self, status: str) -> list[dict[str, Any]]:
         events = []
@@ -377,8 +409,9 @@ class ResponseBuilder:
             events = [self._event("response.reasoning_text.done", **self._at(item),
                                   text=item.text)]
         else:
+            self._take_logprobs(item)
             events = [self._event("response.output_text.done", **self._at(item),
-                                  text=item.text, logprobs=[])]
+                                  text=item.text, logprobs=item.logprobs)]
         if item.kind != "function_call":
             events.append(self._event("response.content_part.done", **self._at(item),
                                       part=item.part()))

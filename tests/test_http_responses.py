@@ -213,6 +213,40 @@ async def test_the_same_conversation_gives_the_same_tokens_on_chat_and_responses
     assert response.temperature == 1.0 and response.top_p == 0.9
 
 
+async def test_logprobs_of_the_message_are_chats() -> None:
+    question = "Name a colour."
+    with trio.fail_after(TIMEOUT):
+        async with clients() as (client, sync_client):
+            chat = await client.chat.completions.create(
+                messages=[{"role": "user", "content": question}], max_tokens=6,
+                logprobs=True, top_logprobs=2, **GREEDY)
+            fields: dict[str, Any] = {**GREEDY, "input": question, "max_output_tokens": 6,
+                                      "include": ["message.output_text.logprobs"],
+                                      "top_logprobs": 2}
+            response = await client.responses.create(**fields)
+            events = await stream_events(sync_client, **fields)
+        async with clients(reasoning_parser="qwen3") as (client, _):
+            refused = None
+            try:
+                await client.responses.create(**fields)
+            except openai.BadRequestError as error:
+                refused = error.body
+    expected = [(entry.token, entry.logprob, [(top.token, top.logprob)
+                                              for top in entry.top_logprobs])
+                for entry in chat.choices[0].logprobs.content]  # type: ignore[union-attr]
+    (message,) = response.output
+    part = message.content[0]  # type: ignore[union-attr]
+    got = [(entry.token, entry.logprob, [(top.token, top.logprob) for top in entry.top_logprobs])
+           for entry in part.logprobs]
+    assert len(got) == 6 and got == expected
+    streamed = [entry for event in events if event.type == "response.output_text.delta"
+                for entry in event.logprobs]
+    assert [(entry.token, entry.logprob) for entry in streamed] == [
+        (token, logprob) for token, logprob, _ in expected]
+    assert response.top_logprobs == 2
+    assert refused is not None and refused["param"] == "include"
+
+
 async def test_a_json_schema_output_validates_streamed_or_not() -> None:
     schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
                                                      "maximum": 50}, "ok": {"type": "boolean"}},
@@ -473,12 +507,13 @@ REFUSED: list[tuple[dict[str, Any], str, str]] = [
     ({"conversation": "conv_1"}, "conversation", "keeps no responses"),
     ({"background": True}, "background", "background"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt", "prompt templates"),
-    ({"include": ["reasoning.encrypted_content"]}, "include", "encrypted"),
+    ({"include": ["message.output_text.logprobs", "reasoning.encrypted_content"]},
+     "include[1]", "encrypted"),
     ({"reasoning": {"effort": "high"}}, "reasoning.effort", "chat_template_kwargs"),
     ({"reasoning": {"summary": "auto"}}, "reasoning.summary", "reasoning_text"),
     ({"text": {"verbosity": "low"}}, "text.verbosity", "verbosity"),
     ({"truncation": "auto"}, "truncation", "disabled"),
-    ({"top_logprobs": 3}, "top_logprobs", "logprobs"),
+    ({"top_logprobs": 3}, "top_logprobs", "needs include"),
     ({"service_tier": "flex"}, "service_tier", "one service tier"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type", "built-in"),
     ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {
