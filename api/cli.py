@@ -4,9 +4,19 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+from typing import Any
+
+import msgspec
 
 from trio_llm.actors.config import EngineConfig
+from trio_llm.api.reasoning_parsers import REASONING_PARSERS
+from trio_llm.api.server import DEFAULT_MAX_BODY_BYTES, ServerConfig
+from trio_llm.api.stats_log import DEFAULT_STATS_INTERVAL_SECONDS
+from trio_llm.api.tool_parsers import TOOL_PARSERS
+
+logger = logging.getLogger(__name__)
 
 # Engine flags, named as `vllm serve` names them: (flag, type, help). Each flag's
 # EngineConfig field is its name in snake case, as argparse stores it.
@@ -76,8 +86,6 @@ class _PipelineDepthAction(argparse.BooleanOptionalAction):
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """EngineConfig from parsed flags; raises SystemExit with the field at fault."""
-    import msgspec
-
     fields = {f.name for f in msgspec.structs.fields(EngineConfig)}
     given = {k: v for k, v in vars(args).items() if k in fields and v is not None}
     model_tag = getattr(args, "model_tag", None)
@@ -121,6 +129,125 @@ def _check_chat_template(template: str | None) -> None:
             raise SystemExit(f"trio-llm: {error}") from None
 
 
+# -- `trio-llm serve` ---------------------------------------------------------------
+
+# `trio-llm serve` without --api-server-count: one API server for every
+# CPU_CORES_PER_API_SERVER cores this process may run on, 1 to MAX_DEFAULT_API_SERVERS
+# (measured, docs/performance.md, "Process layouts": on the H200 machine's 16 cores
+# four API servers served 42,258 tok/s, two 25,290, one 12,660, one process 6,454;
+# on the 2-core development machine one API server served twice what one process did).
+CPU_CORES_PER_API_SERVER = 4
+MAX_DEFAULT_API_SERVERS = 4
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the server's flags to `trio-llm serve` (the engine's are added separately)."""
+    # --shutdown-grace-seconds is the engine's (EngineConfig), as --served-model-name is.
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    group.add_argument("--port", type=int, default=8000,
+                       help="port to listen on (0: any free port)")
+    group.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    group.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                       help="largest request body accepted (HTTP 413 above)")
+    group.add_argument("--shutdown-grace-seconds", type=float, default=None,
+                       help="how long open requests may finish on SIGTERM (default 5)")
+    group.add_argument("--enable-auto-tool-choice", action="store_true", default=None,
+                       help='serve tool_choice "auto" (needs --tool-call-parser)')
+    group.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                       help="how tool calls are found in generated text")
+    group.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                       help="split reasoning (<think>...</think>) into reasoning_content")
+    group.add_argument("--api-server-count", type=int, default=None,
+                       help="API-server processes in front of one engine-core process "
+                            "(0: serve everything from this one process; default: one "
+                            f"per {CPU_CORES_PER_API_SERVER} CPU cores, 1 to "
+                            f"{MAX_DEFAULT_API_SERVERS})")
+    group.add_argument("--root-path", default=None,
+                       help="path prefix stripped by a proxy in front (ASGI root_path)")
+    group.add_argument("--allowed-origins", type=_string_list, default=None,
+                       help='CORS: origins allowed, a JSON list (\'["*"]\') or comma '
+                            "separated (default: none, CORS off)")
+    group.add_argument("--allow-credentials", action="store_true", default=None,
+                       help="CORS: allow credentials")
+    group.add_argument("--allowed-methods", type=_string_list, default=None,
+                       help='CORS: methods allowed (default ["*"])')
+    group.add_argument("--allowed-headers", type=_string_list, default=None,
+                       help='CORS: headers allowed (default ["*"])')
+    group.add_argument("--disable-log-requests", action="store_true", default=None,
+                       help="no log line per request")
+    group.add_argument("--disable-log-stats", action="store_true", default=None,
+                       help="no periodic stats line")
+    group.add_argument("--log-stats-interval", type=float, default=None,
+                       help=f"seconds between stats lines (default "
+                            f"{DEFAULT_STATS_INTERVAL_SECONDS:g})")
+    group.add_argument("--uvicorn-log-level", default=None,
+                       choices=["critical", "error", "warning", "info", "debug", "trace"],
+                       help="log level of the web server (Hypercorn); vLLM's name")
+
+
+def _string_list(text: str) -> list[str]:
+    """A flag's list: JSON (vLLM's form, '["a", "b"]') or comma separated."""
+    if text.lstrip().startswith("["):
+        try:
+            return msgspec.json.decode(text, type=list[str])
+        except msgspec.DecodeError as error:
+            raise argparse.ArgumentTypeError(f"not a JSON list of strings: {error}") from None
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    """ServerConfig from parsed flags; raises SystemExit with the field at fault."""
+    given = {field.name: getattr(args, field.name, None)
+             for field in msgspec.structs.fields(ServerConfig)}
+    try:
+        return msgspec.convert({k: v for k, v in given.items() if v is not None}, ServerConfig)
+    except msgspec.ValidationError as error:
+        raise SystemExit(f"trio-llm serve: invalid server option: {error}") from None
+
+
+def default_api_server_count(num_cpus: int) -> int:
+    """The API servers `trio-llm serve` starts unless told: see CPU_CORES_PER_API_SERVER."""
+    return max(1, min(MAX_DEFAULT_API_SERVERS, num_cpus // CPU_CORES_PER_API_SERVER))
+
+
+def _num_usable_cpus() -> int:
+    """The cores this process may run on (a container's share, not the host's)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """`trio-llm serve`: 0 after a graceful stop, 1 if the engine died."""
+    import trio
+
+    from trio_llm.actors.errors import EngineDead
+
+    engine_config = engine_config_from_args(args)
+    config = server_config_from_args(args)
+    num_api_servers = args.api_server_count
+    if num_api_servers is None:
+        num_api_servers = default_api_server_count(_num_usable_cpus())
+    if num_api_servers < 0:
+        raise SystemExit("trio-llm serve: --api-server-count must be 0 or more")
+    if num_api_servers > 0:
+        from trio_llm.api.processes import run_served
+
+        return run_served(engine_config, config, num_api_servers=num_api_servers)
+    from trio_llm.api.serving import serve
+
+    try:
+        trio.run(serve, engine_config, config)
+    except EngineDead as error:
+        logger.error("the engine died: %s", error)
+        return 1
+    return 0
+
+
+# -- `trio-llm generate` ---------------------------------------------------------------
+
+
 def _run_generate(args: argparse.Namespace) -> int:
     import trio
 
@@ -148,6 +275,43 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- `trio-llm bench` ------------------------------------------------------------------
+
+
+def add_bench_commands(commands: Any) -> None:
+    """Add `bench throughput` and `bench serve` to the `trio-llm bench` parser."""
+    from trio_llm.api import bench_serve
+
+    throughput = commands.add_parser("throughput", help="in-process engine throughput")
+    add_engine_arguments(throughput)
+    throughput.add_argument("--backend", choices=["trio-llm", "transformers"], default="trio-llm")
+    throughput.add_argument("--executor", choices=["model", "null"], default="model",
+                            help="null: a model that costs nothing (measures the control plane)")
+    throughput.add_argument("--num-prompts", type=int, default=256)
+    throughput.add_argument("--min-prompt-len", type=int, default=100)
+    throughput.add_argument("--max-prompt-len", type=int, default=1024)
+    throughput.add_argument("--min-output-len", type=int, default=100)
+    throughput.add_argument("--max-output-len", type=int, default=1024)
+    throughput.add_argument("--max-token-id", type=int, default=10000,
+                            help="prompt token ids are uniform in [0, this)")
+    throughput.add_argument("--temperature", type=float, default=0.6)
+    throughput.add_argument("--seed-workload", type=int, default=0)
+    throughput.add_argument("--json", metavar="PATH",
+                            help="write the results as JSON here ('-': to stdout, no table)")
+    throughput.add_argument("--no-progress", action="store_true")
+    throughput.set_defaults(run=_run_bench_throughput)
+
+    serve = commands.add_parser("serve", help="benchmark a running server over HTTP")
+    bench_serve.add_bench_serve_arguments(serve)
+    serve.set_defaults(run=bench_serve.run_bench_serve)
+
+
+def _run_bench_throughput(args: argparse.Namespace) -> int:
+    from trio_llm.api.bench import run_throughput
+
+    return run_throughput(args, engine_config_from_args(args))
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trio-llm", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
@@ -165,19 +329,17 @@ def _build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(generate)
     generate.set_defaults(run=_run_generate)
 
-    from trio_llm.api import bench, server
-
     serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
     serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                        help="the model, as --model takes it (vLLM's `serve MODEL`)")
     _add_log_level(serve)
     add_engine_arguments(serve)
-    server.add_serve_arguments(serve)
-    serve.set_defaults(run=server.run_serve)
+    add_serve_arguments(serve)
+    serve.set_defaults(run=run_serve)
 
     bench_parser = commands.add_parser("bench", help="benchmarks")
     bench_commands = bench_parser.add_subparsers(dest="bench_command", required=True)
-    bench.add_bench_commands(bench_commands)
+    add_bench_commands(bench_commands)
     return parser
 
 

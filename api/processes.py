@@ -58,7 +58,8 @@ from trio_llm.actors.supervisor import run_core_supervisor
 from trio_llm.actors.wire import open_wire_channel
 from trio_llm.api.engine import Engine, created_executor
 from trio_llm.api.metrics import MULTIPROCESS_DIR_VARIABLE
-from trio_llm.api.server import LISTEN_BACKLOG, ServerConfig, serve
+from trio_llm.api.server import ServerConfig
+from trio_llm.api.serving import LISTEN_BACKLOG, receiving_stop_signals, serve, stop_on_signals
 
 logger = logging.getLogger(__name__)
 
@@ -161,7 +162,7 @@ async def _supervise(engine_config: EngineConfig, server_config: ServerConfig,
     logger.info("engine core and %d API servers for port %d", num_api_servers, port)
     stopping = False
     try:
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        with receiving_stop_signals(takes_sigint=True) as signals:
             core = await _start_core(engine_config, [core_end for core_end, _ in pairs])
             api_servers = [await _start_api_server(index, engine_config, server_config,
                                                    front_end, listener, metrics_dir,
@@ -175,16 +176,15 @@ async def _supervise(engine_config: EngineConfig, server_config: ServerConfig,
                 for child in (core, *api_servers):
                     nursery.start_soon(child.wait)
 
-                async def pass_on_signals() -> None:
+                def stop_api_servers() -> None:
                     nonlocal stopping
-                    async for signal_number in signals:
-                        logger.info("%s: stopping the API servers",
-                                    signal.Signals(signal_number).name)
-                        stopping = True
-                        for api_server in api_servers:
-                            api_server.signal(signal.SIGTERM)
+                    stopping = True
+                    for api_server in api_servers:
+                        api_server.signal(signal.SIGTERM)
 
-                nursery.start_soon(pass_on_signals)
+                # Each signal is passed on: a second one stops the API servers at once.
+                nursery.start_soon(partial(stop_on_signals, signals, "every process",
+                                           stop=stop_api_servers, stop_now=stop_api_servers))
                 await _watch(core, api_servers)
                 nursery.cancel_scope.cancel()
     finally:
@@ -294,17 +294,13 @@ def _stream_of(fd: int) -> trio.SocketStream:
 
 
 async def _run_core(engine_config: EngineConfig, fds: list[int]) -> int:
-    # The supervisor stops the core (SIGTERM) only once the API servers are gone;
-    # a terminal's SIGINT is the supervisor's to pass on.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    with trio.open_signal_receiver(signal.SIGTERM) as signals:
+    # The supervisor stops the core (SIGTERM) only once the API servers are gone:
+    # nothing is left to drain, so it stops at once.
+    with receiving_stop_signals(takes_sigint=False) as signals:
         async with trio.open_nursery() as nursery:
-            async def stop_on_signal() -> None:
-                async for _ in signals:
-                    logger.info("SIGTERM: the engine core stops")
-                    nursery.cancel_scope.cancel()
-
-            nursery.start_soon(stop_on_signal)
+            cancel = nursery.cancel_scope.cancel
+            nursery.start_soon(partial(stop_on_signals, signals, "the engine core",
+                                       stop=cancel, stop_now=cancel))
             try:
                 await run_engine_core(engine_config, [_stream_of(fd) for fd in fds])
             except EngineDead as error:
@@ -316,13 +312,12 @@ async def _run_core(engine_config: EngineConfig, fds: list[int]) -> int:
 
 async def _run_api_server(engine_config: EngineConfig, server_config: ServerConfig,
                           core_fd: int, listen_fd: int, lifeline_fd: int) -> int:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # see _run_core
     open_engine = partial(Engine.open_front, engine_config, _stream_of(core_fd))
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_stop_when_orphaned, lifeline_fd)
         try:
             await serve(engine_config, server_config, open_engine=open_engine,
-                        listen_fd=listen_fd)
+                        listen_fd=listen_fd, takes_sigint=False)
         except EngineDead as error:
             logger.error("the engine died: %s", error)
             return 1
