@@ -6,7 +6,8 @@ import argparse
 import logging
 import os
 import sys
-from typing import Any
+from functools import partial
+from typing import Any, NoReturn, TypeVar
 
 import msgspec
 
@@ -52,8 +53,60 @@ _ENGINE_FLAGS: list[tuple[str, type, str]] = [
 _FLAG_ALIASES = {"--tensor-parallel-size": ("-tp",)}
 
 
+# vLLM's flags for features trio-llm does not have yet: recognized, and refused with
+# one line (docs/vllm-compatibility.md lists them). A flag leaves this list when its
+# feature lands (--quantization and --kv-cache-dtype: issue 27).
+UNSUPPORTED_VLLM_FLAGS: dict[tuple[str, ...], str] = {
+    ("--quantization", "-q"): "quantized weights",
+    ("--kv-cache-dtype",): "a KV cache in another dtype",
+    ("--enable-lora",): "LoRA adapters",
+    ("--lora-modules",): "LoRA adapters",
+    ("--max-loras",): "LoRA adapters",
+    ("--speculative-config",): "speculative decoding",
+    ("--pipeline-parallel-size", "-pp"): "pipeline parallelism",
+    ("--data-parallel-size", "-dp"): "data parallelism",
+    ("--enable-expert-parallel",): "expert parallelism",
+    ("--trust-remote-code",): "model code from the checkpoint",
+    ("--enable-sleep-mode",): "sleep mode",
+    ("--cpu-offload-gb",): "weight offload to the CPU",
+    ("--swap-space",): "KV swap space on the CPU (preempted requests are recomputed)",
+    ("--kv-transfer-config",): "disaggregated prefill (KV transfer)",
+    ("--limit-mm-per-prompt",): "multimodal inputs",
+    ("--task",): "pooling tasks (embeddings, scores)",
+    ("--runner",): "pooling runners (embeddings, scores)",
+    ("--tokenizer-mode",): "tokenizer modes (the Hugging Face tokenizer is used)",
+    ("--load-format-config", "--model-loader-extra-config"): "custom model loaders",
+    ("--guided-decoding-backend", "--structured-outputs-config"):
+        "a choice of structured-outputs backend (trio-llm has its own)",
+    ("--rope-scaling", "--hf-overrides"): "overriding the model's config.json",
+    ("--enable-prompt-embeds",): "prompt embeddings",
+    ("--otlp-traces-endpoint",): "OpenTelemetry traces",
+}
+
+
+class _NotSupported(argparse.Action):
+    """A vLLM flag trio-llm lacks: one line, at parse time."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: object, option_string: str | None = None) -> None:
+        feature = next(feature for flags, feature in UNSUPPORTED_VLLM_FLAGS.items()
+                       if option_string in flags)
+        raise SystemExit(f"trio-llm: {option_string} ({feature}) is not supported by trio-llm "
+                         f"yet: leave it out (docs/vllm-compatibility.md lists what "
+                         f"trio-llm lacks)")
+
+
+def add_unsupported_vllm_flags(parser: argparse.ArgumentParser) -> None:
+    """Recognize vLLM's flags for features trio-llm lacks, to refuse them clearly
+    rather than as "unrecognized arguments"; hidden from --help."""
+    for flags in UNSUPPORTED_VLLM_FLAGS:
+        parser.add_argument(*flags, nargs="?", action=_NotSupported, help=argparse.SUPPRESS,
+                            dest=argparse.SUPPRESS, default=argparse.SUPPRESS)
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the engine's flags; unset flags keep EngineConfig's defaults."""
+    add_unsupported_vllm_flags(parser)
     group = parser.add_argument_group("engine")
     for flag, kind, help_text in _ENGINE_FLAGS:
         group.add_argument(flag, *_FLAG_ALIASES.get(flag, ()), type=kind, default=None,
@@ -85,7 +138,8 @@ class _PipelineDepthAction(argparse.BooleanOptionalAction):
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """EngineConfig from parsed flags; raises SystemExit with the field at fault."""
+    """EngineConfig from parsed flags, checked (``check_model``); a mistake is a
+    SystemExit with one line naming the flag at fault and its fix."""
     fields = {f.name for f in msgspec.structs.fields(EngineConfig)}
     given = {k: v for k, v in vars(args).items() if k in fields and v is not None}
     model_tag = getattr(args, "model_tag", None)
@@ -94,29 +148,83 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             raise SystemExit(f"trio-llm: the model is given twice: {model_tag} and "
                              f"--model {given['model']}")
         given["model"] = model_tag
-    try:
-        config = msgspec.convert(given, EngineConfig)
-    except msgspec.ValidationError as error:
-        raise SystemExit(f"trio-llm: invalid engine option: {error}") from None
+    config = _converted_flags(given, EngineConfig)
     _check_chat_template(config.chat_template)
-    _check_hugging_face_model(config)
+    check_model(config)
     return config
 
 
-def _check_hugging_face_model(config: EngineConfig) -> None:
-    """An ORG/NAME model not in the local cache: one line saying where it was
-    looked for, at the command line rather than as a traceback from the engine."""
-    from pathlib import Path
+ConfigT = TypeVar("ConfigT")
 
-    parts = config.model.split("/")
-    if Path(config.model).expanduser().exists() or len(parts) != 2 or not all(parts):
-        return
+
+def _converted_flags(given: dict[str, Any], kind: type[ConfigT]) -> ConfigT:
+    """``given`` flags as ``kind``; an out-of-range value is one line naming its flag:
+    msgspec's 'Expected `int` >= 1 - at `$.max_num_seqs`' becomes
+    '--max-num-seqs 0: expected int >= 1'."""
+    try:
+        return msgspec.convert(given, kind)
+    except msgspec.ValidationError as error:
+        expected, _, location = str(error).rpartition(" - at ")
+        name = location.strip("`").removeprefix("$.").split("[")[0].split(".")[0]
+        if not expected or name not in given:
+            raise SystemExit(f"trio-llm: invalid option: {error}") from None
+        flag = "--" + name.replace("_", "-")
+        raise SystemExit(f"trio-llm: {flag} {given[name]}: must be "
+                         f"{expected.replace('`', '').removeprefix('Expected ')}") from None
+
+
+# vLLM's opt-in to a --max-model-len beyond the model's positions, and trio-llm's own name.
+ALLOW_LONG_MAX_MODEL_LEN_VARIABLES = ("VLLM_ALLOW_LONG_MAX_MODEL_LEN",
+                                      "TRIO_LLM_ALLOW_LONG_MAX_MODEL_LEN")
+
+
+def check_model(config: EngineConfig) -> None:
+    """The start-up mistakes about the model, each one line naming the fault and its
+    fix, before any process starts: a model that is not there, a folder that is
+    not a model, an architecture trio-llm does not run, a --max-model-len beyond
+    the model's positions, --device cuda without a GPU."""
     from trio_llm.gpu.builtin import resolve_model
+    from trio_llm.gpu.config import ModelConfig, ModelLoadError
 
     try:
-        resolve_model(config.model, config.revision)
+        directory = resolve_model(config.model, config.revision)
     except ValueError as error:
         raise SystemExit(f"trio-llm: {error}") from None
+    try:
+        model_config = ModelConfig.from_dir(directory)
+    except ModelLoadError as error:
+        raise SystemExit(f"trio-llm: --model {config.model} is not a model trio-llm can "
+                         f"run: {error}; give a model directory, a built-in name or a "
+                         f"Hugging Face id ORG/NAME") from None
+    _check_max_model_len(config, model_config.max_position_embeddings)
+    _check_device(config.device)
+
+
+def _check_max_model_len(config: EngineConfig, max_position_embeddings: int) -> None:
+    """vLLM's rule: no context beyond the model's positions, unless the user opts in."""
+    if config.max_model_len is None or config.max_model_len <= max_position_embeddings:
+        return
+    if any(os.environ.get(name, "").lower() in ("1", "true")
+           for name in ALLOW_LONG_MAX_MODEL_LEN_VARIABLES):
+        logger.warning("--max-model-len %d is beyond the model's max_position_embeddings "
+                       "(%d): outputs past it may be garbage", config.max_model_len,
+                       max_position_embeddings)
+        return
+    raise SystemExit(
+        f"trio-llm: --max-model-len {config.max_model_len} is beyond the model's "
+        f"max_position_embeddings ({max_position_embeddings}): give at most "
+        f"{max_position_embeddings}, or set VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 to allow it")
+
+
+def _check_device(device: str) -> None:
+    if device != "cuda":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit(f"trio-llm: --device cuda, but torch {torch.__version__} finds no "
+                         f"CUDA device: leave --device out (auto) or give --device cpu")
+
 
 def _check_chat_template(template: str | None) -> None:
     """Fail at the command line, not when the engine starts."""
@@ -200,10 +308,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     """ServerConfig from parsed flags; raises SystemExit with the field at fault."""
     given = {field.name: getattr(args, field.name, None)
              for field in msgspec.structs.fields(ServerConfig)}
-    try:
-        return msgspec.convert({k: v for k, v in given.items() if v is not None}, ServerConfig)
-    except msgspec.ValidationError as error:
-        raise SystemExit(f"trio-llm serve: invalid server option: {error}") from None
+    return _converted_flags({k: v for k, v in given.items() if v is not None}, ServerConfig)
 
 
 def default_api_server_count(num_cpus: int) -> int:
@@ -219,29 +324,36 @@ def _num_usable_cpus() -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """`trio-llm serve`: 0 after a graceful stop, 1 if the engine died."""
+    """`trio-llm serve`: 0 after a graceful stop, 1 if the engine died. The port is
+    bound first, then the model checked, so a busy port fails at once."""
     import trio
 
     from trio_llm.actors.errors import EngineDead
+    from trio_llm.api.serving import listening_socket, serve
 
-    engine_config = engine_config_from_args(args)
     config = server_config_from_args(args)
     num_api_servers = args.api_server_count
     if num_api_servers is None:
         num_api_servers = default_api_server_count(_num_usable_cpus())
     if num_api_servers < 0:
-        raise SystemExit("trio-llm serve: --api-server-count must be 0 or more")
-    if num_api_servers > 0:
-        from trio_llm.api.processes import run_served
-
-        return run_served(engine_config, config, num_api_servers=num_api_servers)
-    from trio_llm.api.serving import serve
-
+        raise SystemExit(f"trio-llm: --api-server-count {num_api_servers}: must be 0 or more")
     try:
-        trio.run(serve, engine_config, config)
-    except EngineDead as error:
-        logger.error("the engine died: %s", error)
-        return 1
+        listener = listening_socket(config.host, config.port)
+    except OSError as error:
+        raise SystemExit(f"trio-llm: cannot listen on {config.host} port {config.port} "
+                         f"({error.strerror}): is another server on it? Stop it, or give "
+                         f"another --port") from None
+    with listener:
+        engine_config = engine_config_from_args(args)
+        if num_api_servers > 0:
+            from trio_llm.api.processes import run_served
+
+            return run_served(engine_config, config, listener, num_api_servers=num_api_servers)
+        try:
+            trio.run(partial(serve, engine_config, config, listen_fd=listener.detach()))
+        except EngineDead as error:
+            logger.error("the engine died: %s", error)
+            return 1
     return 0
 
 
@@ -312,9 +424,18 @@ def _run_bench_throughput(args: argparse.Namespace) -> int:
     return run_throughput(args, engine_config_from_args(args))
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse's parser, its mistakes one line (usage is for --help)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="trio-llm", description=__doc__)
+    parser = _OneLineParser(prog="trio-llm", description=__doc__,
+                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--version", action="version", version=f"trio-llm {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     generate = commands.add_parser("generate", help="print one completion")
@@ -353,19 +474,35 @@ def _add_log_level(parser: argparse.ArgumentParser) -> None:
 EXIT_INTERRUPTED = 130
 
 
+def _version() -> str:
+    from importlib.metadata import version
+
+    return version("trio-llm")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Ctrl-C ends any command with one line and EXIT_INTERRUPTED, not tracebacks
-    (`serve` handles it itself first: a graceful stop)."""
+    (`serve` handles it itself first: a graceful stop); any other failure is one
+    line and exit 1, with its traceback only at ``--log-level debug``."""
+    level = "INFO"
     try:
         args = _build_parser().parse_args(argv)
         level = (getattr(args, "command_log_level", None) or args.log_level).upper()
         logging.basicConfig(level=level, format="%(asctime)s %(name)s %(message)s")
         return int(args.run(args) or 0)
+    except SystemExit:
+        raise
     except BaseException as error:
-        if not is_interrupt(error):
+        if is_interrupt(error):
+            print("trio-llm: interrupted", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        if level == "DEBUG":
             raise
-        print("trio-llm: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        from trio_llm.api.serving import fault_line
+
+        print(f"trio-llm: {fault_line(error)} (--log-level debug shows where)",
+              file=sys.stderr)
+        return 1
 
 
 def is_interrupt(error: BaseException) -> bool:

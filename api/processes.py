@@ -3,9 +3,10 @@
     trio-llm serve --model qwen3-0.6b --api-server-count 2
 
 The supervisor (the process `trio-llm serve` runs in) opens everything the
-children share before it starts them: one listening socket per API server,
-all bound to the same port with SO_REUSEPORT (the kernel spreads connections
-over them), and one local socket pair per API server for its wire channel to
+children share before it starts them: one listening socket (bound by
+`trio-llm serve` before anything starts, without SO_REUSEPORT, so a busy port
+fails at once and no other process can share it), which every API server
+accepts on, and one local socket pair per API server for its wire channel to
 the engine core. It passes each child its ends (file descriptors), closes its
 own copies, and watches:
 
@@ -13,8 +14,8 @@ own copies, and watches:
   fails its open requests and exits non-zero; the supervisor waits for them
   (killing any that hang) and exits 1;
 - an API server exits: the core aborts its requests and frees their blocks;
-  the others go on serving (the kernel stops routing connections to a closed
-  socket). With none left, the core is stopped and the supervisor exits 1;
+  the others go on accepting on the shared socket. With none left, the core
+  is stopped and the supervisor exits 1;
 - SIGTERM or SIGINT: each API server is sent SIGTERM (it drains, then exits
   0); then the core is stopped; exit 0 if every child exited 0. A second
   signal is passed on too (the API servers then stop at once).
@@ -59,7 +60,7 @@ from trio_llm.actors.wire import open_wire_channel
 from trio_llm.api.engine import Engine, created_executor
 from trio_llm.api.metrics import MULTIPROCESS_DIR_VARIABLE
 from trio_llm.api.server import ServerConfig
-from trio_llm.api.serving import LISTEN_BACKLOG, receiving_stop_signals, serve, stop_on_signals
+from trio_llm.api.serving import receiving_stop_signals, serve, stop_on_signals
 
 logger = logging.getLogger(__name__)
 
@@ -146,19 +147,20 @@ class _Child:
         self.exited.set()
 
 
-def run_served(engine_config: EngineConfig, server_config: ServerConfig, *,
-               num_api_servers: int) -> int:
-    """`trio-llm serve --api-server-count N`: 0 after a graceful stop, 1 otherwise."""
-    return trio.run(_supervise, engine_config, server_config, num_api_servers)
+def run_served(engine_config: EngineConfig, server_config: ServerConfig,
+               listener: socket.socket, *, num_api_servers: int) -> int:
+    """`trio-llm serve --api-server-count N` on ``listener`` (the socket every API
+    server accepts on): 0 after a graceful stop, 1 otherwise."""
+    return trio.run(_supervise, engine_config, server_config, listener, num_api_servers)
 
 
 async def _supervise(engine_config: EngineConfig, server_config: ServerConfig,
-                     num_api_servers: int) -> int:
-    listeners = _listening_sockets(server_config.host, server_config.port, num_api_servers)
-    pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM) for _ in listeners]
+                     listener: socket.socket, num_api_servers: int) -> int:
+    pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+             for _ in range(num_api_servers)]
     lifeline_read, lifeline_write = os.pipe()  # see the module docstring
     metrics_dir = tempfile.mkdtemp(prefix="trio-llm-metrics-")
-    port = listeners[0].getsockname()[1]
+    port = listener.getsockname()[1]
     logger.info("engine core and %d API servers for port %d", num_api_servers, port)
     stopping = False
     try:
@@ -167,9 +169,8 @@ async def _supervise(engine_config: EngineConfig, server_config: ServerConfig,
             api_servers = [await _start_api_server(index, engine_config, server_config,
                                                    front_end, listener, metrics_dir,
                                                    lifeline_read)
-                           for index, ((_, front_end), listener)
-                           in enumerate(zip(pairs, listeners, strict=True))]
-            for sock in [*listeners, *(end for pair in pairs for end in pair)]:
+                           for index, (_, front_end) in enumerate(pairs)]
+            for sock in [listener, *(end for pair in pairs for end in pair)]:
                 sock.close()  # the children hold them now; a dead child's must really close
             os.close(lifeline_read)
             async with trio.open_nursery() as nursery:
@@ -234,23 +235,6 @@ async def _report_exit(child: _Child) -> None:
     code = child.process.returncode
     if code != 0:
         logger.error("%s exited with %s", child.name, code)
-
-
-def _listening_sockets(host: str, port: int, count: int) -> list[socket.socket]:
-    """``count`` sockets listening on one port (SO_REUSEPORT): the kernel hashes
-    each new connection to one of them. Port 0 picks a free port for all."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sockets = []
-    for _ in range(count):
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # accepted sockets inherit it
-        sock.bind((host, port))
-        port = sock.getsockname()[1]
-        sock.listen(LISTEN_BACKLOG)
-        sockets.append(sock)
-    return sockets
 
 
 async def _start_core(engine_config: EngineConfig, core_ends: list[socket.socket]) -> _Child:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import AbstractAsyncContextManager, contextmanager
@@ -111,6 +112,36 @@ def exit_unless_stopped_within(seconds: float) -> None:
     timer = threading.Timer(seconds, exit_now)
     timer.daemon = True
     timer.start()
+
+
+# -- the listening socket and start-up faults ---------------------------------------------
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The one socket every API server of this server accepts on, bound before the
+    engine starts, so that a busy port fails at once. No SO_REUSEPORT: no other
+    process may take a share of this port's connections. Port 0 picks a free port."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        # a port held only by connections of a server that has gone (TIME_WAIT) is free
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # accepted sockets inherit it
+        sock.bind((host, port))
+        sock.listen(LISTEN_BACKLOG)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def fault_line(error: BaseException) -> str:
+    """A fault as one line: the first error inside exception groups (trio's
+    nurseries wrap them), without the cancellations it caused."""
+    while isinstance(error, BaseExceptionGroup):
+        leaves = [leaf for leaf in error.exceptions if not isinstance(leaf, trio.Cancelled)]
+        error = (leaves or list(error.exceptions))[0]
+    return f"{type(error).__name__}: {error}"
 
 
 # -- Hypercorn ------------------------------------------------------------------------
