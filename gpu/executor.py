@@ -33,9 +33,9 @@ from trio_llm.actors.messages import (
     StepResult,
 )
 from trio_llm.gpu.builtin import is_dummy_only, resolve_model
-from trio_llm.gpu.config import ModelConfig, ModelLoadError
 from trio_llm.gpu.loader import load_model, resolve_device, resolve_dtype
-from trio_llm.gpu.model import AttentionMetadata, CausalLM
+from trio_llm.gpu.models import ModelConfig, ModelLoadError, read_model_config
+from trio_llm.gpu.models.base import AttentionMetadata, CausalLM
 from trio_llm.gpu.penalties import PenaltyCounts
 from trio_llm.gpu.sampler import (
     PromptLogprobRows,
@@ -137,7 +137,7 @@ class ModelExecutor:
     def describe(cls, config: EngineConfig) -> ModelDescription:
         """Resolve the model and read its config.json; loads no weights."""
         model_path = resolve_model(config.model, config.revision)
-        model_config = ModelConfig.from_dir(model_path)
+        model_config = read_model_config(model_path)
         max_model_len = config.max_model_len or model_config.max_position_embeddings
         return ModelDescription(model_path=model_path, model_config=model_config,
                                 max_model_len=max_model_len)
@@ -327,14 +327,16 @@ def configure_cpu_threads() -> int:
 
 
 def _fuse_cpu_model(model: CausalLM) -> None:
-    """Run a float32 model through gpu/cpu_layers.py's kernels (compiled now, not in the
-    first step), where their shapes allow: a step in parts on ``cpu_forward_threads()``
-    threads, each part's ops on its own thread (torch's intra-op threads: 1)."""
-    from trio_llm.gpu import cpu_layers
+    """Run a float32 model through gpu/kernels/cpu_layers.py's kernels (gpu/models/cpu_fused.py;
+    compiled now, not in the first step), where their shapes allow: a step in parts on
+    ``cpu_forward_threads()`` threads, each part's ops on its own thread (torch's intra-op
+    threads: 1)."""
+    from trio_llm.gpu.kernels import cpu_layers
+    from trio_llm.gpu.models import cpu_fused
 
-    if cpu_layers.can_fuse(model):
+    if cpu_fused.can_fuse(model):
         cpu_layers.warm_up()
-        cpu_layers.fuse_model(model, num_parts=cpu_forward_threads())
+        cpu_fused.fuse_model(model, num_parts=cpu_forward_threads())
         torch.set_num_threads(1)
 
 
