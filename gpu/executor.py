@@ -19,7 +19,6 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -45,9 +44,6 @@ from trio_llm.gpu.sampler import (
     sample,
 )
 from trio_llm.gpu.tensor_parallel import TensorParallel
-
-if TYPE_CHECKING:
-    from trio_llm.gpu.tp_executor import TensorParallelExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -286,29 +282,6 @@ class ModelExecutor:
         )
         return self.model(tensor(inputs.token_ids), tensor(inputs.positions),
                           self.kv_caches, metadata)
-
-
-def create_executor(config: EngineConfig) -> ModelExecutor | TensorParallelExecutor:
-    """The executor for ``config``: with ``tensor_parallel_size`` > 1 one that drives a
-    worker process per rank (gpu/tp_executor.py); else the pipelined CUDA executor where
-    the model runs on CUDA (gpu/cuda_executor.py, imported only then), or this one."""
-    if config.tensor_parallel_size > 1:
-        from trio_llm.gpu.tp_executor import TensorParallelExecutor
-
-        return TensorParallelExecutor.create(config)
-    return create_rank_executor(config)
-
-
-def create_rank_executor(config: EngineConfig, *, parallel: TensorParallel | None = None,
-                         device: torch.device | None = None) -> ModelExecutor:
-    """The executor of one model (or of one rank's shard): CUDA's where ``device``
-    (default: the config's) is a GPU, else this one."""
-    device = device or resolve_device(config.device)
-    if device.type == "cuda":
-        from trio_llm.gpu.cuda_executor import CudaModelExecutor
-
-        return CudaModelExecutor.create(config, parallel=parallel, device=device)
-    return ModelExecutor.create(config, parallel=parallel, device=device)
 
 
 def configure_cpu_threads() -> int:
