@@ -27,7 +27,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 import msgspec
 import trio
@@ -38,7 +38,6 @@ from trio_llm.actors.errors import EngineError, RequestRejected
 from trio_llm.actors.generation_defaults import GenerationDefaults
 from trio_llm.actors.messages import RequestOutput, SamplingParams, TokenLogprobs
 from trio_llm.api import protocol
-from trio_llm.api import server as http
 from trio_llm.api.reasoning_parsers import THINK_END
 from trio_llm.api.responses_protocol import (
     LOGPROBS_INCLUDE,
@@ -62,6 +61,7 @@ from trio_llm.api.responses_protocol import (
     chat_translation,
     wants_logprobs,
 )
+from trio_llm.api.streaming import closing, event_stream, observe
 from trio_llm.api.tool_calls import (
     ChatOutputParser,
     ParsedOutput,
@@ -74,12 +74,42 @@ from trio_llm.api.tool_calls import (
 if TYPE_CHECKING:
     from quart_trio import QuartTrio
 
-    from trio_llm.api.metrics import RequestTimer
+    from trio_llm.api.engine import Engine
+    from trio_llm.api.metrics import RequestTimer, ServerMetrics
+    from trio_llm.api.request_fields import Refusal
+
+BodyT = TypeVar("BodyT")
+ResultT = TypeVar("ResultT")
 
 RESPONSES_PATH = "/v1/responses"
 
 
-def register_routes(app: QuartTrio, api: http.OpenAIServer) -> None:
+class Handlers(Protocol):
+    """What this module uses of the app's handlers (api/server.py's OpenAIServer,
+    which registers these routes: a Protocol, so that this module does not
+    import it back)."""
+
+    engine: Engine
+    model_name: str
+    tool_options: ToolServingOptions
+    metrics: ServerMetrics
+
+    async def _decoded_body(self, kind: type[BodyT],
+                            refused: dict[str, Refusal] | None = None) -> BodyT: ...
+
+    def _check_model(self, model: str | None) -> None: ...
+
+    async def _converted(self, convert: Callable[[BodyT], ResultT], body: BodyT) -> ResultT: ...
+
+    def _logged(self, timer: RequestTimer, route: str, request_id: str
+                ) -> AbstractContextManager[None]: ...
+
+    def _token_text(self, token_id: int) -> str: ...
+
+    def _json(self, body: msgspec.Struct, *, status: int = 200) -> Response: ...
+
+
+def register_routes(app: QuartTrio, api: Handlers) -> None:
     """Serve POST /v1/responses from ``app``, with ``api``'s engine and settings."""
     async def create_response() -> Response:
         return await respond(api)
@@ -127,7 +157,7 @@ def engine_request(body: ResponsesRequest, *, options: ToolServingOptions,
                          messages=translation.messages(), params=params)
 
 
-async def respond(api: http.OpenAIServer) -> Response:
+async def respond(api: Handlers) -> Response:
     body = await api._decoded_body(ResponsesRequest, REFUSED_RESPONSES_FIELDS)
     api._check_model(body.model)
     prepared = await api._converted(partial(
@@ -155,12 +185,12 @@ async def respond(api: http.OpenAIServer) -> Response:
     log_line = partial(api._logged, timer, f"POST {request.path}", response_id)
     if not body.stream:
         with log_line():
-            async with http.closing(outputs):
+            async with closing(outputs):
                 async for output in outputs:
-                    http._observe(timer, output)
+                    observe(timer, output)
                     builder.add(output)
         return api._json(builder.response())
-    return await http._event_stream(_events(outputs, builder, timer, log_line))
+    return await event_stream(_events(outputs, builder, timer, log_line))
 
 
 def _template(response_id: str, model: str, body: ResponsesRequest,
@@ -186,13 +216,13 @@ async def _events(outputs: AsyncIterator[RequestOutput], builder: ResponseBuilde
     (so a refused request gets its HTTP status), and however it ends, ``closing``
     ends the engine request."""
     with log_line():
-        async with http.closing(outputs):
+        async with closing(outputs):
             output = await anext(outputs)
             for event in builder.start():
                 yield _sse(event)
             try:
                 while True:
-                    http._observe(timer, output)
+                    observe(timer, output)
                     for event in builder.feed(output):
                         yield _sse(event)
                     if output.finished:
@@ -202,7 +232,7 @@ async def _events(outputs: AsyncIterator[RequestOutput], builder: ResponseBuilde
                 pass  # ended without a last output: nothing more to say
             except EngineError as error:
                 timer.summary = f"failed in the stream: {error}"
-                yield _sse(builder.failed(http._error_info(error)[1]))
+                yield _sse(builder.failed(str(error) or type(error).__name__))
 
 
 def _sse(event: dict[str, Any]) -> bytes:
