@@ -163,14 +163,8 @@ async def respond(api: Handlers) -> Response:
     prepared = await api._converted(partial(
         engine_request, options=api.tool_options,
         defaults=api.engine.generation_defaults), body)
-    reasoning = reasoning_parser_for(api.tool_options)
-    parser = (ChatOutputParser(reasoning=reasoning, tools=prepared.tool_plan.parser,
-                               max_calls=prepared.tool_plan.max_calls)
-              if reasoning is not None or prepared.tool_plan.parser is not None else None)
-    if parser is not None and wants_logprobs(body):
-        # a token's text may land in reasoning or a call rather than the message
-        raise RequestRejected(f"include {LOGPROBS_INCLUDE!r} is not supported with a "
-                              "reasoning parser or tool calls", param="include")
+    parser = _output_parser(api.tool_options, prepared.tool_plan,
+                            returns_logprobs=wants_logprobs(body))
     response_id = f"resp_{uuid.uuid4().hex}"
     chat = prepared.translation.request
     outputs = api.engine.chat(prepared.messages, prepared.params, priority=chat.priority,
@@ -191,6 +185,20 @@ async def respond(api: Handlers) -> Response:
                     builder.add(output)
         return api._json(builder.response())
     return await event_stream(_events(outputs, builder, timer, log_line))
+
+
+def _output_parser(options: ToolServingOptions, tool_plan: ToolPlan, *,
+                   returns_logprobs: bool) -> ChatOutputParser | None:
+    """The chat endpoint's parser of the output (reasoning, then tool calls), if any."""
+    reasoning = reasoning_parser_for(options)
+    if reasoning is None and tool_plan.parser is None:
+        return None
+    if returns_logprobs:
+        # a token's text may land in reasoning or a call rather than the message
+        raise RequestRejected(f"include {LOGPROBS_INCLUDE!r} is not supported with a "
+                              "reasoning parser or tool calls", param="include")
+    return ChatOutputParser(reasoning=reasoning, tools=tool_plan.parser,
+                            max_calls=tool_plan.max_calls)
 
 
 def _template(response_id: str, model: str, body: ResponsesRequest,
