@@ -172,6 +172,7 @@ def register_routes(app: QuartTrio, api: OpenAIServer) -> None:
         ("/v1/completions", api.completions, "POST"),
         ("/v1/chat/completions", api.chat_completions, "POST"),
         ("/v1/models", api.models, "GET"),
+        ("/v1/models/<path:model_id>", api.model, "GET"),
         ("/health", api.health, "GET"),
         ("/metrics", api.metrics_text, "GET"),
         ("/tokenize", api.tokenize, "POST"),
@@ -473,11 +474,18 @@ class OpenAIServer:
     # -- the rest of the API ------------------------------------------------------
 
     async def models(self) -> Response:
-        card = protocol.ModelCard(id=self.model_name, created=self.created,
+        return self._json(protocol.ModelList(data=[self._model_card()]))
+
+    async def model(self, model_id: str) -> Response:
+        """One model's card (the openai SDK's ``models.retrieve``); 404 for another."""
+        self._check_model(model_id)
+        return self._json(self._model_card())
+
+    def _model_card(self) -> protocol.ModelCard:
+        return protocol.ModelCard(id=self.model_name, created=self.created,
                                   root=self.engine.config.model,
                                   max_model_len=self.engine.max_model_len,
                                   vocab_size=self.engine.tokenizer.vocab_size)
-        return self._json(protocol.ModelList(data=[card]))
 
     async def health(self) -> Response:
         if self.engine.is_healthy:
