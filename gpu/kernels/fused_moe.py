@@ -95,7 +95,7 @@ MoeConfig = GroupedConfig | RowwiseConfig
 # every larger count. Guesses from the shapes of qwen3-30b-a3b (H=2048, E=128,
 # top-8, I=768) until benchmarks/moe_kernel_bench.py --tune replaces them.
 CONFIGS: tuple[tuple[int, MoeConfig], ...] = (
-    (2, RowwiseConfig(GemmConfig(16, 256, 4, 3), GemmConfig(16, 256, 4, 3))),
+    (2, RowwiseConfig(GemmConfig(16, 256, 4, 3), GemmConfig(8, 256, 4, 4))),
     (32, GroupedConfig(16, 1, GemmConfig(32, 128, 4, 4), GemmConfig(64, 128, 4, 4))),
     (128, GroupedConfig(16, 1, GemmConfig(64, 128, 4, 4), GemmConfig(128, 128, 4, 3))),
     (512, GroupedConfig(32, 8, GemmConfig(64, 128, 4, 4), GemmConfig(128, 64, 4, 4))),
@@ -332,25 +332,20 @@ def _down_kernel(activation_ptr, w2_ptr, out_ptr, topk_weights_ptr, sorted_rows_
 
 
 @triton.jit
-def _row_dot(x_ptr, weight_ptrs, ROWS: tl.constexpr, DEPTH: tl.constexpr,
-             BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """The float32 products of one activation row ``x`` [DEPTH] with the weight rows
-    whose starts ``weight_ptrs`` [ROWS] point to."""
-    depth = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([ROWS], dtype=tl.float32)
-    # num_stages on the loop: without a tl.dot the pipeliner prefetches only when asked.
-    for start in tl.range(0, DEPTH, BLOCK_K, num_stages=NUM_STAGES):
-        if DEPTH % BLOCK_K == 0:
-            x = tl.load(x_ptr + start + depth)
-            w = tl.load(weight_ptrs[:, None] + start + depth[None, :],
-                        eviction_policy="evict_first")
-        else:
-            depth_mask = start + depth < DEPTH
-            x = tl.load(x_ptr + start + depth, mask=depth_mask, other=0.0)
-            w = tl.load(weight_ptrs[:, None] + start + depth[None, :],
-                        mask=depth_mask[None, :], other=0.0, eviction_policy="evict_first")
-        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], 1)
-    return acc
+def _row_products(x_ptr, weight_ptrs, start, DEPTH: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One reduction step of a GEMV: the float32 products of ``x[start:start + BLOCK_K]``
+    with the same columns of the weight rows that ``weight_ptrs`` point to, summed."""
+    depth = start + tl.arange(0, BLOCK_K)
+    if DEPTH % BLOCK_K == 0:
+        x = tl.load(x_ptr + depth)
+        # Each weight is read once: let it leave the caches first.
+        w = tl.load(weight_ptrs[:, None] + depth[None, :], eviction_policy="evict_first")
+    else:
+        depth_mask = depth < DEPTH
+        x = tl.load(x_ptr + depth, mask=depth_mask, other=0.0)
+        w = tl.load(weight_ptrs[:, None] + depth[None, :], mask=depth_mask[None, :], other=0.0,
+                    eviction_policy="evict_first")
+    return tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], 1)
 
 
 @triton.jit
@@ -367,9 +362,13 @@ def _rowwise_gate_up_kernel(hidden_ptr, w13_ptr, activation_ptr, topk_ids_ptr,
     columns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     weight_rows = tl.minimum(columns, INTERMEDIATE - 1).to(tl.int64)
     gate_ptrs = w13_ptr + expert * w13_expert_stride + weight_rows * w13_row_stride
-    gate = _row_dot(x_ptr, gate_ptrs, BLOCK_N, HIDDEN, BLOCK_K, NUM_STAGES)
-    up = _row_dot(x_ptr, gate_ptrs + INTERMEDIATE * w13_row_stride, BLOCK_N, HIDDEN, BLOCK_K,
-                  NUM_STAGES)
+    up_ptrs = gate_ptrs + INTERMEDIATE * w13_row_stride
+    gate = tl.zeros([BLOCK_N], dtype=tl.float32)
+    up = tl.zeros([BLOCK_N], dtype=tl.float32)
+    # num_stages on the loop: without a tl.dot the pipeliner prefetches only when asked.
+    for start in tl.range(0, HIDDEN, BLOCK_K, num_stages=NUM_STAGES):
+        gate += _row_products(x_ptr, gate_ptrs, start, HIDDEN, BLOCK_K)
+        up += _row_products(x_ptr, up_ptrs, start, HIDDEN, BLOCK_K)
     activated = gate * tl.sigmoid(gate) * up
     tl.store(activation_ptr + row.to(tl.int64) * INTERMEDIATE + columns,
              activated.to(activation_ptr.dtype.element_ty), mask=columns < INTERMEDIATE)
@@ -382,17 +381,20 @@ def _rowwise_down_kernel(activation_ptr, w2_ptr, out_ptr, topk_weights_ptr, topk
                          INTERMEDIATE: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
     """out[token, n] = sum over the token's slots of weight * (activation[row] . down_e[n]),
-    summed in float32 in slot order, for BLOCK_N hidden columns n."""
+    summed in float32, for BLOCK_N hidden columns n."""
     token = tl.program_id(0).to(tl.int64)
     columns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     weight_rows = tl.minimum(columns, HIDDEN - 1).to(tl.int64)
+    STEPS_PER_SLOT: tl.constexpr = (INTERMEDIATE + BLOCK_K - 1) // BLOCK_K
     total = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for slot in range(TOP_K):
-        row = token * TOP_K + slot
+    # One loop over every slot's reduction steps, so that the prefetch runs across
+    # slots instead of draining at each.
+    for step in tl.range(0, TOP_K * STEPS_PER_SLOT, num_stages=NUM_STAGES):
+        row = token * TOP_K + step // STEPS_PER_SLOT
         expert = tl.load(topk_ids_ptr + row).to(tl.int64)
         down_ptrs = w2_ptr + expert * w2_expert_stride + weight_rows * w2_row_stride
-        products = _row_dot(activation_ptr + row * INTERMEDIATE, down_ptrs, BLOCK_N,
-                            INTERMEDIATE, BLOCK_K, NUM_STAGES)
+        products = _row_products(activation_ptr + row * INTERMEDIATE, down_ptrs,
+                                 (step % STEPS_PER_SLOT) * BLOCK_K, INTERMEDIATE, BLOCK_K)
         total += products * tl.load(topk_weights_ptr + row).to(tl.float32)
     tl.store(out_ptr + token * HIDDEN + columns, total.to(out_ptr.dtype.element_ty),
              mask=columns < HIDDEN)
