@@ -170,7 +170,7 @@ def test_alignment_places_every_row_once_and_marks_the_padding(routing, num_expe
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens", [1, 64, 300])
+@pytest.mark.parametrize("num_tokens", [1, 64, 300, 2000])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_qwen3_moe_shapes_with_the_table_configurations(num_tokens, dtype):
     # qwen3-30b-a3b's layer: 128 experts, top-8, hidden 2048, intermediate 768.
@@ -181,8 +181,10 @@ def test_qwen3_moe_shapes_with_the_table_configurations(num_tokens, dtype):
 
 
 @pytest.mark.gpu
-def test_fused_moe_is_captured_in_a_cuda_graph():
-    layer = random_layer(7, 8, 2, seed=5)
+@pytest.mark.parametrize("num_tokens", [1, 7, 2000],
+                         ids=["rowwise", "grouped-one-launch-alignment", "grouped-two-launch"])
+def test_fused_moe_is_captured_in_a_cuda_graph(num_tokens):
+    layer = random_layer(num_tokens, 8, 2, seed=5)
     expected = fused_moe(*layer)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -191,6 +193,6 @@ def test_fused_moe_is_captured_in_a_cuda_graph():
     graph.replay()
     assert torch.equal(captured, expected)
     x, w13, w2, weights, ids = layer
-    ids.copy_(ids.flip(0))
+    ids.copy_((ids + 1) % 8)
     graph.replay()
     assert relative_error(captured, fused_moe_reference(x, w13, w2, weights, ids)) < TOLERANCE
