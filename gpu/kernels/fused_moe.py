@@ -97,10 +97,10 @@ MoeConfig = GroupedConfig | RowwiseConfig
 CONFIGS: tuple[tuple[int, MoeConfig], ...] = (
     (2, RowwiseConfig(GemmConfig(16, 256, 4, 3), GemmConfig(8, 256, 4, 4))),
     (32, GroupedConfig(16, 1, GemmConfig(32, 128, 4, 4), GemmConfig(64, 128, 4, 4))),
-    (128, GroupedConfig(16, 1, GemmConfig(64, 128, 4, 4), GemmConfig(128, 128, 4, 3))),
-    (512, GroupedConfig(32, 8, GemmConfig(64, 128, 4, 4), GemmConfig(128, 64, 4, 4))),
-    (2048, GroupedConfig(64, 8, GemmConfig(64, 64, 4, 4), GemmConfig(128, 64, 4, 4))),
-    (1 << 62, GroupedConfig(64, 8, GemmConfig(128, 64, 8, 4), GemmConfig(128, 64, 8, 4))),
+    (128, GroupedConfig(16, 1, GemmConfig(64, 128, 4, 3), GemmConfig(128, 128, 4, 3))),
+    (512, GroupedConfig(32, 8, GemmConfig(64, 128, 4, 3), GemmConfig(128, 128, 4, 3))),
+    (1536, GroupedConfig(64, 8, GemmConfig(64, 64, 4, 3), GemmConfig(128, 64, 4, 3))),
+    (1 << 62, GroupedConfig(128, 8, GemmConfig(128, 64, 8, 4), GemmConfig(256, 64, 8, 4))),
 )
 
 
