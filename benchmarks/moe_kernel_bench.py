@@ -37,6 +37,7 @@ import json
 import os
 import statistics
 import sys
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -410,9 +411,12 @@ def main() -> None:
     for model in models:
         records = []
         for num_tokens in args.tokens:
+            started = time.monotonic()
             try:
                 records.append((tune_size if args.tune else bench_size)(
                     SHAPES[model], num_tokens, args))
+                print(f"{model} at {num_tokens} tokens: {time.monotonic() - started:.0f} s",
+                      flush=True)
             except Exception as error:  # one size failing must not hide the others
                 traceback.print_exc()
                 records.append({"tokens": num_tokens,

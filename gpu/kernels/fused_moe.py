@@ -245,7 +245,7 @@ def _block_rows(sorted_rows_ptr, block_experts_ptr, pid_m, BLOCK_M: tl.constexpr
     return rows, expert
 
 
-@triton.jit(do_not_specialize=["num_rows", "num_m_blocks"])
+@triton.jit(do_not_specialize=["num_rows", "num_m_blocks", "group_m"])
 def _gate_up_kernel(hidden_ptr, w13_ptr, activation_ptr, sorted_rows_ptr, block_experts_ptr,
                     num_padded_ptr, num_rows, num_m_blocks, group_m, hidden_row_stride,
                     w13_expert_stride, w13_row_stride,
@@ -292,7 +292,7 @@ def _gate_up_kernel(hidden_ptr, w13_ptr, activation_ptr, sorted_rows_ptr, block_
              mask=row_mask[:, None] & (columns < INTERMEDIATE)[None, :])
 
 
-@triton.jit(do_not_specialize=["num_rows", "num_m_blocks"])
+@triton.jit(do_not_specialize=["num_rows", "num_m_blocks", "group_m"])
 def _down_kernel(activation_ptr, w2_ptr, out_ptr, topk_weights_ptr, sorted_rows_ptr,
                  block_experts_ptr, num_padded_ptr, num_rows, num_m_blocks, group_m,
                  w2_expert_stride, w2_row_stride,
