@@ -24,9 +24,14 @@ row); GB/s counts the bytes of the experts actually routed to (each read
 once; for ``dense`` its own weights, ``top_k`` experts' worth) plus the hidden
 states in and out.
 
-``--tune`` times each GEMM separately for every candidate tile at each token
-count and BLOCK_M, and prints the best configurations as lines to paste into
-``CONFIGS`` in gpu/kernels/fused_moe.py.
+``--tune`` replays CUDA graphs of each grouped GEMM alone for every candidate
+tile at each token count, BLOCK_M and group size (adding the alignment and the
+top-k sum, the path's other launches), and of the row-wise path up to
+``ROWWISE_MAX_TOKENS`` tokens; it prints the fastest as lines to paste into
+``CONFIGS`` in gpu/kernels/fused_moe.py. Each new tile compiles once (about a
+second), so a sweep of every size can outlast one 10-minute device call: run
+``--tune --tokens 1 64`` and ``--tune --tokens 256 8192`` separately (Triton's
+cache keeps the first call's kernels for the second).
 """
 
 from __future__ import annotations
