@@ -104,6 +104,12 @@ def test_hidden_states_with_a_row_stride(config):
     check_against_reference((wide[:, :HIDDEN], w13, w2, weights, ids), config)
 
 
+@PATHS
+def test_int64_expert_ids_as_torch_topk_gives_them(config):
+    x, w13, w2, weights, ids = random_layer(3, 4, 2, seed=7)
+    check_against_reference((x, w13, w2, weights, ids.long()), config)
+
+
 def test_the_table_configurations_match_the_reference():
     # The table's own blocks (BLOCK_M 16 to 64, deep reductions, both paths) on a
     # layer whose dimensions are no multiple of them.
