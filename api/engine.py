@@ -522,9 +522,9 @@ async def created_executor(config: EngineConfig, executor: LoadedExecutor | None
 
 
 def create_executor(config: EngineConfig) -> ModelExecutor | TensorParallelExecutor:
-    """The model executor for ``config`` (trio_llm.gpu.executor). Imported on
+    """The model executor for ``config`` (trio_llm.gpu.factory). Imported on
     use: an API server of the served layout never loads a model, and so never
     imports torch."""
-    from trio_llm.gpu.executor import create_executor as create
+    from trio_llm.gpu.factory import create_executor as create
 
     return create(config)
