@@ -184,14 +184,14 @@ def check_model(config: EngineConfig) -> None:
     not a model, an architecture trio-llm does not run, a --max-model-len beyond
     the model's positions, --device cuda without a GPU."""
     from trio_llm.gpu.builtin import resolve_model
-    from trio_llm.gpu.config import ModelConfig, ModelLoadError
+    from trio_llm.gpu.models import ModelLoadError, read_model_config
 
     try:
         directory = resolve_model(config.model, config.revision)
     except ValueError as error:
         raise SystemExit(f"trio-llm: {error}") from None
     try:
-        model_config = ModelConfig.from_dir(directory)
+        model_config = read_model_config(directory)
     except ModelLoadError as error:
         raise SystemExit(f"trio-llm: --model {config.model} is not a model trio-llm can "
                          f"run: {error}; give a model directory, a built-in name or a "
