@@ -184,8 +184,7 @@ def check_model(config: EngineConfig) -> None:
     not a model, an architecture trio-llm does not run, a --max-model-len beyond
     the model's positions, --device cuda without a GPU."""
     from trio_llm.gpu.builtin import resolve_model
-    from trio_llm.gpu.errors import ModelLoadError
-    from trio_llm.gpu.models import read_model_config
+    from trio_llm.gpu.models import ModelLoadError, read_model_config
 
     try:
         directory = resolve_model(config.model, config.revision)
