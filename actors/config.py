@@ -64,3 +64,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     # Seats one request's choices (n, best_of, batched prompts) may hold at once,
     # as a share of max_num_seqs (at least one seat); 1.0: no bound of its own.
     max_seq_share: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.5
+
+    @property
+    def max_group_seats(self) -> int:
+        """Seats the requests of one group may hold at once: ``max_seq_share`` of them."""
+        return max(1, int(self.max_num_seqs * self.max_seq_share))

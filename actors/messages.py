@@ -207,13 +207,12 @@ class Pull(msgspec.Struct, frozen=True, kw_only=True, tag=True):
 
     With ``wait`` the queue answers only once at least one request is waiting
     (the scheduler is idle); otherwise it answers at once, possibly empty.
-    ``group_seats``: how many more requests of each group (Request.group_id) may
-    start now; a group not named may start up to ``max_group_seats``.
+    ``group_seats``: how many more requests of each group (Request.group_id) with
+    requests running may start now (a group not named: its whole share).
     """
 
     max_requests: int
     wait: bool
-    max_group_seats: int | None = None
     group_seats: dict[str, int] = {}
 
 

@@ -81,6 +81,8 @@ class WaitingQueue:
         self.max_waiting_requests = config.max_waiting_requests
         self._orders_by_priority = config.scheduling_policy == "priority"
         self.grammars = grammars
+        # seats the requests of one group may hold (the scheduler's rule, its count)
+        self.max_group_seats = config.max_group_seats
         # Heap entries are (priority or 0, arrival_index, request_id); an entry
         # is stale once its request left the waiting set (it is skipped on pop).
         self._heap: list[tuple[int, int, str]] = []
@@ -134,14 +136,13 @@ class WaitingQueue:
         best: list[WaitingRequest] = []
         passed_over: list[tuple[int, int, str]] = []
         seats_left = dict(pull.group_seats) if pull is not None else {}
-        max_group_seats = pull.max_group_seats if pull is not None else None
         while self._heap and len(best) < max_requests:
             entry = heapq.heappop(self._heap)
             if not self._is_live(entry):
                 continue
             group_id = self._waiting[entry[2]].request.group_id
-            if group_id is not None and max_group_seats is not None:
-                seats = seats_left.get(group_id, max_group_seats)
+            if group_id is not None:
+                seats = seats_left.get(group_id, self.max_group_seats)
                 if seats <= 0:
                     passed_over.append(entry)
                     continue

@@ -351,7 +351,7 @@ class Scheduler:
         self._bitmasks_follow: dict[int, list[RunningRequest]] = {}
         # group id -> its running requests (only groups with some)
         self._num_running_by_group: dict[str, int] = {}
-        self.max_group_seats = max(1, int(config.max_num_seqs * config.max_seq_share))
+        self.max_group_seats = config.max_group_seats
         # the compiled grammars of this step's pulled requests (held: none can be evicted)
         self._compiled_grammars: dict[str, Any] = {}
         self.num_preemptions = 0
@@ -404,7 +404,6 @@ class Scheduler:
         if num_admissible <= 0:
             return None
         return Pull(max_requests=num_admissible, wait=is_idle,
-                    max_group_seats=self.max_group_seats,
                     group_seats={group_id: self.max_group_seats - num_running
                                  for group_id, num_running in self._num_running_by_group.items()})
 
