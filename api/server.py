@@ -73,6 +73,7 @@ from trio_llm.actors.messages import RequestOutput, SamplingParams, StructuredOu
 from trio_llm.api import protocol, request_fields
 from trio_llm.api.choices import ChoiceOutputs, ChoicePlan, combined_chat, combined_completion
 from trio_llm.api.connections import CompletedResponseGuard
+from trio_llm.api.framing import StrictFraming, strictly_framed
 from trio_llm.api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from trio_llm.api.metrics import RequestTimer, ServerMetrics
 from trio_llm.api.openapi import openapi_document
@@ -807,7 +808,8 @@ async def serve_app(engine: Engine, config: ServerConfig, *,
         guard = CompletedResponseGuard(app)
         guarded_app = RootPath(guard, config.root_path) if config.root_path else guard
         binds = await nursery.start(partial(
-            _serve_then_cancel, guarded_app, hypercorn_config(config, listen_fd=listen_fd),
+            _serve_then_cancel, strictly_framed(guarded_app),
+            hypercorn_config(config, listen_fd=listen_fd),
             stop, nursery.cancel_scope))
         url = binds[0]
         if not config.disable_log_stats:
@@ -839,7 +841,7 @@ class RootPath:
         await self.app(scope, receive, send)
 
 
-async def _serve_then_cancel(app: CompletedResponseGuard | RootPath, config: HypercornConfig,
+async def _serve_then_cancel(app: StrictFraming, config: HypercornConfig,
                              stop: trio.Event, scope: trio.CancelScope, *,
                              task_status: trio.TaskStatus[list[str]]) -> None:
     """Hypercorn until it stops, then the tasks beside it (the stats line)."""
