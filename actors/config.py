@@ -64,6 +64,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     # Seats one request's choices (n, best_of, batched prompts) may hold at once,
     # as a share of max_num_seqs (at least one seat); 1.0: no bound of its own.
     max_seq_share: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.5
+    # Generations one HTTP request may ask for (prompts times max(n, best_of)); ours,
+    # vLLM bounds neither.
+    max_request_choices: PositiveInt = 256
 
     @property
     def max_group_seats(self) -> int:

@@ -67,15 +67,20 @@ def check_constraint(params: StructuredOutputsParams, limits: ConstraintLimits) 
         return _SchemaWalk(limits).check(params.json)
     if params.regex is not None:
         _check_bytes(len(params.regex.encode()), "the regex", limits)
-        return _check_repeat(regex_repeat(params.regex), "the regex", limits)
+        # an alternation compiles like a list of choices (a bound from above: a
+        # "|" escaped or in a class counts too)
+        _check_alternatives(params.regex.count("|") + 1, "the regex", limits)
+        return _check_repeat(regex_repeat(params.regex), "the regex", limits) + (
+            params.regex.count("|"))
     if params.choice is not None:
         _check_bytes(sum(len(choice.encode()) for choice in params.choice), "the choices", limits)
         _check_alternatives(len(params.choice), "the choices", limits)
         return len(params.choice)
     if params.grammar is not None:
         _check_bytes(len(params.grammar.encode()), "the grammar", limits)
+        _check_alternatives(params.grammar.count("|") + 1, "the grammar", limits)
         return _check_repeat(regex_repeat(params.grammar), "the grammar", limits) + (
-            params.grammar.count("::="))
+            params.grammar.count("::=") + params.grammar.count("|"))
     return 1  # json_object: one builtin grammar
 
 

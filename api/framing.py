@@ -80,7 +80,7 @@ def refuse_obsolete_line_folding() -> None:
     """Make h11 refuse obs-fold in the headers it reads (see the module docstring).
     h11 reports it as a RemoteProtocolError, which Hypercorn answers with 400 and
     closes the connection. Idempotent."""
-    h11_readers._obsolete_line_fold = _unfolded_lines  # type: ignore[assignment]
+    h11_readers._obsolete_line_fold = _unfolded_lines
 
 
 def strictly_framed(app: Any) -> StrictFraming:
