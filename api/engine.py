@@ -228,7 +228,8 @@ class Engine:
         (the template arguments as in ``chat``)."""
         base_id = request_id or self._new_request_id()
         submits = [Submit(request_id=f"{base_id}-{index}", group_id=base_id,
-                          messages=messages, tools=tools, documents=documents, chat_template_kwargs=chat_template_kwargs,
+                          messages=messages, tools=tools, documents=documents,
+                          chat_template_kwargs=chat_template_kwargs,
                           template_options=template_options or ChatTemplateOptions(),
                           params=choice_params,
                           priority=priority, arrival_time=trio.current_time(),
