@@ -229,7 +229,8 @@ class OpenAIServer:
         self._check_model(body.model)
         prompts, params, echo_texts = await self._converted(self._completion_arguments, body)
         plan = ChoicePlan.of(len(prompts), body.n, body.best_of,
-                             max_waiting_requests=self.engine.config.max_waiting_requests)
+                             max_waiting_requests=self.engine.config.max_waiting_requests,
+                             max_children=self.engine.config.max_request_choices)
         response_id = f"cmpl-{uuid.uuid4().hex}"
         builders = [protocol.CompletionBuilder(
             response_id=response_id, model=self.model_name, token_text=self._token_text,
@@ -281,7 +282,8 @@ class OpenAIServer:
             template_variables["chat_template_kwargs"] = protocol.checked_template_kwargs(
                 body.chat_template_kwargs)
         plan = ChoicePlan.of(1, body.n, body.best_of,
-                             max_waiting_requests=self.engine.config.max_waiting_requests)
+                             max_waiting_requests=self.engine.config.max_waiting_requests,
+                             max_children=self.engine.config.max_request_choices)
         if not plan.is_single:
             builders = [dataclasses.replace(builder, index=index, parser=(
                 ChatOutputParser(reasoning=reasoning_parser_for(self.tool_options),
