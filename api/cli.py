@@ -36,7 +36,11 @@ _ENGINE_FLAGS: list[tuple[str, type, str]] = [
     ("--priority-preemption-threshold", int, "priority gap at which a waiting request preempts"),
     ("--max-waiting-requests", int, "bound of the waiting queue"),
     ("--tensor-parallel-size", int, "worker processes (GPUs) the model is split over"),
+    ("--runner", str, "generate (default), or pooling: serve the model as an embedding model "
+                      "(/v1/embeddings)"),
 ]
+# vLLM's older flag for the runner: --task embed is --runner pooling.
+_TASK_RUNNERS = {"generate": "generate", "embed": "pooling"}
 
 # Short names vLLM also accepts.
 _FLAG_ALIASES = {"--tensor-parallel-size": ("-tp",)}
@@ -56,6 +60,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="pipeline depth 2 (default) or 1 (--no-async-scheduling); vLLM's name",
     )
     group.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
+    group.add_argument("--task", choices=sorted(_TASK_RUNNERS), default=None,
+                       help="embed is --runner pooling, generate --runner generate (vLLM's "
+                            "older name)")
     group.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
@@ -86,6 +93,12 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             raise SystemExit(f"trio-llm: the model is given twice: {model_tag} and "
                              f"--model {given['model']}")
         given["model"] = model_tag
+    task = getattr(args, "task", None)
+    if task is not None:
+        runner = _TASK_RUNNERS[task]
+        if given.get("runner", runner) != runner:
+            raise SystemExit(f"trio-llm: --task {task} contradicts --runner {given['runner']}")
+        given["runner"] = runner
     try:
         config = msgspec.convert(given, EngineConfig)
     except msgspec.ValidationError as error:

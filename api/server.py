@@ -141,7 +141,7 @@ FORCED_STOP_SECONDS = 2.0
 EXIT_FORCED = 3
 OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json", "/version", "/ping"})
 # OpenAI endpoints trio-llm does not serve: a clear 404 instead of "URL not found".
-NOT_SUPPORTED_PATHS = ("/v1/embeddings", "/v1/audio/<path:rest>",
+NOT_SUPPORTED_PATHS = ("/v1/audio/<path:rest>",
                        "/v1/images/<path:rest>", "/v1/moderations", "/v1/rerank",
                        "/v1/score", "/pooling", "/classify")
 SSE_DONE = b"data: [DONE]\n\n"
@@ -208,6 +208,8 @@ def create_app(engine: Engine, config: ServerConfig) -> QuartTrio:
         app.add_url_rule(path, view_func=view, methods=[method], endpoint=f"{method} {path}")
     from trio_llm.api.responses import register_routes  # it imports this module
     register_routes(app, api)
+    from trio_llm.api import embeddings  # it imports this module
+    embeddings.register_routes(app, api)
     for path in NOT_SUPPORTED_PATHS:
         app.add_url_rule(path, view_func=api.not_supported, methods=["GET", "POST"],
                          endpoint=f"not supported {path}")

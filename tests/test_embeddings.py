@@ -1,0 +1,261 @@
+"""Embeddings: a decoder checkpoint served with the pooling runner (Engine.embed,
+POST /v1/embeddings).
+
+A tiny random Qwen3 checkpoint written by transformers (with the built-in tiny
+model's tokenizer) is pooled by the engine and by transformers' last hidden
+state: last-token pooling with normalisation (the decoder default, Qwen3-Embedding's),
+mean pooling where a sentence-transformers config says so, and Matryoshka
+truncation. Our float32 vectors equal transformers' within 1e-5 per entry (the
+reference runs the same float32 weights through other kernels: measured
+differences are around 1e-7 for normalised vectors). On the CPU an embedding is
+bit-identical alone or batched, chunked or not, from cached blocks or computed,
+in-process or in the served layout.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+import trio
+
+from trio_llm.actors.config import EngineConfig
+from trio_llm.actors.errors import RequestRejected
+from trio_llm.actors.messages import PoolingParams, SamplingParams
+from trio_llm.actors.pooling import PoolingConfigError, read_pooling_config
+from trio_llm.api.engine import Engine
+from trio_llm.api.processes import open_served_layout
+from trio_llm.gpu.builtin import resolve_model
+
+transformers = pytest.importorskip("transformers")
+
+TIMEOUT = 120
+# float32 through other kernels than transformers': measured differences ~1e-7
+TOLERANCE = 1e-5
+HIDDEN_SIZE = 64
+PROMPTS = ["The cat sat by the fire and", "Once upon a time", "A",
+           "the quick brown fox jumps over the lazy dog " * 6]
+MATRYOSHKA_DIMENSIONS = [16, 32, 64]
+
+
+def _randomise(model: Any, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            noise = torch.randn(parameter.shape, generator=generator)
+            if "norm" in name:
+                parameter.copy_(1.0 + 0.1 * noise)
+            elif "embed" in name or "lm_head" in name:
+                parameter.copy_(0.6 * noise)
+            else:
+                parameter.copy_(noise * parameter.shape[1] ** -0.5)
+
+
+def _with_files(source: Path, target: Path, files: dict[str, Any]) -> Path:
+    """A copy of checkpoint ``source`` with ``files`` (relative path -> JSON) added."""
+    shutil.copytree(source, target)
+    for relative, content in files.items():
+        path = target / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(content))
+    return target
+
+
+def _st_pooling(mode: str, normalize: bool) -> dict[str, Any]:
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling",
+                "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
+                        "type": "sentence_transformers.models.Normalize"})
+    modes = ["cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens",
+             "weightedmean_tokens", "lasttoken"]
+    pooling = {f"pooling_mode_{name}": name == mode for name in modes}
+    return {"modules.json": modules,
+            "1_Pooling/config.json": {"word_embedding_dimension": HIDDEN_SIZE, **pooling,
+                                      "include_prompt": True}}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Checkpoint directories of one random Qwen3 model, pooled several ways, and the
+    transformers model itself."""
+    tiny = resolve_model("tiny")
+    config = transformers.Qwen3Config(
+        vocab_size=2048, hidden_size=HIDDEN_SIZE, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        bos_token_id=0, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    _randomise(model, seed=7)
+    root = tmp_path_factory.mktemp("embedding")
+    plain = root / "plain"
+    model.save_pretrained(plain)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tiny / name).exists():
+            shutil.copy(tiny / name, plain / name)
+    config_json = json.loads((plain / "config.json").read_text())
+    return {
+        "model": model.eval(),
+        "last": plain,
+        "mean": _with_files(plain, root / "mean", _st_pooling("mean_tokens", normalize=False)),
+        "mean_normalized": _with_files(plain, root / "mean_normalized",
+                                       _st_pooling("mean_tokens", normalize=True)),
+        "matryoshka": _with_files(plain, root / "matryoshka", {
+            "config.json": config_json | {"matryoshka_dimensions": MATRYOSHKA_DIMENSIONS}}),
+    }
+
+
+def engine_config(directory: Path, **fields: Any) -> EngineConfig:
+    defaults: dict[str, Any] = dict(model=str(directory), runner="pooling", dtype="float32",
+                                    device="cpu", num_kv_blocks=64, block_size=16,
+                                    max_num_batched_tokens=512, max_model_len=256)
+    return EngineConfig(**(defaults | fields))
+
+
+def hidden_states(model: Any, token_ids: list[int]) -> torch.Tensor:
+    """transformers' last_hidden_state (after the final norm) of one prompt."""
+    with torch.no_grad():
+        return model.model(torch.tensor([token_ids])).last_hidden_state[0]
+
+
+def as_array(output: Any) -> np.ndarray:
+    return np.frombuffer(output.data, dtype="<f4")
+
+
+async def test_last_token_pooling_equals_transformers_alone_and_batched(checkpoints) -> None:
+    model = checkpoints["model"]
+    with trio.fail_after(TIMEOUT):
+        async with Engine.open(engine_config(checkpoints["last"])) as engine:
+            alone = [await engine.embed(prompt) for prompt in PROMPTS]
+            batched = await engine.embed_many(PROMPTS)
+            stats = engine.statistics()
+    for output, single in zip(batched, alone, strict=True):
+        assert output.data == single.data  # bit for bit
+        expected = F.normalize(hidden_states(model, output.prompt_token_ids)[-1], dim=-1)
+        np.testing.assert_allclose(output.embedding, expected.numpy(), rtol=0, atol=TOLERANCE)
+        assert len(output.embedding) == HIDDEN_SIZE
+        assert np.isclose(np.linalg.norm(as_array(output)), 1.0, atol=1e-6)
+    assert stats.num_generation_tokens == 0  # nothing was sampled
+    assert stats.num_free_blocks == stats.num_total_blocks and stats.num_running == 0
+
+
+@pytest.mark.parametrize("variant", ["mean", "mean_normalized"])
+async def test_mean_pooling_from_the_sentence_transformers_config(checkpoints, variant) -> None:
+    model = checkpoints["model"]
+    assert read_pooling_config(checkpoints[variant]).pooling_type == "mean"
+    with trio.fail_after(TIMEOUT):
+        async with Engine.open(engine_config(checkpoints[variant])) as engine:
+            outputs = await engine.embed_many(PROMPTS)
+    for output in outputs:
+        expected = hidden_states(model, output.prompt_token_ids).mean(dim=0)
+        if variant == "mean_normalized":
+            expected = F.normalize(expected, dim=-1)
+        np.testing.assert_allclose(output.embedding, expected.numpy(), rtol=0, atol=TOLERANCE)
+
+
+@pytest.mark.parametrize("variant", ["last", "mean"])
+async def test_chunked_prefill_and_the_prefix_cache_give_the_same_bits(checkpoints,
+                                                                       variant) -> None:
+    directory = checkpoints[variant]
+    long_prompt = PROMPTS[-1]
+    with trio.fail_after(TIMEOUT):
+        async with Engine.open(engine_config(directory, enable_prefix_caching=False)) as engine:
+            reference = await engine.embed_many(PROMPTS)
+        # chunks of 8 tokens, several requests sharing each step
+        async with Engine.open(engine_config(directory, max_num_batched_tokens=8,
+                                             enable_prefix_caching=False)) as engine:
+            chunked = await engine.embed_many(PROMPTS)
+        async with Engine.open(engine_config(directory)) as engine:
+            first = await engine.embed(long_prompt)
+            again = await engine.embed(long_prompt)  # its full blocks are cached now
+            stats = engine.statistics()
+    assert [output.data for output in chunked] == [output.data for output in reference]
+    assert first.data == again.data == reference[-1].data
+    if variant == "last":
+        assert stats.num_prefix_cache_hits >= 16
+    else:
+        # every position's hidden state is pooled: a mean-pooled request computes them all
+        assert stats.num_prefix_cache_hits == 0
+
+
+async def test_matryoshka_dimensions_truncate_then_normalise(checkpoints) -> None:
+    model = checkpoints["model"]
+    with trio.fail_after(TIMEOUT):
+        async with Engine.open(engine_config(checkpoints["matryoshka"])) as engine:
+            cut = await engine.embed(PROMPTS[0], PoolingParams(dimensions=16))
+            raw = await engine.embed(PROMPTS[0], PoolingParams(dimensions=32, normalize=False))
+            with pytest.raises(RequestRejected, match=r"\[16, 32, 64\] only") as refused:
+                await engine.embed(PROMPTS[0], PoolingParams(dimensions=20))
+            assert refused.value.param == "dimensions"
+        async with Engine.open(engine_config(checkpoints["last"])) as engine:
+            with pytest.raises(RequestRejected, match="does not support Matryoshka") as refused:
+                await engine.embed(PROMPTS[0], PoolingParams(dimensions=16))
+            assert refused.value.param == "dimensions"
+    last = hidden_states(model, cut.prompt_token_ids)[-1]
+    np.testing.assert_allclose(cut.embedding, F.normalize(last[:16], dim=-1).numpy(), rtol=0,
+                               atol=TOLERANCE)
+    np.testing.assert_allclose(raw.embedding, last[:32].numpy(), rtol=0, atol=TOLERANCE)
+
+
+async def test_refusals(checkpoints) -> None:
+    with trio.fail_after(TIMEOUT):
+        async with Engine.open(engine_config(checkpoints["last"], max_model_len=32)) as engine:
+            with pytest.raises(RequestRejected, match="generates no text"):
+                async for _ in engine.generate("Hello", SamplingParams(max_tokens=4)):
+                    pass
+            with pytest.raises(RequestRejected, match="empty") as refused:
+                await engine.embed([])
+            assert refused.value.param == "prompt"
+            with pytest.raises(RequestRejected, match="maximum context length is 32 tokens, "
+                                                      "but the input has 40"):
+                await engine.embed(list(range(3, 43)))
+            exactly_the_context = await engine.embed(list(range(3, 35)))
+            assert exactly_the_context.num_prompt_tokens == 32
+            truncated = await engine.embed(list(range(3, 43)),
+                                           PoolingParams(truncate_prompt_tokens=-1))
+            assert truncated.prompt_token_ids == list(range(11, 43))
+            assert engine.statistics().num_free_blocks == 64
+        async with Engine.open(engine_config(checkpoints["last"], runner="generate")) as engine:
+            with pytest.raises(RequestRejected, match="--runner pooling") as refused:
+                await engine.embed("Hello")
+            assert refused.value.param == "model"
+
+
+def test_pooling_configs_trio_llm_cannot_honour_are_start_up_errors(checkpoints,
+                                                                     tmp_path) -> None:
+    cls = _with_files(checkpoints["last"], tmp_path / "cls", _st_pooling("cls_token", True))
+    with pytest.raises(PoolingConfigError, match="pooling_mode_cls_token"):
+        read_pooling_config(cls)
+    dense = _with_files(checkpoints["mean"], tmp_path / "dense", {})
+    modules = json.loads((dense / "modules.json").read_text())
+    modules.append({"idx": 3, "name": "3", "path": "3_Dense",
+                    "type": "sentence_transformers.models.Dense"})
+    (dense / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(PoolingConfigError, match="Dense"):
+        read_pooling_config(dense)
+    default = read_pooling_config(checkpoints["last"])
+    assert (default.pooling_type, default.normalize, default.is_matryoshka) == ("last", True,
+                                                                                False)
+
+
+async def test_the_served_layout_gives_the_in_process_bits(checkpoints) -> None:
+    config = engine_config(checkpoints["last"])
+    with trio.fail_after(TIMEOUT):
+        async with Engine.open(config) as engine:
+            expected = await engine.embed_many(PROMPTS)
+        async with open_served_layout(config, 2) as fronts:
+            first = await fronts[0].embed_many(PROMPTS)
+            second = [await fronts[1].embed(prompt) for prompt in PROMPTS]
+            with pytest.raises(RequestRejected, match="generates no text"):
+                async for _ in fronts[1].generate("Hello", SamplingParams(max_tokens=2)):
+                    pass
+    assert [output.data for output in first] == [output.data for output in expected]
+    assert [output.data for output in second] == [output.data for output in expected]
