@@ -17,14 +17,18 @@ from __future__ import annotations
 import base64
 import json
 import shutil
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import openai
 import pytest
 import torch
 import torch.nn.functional as F
 import trio
+from test_http_support import openai_clients, running_server
 
 from trio_llm.actors.config import EngineConfig
 from trio_llm.actors.errors import RequestRejected
@@ -259,3 +263,95 @@ async def test_the_served_layout_gives_the_in_process_bits(checkpoints) -> None:
                     pass
     assert [output.data for output in first] == [output.data for output in expected]
     assert [output.data for output in second] == [output.data for output in expected]
+
+
+# -- over HTTP, through the openai SDK -------------------------------------------------
+
+
+@asynccontextmanager
+async def served_embeddings(config: EngineConfig, layout: str) -> AsyncIterator[tuple[Engine,
+                                                                                        str]]:
+    """(an engine for in-process requests, the URL of a server over the same core)."""
+    if layout == "in-process":
+        async with Engine.open(config) as engine, running_server(engine) as url:
+            yield engine, url
+        return
+    async with open_served_layout(config, 2) as (http_front, other_front):
+        async with running_server(http_front) as url:
+            yield other_front, url
+
+
+@pytest.mark.parametrize("layout", ["in-process", "served"])
+async def test_the_openai_client_gets_the_engines_embeddings(checkpoints, layout) -> None:
+    token_ids = [[5, 6, 7, 8], [9, 10]]
+    with trio.fail_after(TIMEOUT):
+        async with served_embeddings(engine_config(checkpoints["last"]), layout) as (engine,
+                                                                                     url):
+            expected = await engine.embed_many(PROMPTS)
+            expected_ids = await engine.embed_many(token_ids)
+            async with openai_clients(url) as (client, _):
+                as_floats = await client.embeddings.create(model=str(checkpoints["last"]),
+                                                           input=PROMPTS,
+                                                           encoding_format="float")
+                as_base64 = await client.embeddings.create(model=str(checkpoints["last"]),
+                                                           input=PROMPTS,
+                                                           encoding_format="base64")
+                # without a format the SDK asks for base64 and decodes it itself
+                decoded = await client.embeddings.create(input=PROMPTS[0],
+                                                         model=str(checkpoints["last"]))
+                by_ids = await client.embeddings.create(input=token_ids,
+                                                        model=str(checkpoints["last"]))
+                one_list = await client.embeddings.create(input=token_ids[0],
+                                                          model=str(checkpoints["last"]))
+    assert [item.index for item in as_floats.data] == list(range(len(PROMPTS)))
+    assert [item.embedding for item in as_floats.data] == [output.embedding
+                                                           for output in expected]
+    assert [base64.b64decode(item.embedding) for item in as_base64.data] == [
+        output.data for output in expected]
+    assert decoded.data[0].embedding == expected[0].embedding
+    assert [item.embedding for item in by_ids.data] == [output.embedding
+                                                        for output in expected_ids]
+    assert one_list.data[0].embedding == expected_ids[0].embedding
+    num_prompt_tokens = sum(output.num_prompt_tokens for output in expected)
+    assert as_floats.usage.prompt_tokens == as_floats.usage.total_tokens == num_prompt_tokens
+    assert by_ids.usage.prompt_tokens == 6
+    assert as_floats.object == "list" and as_floats.data[0].object == "embedding"
+
+
+async def test_http_refusals(checkpoints) -> None:
+    model = str(checkpoints["last"])
+    with trio.fail_after(TIMEOUT):
+        async with served_embeddings(engine_config(checkpoints["last"], max_model_len=32),
+                                     "in-process") as (_, url):
+            async with openai_clients(url) as (client, _):
+                refusals = {}
+                for name, fields in {
+                    "empty string": {"input": ""},
+                    "empty list": {"input": []},
+                    "empty ids": {"input": [[1, 2], []]},
+                    "mixed": {"input": ["a", [1, 2]]},
+                    "too long": {"input": list(range(3, 43))},
+                    "dimensions": {"input": "a", "dimensions": 16},
+                    "zero dimensions": {"input": "a", "dimensions": 0},
+                    "embed_dtype": {"input": "a", "extra_body": {"embed_dtype": "float16"}},
+                }.items():
+                    with pytest.raises(openai.BadRequestError) as refused:
+                        await client.embeddings.create(model=model, **fields)
+                    refusals[name] = refused.value.body
+                with pytest.raises(openai.BadRequestError, match="generates no text"):
+                    await client.completions.create(model=model, prompt="Hi", max_tokens=2)
+                with pytest.raises(openai.BadRequestError, match="generates no text"):
+                    await client.chat.completions.create(
+                        model=model, messages=[{"role": "user", "content": "Hi"}])
+        async with Engine.open(EngineConfig(model="tiny", num_kv_blocks=16)) as engine:
+            async with running_server(engine) as url, openai_clients(url) as (client, _):
+                with pytest.raises(openai.BadRequestError, match="--runner pooling"):
+                    await client.embeddings.create(model="tiny", input="Hello")
+    assert refusals["empty string"]["param"] == "input"
+    assert refusals["empty list"]["param"] == "input"
+    assert refusals["empty ids"]["param"] == "input[1]"
+    assert refusals["mixed"]["param"] == "input[1]"
+    assert "maximum context length is 32 tokens" in refusals["too long"]["message"]
+    assert refusals["dimensions"]["param"] == "dimensions"
+    assert refusals["zero dimensions"]["param"] == "dimensions"
+    assert refusals["embed_dtype"]["param"] == "embed_dtype"
