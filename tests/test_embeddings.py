@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import json
 import shutil
+from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -32,8 +33,20 @@ from test_http_support import openai_clients, running_server
 
 from trio_llm.actors.config import EngineConfig
 from trio_llm.actors.errors import RequestRejected
-from trio_llm.actors.messages import PoolingParams, SamplingParams
+from trio_llm.actors.messages import (
+    PooledOutput,
+    PoolingOptions,
+    PoolingParams,
+    Request,
+    SamplingOptions,
+    SamplingParams,
+    ScheduledBatch,
+    StepResult,
+    TokenDelta,
+    WaitingRequest,
+)
 from trio_llm.actors.pooling import PoolingConfigError, read_pooling_config
+from trio_llm.actors.scheduler import Scheduler
 from trio_llm.api.engine import Engine
 from trio_llm.api.processes import open_served_layout
 from trio_llm.gpu.builtin import resolve_model
@@ -355,3 +368,83 @@ async def test_http_refusals(checkpoints) -> None:
     assert refusals["dimensions"]["param"] == "dimensions"
     assert refusals["zero dimensions"]["param"] == "dimensions"
     assert refusals["embed_dtype"]["param"] == "embed_dtype"
+
+
+# -- the scheduler's part, without trio -------------------------------------------------
+
+
+def _request(request_id: str, prompt: list[int], *, max_tokens: int = 0,
+             pooling: PoolingOptions | None = None, arrival_index: int = 0) -> WaitingRequest:
+    sampling = SamplingOptions(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=0,
+                               num_logprobs=None, min_tokens=0, banned_token_ids=[])
+    return WaitingRequest(request=Request(
+        request_id=request_id, prompt_token_ids=prompt, params=SamplingParams(),
+        sampling=sampling, stop_token_ids=[], max_tokens=max_tokens, priority=0,
+        arrival_index=arrival_index, arrival_time=0.0, pooling=pooling))
+
+
+def _run_steps(scheduler: Scheduler, pulled: list[WaitingRequest]
+               ) -> tuple[list[ScheduledBatch], list[TokenDelta]]:
+    """Plan, 'execute' (token 7 for a sampled row, a fixed vector for a pooled one) and
+    reconcile at the scheduler's depth until it is idle."""
+    batches: list[ScheduledBatch] = []
+    deltas: list[TokenDelta] = []
+    in_flight: deque[ScheduledBatch] = deque()
+    while True:
+        while scheduler.can_plan_step():
+            plan = scheduler.schedule(pulled)
+            pulled = plan.requeue.requests if plan.requeue is not None else []  # the queue's part
+            if plan.batch is None:
+                break
+            in_flight.append(plan.batch)
+            batches.append(plan.batch)
+        if not in_flight and not pulled:
+            return batches, deltas
+        if not in_flight:
+            continue
+        batch = in_flight.popleft()
+        sampled = [scheduled.request_id for scheduled in batch.requests if scheduled.sample]
+        pooled = [PooledOutput(request_id=scheduled.request_id, data=VECTOR)
+                  for scheduled in batch.requests if scheduled.pool]
+        tokens = scheduler.on_step_result(StepResult(
+            step_id=batch.step_id, request_ids=sampled, sampled_token_ids=[7] * len(sampled),
+            pooled=pooled))
+        if tokens is not None:
+            deltas += tokens.deltas
+
+
+VECTOR = np.array([0.6, 0.8], dtype="<f4").tobytes()
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_an_embedding_request_is_a_prefill_that_finishes_with_its_vector(depth: int) -> None:
+    config = EngineConfig(block_size=4, max_num_batched_tokens=8, pipeline_depth=depth)
+    scheduler = Scheduler(config, num_kv_blocks=32)
+    last = PoolingOptions(pooling_type="last", normalize=True)
+    pulled = [_request("embed", list(range(1, 19)), pooling=last),
+              _request("generate", [1, 2, 3], max_tokens=3, arrival_index=1)]
+    batches, deltas = _run_steps(scheduler, pulled)
+    chunks = [scheduled for batch in batches for scheduled in batch.requests
+              if scheduled.request_id == "embed"]
+    assert sum(len(chunk.token_ids) for chunk in chunks) == 18 and len(chunks) >= 3
+    assert [chunk.pool for chunk in chunks] == [False] * (len(chunks) - 1) + [True]
+    assert not any(chunk.sample for chunk in chunks)  # it never decodes
+    new_requests = [new for batch in batches for new in batch.new_requests]
+    assert [new.pooling for new in new_requests if new.request_id == "embed"] == [last]
+    (finished,) = [delta for delta in deltas if delta.request_id == "embed"]
+    assert (finished.token_ids, finished.finish_reason, finished.embedding) == ([], "stop",
+                                                                                VECTOR)
+    assert [delta.token_ids for delta in deltas if delta.request_id == "generate"] == [[7]] * 3
+    assert scheduler.is_idle and scheduler.block_manager.num_free_blocks == 32
+    assert scheduler.num_generation_tokens == 3
+
+
+def test_a_mean_pooled_request_never_starts_from_cached_blocks() -> None:
+    config = EngineConfig(block_size=4, max_num_batched_tokens=64, pipeline_depth=1)
+    prompt = list(range(1, 14))
+    for pooling_type, num_cached_tokens in (("last", 12), ("mean", 0)):
+        scheduler = Scheduler(config, num_kv_blocks=32)
+        pooling = PoolingOptions(pooling_type=pooling_type, normalize=False)
+        _run_steps(scheduler, [_request("first", prompt, pooling=pooling)])
+        batches, _ = _run_steps(scheduler, [_request("again", prompt, pooling=pooling)])
+        assert batches[0].requests[0].num_computed_tokens == num_cached_tokens
