@@ -148,12 +148,9 @@ async def run_engine_throughput(config: EngineConfig, model: Any, workload: list
     }
 
 
-def _run_throughput(args: argparse.Namespace) -> int:
+def run_throughput(args: argparse.Namespace, config: EngineConfig) -> int:
+    """`trio-llm bench throughput` with its parsed flags and engine config."""
     import trio
-
-    from trio_llm.api.cli import engine_config_from_args
-
-    config = engine_config_from_args(args)
 
     def workload(max_token_id: int) -> list[WorkloadItem]:
         return random_workload(seed=args.seed_workload, num_prompts=args.num_prompts,
@@ -167,7 +164,7 @@ def _run_throughput(args: argparse.Namespace) -> int:
         result = run_transformers_throughput(config, workload(args.max_token_id),
                                              temperature=args.temperature)
     else:
-        from trio_llm.gpu.executor import create_executor
+        from trio_llm.gpu.factory import create_executor
 
         model = create_executor(config)
         try:
@@ -199,32 +196,3 @@ def summary_table(result: dict[str, Any]) -> str:
             if isinstance(value, int) else str(value)
         lines.append(f"{name:<{width}}  {shown:>14}")
     return "\n".join(lines)
-
-
-def add_bench_commands(commands: Any) -> None:
-    """Add `bench throughput` and `bench serve` to the `trio-llm bench` parser."""
-    from trio_llm.api import bench_serve
-    from trio_llm.api.cli import add_engine_arguments
-
-    throughput = commands.add_parser("throughput", help="in-process engine throughput")
-    add_engine_arguments(throughput)
-    throughput.add_argument("--backend", choices=["trio-llm", "transformers"], default="trio-llm")
-    throughput.add_argument("--executor", choices=["model", "null"], default="model",
-                            help="null: a model that costs nothing (measures the control plane)")
-    throughput.add_argument("--num-prompts", type=int, default=256)
-    throughput.add_argument("--min-prompt-len", type=int, default=100)
-    throughput.add_argument("--max-prompt-len", type=int, default=1024)
-    throughput.add_argument("--min-output-len", type=int, default=100)
-    throughput.add_argument("--max-output-len", type=int, default=1024)
-    throughput.add_argument("--max-token-id", type=int, default=10000,
-                            help="prompt token ids are uniform in [0, this)")
-    throughput.add_argument("--temperature", type=float, default=0.6)
-    throughput.add_argument("--seed-workload", type=int, default=0)
-    throughput.add_argument("--json", metavar="PATH",
-                            help="write the results as JSON here ('-': to stdout, no table)")
-    throughput.add_argument("--no-progress", action="store_true")
-    throughput.set_defaults(run=_run_throughput)
-
-    serve = commands.add_parser("serve", help="benchmark a running server over HTTP")
-    bench_serve.add_bench_serve_arguments(serve)
-    serve.set_defaults(run=bench_serve.run_bench_serve)

@@ -4,9 +4,21 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+from functools import partial
+from pathlib import Path
+from typing import Any, NoReturn, TypeVar
+
+import msgspec
 
 from trio_llm.actors.config import EngineConfig
+from trio_llm.api.reasoning_parsers import REASONING_PARSERS
+from trio_llm.api.server import DEFAULT_MAX_BODY_BYTES, ServerConfig
+from trio_llm.api.stats_log import DEFAULT_STATS_INTERVAL_SECONDS
+from trio_llm.api.tool_parsers import TOOL_PARSERS
+
+logger = logging.getLogger(__name__)
 
 # Engine flags, named as `vllm serve` names them: (flag, type, help). Each flag's
 # EngineConfig field is its name in snake case, as argparse stores it.
@@ -46,8 +58,58 @@ _TASK_RUNNERS = {"generate": "generate", "embed": "pooling"}
 _FLAG_ALIASES = {"--tensor-parallel-size": ("-tp",)}
 
 
+# vLLM's flags for features trio-llm does not have yet: recognized, and refused with
+# one line (docs/vllm-compatibility.md lists them). A flag leaves this list when its
+# feature lands (--quantization and --kv-cache-dtype: issue 27).
+UNSUPPORTED_VLLM_FLAGS: dict[tuple[str, ...], str] = {
+    ("--quantization", "-q"): "quantized weights",
+    ("--kv-cache-dtype",): "a KV cache in another dtype",
+    ("--enable-lora",): "LoRA adapters",
+    ("--lora-modules",): "LoRA adapters",
+    ("--max-loras",): "LoRA adapters",
+    ("--speculative-config",): "speculative decoding",
+    ("--pipeline-parallel-size", "-pp"): "pipeline parallelism",
+    ("--data-parallel-size", "-dp"): "data parallelism",
+    ("--enable-expert-parallel",): "expert parallelism",
+    ("--trust-remote-code",): "model code from the checkpoint",
+    ("--enable-sleep-mode",): "sleep mode",
+    ("--cpu-offload-gb",): "weight offload to the CPU",
+    ("--swap-space",): "KV swap space on the CPU (preempted requests are recomputed)",
+    ("--kv-transfer-config",): "disaggregated prefill (KV transfer)",
+    ("--limit-mm-per-prompt",): "multimodal inputs",
+    ("--tokenizer-mode",): "tokenizer modes (the Hugging Face tokenizer is used)",
+    ("--load-format-config", "--model-loader-extra-config"): "custom model loaders",
+    ("--guided-decoding-backend", "--structured-outputs-config"):
+        "a choice of structured-outputs backend (trio-llm has its own)",
+    ("--rope-scaling", "--hf-overrides"): "overriding the model's config.json",
+    ("--enable-prompt-embeds",): "prompt embeddings",
+    ("--otlp-traces-endpoint",): "OpenTelemetry traces",
+}
+
+
+class _NotSupported(argparse.Action):
+    """A vLLM flag trio-llm lacks: one line, at parse time."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: object, option_string: str | None = None) -> None:
+        feature = next(feature for flags, feature in UNSUPPORTED_VLLM_FLAGS.items()
+                       if option_string in flags)
+        raise SystemExit(f"trio-llm: {option_string} ({feature}) is not supported by trio-llm "
+                         f"yet: leave it out (docs/vllm-compatibility.md lists what "
+                         f"trio-llm lacks)")
+
+
+def add_unsupported_vllm_flags(parser: argparse.ArgumentParser) -> None:
+    """Recognize vLLM's flags for features trio-llm lacks, to refuse them clearly
+    rather than as "unrecognized arguments"; hidden from --help."""
+    for flags in UNSUPPORTED_VLLM_FLAGS:
+        parser.add_argument(*flags, nargs="?", action=_NotSupported, help=argparse.SUPPRESS,
+                            dest=argparse.SUPPRESS, default=argparse.SUPPRESS)
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the engine's flags; unset flags keep EngineConfig's defaults."""
+    add_unsupported_vllm_flags(parser)
     group = parser.add_argument_group("engine")
     for flag, kind, help_text in _ENGINE_FLAGS:
         group.add_argument(flag, *_FLAG_ALIASES.get(flag, ()), type=kind, default=None,
@@ -82,9 +144,8 @@ class _PipelineDepthAction(argparse.BooleanOptionalAction):
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """EngineConfig from parsed flags; raises SystemExit with the field at fault."""
-    import msgspec
-
+    """EngineConfig from parsed flags, checked (``check_model``); a mistake is a
+    SystemExit with one line naming the flag at fault and its fix."""
     fields = {f.name for f in msgspec.structs.fields(EngineConfig)}
     given = {k: v for k, v in vars(args).items() if k in fields and v is not None}
     model_tag = getattr(args, "model_tag", None)
@@ -99,29 +160,96 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         if given.get("runner", runner) != runner:
             raise SystemExit(f"trio-llm: --task {task} contradicts --runner {given['runner']}")
         given["runner"] = runner
-    try:
-        config = msgspec.convert(given, EngineConfig)
-    except msgspec.ValidationError as error:
-        raise SystemExit(f"trio-llm: invalid engine option: {error}") from None
+    config = _converted_flags(given, EngineConfig)
     _check_chat_template(config.chat_template)
-    _check_hugging_face_model(config)
+    check_model(config)
     return config
 
 
-def _check_hugging_face_model(config: EngineConfig) -> None:
-    """An ORG/NAME model not in the local cache: one line saying where it was
-    looked for, at the command line rather than as a traceback from the engine."""
-    from pathlib import Path
+ConfigT = TypeVar("ConfigT")
 
-    parts = config.model.split("/")
-    if Path(config.model).expanduser().exists() or len(parts) != 2 or not all(parts):
-        return
+
+def _converted_flags(given: dict[str, Any], kind: type[ConfigT]) -> ConfigT:
+    """``given`` flags as ``kind``; an out-of-range value is one line naming its flag:
+    msgspec's 'Expected `int` >= 1 - at `$.max_num_seqs`' becomes
+    '--max-num-seqs 0: expected int >= 1'."""
+    try:
+        return msgspec.convert(given, kind)
+    except msgspec.ValidationError as error:
+        expected, _, location = str(error).rpartition(" - at ")
+        name = location.strip("`").removeprefix("$.").split("[")[0].split(".")[0]
+        if not expected or name not in given:
+            raise SystemExit(f"trio-llm: invalid option: {error}") from None
+        flag = "--" + name.replace("_", "-")
+        raise SystemExit(f"trio-llm: {flag} {given[name]}: must be "
+                         f"{expected.replace('`', '').removeprefix('Expected ')}") from None
+
+
+# vLLM's opt-in to a --max-model-len beyond the model's positions, and trio-llm's own name.
+ALLOW_LONG_MAX_MODEL_LEN_VARIABLES = ("VLLM_ALLOW_LONG_MAX_MODEL_LEN",
+                                      "TRIO_LLM_ALLOW_LONG_MAX_MODEL_LEN")
+
+
+def check_model(config: EngineConfig) -> None:
+    """The start-up mistakes about the model, each one line naming the fault and its
+    fix, before any process starts: a model that is not there, a folder that is
+    not a model, an architecture trio-llm does not run, a --max-model-len beyond
+    the model's positions, --device cuda without a GPU."""
     from trio_llm.gpu.builtin import resolve_model
+    from trio_llm.gpu.models import ModelLoadError, read_model_config
 
     try:
-        resolve_model(config.model, config.revision)
+        directory = resolve_model(config.model, config.revision)
     except ValueError as error:
         raise SystemExit(f"trio-llm: {error}") from None
+    try:
+        model_config = read_model_config(directory)
+    except ModelLoadError as error:
+        raise SystemExit(f"trio-llm: --model {config.model} is not a model trio-llm can "
+                         f"run: {error}; give a model directory, a built-in name or a "
+                         f"Hugging Face id ORG/NAME") from None
+    _check_max_model_len(config, model_config.max_position_embeddings)
+    _check_device(config.device)
+    _check_pooling(config, directory)
+
+
+def _check_pooling(config: EngineConfig, directory: Path) -> None:
+    """A model run as an embedding model pools as its checkpoint says, or not at all."""
+    from trio_llm.actors.pooling import PoolingConfigError, read_pooling_config
+
+    if config.runner != "pooling":
+        return
+    try:
+        read_pooling_config(directory)
+    except PoolingConfigError as error:
+        raise SystemExit(f"trio-llm: --runner pooling: {error}") from None
+
+
+def _check_max_model_len(config: EngineConfig, max_position_embeddings: int) -> None:
+    """vLLM's rule: no context beyond the model's positions, unless the user opts in."""
+    if config.max_model_len is None or config.max_model_len <= max_position_embeddings:
+        return
+    if any(os.environ.get(name, "").lower() in ("1", "true")
+           for name in ALLOW_LONG_MAX_MODEL_LEN_VARIABLES):
+        logger.warning("--max-model-len %d is beyond the model's max_position_embeddings "
+                       "(%d): outputs past it may be garbage", config.max_model_len,
+                       max_position_embeddings)
+        return
+    raise SystemExit(
+        f"trio-llm: --max-model-len {config.max_model_len} is beyond the model's "
+        f"max_position_embeddings ({max_position_embeddings}): give at most "
+        f"{max_position_embeddings}, or set VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 to allow it")
+
+
+def _check_device(device: str) -> None:
+    if device != "cuda":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit(f"trio-llm: --device cuda, but torch {torch.__version__} finds no "
+                         f"CUDA device: leave --device out (auto) or give --device cpu")
+
 
 def _check_chat_template(template: str | None) -> None:
     """Fail at the command line, not when the engine starts."""
@@ -132,6 +260,129 @@ def _check_chat_template(template: str | None) -> None:
             load_chat_template(template)
         except ValueError as error:
             raise SystemExit(f"trio-llm: {error}") from None
+
+
+# -- `trio-llm serve` ---------------------------------------------------------------
+
+# `trio-llm serve` without --api-server-count: one API server for every
+# CPU_CORES_PER_API_SERVER cores this process may run on, 1 to MAX_DEFAULT_API_SERVERS
+# (measured, docs/performance.md, "Process layouts": on the H200 machine's 16 cores
+# four API servers served 42,258 tok/s, two 25,290, one 12,660, one process 6,454;
+# on the 2-core development machine one API server served twice what one process did).
+CPU_CORES_PER_API_SERVER = 4
+MAX_DEFAULT_API_SERVERS = 4
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the server's flags to `trio-llm serve` (the engine's are added separately)."""
+    # --shutdown-grace-seconds is the engine's (EngineConfig), as --served-model-name is.
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    group.add_argument("--port", type=int, default=8000,
+                       help="port to listen on (0: any free port)")
+    group.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    group.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                       help="largest request body accepted (HTTP 413 above)")
+    group.add_argument("--shutdown-grace-seconds", type=float, default=None,
+                       help="how long open requests may finish on SIGTERM (default 5)")
+    group.add_argument("--enable-auto-tool-choice", action="store_true", default=None,
+                       help='serve tool_choice "auto" (needs --tool-call-parser)')
+    group.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                       help="how tool calls are found in generated text")
+    group.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                       help="split reasoning (<think>...</think>) into reasoning_content")
+    group.add_argument("--api-server-count", type=int, default=None,
+                       help="API-server processes in front of one engine-core process "
+                            "(0: serve everything from this one process; default: one "
+                            f"per {CPU_CORES_PER_API_SERVER} CPU cores, 1 to "
+                            f"{MAX_DEFAULT_API_SERVERS})")
+    group.add_argument("--root-path", default=None,
+                       help="path prefix stripped by a proxy in front (ASGI root_path)")
+    group.add_argument("--allowed-origins", type=_string_list, default=None,
+                       help='CORS: origins allowed, a JSON list (\'["*"]\') or comma '
+                            "separated (default: none, CORS off)")
+    group.add_argument("--allow-credentials", action="store_true", default=None,
+                       help="CORS: allow credentials")
+    group.add_argument("--allowed-methods", type=_string_list, default=None,
+                       help='CORS: methods allowed (default ["*"])')
+    group.add_argument("--allowed-headers", type=_string_list, default=None,
+                       help='CORS: headers allowed (default ["*"])')
+    group.add_argument("--disable-log-requests", action="store_true", default=None,
+                       help="no log line per request")
+    group.add_argument("--disable-log-stats", action="store_true", default=None,
+                       help="no periodic stats line")
+    group.add_argument("--log-stats-interval", type=float, default=None,
+                       help=f"seconds between stats lines (default "
+                            f"{DEFAULT_STATS_INTERVAL_SECONDS:g})")
+    group.add_argument("--uvicorn-log-level", default=None,
+                       choices=["critical", "error", "warning", "info", "debug", "trace"],
+                       help="log level of the web server (Hypercorn); vLLM's name")
+
+
+def _string_list(text: str) -> list[str]:
+    """A flag's list: JSON (vLLM's form, '["a", "b"]') or comma separated."""
+    if text.lstrip().startswith("["):
+        try:
+            return msgspec.json.decode(text, type=list[str])
+        except msgspec.DecodeError as error:
+            raise argparse.ArgumentTypeError(f"not a JSON list of strings: {error}") from None
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    """ServerConfig from parsed flags; raises SystemExit with the field at fault."""
+    given = {field.name: getattr(args, field.name, None)
+             for field in msgspec.structs.fields(ServerConfig)}
+    return _converted_flags({k: v for k, v in given.items() if v is not None}, ServerConfig)
+
+
+def default_api_server_count(num_cpus: int) -> int:
+    """The API servers `trio-llm serve` starts unless told: see CPU_CORES_PER_API_SERVER."""
+    return max(1, min(MAX_DEFAULT_API_SERVERS, num_cpus // CPU_CORES_PER_API_SERVER))
+
+
+def _num_usable_cpus() -> int:
+    """The cores this process may run on (a container's share, not the host's)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """`trio-llm serve`: 0 after a graceful stop, 1 if the engine died. The port is
+    bound first, then the model checked, so a busy port fails at once."""
+    import trio
+
+    from trio_llm.actors.errors import EngineDead
+    from trio_llm.api.serving import listening_socket, serve
+
+    config = server_config_from_args(args)
+    num_api_servers = args.api_server_count
+    if num_api_servers is None:
+        num_api_servers = default_api_server_count(_num_usable_cpus())
+    if num_api_servers < 0:
+        raise SystemExit(f"trio-llm: --api-server-count {num_api_servers}: must be 0 or more")
+    try:
+        listener = listening_socket(config.host, config.port)
+    except OSError as error:
+        raise SystemExit(f"trio-llm: cannot listen on {config.host} port {config.port} "
+                         f"({error.strerror}): is another server on it? Stop it, or give "
+                         f"another --port") from None
+    with listener:
+        engine_config = engine_config_from_args(args)
+        if num_api_servers > 0:
+            from trio_llm.api.processes import run_served
+
+            return run_served(engine_config, config, listener, num_api_servers=num_api_servers)
+        try:
+            trio.run(partial(serve, engine_config, config, listen_fd=listener.detach()))
+        except EngineDead as error:
+            logger.error("the engine died: %s", error)
+            return 1
+    return 0
+
+
+# -- `trio-llm generate` ---------------------------------------------------------------
 
 
 def _run_generate(args: argparse.Namespace) -> int:
@@ -161,9 +412,55 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- `trio-llm bench` ------------------------------------------------------------------
+
+
+def add_bench_commands(commands: Any) -> None:
+    """Add `bench throughput` and `bench serve` to the `trio-llm bench` parser."""
+    from trio_llm.api import bench_serve
+
+    throughput = commands.add_parser("throughput", help="in-process engine throughput")
+    add_engine_arguments(throughput)
+    throughput.add_argument("--backend", choices=["trio-llm", "transformers"], default="trio-llm")
+    throughput.add_argument("--executor", choices=["model", "null"], default="model",
+                            help="null: a model that costs nothing (measures the control plane)")
+    throughput.add_argument("--num-prompts", type=int, default=256)
+    throughput.add_argument("--min-prompt-len", type=int, default=100)
+    throughput.add_argument("--max-prompt-len", type=int, default=1024)
+    throughput.add_argument("--min-output-len", type=int, default=100)
+    throughput.add_argument("--max-output-len", type=int, default=1024)
+    throughput.add_argument("--max-token-id", type=int, default=10000,
+                            help="prompt token ids are uniform in [0, this)")
+    throughput.add_argument("--temperature", type=float, default=0.6)
+    throughput.add_argument("--seed-workload", type=int, default=0)
+    throughput.add_argument("--json", metavar="PATH",
+                            help="write the results as JSON here ('-': to stdout, no table)")
+    throughput.add_argument("--no-progress", action="store_true")
+    throughput.set_defaults(run=_run_bench_throughput)
+
+    serve = commands.add_parser("serve", help="benchmark a running server over HTTP")
+    bench_serve.add_bench_serve_arguments(serve)
+    serve.set_defaults(run=bench_serve.run_bench_serve)
+
+
+def _run_bench_throughput(args: argparse.Namespace) -> int:
+    from trio_llm.api.bench import run_throughput
+
+    return run_throughput(args, engine_config_from_args(args))
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse's parser, its mistakes one line (usage is for --help)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="trio-llm", description=__doc__)
+    parser = _OneLineParser(prog="trio-llm", description=__doc__,
+                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--version", action="version", version=f"trio-llm {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     generate = commands.add_parser("generate", help="print one completion")
@@ -178,19 +475,17 @@ def _build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(generate)
     generate.set_defaults(run=_run_generate)
 
-    from trio_llm.api import bench, server
-
     serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
     serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                        help="the model, as --model takes it (vLLM's `serve MODEL`)")
     _add_log_level(serve)
     add_engine_arguments(serve)
-    server.add_serve_arguments(serve)
-    serve.set_defaults(run=server.run_serve)
+    add_serve_arguments(serve)
+    serve.set_defaults(run=run_serve)
 
     bench_parser = commands.add_parser("bench", help="benchmarks")
     bench_commands = bench_parser.add_subparsers(dest="bench_command", required=True)
-    bench.add_bench_commands(bench_commands)
+    add_bench_commands(bench_commands)
     return parser
 
 
@@ -204,19 +499,35 @@ def _add_log_level(parser: argparse.ArgumentParser) -> None:
 EXIT_INTERRUPTED = 130
 
 
+def _version() -> str:
+    from importlib.metadata import version
+
+    return version("trio-llm")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Ctrl-C ends any command with one line and EXIT_INTERRUPTED, not tracebacks
-    (`serve` handles it itself first: a graceful stop)."""
+    (`serve` handles it itself first: a graceful stop); any other failure is one
+    line and exit 1, with its traceback only at ``--log-level debug``."""
+    level = "INFO"
     try:
         args = _build_parser().parse_args(argv)
         level = (getattr(args, "command_log_level", None) or args.log_level).upper()
         logging.basicConfig(level=level, format="%(asctime)s %(name)s %(message)s")
         return int(args.run(args) or 0)
+    except SystemExit:
+        raise
     except BaseException as error:
-        if not is_interrupt(error):
+        if is_interrupt(error):
+            print("trio-llm: interrupted", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        if level == "DEBUG":
             raise
-        print("trio-llm: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        from trio_llm.api.serving import fault_line
+
+        print(f"trio-llm: {fault_line(error)} (--log-level debug shows where)",
+              file=sys.stderr)
+        return 1
 
 
 def is_interrupt(error: BaseException) -> bool:

@@ -110,6 +110,8 @@ class Engine:
         self._request_id_prefix = request_id_prefix
         self._aborted: set[str] = set()
         self._draining = False
+        self._is_drain_started = False
+        self._drained = trio.Event()
         self._trio_token = trio.lowlevel.current_trio_token()
 
     @classmethod
@@ -428,19 +430,24 @@ class Engine:
         """Return once an actor failed and the engine stopped."""
         await self._actors.dead.wait()
 
-    async def drain(self, grace_seconds: float | None = None) -> None:
-        """The one drain, shared by this facade's exit and the HTTP server's stop:
-        take no new requests, let open ones finish for up to ``grace_seconds``
-        (default ``config.shutdown_grace_seconds``), then end the rest with
-        EngineDead. Their callers see the error at once; nothing waits longer."""
+    async def drain(self) -> None:
+        """The one drain, shared by this facade's exit and the HTTP server's stop
+        (whichever comes first runs it; a later call waits for it): take no new
+        requests, let open ones finish for up to ``config.shutdown_grace_seconds``,
+        then end the rest with EngineDead. Their callers see the error at once;
+        nothing waits longer."""
+        if self._is_drain_started:
+            with trio.CancelScope(shield=True):  # bounded by the first call's grace
+                await self._drained.wait()
+            return
+        self._is_drain_started = True
         self.begin_drain()
-        if grace_seconds is None:
-            grace_seconds = self.config.shutdown_grace_seconds
-        with trio.move_on_after(grace_seconds, shield=True):
+        with trio.move_on_after(self.config.shutdown_grace_seconds, shield=True):
             await self._streams.wait_empty()
         if len(self._streams):
             logger.warning("shutting down with %d requests still open", len(self._streams))
             self._streams.fail_all(EngineDead("the engine shut down"))
+        self._drained.set()
 
 
 class RequestOutputStream:
@@ -603,9 +610,9 @@ async def created_executor(config: EngineConfig, executor: LoadedExecutor | None
 
 
 def create_executor(config: EngineConfig) -> ModelExecutor | TensorParallelExecutor:
-    """The model executor for ``config`` (trio_llm.gpu.executor). Imported on
+    """The model executor for ``config`` (trio_llm.gpu.factory). Imported on
     use: an API server of the served layout never loads a model, and so never
     imports torch."""
-    from trio_llm.gpu.executor import create_executor as create
+    from trio_llm.gpu.factory import create_executor as create
 
     return create(config)

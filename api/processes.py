@@ -3,9 +3,10 @@
     trio-llm serve --model qwen3-0.6b --api-server-count 2
 
 The supervisor (the process `trio-llm serve` runs in) opens everything the
-children share before it starts them: one listening socket per API server,
-all bound to the same port with SO_REUSEPORT (the kernel spreads connections
-over them), and one local socket pair per API server for its wire channel to
+children share before it starts them: one listening socket (bound by
+`trio-llm serve` before anything starts, without SO_REUSEPORT, so a busy port
+fails at once and no other process can share it), which every API server
+accepts on, and one local socket pair per API server for its wire channel to
 the engine core. It passes each child its ends (file descriptors), closes its
 own copies, and watches:
 
@@ -13,8 +14,8 @@ own copies, and watches:
   fails its open requests and exits non-zero; the supervisor waits for them
   (killing any that hang) and exits 1;
 - an API server exits: the core aborts its requests and frees their blocks;
-  the others go on serving (the kernel stops routing connections to a closed
-  socket). With none left, the core is stopped and the supervisor exits 1;
+  the others go on accepting on the shared socket. With none left, the core
+  is stopped and the supervisor exits 1;
 - SIGTERM or SIGINT: each API server is sent SIGTERM (it drains, then exits
   0); then the core is stopped; exit 0 if every child exited 0. A second
   signal is passed on too (the API servers then stop at once).
@@ -58,7 +59,8 @@ from trio_llm.actors.supervisor import run_core_supervisor
 from trio_llm.actors.wire import open_wire_channel
 from trio_llm.api.engine import Engine, created_executor
 from trio_llm.api.metrics import MULTIPROCESS_DIR_VARIABLE
-from trio_llm.api.server import LISTEN_BACKLOG, ServerConfig, serve
+from trio_llm.api.server import ServerConfig
+from trio_llm.api.serving import receiving_stop_signals, serve, stop_on_signals
 
 logger = logging.getLogger(__name__)
 
@@ -145,46 +147,45 @@ class _Child:
         self.exited.set()
 
 
-def run_served(engine_config: EngineConfig, server_config: ServerConfig, *,
-               num_api_servers: int) -> int:
-    """`trio-llm serve --api-server-count N`: 0 after a graceful stop, 1 otherwise."""
-    return trio.run(_supervise, engine_config, server_config, num_api_servers)
+def run_served(engine_config: EngineConfig, server_config: ServerConfig,
+               listener: socket.socket, *, num_api_servers: int) -> int:
+    """`trio-llm serve --api-server-count N` on ``listener`` (the socket every API
+    server accepts on): 0 after a graceful stop, 1 otherwise."""
+    return trio.run(_supervise, engine_config, server_config, listener, num_api_servers)
 
 
 async def _supervise(engine_config: EngineConfig, server_config: ServerConfig,
-                     num_api_servers: int) -> int:
-    listeners = _listening_sockets(server_config.host, server_config.port, num_api_servers)
-    pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM) for _ in listeners]
+                     listener: socket.socket, num_api_servers: int) -> int:
+    pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+             for _ in range(num_api_servers)]
     lifeline_read, lifeline_write = os.pipe()  # see the module docstring
     metrics_dir = tempfile.mkdtemp(prefix="trio-llm-metrics-")
-    port = listeners[0].getsockname()[1]
+    port = listener.getsockname()[1]
     logger.info("engine core and %d API servers for port %d", num_api_servers, port)
     stopping = False
     try:
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        with receiving_stop_signals(takes_sigint=True) as signals:
             core = await _start_core(engine_config, [core_end for core_end, _ in pairs])
             api_servers = [await _start_api_server(index, engine_config, server_config,
                                                    front_end, listener, metrics_dir,
                                                    lifeline_read)
-                           for index, ((_, front_end), listener)
-                           in enumerate(zip(pairs, listeners, strict=True))]
-            for sock in [*listeners, *(end for pair in pairs for end in pair)]:
+                           for index, (_, front_end) in enumerate(pairs)]
+            for sock in [listener, *(end for pair in pairs for end in pair)]:
                 sock.close()  # the children hold them now; a dead child's must really close
             os.close(lifeline_read)
             async with trio.open_nursery() as nursery:
                 for child in (core, *api_servers):
                     nursery.start_soon(child.wait)
 
-                async def pass_on_signals() -> None:
+                def stop_api_servers() -> None:
                     nonlocal stopping
-                    async for signal_number in signals:
-                        logger.info("%s: stopping the API servers",
-                                    signal.Signals(signal_number).name)
-                        stopping = True
-                        for api_server in api_servers:
-                            api_server.signal(signal.SIGTERM)
+                    stopping = True
+                    for api_server in api_servers:
+                        api_server.signal(signal.SIGTERM)
 
-                nursery.start_soon(pass_on_signals)
+                # Each signal is passed on: a second one stops the API servers at once.
+                nursery.start_soon(partial(stop_on_signals, signals, "every process",
+                                           stop=stop_api_servers, stop_now=stop_api_servers))
                 await _watch(core, api_servers)
                 nursery.cancel_scope.cancel()
     finally:
@@ -236,23 +237,6 @@ async def _report_exit(child: _Child) -> None:
         logger.error("%s exited with %s", child.name, code)
 
 
-def _listening_sockets(host: str, port: int, count: int) -> list[socket.socket]:
-    """``count`` sockets listening on one port (SO_REUSEPORT): the kernel hashes
-    each new connection to one of them. Port 0 picks a free port for all."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sockets = []
-    for _ in range(count):
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # accepted sockets inherit it
-        sock.bind((host, port))
-        port = sock.getsockname()[1]
-        sock.listen(LISTEN_BACKLOG)
-        sockets.append(sock)
-    return sockets
-
-
 async def _start_core(engine_config: EngineConfig, core_ends: list[socket.socket]) -> _Child:
     fds = [sock.fileno() for sock in core_ends]
     command = [*_child_command("core", engine_config), "--fds", ",".join(map(str, fds))]
@@ -294,17 +278,13 @@ def _stream_of(fd: int) -> trio.SocketStream:
 
 
 async def _run_core(engine_config: EngineConfig, fds: list[int]) -> int:
-    # The supervisor stops the core (SIGTERM) only once the API servers are gone;
-    # a terminal's SIGINT is the supervisor's to pass on.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    with trio.open_signal_receiver(signal.SIGTERM) as signals:
+    # The supervisor stops the core (SIGTERM) only once the API servers are gone:
+    # nothing is left to drain, so it stops at once.
+    with receiving_stop_signals(takes_sigint=False) as signals:
         async with trio.open_nursery() as nursery:
-            async def stop_on_signal() -> None:
-                async for _ in signals:
-                    logger.info("SIGTERM: the engine core stops")
-                    nursery.cancel_scope.cancel()
-
-            nursery.start_soon(stop_on_signal)
+            cancel = nursery.cancel_scope.cancel
+            nursery.start_soon(partial(stop_on_signals, signals, "the engine core",
+                                       stop=cancel, stop_now=cancel))
             try:
                 await run_engine_core(engine_config, [_stream_of(fd) for fd in fds])
             except EngineDead as error:
@@ -316,13 +296,12 @@ async def _run_core(engine_config: EngineConfig, fds: list[int]) -> int:
 
 async def _run_api_server(engine_config: EngineConfig, server_config: ServerConfig,
                           core_fd: int, listen_fd: int, lifeline_fd: int) -> int:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # see _run_core
     open_engine = partial(Engine.open_front, engine_config, _stream_of(core_fd))
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_stop_when_orphaned, lifeline_fd)
         try:
             await serve(engine_config, server_config, open_engine=open_engine,
-                        listen_fd=listen_fd)
+                        listen_fd=listen_fd, takes_sigint=False)
         except EngineDead as error:
             logger.error("the engine died: %s", error)
             return 1

@@ -188,6 +188,8 @@ async def _events(outputs: AsyncIterator[RequestOutput], builder: ResponseBuilde
                     if output.finished:
                         break
                     output = await anext(outputs)
+            except StopAsyncIteration:
+                pass  # ended without a last output: nothing more to say
             except EngineError as error:
                 timer.summary = f"failed in the stream: {error}"
                 yield _sse(builder.failed(http._error_info(error)[1]))

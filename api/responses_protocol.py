@@ -61,7 +61,7 @@ class ReasoningConfig(msgspec.Struct, kw_only=True):
     mode: str | None = None
 
 
-class StreamOptions(msgspec.Struct, kw_only=True):
+class ResponsesStreamOptions(msgspec.Struct, kw_only=True):
     include_obfuscation: bool = False
 
 
@@ -76,7 +76,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     temperature: protocol.Temperature | None = None
     top_p: protocol.TopP | None = None
     stream: bool = False
-    stream_options: StreamOptions | None = None
+    stream_options: ResponsesStreamOptions | None = None
     text: TextConfig | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -336,6 +336,10 @@ def check_refused_values(body: ResponsesRequest) -> None:
         raise RequestRejected("text.verbosity is not supported by trio-llm; say it in the "
                               "instructions", param="text.verbosity")
     _check_reasoning(body.reasoning)
+    if (body.structured_outputs is not None and body.text is not None
+            and body.text.format is not None and body.text.format.type != "text"):
+        raise RequestRejected("give text.format or structured_outputs, not both",
+                              param="structured_outputs")
 
 
 def _check_reasoning(reasoning: ReasoningConfig | None) -> None:
@@ -445,8 +449,7 @@ class OutputText(msgspec.Struct, kw_only=True):
     logprobs: list[Any] = []
 
 
-class OutputMessage(msgspec.Struct, kw_only=True):
-    type: Literal["message"] = "message"
+class OutputMessage(msgspec.Struct, kw_only=True, tag_field="type", tag="message"):
     id: str
     role: Literal["assistant"] = "assistant"
     status: str
@@ -458,16 +461,14 @@ class ReasoningText(msgspec.Struct, kw_only=True):
     text: str
 
 
-class OutputReasoning(msgspec.Struct, kw_only=True):
-    type: Literal["reasoning"] = "reasoning"
+class OutputReasoning(msgspec.Struct, kw_only=True, tag_field="type", tag="reasoning"):
     id: str
     summary: list[Any] = []
     content: list[ReasoningText]
     status: str
 
 
-class OutputFunctionCall(msgspec.Struct, kw_only=True):
-    type: Literal["function_call"] = "function_call"
+class OutputFunctionCall(msgspec.Struct, kw_only=True, tag_field="type", tag="function_call"):
     id: str
     call_id: str
     name: str

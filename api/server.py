@@ -1,33 +1,21 @@
-"""The OpenAI-compatible HTTP server: a Quart-Trio app served by Hypercorn's trio worker.
+"""The OpenAI-compatible HTTP app: a Quart-Trio app over a running engine, its
+handlers, and their SSE streams. api/serving.py serves it (Hypercorn, signals,
+the drain); api/cli.py turns flags into its ServerConfig.
 
-    trio-llm serve --model tiny --port 8000
+A streamed response is an async generator that owns its engine request:
+however it ends (finished, client gone, shutdown), the request's output
+stream is closed in a shielded, time-bounded ``finally`` and the engine aborts
+it within one step.
 
-Lifetimes nest: the engine's nursery (Engine.open) holds the server's, which
-holds Hypercorn's. A streamed response is an async generator that owns its
-engine request: however it ends (finished, client gone, shutdown), the
-request's output stream is closed in a shielded, time-bounded ``finally`` and
-the engine aborts it within one step.
-
-Shutdown: SIGINT or SIGTERM runs the engine's one drain (``Engine.drain``:
-new requests get 503 with Retry-After, /health turns 503, the socket still
-answers; open requests finish for up to ``--shutdown-grace-seconds``, the rest
-end with an error), then stops Hypercorn. A second signal stops at once.
-
-``--api-server-count N`` (N >= 1) serves the same app from N API-server
-processes in front of one engine-core process (api/processes.py); 0 serves
-everything from this one process. Without the flag, N is one per four CPU
-cores, 1 to 4 (``default_api_server_count``).
+Routes: ``create_app`` registers each endpoint module's routes on the app
+(``register_routes``); a new endpoint module adds its own line there.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import hmac
 import logging
-import os
-import signal
-import threading
 import time
 import uuid
 from collections.abc import (
@@ -39,7 +27,6 @@ from collections.abc import (
     Sequence,
 )
 from contextlib import (
-    AbstractAsyncContextManager,
     AbstractContextManager,
     aclosing,
     asynccontextmanager,
@@ -52,16 +39,12 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar, cast
 import msgspec
 import quart_cors
 import trio
-from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio import serve as hypercorn_serve
-from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, Scope
 from quart import has_request_context, request
 from quart_trio import QuartTrio
 from quart_trio.wrappers.response import TrioResponse as Response
 from werkzeug.exceptions import HTTPException
 
 from trio_llm.actors.errors import (
-    EngineDead,
     EngineError,
     ModelNotFound,
     QueueFull,
@@ -72,12 +55,10 @@ from trio_llm.actors.generation_defaults import GenerationDefaults
 from trio_llm.actors.messages import RequestOutput, SamplingParams, StructuredOutputsParams
 from trio_llm.api import protocol, request_fields
 from trio_llm.api.choices import ChoiceOutputs, ChoicePlan, combined_chat, combined_completion
-from trio_llm.api.connections import CompletedResponseGuard
 from trio_llm.api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from trio_llm.api.metrics import RequestTimer, ServerMetrics
 from trio_llm.api.openapi import openapi_document
-from trio_llm.api.reasoning_parsers import REASONING_PARSERS
-from trio_llm.api.stats_log import DEFAULT_STATS_INTERVAL_SECONDS, log_request, log_stats_every
+from trio_llm.api.stats_log import DEFAULT_STATS_INTERVAL_SECONDS, log_request
 from trio_llm.api.tool_calls import (
     ChatOutputParser,
     ToolServingOptions,
@@ -85,7 +66,6 @@ from trio_llm.api.tool_calls import (
     plan_tool_calls,
     reasoning_parser_for,
 )
-from trio_llm.api.tool_parsers import TOOL_PARSERS
 
 if TYPE_CHECKING:
     from trio_llm.api.engine import Engine
@@ -102,28 +82,6 @@ BODY_TIMEOUT_SECONDS = 60.0
 # Closing a request's output stream only sends an Abort to the engine; bound it
 # anyway, since it runs shielded.
 CLOSE_TIMEOUT_SECONDS = 5.0
-# After the drain, Hypercorn lets responses being written go out for this long.
-STRAGGLER_SECONDS = 1.0
-# An idle keep-alive connection is closed after this long. Hypercorn's default (5 s)
-# equals the idle expiry of httpx's pool (and so of the OpenAI client): a client
-# reuses a connection idle for just under 5 s while the server closes it, and the
-# request on it fails ("Server disconnected without sending a response"); under
-# load, with the loops lagging, about 1% of requests did (docs/performance.md,
-# "Process layouts"). A server must keep idle connections longer than its clients
-# do (nginx's default: 75 s). A graceful stop closes idle connections at once.
-KEEP_ALIVE_SECONDS = 75.0
-# Connections the kernel may hold for the server before it accepts them, as
-# uvicorn's (vLLM's) default. Hypercorn listens with 100, on a socket it is handed
-# too: of a burst of more new connections than that (a benchmark's 256 at once),
-# the kernel drops the rest, and their clients retry only a second later.
-LISTEN_BACKLOG = 2048
-# `trio-llm serve` without --api-server-count: one API server for every
-# CPU_CORES_PER_API_SERVER cores this process may run on, 1 to MAX_DEFAULT_API_SERVERS
-# (measured, docs/performance.md, "Process layouts": on the H200 machine's 16 cores
-# four API servers served 42,258 tok/s, two 25,290, one 12,660, one process 6,454;
-# on the 2-core development machine one API server served twice what one process did).
-CPU_CORES_PER_API_SERVER = 4
-MAX_DEFAULT_API_SERVERS = 4
 # Worker threads for converting generation requests, and for /tokenize and
 # /detokenize: limiters of their own. With trio's shared default limiter,
 # enough large requests at once could hold every thread and hold up the
@@ -135,10 +93,6 @@ NUM_CONVERSION_THREADS = 8
 # thread round trip that most requests would otherwise pay.
 MAX_INLINE_CONVERSION_BYTES = 16 * 1024
 NUM_TOKENIZER_THREADS = 8
-# After a second signal the server stops at once; should a send that cannot be
-# cancelled still hold it this long later, the process exits (EXIT_FORCED).
-FORCED_STOP_SECONDS = 2.0
-EXIT_FORCED = 3
 OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json", "/version", "/ping"})
 # OpenAI endpoints trio-llm does not serve: a clear 404 instead of "URL not found".
 NOT_SUPPORTED_PATHS = ("/v1/audio/<path:rest>",
@@ -151,15 +105,14 @@ JSON_CONTENT_TYPE = "application/json"
 class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     """How the HTTP server listens and guards itself. ``port`` 0 picks a free port.
 
-    ``served_model_name`` None serves the engine's model name.
+    What the engine holds is read from its config, not repeated here: the
+    served model name and the shutdown grace period (EngineConfig).
     """
 
     host: str = "127.0.0.1"
     port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8000
     api_key: str | None = None
-    served_model_name: str | None = None
     max_body_bytes: Annotated[int, msgspec.Meta(ge=1)] = DEFAULT_MAX_BODY_BYTES
-    shutdown_grace_seconds: Annotated[float, msgspec.Meta(ge=0.0)] = 5.0
     retry_after_seconds: Annotated[int, msgspec.Meta(ge=0)] = 1
     # tool calling and reasoning (api/tool_calls.py), vLLM's flags
     enable_auto_tool_choice: bool = False
@@ -191,28 +144,12 @@ def create_app(engine: Engine, config: ServerConfig) -> QuartTrio:
                       MAX_CONTENT_LENGTH=config.max_body_bytes)
     api = OpenAIServer(engine, config)
     app.extensions["trio_llm"] = api
-    routes: list[tuple[str, Callable[[], Awaitable[Response]], str]] = [
-        ("/v1/completions", api.completions, "POST"),
-        ("/v1/chat/completions", api.chat_completions, "POST"),
-        ("/v1/models", api.models, "GET"),
-        ("/health", api.health, "GET"),
-        ("/metrics", api.metrics_text, "GET"),
-        ("/tokenize", api.tokenize, "POST"),
-        ("/detokenize", api.detokenize, "POST"),
-        ("/openapi.json", api.openapi, "GET"),
-        ("/version", api.version, "GET"),
-        ("/ping", api.ping, "GET"),
-        ("/ping", api.ping, "POST"),
-    ]
-    for path, view, method in routes:
-        app.add_url_rule(path, view_func=view, methods=[method], endpoint=f"{method} {path}")
-    from trio_llm.api.responses import register_routes  # it imports this module
+    # Each endpoint module registers its routes on the app.
     register_routes(app, api)
-    from trio_llm.api import embeddings  # it imports this module
+    from trio_llm.api.responses import register_routes as register_responses  # it imports us
+    register_responses(app, api)
+    from trio_llm.api import embeddings  # it imports us
     embeddings.register_routes(app, api)
-    for path in NOT_SUPPORTED_PATHS:
-        app.add_url_rule(path, view_func=api.not_supported, methods=["GET", "POST"],
-                         endpoint=f"not supported {path}")
     app.before_request(api.check_api_key)
     if config.allowed_origins:
         quart_cors.cors(app, allow_origin=config.allowed_origins,
@@ -225,14 +162,44 @@ def create_app(engine: Engine, config: ServerConfig) -> QuartTrio:
     return app
 
 
+# A route: (path, view, method).
+Route = tuple[str, Callable[..., Awaitable[Response]], str]
+
+
+def add_routes(app: QuartTrio, routes: Sequence[Route]) -> None:
+    """Register ``routes`` on ``app``, each under its own endpoint name."""
+    for path, view, method in routes:
+        app.add_url_rule(path, view_func=view, methods=[method], endpoint=f"{method} {path}")
+
+
+def register_routes(app: QuartTrio, api: OpenAIServer) -> None:
+    """This module's endpoints, and a clear 404 for the OpenAI ones trio-llm lacks."""
+    add_routes(app, [
+        ("/v1/completions", api.completions, "POST"),
+        ("/v1/chat/completions", api.chat_completions, "POST"),
+        ("/v1/models", api.models, "GET"),
+        ("/health", api.health, "GET"),
+        ("/metrics", api.metrics_text, "GET"),
+        ("/tokenize", api.tokenize, "POST"),
+        ("/detokenize", api.detokenize, "POST"),
+        ("/openapi.json", api.openapi, "GET"),
+        ("/version", api.version, "GET"),
+        ("/ping", api.ping, "GET"),
+        ("/ping", api.ping, "POST"),
+    ])
+    for path in NOT_SUPPORTED_PATHS:
+        app.add_url_rule(path, view_func=api.not_supported, methods=["GET", "POST"],
+                         endpoint=f"not supported {path}")
+
+
 class OpenAIServer:
     """The handlers of one app, and what they share: engine, config, metrics."""
 
     def __init__(self, engine: Engine, config: ServerConfig) -> None:
         self.engine = engine
         self.config = config
-        self.model_name = config.served_model_name or engine.model_name
-        self.accepted_model_names = {self.model_name, engine.model_name, engine.config.model}
+        self.model_name = engine.model_name  # --served-model-name, else the model
+        self.accepted_model_names = {self.model_name, engine.config.model}
         self.metrics = ServerMetrics(self.model_name, max_model_len=engine.max_model_len)
         self.created = int(time.time())
         self._api_key = None if config.api_key is None else f"Bearer {config.api_key}".encode()
@@ -765,272 +732,3 @@ async def closing(outputs: AsyncIterator[Any]) -> AsyncIterator[None]:
         if aclose is not None:
             with trio.move_on_after(CLOSE_TIMEOUT_SECONDS, shield=True):
                 await aclose()
-
-
-# -- serving ------------------------------------------------------------------------
-
-
-def hypercorn_config(config: ServerConfig, *, listen_fd: int | None = None) -> HypercornConfig:
-    """Hypercorn's settings; ``listen_fd`` serves a socket already listening
-    (an API server of the served layout) instead of binding host:port."""
-    hyper = HypercornConfig()
-    host = f"[{config.host}]" if ":" in config.host else config.host
-    hyper.bind = [f"fd://{listen_fd}" if listen_fd is not None else f"{host}:{config.port}"]
-    # The drain happens before Hypercorn is told to stop (see serve_app); this
-    # only lets responses being written at that moment go out.
-    hyper.graceful_timeout = STRAGGLER_SECONDS
-    hyper.keep_alive_timeout = KEEP_ALIVE_SECONDS
-    hyper.backlog = LISTEN_BACKLOG
-    # vLLM's --uvicorn-log-level: the web server's own logger; at debug (or
-    # trace) its access log too, beside the request lines the app writes.
-    level = logging.DEBUG if config.uvicorn_log_level == "trace" else (
-        config.uvicorn_log_level.upper())
-    for name in ("hypercorn.error", "hypercorn.access"):
-        logging.getLogger(name).setLevel(level)
-    hyper.accesslog = (logging.getLogger("hypercorn.access")
-                       if config.uvicorn_log_level in ("debug", "trace") else None)
-    hyper.errorlog = logging.getLogger("hypercorn.error")  # our handlers, not its own
-    return hyper
-
-
-async def serve_app(engine: Engine, config: ServerConfig, *,
-                    shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
-                    listen_fd: int | None = None,
-                    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
-    """Serve the app over ``engine`` until cancelled or until a graceful stop.
-
-    Reports the bound URL (``http://host:port``) through ``task_status`` once
-    the socket listens. When ``shutdown_trigger`` returns: the engine's one
-    drain (``Engine.drain``: new requests get 503 + Retry-After, /health 503,
-    the socket still answers; open requests may finish for up to
-    ``shutdown_grace_seconds``, the rest end with an error), then Hypercorn
-    stops, letting responses being written go out.
-    """
-    app = create_app(engine, config)
-    stop = trio.Event()
-    async with trio.open_nursery() as nursery:
-        guard = CompletedResponseGuard(app)
-        guarded_app = RootPath(guard, config.root_path) if config.root_path else guard
-        binds = await nursery.start(partial(
-            _serve_then_cancel, guarded_app, hypercorn_config(config, listen_fd=listen_fd),
-            stop, nursery.cancel_scope))
-        url = binds[0]
-        if not config.disable_log_stats:
-            nursery.start_soon(log_stats_every, config.log_stats_interval,
-                               engine.fetch_statistics)
-        logger.info("trio-llm serving %r at %s", app.extensions["trio_llm"].model_name, url)
-        if shutdown_trigger is not None:
-            nursery.start_soon(_drain_then_stop, engine, config, shutdown_trigger, stop)
-        task_status.started(url)
-
-
-class RootPath:
-    """``--root-path`` as uvicorn (and so vLLM) has it: the server sits behind a
-    proxy that strips the prefix, so ``/v1/models`` is served, and the app sees
-    it under the prefix (ASGI's root_path). A request that still carries the
-    prefix (no proxy in front) is served too."""
-
-    def __init__(self, app: CompletedResponseGuard, root_path: str) -> None:
-        self.app = app
-        self.root_path = "/" + root_path.strip("/")
-
-    async def __call__(self, scope: Scope, receive: ASGIReceiveCallable,
-                       send: ASGISendCallable) -> None:
-        if scope["type"] == "http":
-            path = scope["path"]
-            if not (path == self.root_path or path.startswith(self.root_path + "/")):
-                path = self.root_path + path
-            scope = {**scope, "root_path": self.root_path, "path": path}
-        await self.app(scope, receive, send)
-
-
-async def _serve_then_cancel(app: CompletedResponseGuard | RootPath, config: HypercornConfig,
-                             stop: trio.Event, scope: trio.CancelScope, *,
-                             task_status: trio.TaskStatus[list[str]]) -> None:
-    """Hypercorn until it stops, then the tasks beside it (the stats line)."""
-    await hypercorn_serve(app, config, shutdown_trigger=stop.wait, task_status=task_status)
-    scope.cancel()
-
-
-async def _drain_then_stop(engine: Engine, config: ServerConfig,
-                           shutdown_trigger: Callable[[], Awaitable[None]],
-                           stop: trio.Event) -> None:
-    await shutdown_trigger()
-    logger.info("draining %d open requests for up to %.1f s", engine.num_open_requests,
-                config.shutdown_grace_seconds)
-    await engine.drain(config.shutdown_grace_seconds)
-    stop.set()
-
-
-EngineOpener = Callable[[], AbstractAsyncContextManager["Engine"]]
-
-
-async def serve(engine_config: Any, config: ServerConfig, *,
-                open_engine: EngineOpener | None = None, listen_fd: int | None = None,
-                task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
-    """Open the engine and serve it until SIGINT/SIGTERM (graceful) or the engine dies.
-
-    ``open_engine`` opens the facade (default: ``Engine.open(engine_config)``,
-    the in-process layout; an API server passes its ``Engine.open_front``).
-    Raises EngineDead if the engine died.
-    """
-    from trio_llm.api.engine import Engine
-
-    if open_engine is None:
-        open_engine = partial(Engine.open, engine_config)
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async with open_engine() as engine:
-            stop = trio.Event()
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(_stop_on_signals, signals, stop, nursery.cancel_scope)
-                nursery.start_soon(_stop_when_dead, engine, stop)
-                url = await nursery.start(_serve_then_stop_watchers, engine, config, stop,
-                                          nursery.cancel_scope, listen_fd)
-                task_status.started(url)
-
-
-async def _serve_then_stop_watchers(engine: Engine, config: ServerConfig, stop: trio.Event,
-                                    watchers: trio.CancelScope, listen_fd: int | None, *,
-                                    task_status: trio.TaskStatus[str]) -> None:
-    await serve_app(engine, config, shutdown_trigger=stop.wait, listen_fd=listen_fd,
-                    task_status=task_status)
-    watchers.cancel()
-
-
-async def _stop_on_signals(signals: Any, stop: trio.Event,
-                           force_scope: trio.CancelScope) -> None:
-    async for signal_number in signals:
-        name = signal.Signals(signal_number).name
-        if stop.is_set():
-            logger.warning("second %s: stopping now", name)
-            force_scope.cancel()
-            _exit_unless_stopped_within(FORCED_STOP_SECONDS)
-            return
-        logger.info("%s: stopping gracefully (again to stop at once)", name)
-        stop.set()
-
-
-def _exit_unless_stopped_within(seconds: float) -> None:
-    """The last resort of a second signal: Hypercorn sends with the connection's
-    task shielded from cancellation, so a client that stops reading keeps a
-    cancelled server from ever ending (benchmarks/slow_reader_shutdown.py). A
-    daemon timer ends the process, non-zero, if it is still running then."""
-    def exit_now() -> None:
-        logger.error("still not stopped %.0f s after the second signal (a client that "
-                     "does not read holds a send): exiting without cleanup", seconds)
-        logging.shutdown()
-        os._exit(EXIT_FORCED)
-
-    timer = threading.Timer(seconds, exit_now)
-    timer.daemon = True
-    timer.start()
-
-
-async def _stop_when_dead(engine: Engine, stop: trio.Event) -> None:
-    await engine.wait_dead()
-    logger.error("the engine died: stopping the server")
-    stop.set()
-
-
-# -- the command line -----------------------------------------------------------------
-
-
-def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the server's flags to `trio-llm serve` (the engine's are added separately)."""
-    # --served-model-name is one of the engine's flags; ServerConfig reads it too.
-    group = parser.add_argument_group("server")
-    group.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    group.add_argument("--port", type=int, default=8000,
-                       help="port to listen on (0: any free port)")
-    group.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
-    group.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
-                       help="largest request body accepted (HTTP 413 above)")
-    group.add_argument("--shutdown-grace-seconds", type=float, default=None,
-                       help="how long open requests may finish on SIGTERM")
-    group.add_argument("--enable-auto-tool-choice", action="store_true", default=None,
-                       help='serve tool_choice "auto" (needs --tool-call-parser)')
-    group.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
-                       help="how tool calls are found in generated text")
-    group.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
-                       help="split reasoning (<think>...</think>) into reasoning_content")
-    group.add_argument("--api-server-count", type=int, default=None,
-                       help="API-server processes in front of one engine-core process "
-                            "(0: serve everything from this one process; default: one "
-                            f"per {CPU_CORES_PER_API_SERVER} CPU cores, 1 to "
-                            f"{MAX_DEFAULT_API_SERVERS})")
-    group.add_argument("--root-path", default=None,
-                       help="path prefix stripped by a proxy in front (ASGI root_path)")
-    group.add_argument("--allowed-origins", type=_string_list, default=None,
-                       help='CORS: origins allowed, a JSON list (\'["*"]\') or comma '
-                            "separated (default: none, CORS off)")
-    group.add_argument("--allow-credentials", action="store_true", default=None,
-                       help="CORS: allow credentials")
-    group.add_argument("--allowed-methods", type=_string_list, default=None,
-                       help='CORS: methods allowed (default ["*"])')
-    group.add_argument("--allowed-headers", type=_string_list, default=None,
-                       help='CORS: headers allowed (default ["*"])')
-    group.add_argument("--disable-log-requests", action="store_true", default=None,
-                       help="no log line per request")
-    group.add_argument("--disable-log-stats", action="store_true", default=None,
-                       help="no periodic stats line")
-    group.add_argument("--log-stats-interval", type=float, default=None,
-                       help=f"seconds between stats lines (default "
-                            f"{DEFAULT_STATS_INTERVAL_SECONDS:g})")
-    group.add_argument("--uvicorn-log-level", default=None,
-                       choices=["critical", "error", "warning", "info", "debug", "trace"],
-                       help="log level of the web server (Hypercorn); vLLM's name")
-
-
-def _string_list(text: str) -> list[str]:
-    """A flag's list: JSON (vLLM's form, '["a", "b"]') or comma separated."""
-    if text.lstrip().startswith("["):
-        try:
-            return msgspec.json.decode(text, type=list[str])
-        except msgspec.DecodeError as error:
-            raise argparse.ArgumentTypeError(f"not a JSON list of strings: {error}") from None
-    return [item.strip() for item in text.split(",") if item.strip()]
-
-
-def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
-    """ServerConfig from parsed flags; raises SystemExit with the field at fault."""
-    given = {field.name: getattr(args, field.name, None)
-             for field in msgspec.structs.fields(ServerConfig)}
-    try:
-        return msgspec.convert({k: v for k, v in given.items() if v is not None}, ServerConfig)
-    except msgspec.ValidationError as error:
-        raise SystemExit(f"trio-llm serve: invalid server option: {error}") from None
-
-
-def default_api_server_count(num_cpus: int) -> int:
-    """The API servers `trio-llm serve` starts unless told: see CPU_CORES_PER_API_SERVER."""
-    return max(1, min(MAX_DEFAULT_API_SERVERS, num_cpus // CPU_CORES_PER_API_SERVER))
-
-
-def _num_usable_cpus() -> int:
-    """The cores this process may run on (a container's share, not the host's)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
-def run_serve(args: argparse.Namespace) -> int:
-    """`trio-llm serve`: 0 after a graceful stop, 1 if the engine died."""
-    from trio_llm.api.cli import engine_config_from_args
-
-    engine_config = engine_config_from_args(args)
-    config = server_config_from_args(args)
-    num_api_servers = args.api_server_count
-    if num_api_servers is None:
-        num_api_servers = default_api_server_count(_num_usable_cpus())
-    if num_api_servers < 0:
-        raise SystemExit("trio-llm serve: --api-server-count must be 0 or more")
-    if num_api_servers > 0:
-        from trio_llm.api.processes import run_served
-
-        return run_served(engine_config, config, num_api_servers=num_api_servers)
-    try:
-        trio.run(serve, engine_config, config)
-    except EngineDead as error:
-        logger.error("the engine died: %s", error)
-        return 1
-    return 0

@@ -26,7 +26,8 @@ from trio_llm.actors.config import EngineConfig  # noqa: E402
 from trio_llm.actors.detokenizer import StopStrings  # noqa: E402
 from trio_llm.actors.intake import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS  # noqa: E402
 from trio_llm.api.engine import Engine  # noqa: E402
-from trio_llm.api.server import ServerConfig, serve_app  # noqa: E402
+from trio_llm.api.server import ServerConfig  # noqa: E402
+from trio_llm.api.serving import serve_app  # noqa: E402
 
 CONFIG = EngineConfig(model="tiny", num_kv_blocks=512, max_model_len=2048)
 LOOP_TICK_SECONDS = 0.001

@@ -81,7 +81,7 @@ from trio_llm.gpu.executor import (
     kv_slot_array,
     kv_slots,
 )
-from trio_llm.gpu.model import AttentionMetadata, CausalLM
+from trio_llm.gpu.models.base import AttentionMetadata, CausalLM
 from trio_llm.gpu.sampler import (
     PromptLogprobRows,
     SamplingRow,
@@ -239,7 +239,7 @@ class CudaModelExecutor(ModelExecutor):
         """Allocate streams, slots and the block table; fuse kernels; capture graphs."""
         self.options = options
         if options.use_fused_kernels:
-            from trio_llm.gpu.triton_layers import fuse_model
+            from trio_llm.gpu.models.cuda_fused import fuse_model
 
             fuse_model(self.model)
         self.compute = Lane(self.device)

@@ -21,7 +21,6 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -36,11 +35,11 @@ from trio_llm.actors.messages import (
     StepResult,
 )
 from trio_llm.gpu.builtin import is_dummy_only, resolve_model
-from trio_llm.gpu.config import ModelConfig, ModelLoadError
 from trio_llm.gpu.loader import load_model, resolve_device, resolve_dtype
-from trio_llm.gpu.model import AttentionMetadata, CausalLM
+from trio_llm.gpu.models import ModelConfig, ModelLoadError, read_model_config
+from trio_llm.gpu.models.base import AttentionMetadata, CausalLM
 from trio_llm.gpu.penalties import PenaltyCounts
-from trio_llm.gpu.pooling import MeanPool, PoolingChunk, pool
+from trio_llm.gpu.pooling import MeanPool, PoolingChunk, new_mean_pool, pool
 from trio_llm.gpu.sampler import (
     PromptLogprobRows,
     SamplingRow,
@@ -49,9 +48,6 @@ from trio_llm.gpu.sampler import (
     sample,
 )
 from trio_llm.gpu.tensor_parallel import TensorParallel
-
-if TYPE_CHECKING:
-    from trio_llm.gpu.tp_executor import TensorParallelExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +141,7 @@ class ModelExecutor:
     def describe(cls, config: EngineConfig) -> ModelDescription:
         """Resolve the model and read its config.json; loads no weights."""
         model_path = resolve_model(config.model, config.revision)
-        model_config = ModelConfig.from_dir(model_path)
+        model_config = read_model_config(model_path)
         max_model_len = config.max_model_len or model_config.max_position_embeddings
         return ModelDescription(model_path=model_path, model_config=model_config,
                                 max_model_len=max_model_len)
@@ -210,10 +206,9 @@ class ModelExecutor:
             self.requests.pop(request_id, None)
             self.penalty_counts.release(request_id)
         for new_request in batch.new_requests:
-            pooling = new_request.pooling
             self.requests[new_request.request_id] = RequestState(
-                sampling=new_request.sampling, pooling=pooling,
-                mean_pool=MeanPool() if pooling is not None and pooling.pooling_type == "mean" else None)
+                sampling=new_request.sampling, pooling=new_request.pooling,
+                mean_pool=new_mean_pool(new_request.pooling))
             self._register_penalties(new_request)
         for scheduled in batch.requests:
             self._state(scheduled.request_id).block_ids.extend(scheduled.new_block_ids)
@@ -318,29 +313,6 @@ def _add_pooling_chunk(inputs: StepInputs, scheduled: ScheduledRequest, state: R
                                               state.mean_pool))
 
 
-def create_executor(config: EngineConfig) -> ModelExecutor | TensorParallelExecutor:
-    """The executor for ``config``: with ``tensor_parallel_size`` > 1 one that drives a
-    worker process per rank (gpu/tp_executor.py); else the pipelined CUDA executor where
-    the model runs on CUDA (gpu/cuda_executor.py, imported only then), or this one."""
-    if config.tensor_parallel_size > 1:
-        from trio_llm.gpu.tp_executor import TensorParallelExecutor
-
-        return TensorParallelExecutor.create(config)
-    return create_rank_executor(config)
-
-
-def create_rank_executor(config: EngineConfig, *, parallel: TensorParallel | None = None,
-                         device: torch.device | None = None) -> ModelExecutor:
-    """The executor of one model (or of one rank's shard): CUDA's where ``device``
-    (default: the config's) is a GPU, else this one."""
-    device = device or resolve_device(config.device)
-    if device.type == "cuda":
-        from trio_llm.gpu.cuda_executor import CudaModelExecutor
-
-        return CudaModelExecutor.create(config, parallel=parallel, device=device)
-    return ModelExecutor.create(config, parallel=parallel, device=device)
-
-
 def configure_cpu_threads() -> int:
     """Set and return torch's intra-op threads for an engine on the CPU: at most every
     core but one, which the trio thread (scheduler, detokenizer, request streams) needs
@@ -357,14 +329,16 @@ def configure_cpu_threads() -> int:
 
 
 def _fuse_cpu_model(model: CausalLM) -> None:
-    """Run a float32 model through gpu/cpu_layers.py's kernels (compiled now, not in the
-    first step), where their shapes allow: a step in parts on ``cpu_forward_threads()``
-    threads, each part's ops on its own thread (torch's intra-op threads: 1)."""
-    from trio_llm.gpu import cpu_layers
+    """Run a float32 model through gpu/kernels/cpu_layers.py's kernels (gpu/models/cpu_fused.py;
+    compiled now, not in the first step), where their shapes allow: a step in parts on
+    ``cpu_forward_threads()`` threads, each part's ops on its own thread (torch's intra-op
+    threads: 1)."""
+    from trio_llm.gpu.kernels import cpu_layers
+    from trio_llm.gpu.models import cpu_fused
 
-    if cpu_layers.can_fuse(model):
+    if cpu_fused.can_fuse(model):
         cpu_layers.warm_up()
-        cpu_layers.fuse_model(model, num_parts=cpu_forward_threads())
+        cpu_fused.fuse_model(model, num_parts=cpu_forward_threads())
         torch.set_num_threads(1)
 
 

@@ -52,6 +52,11 @@ class MeanPool:
         return (self.total / self.num_rows).to(torch.float32)
 
 
+def new_mean_pool(pooling: PoolingOptions | None) -> MeanPool | None:
+    """An empty sum for a request that pools the mean; None for any other."""
+    return MeanPool() if pooling is not None and pooling.pooling_type == "mean" else None
+
+
 @dataclass(slots=True)
 class PoolingChunk:
     """One embedding request's rows in a step's hidden states: ``start`` to ``end - 1``.

@@ -14,6 +14,7 @@ in-process or in the served layout.
 
 from __future__ import annotations
 
+import argparse
 import base64
 import json
 import shutil
@@ -47,6 +48,7 @@ from trio_llm.actors.messages import (
 )
 from trio_llm.actors.pooling import PoolingConfigError, read_pooling_config
 from trio_llm.actors.scheduler import Scheduler
+from trio_llm.api.cli import add_engine_arguments, engine_config_from_args
 from trio_llm.api.engine import Engine
 from trio_llm.api.processes import open_served_layout
 from trio_llm.gpu.builtin import resolve_model
@@ -86,7 +88,8 @@ def _with_files(source: Path, target: Path, files: dict[str, Any]) -> Path:
 
 
 def _st_pooling(mode: str, normalize: bool) -> dict[str, Any]:
-    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+    modules = [{"idx": 0, "name": "0", "path": "",
+                "type": "sentence_transformers.models.Transformer"},
                {"idx": 1, "name": "1", "path": "1_Pooling",
                 "type": "sentence_transformers.models.Pooling"}]
     if normalize:
@@ -448,3 +451,21 @@ def test_a_mean_pooled_request_never_starts_from_cached_blocks() -> None:
         _run_steps(scheduler, [_request("first", prompt, pooling=pooling)])
         batches, _ = _run_steps(scheduler, [_request("again", prompt, pooling=pooling)])
         assert batches[0].requests[0].num_computed_tokens == num_cached_tokens
+
+
+def test_task_embed_is_the_pooling_runner(checkpoints, tmp_path) -> None:
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+
+    def config_of(*flags: str) -> EngineConfig:
+        return engine_config_from_args(parser.parse_args(["--model", str(checkpoints["last"]),
+                                                          *flags]))
+
+    assert config_of().runner == "generate"
+    assert config_of("--task", "embed").runner == "pooling"
+    assert config_of("--runner", "pooling").runner == "pooling"
+    with pytest.raises(SystemExit, match="contradicts"):
+        config_of("--task", "embed", "--runner", "generate")
+    cls = _with_files(checkpoints["last"], tmp_path / "cls", _st_pooling("cls_token", True))
+    with pytest.raises(SystemExit, match="--runner pooling: .*pooling_mode_cls_token"):
+        engine_config_from_args(parser.parse_args(["--model", str(cls), "--task", "embed"]))

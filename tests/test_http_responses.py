@@ -20,6 +20,7 @@ import pydantic
 import pytest
 import trio
 from msgspec.structs import replace
+from test_http_openai import served_engine
 from test_http_support import (
     FakeEngine,
     open_raw_request,
@@ -101,14 +102,16 @@ def deltas(events: list[Any], kind: str) -> str:
     return "".join(event.delta for event in events if event.type == kind)
 
 
-async def test_text_streamed_or_not_is_what_the_engine_generates() -> None:
+@pytest.mark.parametrize("layout", ["in-process", "served"])
+async def test_text_streamed_or_not_is_what_the_engine_generates(layout: str) -> None:
     fields: dict[str, Any] = {**GREEDY, "input": "Tell me a story.", "max_output_tokens": 8}
     with trio.fail_after(TIMEOUT):
-        async with Engine.open(CONFIG) as engine, running_server(engine) as url:
-            expected = "".join([output.text async for output in engine.chat(
+        async with served_engine(layout) as served:
+            # in the served layout, through another front than the server's
+            expected = "".join([output.text async for output in served.engine.chat(
                 [{"role": "user", "content": "Tell me a story."}],
                 SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))])
-            async with openai_clients(url) as (client, sync_client):
+            async with openai_clients(served.url) as (client, sync_client):
                 response = await client.responses.create(**fields)
                 events = await stream_events(sync_client, **fields)
     assert response.output_text == expected and len(expected) > 0
@@ -417,6 +420,23 @@ async def test_a_streamed_response_reassembles_on_the_scripted_engine() -> None:
         "input_tokens"] + 5
 
 
+async def test_an_engine_failure_mid_stream_ends_it_with_response_failed() -> None:
+    engine = FakeEngine(max_model_len=256, fail_after_tokens=2)
+    with trio.fail_after(30):
+        async with running_server(engine) as url, httpx.AsyncClient() as client:
+            streamed = await client.post(f"{url}/v1/responses", json={
+                "input": "hi", "max_output_tokens": 5, "stream": True})
+    data = [json.loads(line.removeprefix("data: ")) for line in streamed.text.splitlines()
+            if line.startswith("data: ")]
+    assert streamed.status_code == 200
+    assert [event["sequence_number"] for event in data] == list(range(len(data)))
+    assert data[-1]["type"] == "response.failed"
+    failed = data[-1]["response"]
+    assert failed["status"] == "failed" and failed["error"]["code"] == "server_error"
+    assert "the engine died" in failed["error"]["message"]
+    assert not engine.running
+
+
 REFUSED: list[tuple[dict[str, Any], str, str]] = [
     ({"previous_response_id": "resp_1"}, "previous_response_id", "keeps no responses"),
     ({"store": True}, "store", "keeps no responses"),
@@ -445,6 +465,8 @@ REFUSED: list[tuple[dict[str, Any], str, str]] = [
     ({"prompt_cache_retention": "24h"}, "prompt_cache_retention", "memory"),
     ({"context_management": [{"type": "compaction"}]}, "context_management", "compacted"),
     ({"request_id": "mine"}, "request_id", "names each response"),
+    ({"text": {"format": {"type": "json_object"}}, "structured_outputs": {"regex": "a"}},
+     "structured_outputs", "not both"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema",
      "schema"),
 ]
@@ -473,3 +495,23 @@ async def test_refused_fields_are_a_400_naming_them() -> None:
     body = defaults.json()
     assert body["store"] is False and body["metadata"] == {"a": "b"}
     assert body["user"] == "u" and body["max_tool_calls"] == 3
+
+
+def test_every_field_of_openais_request_schema_has_a_status() -> None:
+    """Honoured (declared), refused, or without effect: none is silently ignored."""
+    from typing import get_type_hints
+
+    from openai.types.responses.response_create_params import (
+        ResponseCreateParamsNonStreaming,
+        ResponseCreateParamsStreaming,
+    )
+
+    from trio_llm.api.request_fields import NO_EFFECT_FIELDS
+    from trio_llm.api.responses_protocol import REFUSED_RESPONSES_FIELDS
+
+    openai_fields = (set(get_type_hints(ResponseCreateParamsStreaming))
+                     | set(get_type_hints(ResponseCreateParamsNonStreaming)))
+    known = (set(ResponsesRequest.__struct_fields__) | set(REFUSED_RESPONSES_FIELDS)
+             | NO_EFFECT_FIELDS)
+    assert openai_fields - known == set()
+    assert {"input", "store", "previous_response_id", "tools"} <= openai_fields

@@ -18,7 +18,8 @@ from test_http_support import (
     sse_json,
 )
 
-from trio_llm.api.server import KEEP_ALIVE_SECONDS, LISTEN_BACKLOG, ServerConfig, hypercorn_config
+from trio_llm.api.server import ServerConfig
+from trio_llm.api.serving import KEEP_ALIVE_SECONDS, LISTEN_BACKLOG, hypercorn_config
 
 TIMEOUT = 10
 
@@ -197,9 +198,9 @@ async def test_tokenize_adds_special_tokens_as_the_generation_endpoints_do() -> 
 
 
 async def test_models_health_tokenize_detokenize() -> None:
-    engine = FakeEngine()
+    engine = FakeEngine(served_model_name="served")
     with trio.fail_after(TIMEOUT):
-        async with running_server(engine, served_model_name="served") as url:
+        async with running_server(engine) as url:
             models = (await get(url, "/v1/models")).json()
             health = await get(url, "/health")
             tokens = (await post(url, "/tokenize",
@@ -438,16 +439,18 @@ async def test_failure_of_a_plain_request_is_a_503() -> None:
 
 
 def test_serve_flags_fill_the_server_config() -> None:
-    from trio_llm.api.cli import _build_parser
-    from trio_llm.api.server import ServerConfig, server_config_from_args
+    from trio_llm.api.cli import _build_parser, engine_config_from_args, server_config_from_args
 
     parser = _build_parser()
     assert server_config_from_args(parser.parse_args(["serve"])) == ServerConfig()
     args = parser.parse_args(["serve", "--served-model-name", "named", "--port", "0",
                               "--api-key", "k", "--shutdown-grace-seconds", "2"])
     config = server_config_from_args(args)
-    assert (config.served_model_name, config.port, config.api_key) == ("named", 0, "k")
-    assert config.shutdown_grace_seconds == 2.0
+    assert (config.port, config.api_key) == (0, "k")
+    # what the engine holds has one owner, EngineConfig
+    engine_config = engine_config_from_args(args)
+    assert (engine_config.served_model_name, engine_config.shutdown_grace_seconds) == (
+        "named", 2.0)
     with pytest.raises(SystemExit, match="port"):
         server_config_from_args(parser.parse_args(["serve", "--port", "70000"]))
 
@@ -456,8 +459,7 @@ def test_the_default_api_server_count_follows_the_cpu_cores() -> None:
     """One API server per four cores, at least one, at most four (docs/performance.md,
     "Process layouts": the 2-core machine and the 16-core H200 machine); the flag,
     0 included, overrides it."""
-    from trio_llm.api.cli import _build_parser
-    from trio_llm.api.server import default_api_server_count
+    from trio_llm.api.cli import _build_parser, default_api_server_count
 
     assert [default_api_server_count(n) for n in (1, 2, 4, 7, 8, 16, 128)] == [
         1, 1, 1, 1, 2, 4, 4]

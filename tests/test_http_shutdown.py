@@ -20,18 +20,18 @@ from test_http_support import (
     wait_until,
 )
 
-from trio_llm.api.server import ServerConfig, serve_app
+from trio_llm.api.server import ServerConfig
+from trio_llm.api.serving import serve_app
 
 TIMEOUT = 10
 
 
 async def test_a_drain_lets_open_requests_finish_and_refuses_new_ones() -> None:
-    engine = FakeEngine(gated=True)
+    engine = FakeEngine(gated=True, shutdown_grace_seconds=30)
     trigger = trio.Event()
     with trio.fail_after(TIMEOUT):
         async with trio.open_nursery() as nursery:
-            url = await nursery.start(partial(serve_app, engine,
-                                              ServerConfig(port=0, shutdown_grace_seconds=30),
+            url = await nursery.start(partial(serve_app, engine, ServerConfig(port=0),
                                               shutdown_trigger=trigger.wait))
             connection = await open_raw_request(
                 url, "/v1/completions", {"prompt": "x", "max_tokens": 3, "stream": True})
@@ -55,12 +55,11 @@ async def test_a_drain_lets_open_requests_finish_and_refuses_new_ones() -> None:
 
 async def test_a_drain_gives_up_after_the_grace_period() -> None:
     grace = 0.3  # real time: the fake clock would also fire the server's socket timeouts
-    engine = FakeEngine(gated=True)
+    engine = FakeEngine(gated=True, shutdown_grace_seconds=grace)
     trigger = trio.Event()
     with trio.fail_after(TIMEOUT):
         async with trio.open_nursery() as nursery:
-            url = await nursery.start(partial(serve_app, engine,
-                                              ServerConfig(port=0, shutdown_grace_seconds=grace),
+            url = await nursery.start(partial(serve_app, engine, ServerConfig(port=0),
                                               shutdown_trigger=trigger.wait))
             connection = await open_raw_request(
                 url, "/v1/completions", {"prompt": "x", "max_tokens": 3, "stream": True})

@@ -35,7 +35,8 @@ from trio_llm.actors.messages import (
     TokenLogprobs,
 )
 from trio_llm.actors.supervisor import EngineStatistics
-from trio_llm.api.server import ServerConfig, serve_app
+from trio_llm.api.server import ServerConfig
+from trio_llm.api.serving import serve_app
 
 NUM_FAKE_BLOCKS = 64
 THREAD_SERVER_TIMEOUT = 60
@@ -70,9 +71,12 @@ class FakeEngine:
     """
 
     def __init__(self, *, max_model_len: int = 64, gated: bool = False,
-                 fail_after_tokens: int | None = None, queue_full: bool = False) -> None:
-        self.config = EngineConfig(model="fake-model", shutdown_grace_seconds=1.0)
-        self.model_name = "fake-model"
+                 fail_after_tokens: int | None = None, queue_full: bool = False,
+                 shutdown_grace_seconds: float = 1.0,
+                 served_model_name: str | None = None) -> None:
+        self.config = EngineConfig(model="fake-model", served_model_name=served_model_name,
+                                   shutdown_grace_seconds=shutdown_grace_seconds)
+        self.model_name = served_model_name or "fake-model"
         self.max_model_len = max_model_len
         self.tokenizer = FakeTokenizer()
         self.generation_defaults = GenerationDefaults()
@@ -233,13 +237,11 @@ class FakeEngine:
     def begin_drain(self) -> None:
         self._draining = True
 
-    async def drain(self, grace_seconds: float | None = None) -> None:
+    async def drain(self) -> None:
         """Like the facade's: refuse new requests, wait for the running ones up to
         the grace period (the server's stop then cancels what is left)."""
         self.begin_drain()
-        if grace_seconds is None:
-            grace_seconds = self.config.shutdown_grace_seconds
-        with trio.move_on_after(grace_seconds):
+        with trio.move_on_after(self.config.shutdown_grace_seconds):
             while self.running:
                 await self._ended_lot.park()
 

@@ -508,8 +508,7 @@ async def test_stats_are_logged_every_interval(autojump_clock: trio.testing.Mock
 
 
 def test_serve_takes_the_model_positionally_and_its_own_log_level() -> None:
-    from trio_llm.api.cli import _build_parser, engine_config_from_args
-    from trio_llm.api.server import server_config_from_args
+    from trio_llm.api.cli import _build_parser, engine_config_from_args, server_config_from_args
 
     parser = _build_parser()
     args = parser.parse_args(["serve", "tiny", "--log-level", "debug", "--root-path", "/llm",

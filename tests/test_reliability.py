@@ -33,7 +33,7 @@ from trio_llm.actors.intake import Intake
 from trio_llm.actors.queue import WaitingQueue
 from trio_llm.actors.scheduler import Scheduler
 from trio_llm.api.engine import Engine
-from trio_llm.api.server import EXIT_FORCED
+from trio_llm.api.serving import EXIT_FORCED
 from trio_llm.gpu.executor import ModelExecutor
 
 CONFIG = EngineConfig(model="tiny", num_kv_blocks=256, block_size=16, max_num_seqs=32,
