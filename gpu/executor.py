@@ -39,7 +39,7 @@ from trio_llm.gpu.loader import load_model, resolve_device, resolve_dtype
 from trio_llm.gpu.models import ModelConfig, ModelLoadError, read_model_config
 from trio_llm.gpu.models.base import AttentionMetadata, CausalLM
 from trio_llm.gpu.penalties import PenaltyCounts
-from trio_llm.gpu.pooling import MeanPool, PoolingChunk, new_mean_pool, pool
+from trio_llm.gpu.pooling import MeanPool, PoolingChunk, new_mean_pool, pool, pooling_chunk
 from trio_llm.gpu.sampler import (
     PromptLogprobRows,
     SamplingRow,
@@ -250,7 +250,10 @@ class ModelExecutor:
                                            scheduled.prompt_logprob_token_ids,
                                            state.sampling.num_prompt_logprobs or 0)
         if state.pooling is not None:
-            _add_pooling_chunk(inputs, scheduled, state, len(token_ids))
+            chunk = pooling_chunk(scheduled, state.pooling, state.mean_pool,
+                                  len(inputs.token_ids))
+            if chunk is not None:
+                inputs.pooling_chunks.append(chunk)
         inputs.token_ids += token_ids
         inputs.positions += positions
         inputs.slot_mapping += kv_slots(state.block_ids, self.block_size, start, context_len)
@@ -298,19 +301,6 @@ class ModelExecutor:
         )
         return self.model(tensor(inputs.token_ids), tensor(inputs.positions),
                           self.kv_caches, metadata)
-
-
-def _add_pooling_chunk(inputs: StepInputs, scheduled: ScheduledRequest, state: RequestState,
-                       num_tokens: int) -> None:
-    """An embedding request's chunk: mean pooling adds each, last-token pooling
-    needs the last one only."""
-    assert state.pooling is not None
-    if state.mean_pool is None and not scheduled.pool:
-        return
-    start = len(inputs.token_ids)
-    inputs.pooling_chunks.append(PoolingChunk(scheduled.request_id, state.pooling, start,
-                                              start + num_tokens, scheduled.pool,
-                                              state.mean_pool))
 
 
 def configure_cpu_threads() -> int:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from trio_llm.actors.messages import PooledOutput, PoolingOptions
+from trio_llm.actors.messages import PooledOutput, PoolingOptions, ScheduledRequest
 
 
 class MeanPool:
@@ -71,25 +71,50 @@ class PoolingChunk:
     mean_pool: MeanPool | None = None
 
 
+def pooling_chunk(scheduled: ScheduledRequest, options: PoolingOptions,
+                  mean_pool: MeanPool | None, start: int) -> PoolingChunk | None:
+    """The chunk of an embedding request starting at row ``start`` of the step, if it
+    is pooled from: every chunk of a mean-pooled request, the last of any other."""
+    if mean_pool is None and not scheduled.pool:
+        return None
+    return PoolingChunk(scheduled.request_id, options, start, start + len(scheduled.token_ids),
+                        scheduled.pool, mean_pool)
+
+
 def pool(hidden: torch.Tensor, chunks: list[PoolingChunk]) -> list[PooledOutput]:
-    """The vectors of the requests whose last chunk is in ``hidden`` (in chunk order);
-    every mean-pooled chunk is added to its request's sum first."""
-    pooled = []
+    """``pooled_vectors`` as the StepResult carries them."""
+    return [pooled_output(request_id, vector)
+            for request_id, vector in pooled_vectors(hidden, chunks)]
+
+
+def pooled_vectors(hidden: torch.Tensor, chunks: list[PoolingChunk]
+                   ) -> list[tuple[str, torch.Tensor]]:
+    """(request id, vector) of each request whose last chunk is in ``hidden``, in chunk
+    order, on the device (enqueued on the current stream); every mean-pooled chunk is
+    added to its request's sum first."""
+    vectors = []
     for chunk in chunks:
         if chunk.mean_pool is not None:
             chunk.mean_pool.add(hidden[chunk.start:chunk.end])
             if chunk.is_last:
-                pooled.append(_output(chunk, chunk.mean_pool.mean()))
+                vectors.append((chunk.request_id, _finished(chunk, chunk.mean_pool.mean())))
         elif chunk.is_last:
-            pooled.append(_output(chunk, hidden[chunk.end - 1].to(torch.float32)))
-    return pooled
+            vectors.append((chunk.request_id,
+                            _finished(chunk, hidden[chunk.end - 1].to(torch.float32))))
+    return vectors
 
 
-def _output(chunk: PoolingChunk, vector: torch.Tensor) -> PooledOutput:
+def _finished(chunk: PoolingChunk, vector: torch.Tensor) -> torch.Tensor:
+    """Cut to ``dimensions``, then normalised: vLLM's order (and sentence-transformers')."""
     options = chunk.options
     if options.dimensions is not None:
         vector = vector[:options.dimensions]
     if options.normalize:
         vector = F.normalize(vector, p=2.0, dim=-1)
+    return vector
+
+
+def pooled_output(request_id: str, vector: torch.Tensor) -> PooledOutput:
+    """A vector as float32 little-endian bytes (waits for the device if it is there)."""
     data = vector.cpu().numpy().astype(np.dtype("<f4"), copy=False).tobytes()
-    return PooledOutput(request_id=chunk.request_id, data=data)
+    return PooledOutput(request_id=request_id, data=data)

@@ -35,6 +35,7 @@ from test_http_support import openai_clients, running_server
 from trio_llm.actors.config import EngineConfig
 from trio_llm.actors.errors import RequestRejected
 from trio_llm.actors.messages import (
+    NewRequestData,
     PooledOutput,
     PoolingOptions,
     PoolingParams,
@@ -42,6 +43,7 @@ from trio_llm.actors.messages import (
     SamplingOptions,
     SamplingParams,
     ScheduledBatch,
+    ScheduledRequest,
     StepResult,
     TokenDelta,
     WaitingRequest,
@@ -52,6 +54,10 @@ from trio_llm.api.cli import add_engine_arguments, engine_config_from_args
 from trio_llm.api.engine import Engine
 from trio_llm.api.processes import open_served_layout
 from trio_llm.gpu.builtin import resolve_model
+from trio_llm.gpu.cuda_executor import CudaExecutorOptions, CudaModelExecutor
+from trio_llm.gpu.executor import ModelExecutor
+from trio_llm.gpu.loader import load_model
+from trio_llm.gpu.testing import run_depth_1, run_depth_2
 
 transformers = pytest.importorskip("transformers")
 
@@ -469,3 +475,107 @@ def test_task_embed_is_the_pooling_runner(checkpoints, tmp_path) -> None:
     cls = _with_files(checkpoints["last"], tmp_path / "cls", _st_pooling("cls_token", True))
     with pytest.raises(SystemExit, match="--runner pooling: .*pooling_mode_cls_token"):
         engine_config_from_args(parser.parse_args(["--model", str(cls), "--task", "embed"]))
+
+
+# -- CUDA (the pipelined executor): skipped without a GPU -------------------------------
+
+# float32 on CUDA: the Triton kernels' dot products run in TF32 (10-bit mantissa)
+CUDA_TOLERANCE = 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["last", "mean"])
+async def test_cuda_embeddings_equal_transformers_chunked_batched_and_cached(checkpoints,
+                                                                             variant) -> None:
+    model = checkpoints["model"]
+    results = {}
+    with trio.fail_after(TIMEOUT):
+        for name, fields in {"whole": {}, "chunked": {"max_num_batched_tokens": 8}}.items():
+            config = engine_config(checkpoints[variant], device="cuda", **fields)
+            async with Engine.open(config) as engine:
+                results[name] = await engine.embed_many(PROMPTS)
+                results[f"{name} alone"] = [await engine.embed(prompt) for prompt in PROMPTS]
+                results[f"{name} again"] = [await engine.embed(PROMPTS[-1])]  # cached blocks
+    for outputs in results.values():
+        for output in outputs:
+            states = hidden_states(model, output.prompt_token_ids)
+            expected = F.normalize(states[-1], dim=-1) if variant == "last" else states.mean(0)
+            np.testing.assert_allclose(output.embedding, expected.numpy(), rtol=0,
+                                       atol=CUDA_TOLERANCE)
+
+
+# -- the executors: the pipelined one (its bookkeeping on the CPU) against the plain one --
+
+
+def _embedding_batches(*, chunked: bool) -> list[ScheduledBatch]:
+    """A generating request beside two embedding requests (last-token and mean pooling),
+    whose 8-token prompts run in two chunks or in one."""
+    last = PoolingOptions(pooling_type="last", normalize=True)
+    mean = PoolingOptions(pooling_type="mean", normalize=False, dimensions=48)
+    greedy = SamplingOptions(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=0,
+                             num_logprobs=None, min_tokens=0, banned_token_ids=[])
+
+    def row(request_id: str, token_ids: list[int] | None, *, computed: int,
+            blocks: tuple[int, ...] = (), sample: bool = False, pool: bool = False,
+            output_index: int = 0) -> ScheduledRequest:
+        return ScheduledRequest(request_id=request_id, token_ids=token_ids or [],
+                                input_from_previous_step=token_ids is None,
+                                num_computed_tokens=computed, new_block_ids=list(blocks),
+                                sample=sample, output_index=output_index, pool=pool)
+
+    embed_prompt, mean_prompt = [10, 11, 12, 13, 14, 15, 16, 17], [20, 21, 22, 23, 24, 25, 26, 27]
+    new = [NewRequestData(request_id="gen", sampling=greedy),
+           NewRequestData(request_id="last", sampling=greedy, pooling=last),
+           NewRequestData(request_id="mean", sampling=greedy, pooling=mean)]
+    first = [row("gen", [5, 9, 14, 200, 31, 7], computed=0, blocks=(0, 1), sample=True)]
+    if chunked:
+        first += [row("last", embed_prompt[:5], computed=0, blocks=(2, 3)),
+                  row("mean", mean_prompt[:3], computed=0, blocks=(4,))]
+        second = [row("last", embed_prompt[5:], computed=5, pool=True),
+                  row("mean", mean_prompt[3:], computed=3, blocks=(5,), pool=True)]
+    else:
+        first += [row("last", embed_prompt, computed=0, blocks=(2, 3), pool=True),
+                  row("mean", mean_prompt, computed=0, blocks=(4, 5), pool=True)]
+        second = []
+    return [
+        ScheduledBatch(step_id=0, new_requests=new, requests=first, finished_request_ids=[],
+                       num_tokens=sum(len(r.token_ids) for r in first)),
+        ScheduledBatch(step_id=1, new_requests=[],
+                       requests=[row("gen", None, computed=6, output_index=1), *second],
+                       finished_request_ids=[], num_tokens=1 + sum(len(r.token_ids)
+                                                                   for r in second)),
+        ScheduledBatch(step_id=2, new_requests=[],
+                       requests=[row("gen", None, computed=7, output_index=2)],
+                       finished_request_ids=["last", "mean"], num_tokens=1),
+    ]
+
+
+def _pooled(results: list[StepResult]) -> dict[str, bytes]:
+    return {pooled.request_id: pooled.data for result in results for pooled in result.pooled}
+
+
+@pytest.mark.parametrize("use_cuda_graphs", [False, True])
+def test_the_pipelined_executor_pools_what_the_plain_one_does(checkpoints,
+                                                              use_cuda_graphs) -> None:
+    cpu = torch.device("cpu")
+    directory = checkpoints["last"]
+
+    def build(executor_class: type[ModelExecutor]) -> ModelExecutor:
+        model = load_model(directory, dtype=torch.float32, device=cpu)
+        return executor_class(model, model_path=directory, num_kv_blocks=16, block_size=4,
+                              max_model_len=256)
+
+    expected = run_depth_1(build(ModelExecutor), _embedding_batches(chunked=True))
+    unchunked = run_depth_1(build(ModelExecutor), _embedding_batches(chunked=False))
+    pipelined = build(CudaModelExecutor)
+    assert isinstance(pipelined, CudaModelExecutor)
+    pipelined.start(CudaExecutorOptions(max_num_seqs=4, use_cuda_graphs=use_cuda_graphs,
+                                        use_fused_kernels=False, max_num_batched_tokens=64))
+    results = run_depth_2(pipelined, _embedding_batches(chunked=True))
+    assert sorted(_pooled(expected)) == ["last", "mean"]
+    assert [result.pooled for result in expected[:1]] == [[]]  # no last chunk in step 0
+    assert _pooled(results) == _pooled(expected) == _pooled(unchunked)
+    assert [r.sampled_token_ids for r in results] == [r.sampled_token_ids for r in expected]
+    assert len(_pooled(expected)["mean"]) == 48 * 4  # cut to its dimensions
+    if use_cuda_graphs:  # steps with pooling run eagerly; the decode-only one from a graph
+        assert pipelined.stats.num_graph_steps == 1
