@@ -91,7 +91,7 @@ MAX_INLINE_CONVERSION_BYTES = 16 * 1024
 NUM_TOKENIZER_THREADS = 8
 OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json", "/version", "/ping"})
 # OpenAI endpoints trio-llm does not serve: a clear 404 instead of "URL not found".
-NOT_SUPPORTED_PATHS = ("/v1/embeddings", "/v1/audio/<path:rest>",
+NOT_SUPPORTED_PATHS = ("/v1/audio/<path:rest>",
                        "/v1/images/<path:rest>", "/v1/moderations", "/v1/rerank",
                        "/v1/score", "/pooling", "/classify")
 SSE_DONE = b"data: [DONE]\n\n"
@@ -144,6 +144,8 @@ def create_app(engine: Engine, config: ServerConfig) -> QuartTrio:
     register_routes(app, api)
     from trio_llm.api.responses import register_routes as register_responses  # it imports us
     register_responses(app, api)
+    from trio_llm.api import embeddings  # it imports us
+    embeddings.register_routes(app, api)
     app.before_request(api.check_api_key)
     if config.allowed_origins:
         quart_cors.cors(app, allow_origin=config.allowed_origins,
