@@ -213,3 +213,45 @@ def test_two_ranks_over_gloo_generate_what_one_does(checkpoint, prompts):
     finally:
         two_ranks.close()
     assert [request.output_token_ids for request in requests] == expected
+
+
+def test_the_fused_gpu_forward_matches_the_plain_one(checkpoint, monkeypatch):
+    """The CUDA path's forward (gpu/models/cuda_fused.py: Triton's layers, attention and
+    fused MoE kernel; here in Triton's interpreter) against the torch forward, on a
+    mixed batch: a 5-token prompt beside a decode token with 3 positions cached."""
+    from trio_llm.gpu.kernels import fused_moe
+    from trio_llm.gpu.models import cuda_fused
+    from trio_llm.gpu.models.base import AttentionMetadata
+
+    directory, _ = checkpoint
+    calls = []
+    kernel = fused_moe.fused_moe
+    monkeypatch.setattr(fused_moe, "fused_moe",
+                        lambda *args, **kwargs: calls.append(1) or kernel(*args, **kwargs))
+
+    def load():
+        model = load_model(directory, dtype=torch.float32, device=torch.device("cpu"))
+        model.set_batch_invariant(False)
+        return model
+
+    plain, fused = load(), cuda_fused.fuse_model(load())
+    token_ids = torch.tensor([5, 17, 300, 2, 9, 44])
+    positions = torch.tensor([0, 1, 2, 3, 4, 3])
+    metadata = AttentionMetadata(
+        slot_mapping=torch.tensor([0, 1, 2, 3, 4, 11]),
+        block_tables=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
+        context_lens=torch.tensor([5, 4], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, 5, 6], dtype=torch.int32))
+    caches = [plain.allocate_kv_caches(4, 4), fused.allocate_kv_caches(4, 4)]
+    generator = torch.Generator().manual_seed(5)
+    for plain_pair, fused_pair in zip(*caches, strict=True):
+        for plain_cache, fused_cache in zip(plain_pair, fused_pair, strict=True):
+            plain_cache.copy_(torch.randn(plain_cache.shape, generator=generator))
+            fused_cache.copy_(plain_cache)
+    with torch.no_grad():
+        expected = plain(token_ids, positions, caches[0], metadata)
+        out = fused(token_ids, positions, caches[1], metadata)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-4)
+    assert len(calls) == sum(isinstance(module, SparseMoeBlock) for module in fused.modules())
+    assert torch.equal(plain.compute_logits(expected).argmax(-1),
+                       fused.compute_logits(out).argmax(-1))
