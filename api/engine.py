@@ -59,6 +59,7 @@ from trio_llm.actors.tokenizer import Tokenizer
 from trio_llm.actors.wire import WireError, open_wire_channel
 
 if TYPE_CHECKING:
+    from trio_llm.gpu.cuda_executor import CudaModelExecutor
     from trio_llm.gpu.executor import ModelExecutor
     from trio_llm.gpu.tp_executor import TensorParallelExecutor
 
@@ -610,7 +611,8 @@ async def created_executor(config: EngineConfig, executor: LoadedExecutor | None
                 await trio.to_thread.run_sync(close)
 
 
-def create_executor(config: EngineConfig) -> ModelExecutor | TensorParallelExecutor:
+def create_executor(config: EngineConfig
+                    ) -> ModelExecutor | CudaModelExecutor | TensorParallelExecutor:
     """The model executor for ``config`` (trio_llm.gpu.factory). Imported on
     use: an API server of the served layout never loads a model, and so never
     imports torch."""
