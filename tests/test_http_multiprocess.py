@@ -199,3 +199,29 @@ async def test_a_killed_supervisor_leaves_no_process_and_open_streams_finish() -
             still_running = [name for name, pid in server.pids.items() if is_running(pid)]
     assert all(b'"error"' not in rest for rest in rests)
     assert still_running == []
+
+
+async def test_a_second_server_on_a_busy_port_fails_at_once_and_takes_no_connections() -> None:
+    """One port, one server: the API servers share one listening socket (no
+    SO_REUSEPORT), so a second `trio-llm serve` on the port exits non-zero with one
+    line naming it, in either layout, and every answer comes from the first."""
+    import sys
+
+    with trio.fail_after(TIMEOUT):
+        async with serve_process(num_api_servers=2) as server:
+            port = server.url.rsplit(":", 1)[1]
+            results = []
+            for num_api_servers in (0, 2):
+                command = [sys.executable, "-m", "trio_llm.api.cli", "serve", "--model", "tiny",
+                           "--port", port, "--served-model-name", "impostor",
+                           "--api-server-count", str(num_api_servers)]
+                results.append(await trio.run_process(command, capture_stderr=True,
+                                                      check=False))
+            async with httpx.AsyncClient(base_url=server.url) as client:
+                names = [(await client.get("/v1/models")).json()["data"][0]["id"]
+                         for _ in range(12)]
+    for result in results:
+        lines = result.stderr.decode().strip().splitlines()
+        assert result.returncode != 0
+        assert len(lines) == 1 and f"port {port}" in lines[0], lines
+    assert set(names) == {"tiny"}
