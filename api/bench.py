@@ -102,11 +102,13 @@ async def run_engine_throughput(config: EngineConfig, model: Any, workload: list
                                 *, temperature: float, executor_kind: str,
                                 progress: bool,
                                 constraints: dict[int, StructuredOutputsParams] | None = None,
+                                timeline: list[tuple[float, int]] | None = None,
                                 ) -> dict[str, Any]:
     """Submit the whole workload at once to an engine over ``model`` (a
     ModelExecutor); return measured figures. ``constraints`` maps a request's index
     to its structured-outputs constraint (those requests end at EOS too: a grammar
-    decides where its output ends)."""
+    decides where its output ends). ``timeline`` collects (seconds from the start,
+    output tokens) of every output as it comes (``--plot``)."""
     import trio
 
     from trio_llm.api.engine import Engine
@@ -126,6 +128,8 @@ async def run_engine_throughput(config: EngineConfig, model: Any, workload: list
         async for output in engine.generate(item.prompt_token_ids, params):
             num_output_tokens += len(output.token_ids)
             bar.update(len(output.token_ids))
+            if timeline is not None:
+                timeline.append((time.perf_counter() - start, len(output.token_ids)))
 
     with bar:  # closed however the run ends (a Ctrl-C too), before anything is printed
         async with Engine.open(config, executor=executor, warm_up=WarmUpPlan()) as engine:
@@ -164,6 +168,7 @@ def run_throughput(args: argparse.Namespace, config: EngineConfig) -> int:
                                output_len=(args.min_output_len, args.max_output_len),
                                max_token_id=max_token_id)
 
+    timeline: list[tuple[float, int]] | None = [] if args.plot is not None else None
     if args.backend == "transformers":
         from trio_llm.gpu.cuda_hf_baseline import run_transformers_throughput
 
@@ -177,7 +182,8 @@ def run_throughput(args: argparse.Namespace, config: EngineConfig) -> int:
             items = workload(min(args.max_token_id, model.vocab_size))
             result = trio.run(lambda: run_engine_throughput(
                 config, model, items, temperature=args.temperature,
-                executor_kind=args.executor, progress=not args.no_progress))
+                executor_kind=args.executor, progress=not args.no_progress,
+                timeline=timeline))
         finally:
             close = getattr(model, "close", None)  # a tensor-parallel executor's workers
             if close is not None:
@@ -189,7 +195,45 @@ def run_throughput(args: argparse.Namespace, config: EngineConfig) -> int:
         print(summary_table(result))
     if args.json not in (None, "-"):
         Path(args.json).write_text(json.dumps(result, indent=2))
+    if args.plot is not None and timeline is not None:
+        plot_throughput(args.plot, timeline, title=throughput_title(args, config, result))
     return 0
+
+
+def throughput_title(args: argparse.Namespace, config: EngineConfig,
+                     result: dict[str, Any]) -> str:
+    return (f"trio-llm bench throughput: {config.model}, {args.num_prompts} requests, "
+            f"{args.min_prompt_len}-{args.max_prompt_len} in, {args.min_output_len}-"
+            f"{args.max_output_len} out, all at once, "
+            f"{result['output_tokens_per_second']:,.0f} tok/s, {time.strftime('%Y-%m-%d')}")
+
+
+# Bins of the throughput plot.
+NUM_PLOT_BINS = 60
+
+
+def plot_throughput(path: Path, timeline: list[tuple[float, int]], *, title: str) -> None:
+    """One PNG: output tokens/s over the timed run."""
+    from trio_llm.api.bench_serve import _matplotlib
+
+    _matplotlib().use("Agg")
+    import matplotlib.pyplot as pyplot
+
+    end = max((moment for moment, _ in timeline), default=0.0)
+    width = max(end / NUM_PLOT_BINS, 1e-3)
+    tokens = [0] * NUM_PLOT_BINS
+    for moment, count in timeline:
+        tokens[min(int(moment / width), NUM_PLOT_BINS - 1)] += count
+    figure, axis = pyplot.subplots(figsize=(11, 5))
+    axis.plot([index * width for index in range(NUM_PLOT_BINS)],
+              [count / width for count in tokens])
+    axis.set_xlabel("seconds from the start (after the warm-up)")
+    axis.set_ylabel("output tokens/s")
+    axis.set_ylim(bottom=0)
+    figure.suptitle(title, fontsize="medium")
+    figure.tight_layout()
+    figure.savefig(path)
+    pyplot.close(figure)
 
 
 def summary_table(result: dict[str, Any]) -> str:

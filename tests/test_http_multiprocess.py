@@ -34,6 +34,7 @@ PROMPTS = ["Once upon a time", "The little dog", "In the morning", "She said"]
 SAMPLINGS = [{"temperature": 0.0}, {"temperature": 1.0, "seed": 11},
              {"temperature": 0.8, "top_p": 0.9, "seed": 3}]
 NUM_TOKENS = 10
+CONNECTIONS_AT_ONCE = 4
 
 
 def workload() -> list[dict[str, object]]:
@@ -86,14 +87,27 @@ async def wait_metric(url: str, name: str, value: float) -> None:
 
 async def open_stream_on(server: ServeProcess, api_server: str,
                          request: dict[str, object]) -> trio.SocketStream:
-    """A streamed request whose connection the kernel gave to ``api_server``."""
-    for _ in range(64):
+    """A streamed request accepted by ``api_server``. The API servers accept on
+    one shared socket, whichever is free first: connections opened several at a
+    time reach each of them."""
+    async def open_one(connections: list[trio.SocketStream]) -> None:
         connection = await open_raw_request(server.url, "/v1/completions",
                                             {**request, "stream": True})
         await receive_until(connection, b'"text"')  # accepted: its server is known
-        if api_server_of(connection, server) == api_server:
-            return connection
-        await connection.aclose()
+        connections.append(connection)
+
+    for _ in range(32):
+        connections: list[trio.SocketStream] = []
+        async with trio.open_nursery() as nursery:
+            for _ in range(CONNECTIONS_AT_ONCE):
+                nursery.start_soon(open_one, connections)
+        chosen = next((connection for connection in connections
+                       if api_server_of(connection, server) == api_server), None)
+        for connection in connections:
+            if connection is not chosen:
+                await connection.aclose()
+        if chosen is not None:
+            return chosen
     raise AssertionError(f"no connection landed on {api_server}")
 
 
