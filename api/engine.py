@@ -87,6 +87,8 @@ class Engine:
         self._draining = False
         self._is_drain_started = False
         self._ready = trio.Event()
+        # A drain ends the warm-up at once: its requests are nobody's.
+        self._warm_up_scope = trio.CancelScope()
         self._drained = trio.Event()
         self._trio_token = trio.lowlevel.current_trio_token()
 
@@ -168,13 +170,11 @@ class Engine:
         async def warm_up_then_ready() -> None:
             from trio_llm.api.warm_up import warm_up
 
-            try:
+            with self._warm_up_scope:
                 seconds = await warm_up(self, plan)
-            except EngineError as error:
-                logger.error("the warm-up failed: %s", error)
-                return
-            logger.info("warmed up in %.1f s: ready", seconds)
-            self._ready.set()
+                if not self._draining:
+                    logger.info("warmed up in %.1f s: ready", seconds)
+                    self._ready.set()
 
         nursery.start_soon(warm_up_then_ready)
 
@@ -383,8 +383,9 @@ class Engine:
         return len(self._streams)
 
     def begin_drain(self) -> None:
-        """Take no new requests; those in flight go on."""
+        """Take no new requests; those in flight go on (a warm-up's end now)."""
         self._draining = True
+        self._warm_up_scope.cancel()
 
     async def wait_dead(self) -> None:
         """Return once an actor failed and the engine stopped."""

@@ -9,10 +9,10 @@ Two phases, each a set of requests with token-id prompts:
   are staggered so that the decode batch shrinks through every size of
   ``DECODE_SIZES`` up to ``max_num_seqs`` (a CUDA executor captures a graph for
   several of them); their prefills arrive together and run as mixed steps with
-  the first decodes. They sample every way a request can: greedy, temperature
-  with top-k/top-p/min-p, penalties, logit bias, logprobs, a seed, a grammar
-  (structured outputs: its compilation and the mask kernel), stop strings (the
-  detokenizer's search);
+  the first decodes. The longest of them sample every way a request can (so
+  every step has each): greedy, temperature with top-k/top-p/min-p, penalties,
+  logit bias, logprobs, a seed, a grammar (structured outputs: its compilation
+  and the mask kernel), stop strings (the detokenizer's search);
 - the prefill ladder: one prompt at a time of each size class in
   ``PREFILL_SIZES`` up to the step's token budget and the context, so prefill
   steps of each size (and the long-chunk path) run once.
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import trio
 
-from trio_llm.actors.errors import RequestRejected
+from trio_llm.actors.errors import EngineError, RequestRejected
 from trio_llm.actors.messages import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -98,8 +98,11 @@ async def warm_up(engine: Engine, plan: WarmUpPlan) -> float:
                                 for index, params in enumerate(kinds)])
     else:
         ladder = decode_ladder(engine.config.max_num_seqs)
+        # The first requests run longest: one of each sampling kind in every step,
+        # the rest greedy (a grammar or penalties per request cost host time).
         requests = [(_prompt(index, 1 + index % 8, max_token_id),
-                     msgspec.structs.replace(kinds[index % len(kinds)], max_tokens=max_tokens))
+                     msgspec.structs.replace(kinds[index] if index < len(kinds) else kinds[0],
+                                             max_tokens=max_tokens))
                     for index, max_tokens in enumerate(ladder)]
         await _run_all(engine, requests)
         for length in prefill_ladder(engine.config.max_num_batched_tokens,
@@ -123,6 +126,8 @@ async def _run_all(engine: Engine, requests: list[tuple[list[int], SamplingParam
             # a ladder step this engine cannot take (a small KV cache): not a path
             # a request of it will take either
             logger.debug("warm-up request refused: %s", error)
+        except EngineError as error:
+            logger.debug("warm-up request ended: %s", error)  # a stop, or a death (logged)
 
     async with trio.open_nursery() as nursery:
         for prompt, params in requests:

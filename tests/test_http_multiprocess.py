@@ -87,13 +87,16 @@ async def wait_metric(url: str, name: str, value: float) -> None:
 
 async def open_stream_on(server: ServeProcess, api_server: str,
                          request: dict[str, object]) -> trio.SocketStream:
-    """A streamed request accepted by ``api_server``. The API servers accept on
-    one shared socket, whichever is free first: connections opened several at a
-    time reach each of them."""
+    """A streamed request on a connection ``api_server`` accepted. The API servers
+    accept on one shared socket, whichever is free first: connections opened
+    several at a time (each asking GET /version, which counts as no request)
+    reach each of them; the request goes on the one that reached ``api_server``."""
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+
     async def open_one(connections: list[trio.SocketStream]) -> None:
-        connection = await open_raw_request(server.url, "/v1/completions",
-                                            {**request, "stream": True})
-        await receive_until(connection, b'"text"')  # accepted: its server is known
+        connection = await trio.open_tcp_stream(host, int(port))
+        await connection.send_all(f"GET /version HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+        await receive_until(connection, b'"}')  # answered: its server is known
         connections.append(connection)
 
     for _ in range(32):
@@ -107,6 +110,12 @@ async def open_stream_on(server: ServeProcess, api_server: str,
             if connection is not chosen:
                 await connection.aclose()
         if chosen is not None:
+            payload = json.dumps({**request, "stream": True}).encode()
+            await chosen.send_all(
+                f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: "
+                f"application/json\r\nContent-Length: {len(payload)}\r\n\r\n".encode()
+                + payload)
+            await receive_until(chosen, b'"text"')
             return chosen
     raise AssertionError(f"no connection landed on {api_server}")
 
