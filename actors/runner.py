@@ -17,65 +17,31 @@ sampling then.
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any, Protocol, cast
-
 import trio
 
 from trio_llm.actors.config import MAX_PIPELINE_DEPTH
+from trio_llm.actors.executors import (
+    Executor,
+    LoadedExecutor,
+    PipelinedExecutor,
+    StepPipeline,
+)
 from trio_llm.actors.messages import (
     RunnerInbox,
     ScheduledBatch,
     SchedulerInbox,
     StepBitmasks,
-    StepResult,
     needs_bitmasks,
     with_bitmasks,
 )
 
-
-class Executor(Protocol):
-    """What the runner drives: trio_llm.gpu.executor.ModelExecutor, or a test double."""
-
-    def execute(self, batch: ScheduledBatch) -> StepResult: ...
-
-
-class LoadedExecutor(Executor, Protocol):
-    """An executor with its model loaded, as the facade starts an engine over it: the
-    sizes the other actors are configured with."""
-
-    @property
-    def model_path(self) -> Path: ...
-
-    @property
-    def max_model_len(self) -> int: ...
-
-    @property
-    def num_kv_blocks(self) -> int: ...
-
-    @property
-    def vocab_size(self) -> int: ...
-
-
-class PipelinedExecutor(Executor, Protocol):
-    """An executor that can have a step in flight while it launches the next
-    (gpu/cuda_executor.py). ``launch`` enqueues a step and returns at once a pending
-    step whose ``is_ready()`` polls and ``wait()`` blocks until ``collect`` can read
-    its result without waiting."""
-
-    def launch(self, batch: ScheduledBatch) -> Any: ...
-
-    def supply_bitmasks(self, pending: Any, token_bitmasks: list[bytes]) -> None:
-        """Enqueue the sampling of a launched step whose rows had ``bitmask_follows``."""
-        ...
-
-    def collect(self, pending: Any) -> StepResult: ...
+__all__ = ["Executor", "LoadedExecutor", "PipelinedExecutor", "run_runner"]
 
 
 async def run_runner(
     inbox: trio.MemoryReceiveChannel[RunnerInbox],
     scheduler_outbox: trio.MemorySendChannel[SchedulerInbox],
-    executor: Executor,
+    executor: Executor | PipelinedExecutor,
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -86,8 +52,8 @@ async def run_runner(
     """
     task_status.started()
     async with scheduler_outbox:
-        if hasattr(executor, "launch"):
-            await _run_pipelined(inbox, scheduler_outbox, cast(PipelinedExecutor, executor))
+        if isinstance(executor, PipelinedExecutor):
+            await _run_pipelined(inbox, scheduler_outbox, executor)
             return
         async for batch in inbox:
             assert isinstance(batch, ScheduledBatch), "StepBitmasks follow their batch"
@@ -106,14 +72,12 @@ async def receive_bitmasks(inbox: trio.MemoryReceiveChannel[RunnerInbox],
     return message.token_bitmasks
 
 
-# Steps an executor with launch/collect (gpu/cuda_executor.py) may have in flight.
-
-
 async def _run_pipelined(inbox: trio.MemoryReceiveChannel[RunnerInbox],
                          scheduler_outbox: trio.MemorySendChannel[SchedulerInbox],
                          executor: PipelinedExecutor) -> None:
     """Launch each batch as soon as it arrives (while the previous step still runs on
-    the device), and collect the steps in order in a second task.
+    the device), and collect the steps in order in a second task; the order's rules
+    are StepPipeline's (actors/executors.py, shared with a tensor-parallel rank).
 
     Launch and collect run on the trio thread: launching only enqueues device work, and
     a worker thread doing it would contend for the GIL with the scheduler and the
@@ -121,28 +85,33 @@ async def _run_pipelined(inbox: trio.MemoryReceiveChannel[RunnerInbox],
     whole switch interval behind the trio thread). Only the wait for a step's event,
     which holds no GIL, goes to a worker thread.
     """
-    send_pending, receive_pending = trio.open_memory_channel[Any](MAX_PIPELINE_DEPTH)
+    pipeline = StepPipeline(executor)
+    # one message per step that can be collected, in launch order
+    send_collectable, receive_collectable = trio.open_memory_channel[None](MAX_PIPELINE_DEPTH)
     free_slots = trio.Semaphore(MAX_PIPELINE_DEPTH)
 
     async def launch_each() -> None:
-        async with send_pending:
-            async for batch in inbox:
-                assert isinstance(batch, ScheduledBatch), "StepBitmasks follow their batch"
-                await free_slots.acquire()
-                pending = executor.launch(batch)
-                if needs_bitmasks(batch):
+        async with send_collectable:
+            async for message in inbox:
+                if isinstance(message, StepBitmasks):
                     # the forward pass runs meanwhile; step N-1 is collected meanwhile
-                    executor.supply_bitmasks(pending,
-                                             await receive_bitmasks(inbox, batch.step_id))
-                await send_pending.send(pending)
+                    pipeline.supply_bitmasks(message)
+                else:
+                    await free_slots.acquire()
+                    pipeline.launch(message)
+                    if pipeline.is_awaiting_bitmasks:
+                        continue
+                await send_collectable.send(None)
 
     async def collect_each() -> None:
-        async for pending in receive_pending:
+        async for _ in receive_collectable:
+            pending = pipeline.next_to_collect()
+            assert pending is not None, "a step is collectable once launched and supplied"
             if not pending.is_ready():
                 # Abandoned on cancellation: the wait touches nothing, and a step
                 # that never completes (a hung device) must not hold shutdown.
                 await trio.to_thread.run_sync(pending.wait, abandon_on_cancel=True)
-            result = executor.collect(pending)
+            result = pipeline.collect(pending)
             free_slots.release()
             await scheduler_outbox.send(result)
 

@@ -175,7 +175,7 @@ def run_throughput(args: argparse.Namespace, config: EngineConfig) -> int:
         result = run_transformers_throughput(config, workload(args.max_token_id),
                                              temperature=args.temperature)
     else:
-        from trio_llm.gpu.executor import create_executor
+        from trio_llm.gpu.factory import create_executor
 
         model = create_executor(config)
         try:

@@ -23,6 +23,7 @@ A front of the served layout other than the first only warms its own process
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -93,6 +94,12 @@ async def warm_up(engine: Engine, plan: WarmUpPlan) -> float:
     vocab_size = engine.tokenizer.vocab_size
     max_token_id = max(1, min(MAX_WARM_UP_TOKEN_ID, vocab_size))
     kinds = sampling_kinds(WARM_UP_MAX_TOKENS, vocab_size)
+    if engine.pooling is not None:  # an embedding model: prefills only
+        for length in prefill_ladder(engine.config.max_num_batched_tokens,
+                                     engine.max_model_len):
+            with contextlib.suppress(RequestRejected):
+                await engine.embed(_prompt(length, length, max_token_id))
+        return time.perf_counter() - start
     if plan.front_only:
         await _run_all(engine, [([1 + index % (max_token_id - 1 or 1)], params)
                                 for index, params in enumerate(kinds)])

@@ -2,7 +2,7 @@
 
     python benchmarks/cpu_attention_bench.py
 
-attention: the CPU kernel (gpu/cpu_attention.py) against the float64 reference it
+attention: the CPU kernel (gpu/kernels/cpu_attention.py) against the float64 reference it
 replaced as the CPU default and the float32 torch reference, on a decode step (64
 sequences, contexts 100..380) and a prefill step (32 sequences of 32..256 tokens),
 blocks shuffled over a 1,100-block cache, at 1 and 2 torch threads.
@@ -21,8 +21,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from trio_llm.gpu import attention, cpu_attention
-from trio_llm.gpu.layers import INVARIANT_ROWS_PER_CHUNK, chunked_linear
+from trio_llm.gpu import attention
+from trio_llm.gpu.kernels import cpu_attention
+from trio_llm.gpu.layers.linear import INVARIANT_ROWS_PER_CHUNK, chunked_linear
 
 NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, NUM_HEADS = 1100, 16, 4, 32, 8
 

@@ -92,7 +92,7 @@ def run_engine(config: EngineConfig, items: list[WorkloadItem],
     from trio_llm.actors.messages import SamplingParams
     from trio_llm.api.bench import TimedExecutor
     from trio_llm.api.engine import Engine
-    from trio_llm.gpu.executor import create_executor
+    from trio_llm.gpu.factory import create_executor
 
     model_executor = create_executor(config)
     if prepare is not None:

@@ -5,11 +5,11 @@ each other (and against an earlier commit's), interleaved in one process.
     python benchmarks/cpu_engine_ab.py --baseline 366b21e --rounds 3
 
 Contenders, in this order in every round: with ``--baseline``, the plain CausalLM with
-that commit's gpu/cpu_attention.py (read with `git show`) as its attention backend,
-one torch thread (the CPU forward before gpu/cpu_layers.py); this tree's fused model
+that commit's gpu/kernels/cpu_attention.py (read with `git show`) as its attention backend,
+one torch thread (the CPU forward before gpu/kernels/cpu_layers.py); this tree's fused model
 with each part of a step in torch operations and one kernel call per fused op (the
 CPU path of 90229a8), at 2 forward threads; this tree's default, each part of a step
-in one compiled call (gpu/cpu_layers.py, ``_forward_layers``), at 1 and 2 threads.
+in one compiled call (gpu/kernels/cpu_layers.py, ``_forward_layers``), at 1 and 2 threads.
 Figures: output tok/s (wall) and output tokens per CPU second of the process (all
 threads: less disturbed by other load), with the load average at each run's start;
 the greedy tokens of every contender are compared with the first contender's.
@@ -32,22 +32,27 @@ import torch
 
 from trio_llm.actors.config import EngineConfig
 from trio_llm.gpu.attention import AttentionBackend
-from trio_llm.gpu.model import CausalLM
+from trio_llm.gpu.models.base import CausalLM
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cpu_bench import build_small_model, run_engine, workload  # noqa: E402
 
 
 def baseline_backend(commit: str) -> AttentionBackend:
-    """The attention backend of ``commit``'s gpu/cpu_attention.py, as a module of its own."""
-    source = subprocess.run(["git", "show", f"{commit}:gpu/cpu_attention.py"], check=True,
-                            capture_output=True, text=True,
-                            cwd=Path(__file__).parent.parent).stdout
+    """The attention backend of ``commit``'s gpu/kernels/cpu_attention.py (gpu/cpu_attention.py
+    before the kernels moved), as a module of its own."""
+    for path in ("gpu/kernels/cpu_attention.py", "gpu/cpu_attention.py"):
+        shown = subprocess.run(["git", "show", f"{commit}:{path}"], capture_output=True,
+                               text=True, cwd=Path(__file__).parent.parent)
+        if shown.returncode == 0:
+            break
+    shown.check_returncode()
+    source = shown.stdout
     # numba caches on disk beside a module's file: this one has none
     source = source.replace("cache=True", "cache=False")
     module = types.ModuleType("baseline_cpu_attention")
     sys.modules[module.__name__] = module
-    exec(compile(source, f"{commit}:gpu/cpu_attention.py", "exec"), module.__dict__)
+    exec(compile(source, f"{commit}:gpu/kernels/cpu_attention.py", "exec"), module.__dict__)
     module.warm_up()
     return AttentionBackend("baseline", module.write_kv_cache, module.paged_attention)
 

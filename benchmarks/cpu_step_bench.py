@@ -6,7 +6,7 @@ The model is benchmarks/cpu_bench.py's small Qwen3 (float32). The prefill step
 holds 57 prompts of 32..256 tokens (8,313 tokens: what the first workload's first
 step prefills); the decode step 64 sequences with contexts 100..380. Contenders,
 interleaved in every round: the plain CausalLM (torch operations, the CPU
-attention kernel, one thread), the fused model of gpu/cpu_layers.py with each part
+attention kernel, one thread), the fused model of gpu/models/cpu_fused.py with each part
 in torch operations at 1 and 2 forward threads, and the fused model's default, each
 part in one compiled call, at 1 and 2 threads. Each figure is the best of the round's
 repeats, in ms: wall time and the process's CPU time (all threads), the latter less
@@ -26,9 +26,10 @@ from pathlib import Path
 
 import torch
 
-from trio_llm.gpu import cpu_layers
+from trio_llm.gpu.kernels import cpu_layers
 from trio_llm.gpu.loader import load_model
-from trio_llm.gpu.model import AttentionMetadata, CausalLM
+from trio_llm.gpu.models import cpu_fused
+from trio_llm.gpu.models.base import AttentionMetadata, CausalLM
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cpu_bench import build_small_model  # noqa: E402
@@ -95,17 +96,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="cpu-step-") as tmp:
         model_dir = build_small_model(Path(tmp))
         model = load_model(model_dir, dtype=torch.float32, device=torch.device("cpu"))
-        compiled = cpu_layers.fuse_model(load_model(model_dir, dtype=torch.float32,
+        compiled = cpu_fused.fuse_model(load_model(model_dir, dtype=torch.float32,
                                                     device=torch.device("cpu")))
     model.attention_backend.warm_up()
     cpu_layers.warm_up()
     caches = model.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE)
     compiled_caches = compiled.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE)
     contenders = {"plain": (model, CausalLM, 1),
-                  "fused in torch ops, 1 thread": (model, cpu_layers.CpuFusedCausalLM, 1),
-                  "fused in torch ops, 2 threads": (model, cpu_layers.CpuFusedCausalLM, 2),
-                  "compiled, 1 thread": (compiled, cpu_layers.CpuFusedCausalLM, 1),
-                  "compiled, 2 threads": (compiled, cpu_layers.CpuFusedCausalLM, 2)}
+                  "fused in torch ops, 1 thread": (model, cpu_fused.CpuFusedCausalLM, 1),
+                  "fused in torch ops, 2 threads": (model, cpu_fused.CpuFusedCausalLM, 2),
+                  "compiled, 1 thread": (compiled, cpu_fused.CpuFusedCausalLM, 1),
+                  "compiled, 2 threads": (compiled, cpu_fused.CpuFusedCausalLM, 2)}
     results: dict[str, list] = {}
     for index in range(args.rounds):
         for name, (contender, model_class, num_parts) in contenders.items():

@@ -82,6 +82,9 @@ class FastPipelinedExecutor(FastExecutor):
     def launch(self, batch: ScheduledBatch) -> PendingStep:
         return PendingStep(sampled(batch))
 
+    def supply_bitmasks(self, pending: PendingStep, token_bitmasks: list[bytes]) -> None:
+        raise AssertionError("the fast core serves no constrained rows")
+
     def collect(self, pending: PendingStep) -> StepResult:
         pending.wait()
         return pending.result

@@ -1,4 +1,5 @@
-"""Time gpu/triton_gemv.py's candidates against cuBLAS on the device; write $OUT/gemv_bench.json.
+"""Time gpu/kernels/triton_gemv.py's candidates against cuBLAS on the device; write
+$OUT/gemv_bench.json.
 
     python3 benchmarks/gemv_bench.py
 
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
-from trio_llm.gpu import triton_gemv
+from trio_llm.gpu.kernels import triton_gemv
 
 # (N, K) of each linear layer: nn.Linear's [out_features, in_features].
 SHAPES = {

@@ -17,8 +17,9 @@ from pathlib import Path
 import gpu_bench  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 import torch
 
-from trio_llm.gpu import triton_gemv, triton_layers
-from trio_llm.gpu.layers import Linear
+from trio_llm.gpu.kernels import triton_gemv
+from trio_llm.gpu.layers.linear import Linear
+from trio_llm.gpu.models import cuda_fused
 
 MIB = 2**20
 
@@ -47,7 +48,7 @@ def main() -> None:
                                          max_model_len=4096)
         executor = gpu_bench.create_executor(config)
         for rule in ("cublas", "direct", "direct_512", "pipelined", "one_output", "small"):
-            triton_layers.GemvLinear.forward = rule_forward(rule)
+            cuda_fused.GemvLinear.forward = rule_forward(rule)
             executor.graphs.clear()
             executor._capture_graphs()
             for batch in (1, 2, 4, 8):

@@ -18,8 +18,9 @@ from pathlib import Path
 
 import gpu_bench  # benchmarks/ is on sys.path when run as a script
 
-from trio_llm.gpu import triton_gemv, triton_layers
-from trio_llm.gpu.layers import Linear
+from trio_llm.gpu.kernels import triton_gemv
+from trio_llm.gpu.layers.linear import Linear
+from trio_llm.gpu.models import cuda_fused
 
 SWEEP = [(4, 512, 1, 1), (4, 256, 1, 1), (2, 512, 1, 1), (8, 512, 1, 1), (8, 256, 1, 1),
          (4, 1024, 2, 1), (8, 512, 2, 1), (4, 512, 1, 2), (2, 1024, 1, 1), (1, 1024, 1, 1),
@@ -28,7 +29,7 @@ SWEEP = [(4, 512, 1, 1), (4, 256, 1, 1), (2, 512, 1, 1), (8, 512, 1, 1), (8, 256
 
 def forward_with(widest: int, block_k: int, num_warps: int, num_stages: int):
     def forward(self, x):
-        if x.dim() != 2 or x.shape[0] > triton_layers.GEMV_ROWS:
+        if x.dim() != 2 or x.shape[0] > cuda_fused.GEMV_ROWS:
             return Linear.forward(self, x)
         num_outputs, num_inputs = self.weight.shape
         config = triton_gemv.GemvConfig(triton_gemv._block_n(num_outputs, widest),
@@ -56,7 +57,7 @@ def main() -> None:
     print(results, flush=True)
     for combo in SWEEP:
         try:
-            triton_layers.GemvLinear.forward = forward_with(*combo)
+            cuda_fused.GemvLinear.forward = forward_with(*combo)
             executor.graphs.clear()
             executor._capture_graphs()
             replay: object = gpu_bench.graph_replay_ms(executor, 1)

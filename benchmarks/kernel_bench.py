@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
-from trio_llm.gpu import triton_attention
+from trio_llm.gpu.kernels import triton_attention
 
 BLOCK_SIZE = 16
 HEAD_DIM = 128

@@ -23,10 +23,10 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 from trio_llm.actors.config import EngineConfig
-from trio_llm.gpu import triton_attention
 from trio_llm.gpu.cuda_executor import CudaModelExecutor
-from trio_llm.gpu.model import AttentionMetadata
-from trio_llm.gpu.triton_sampling import sample_without_filters
+from trio_llm.gpu.kernels import triton_attention
+from trio_llm.gpu.kernels.triton_sampling import sample_without_filters
+from trio_llm.gpu.models.base import AttentionMetadata
 
 SWEEP = [triton_attention.DecodeConfig(block_n, num_warps, num_stages)
          for block_n, num_warps, num_stages in ((64, 4, 2), (128, 4, 3), (128, 8, 3), (32, 4, 4),

@@ -169,8 +169,8 @@ class AttentionBackend:
 
 # Backends whose functions live in another module, imported on first use (Triton
 # is only importable where CUDA is; the CPU kernel compiles with numba on first use).
-LAZY_BACKEND_MODULES = {"triton": "trio_llm.gpu.triton_attention",
-                        "cpu": "trio_llm.gpu.cpu_attention"}
+LAZY_BACKEND_MODULES = {"triton": "trio_llm.gpu.kernels.triton_attention",
+                        "cpu": "trio_llm.gpu.kernels.cpu_attention"}
 
 ATTENTION_BACKENDS: dict[str, AttentionBackend] = {
     "torch": AttentionBackend("torch", write_kv_cache, paged_attention),

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from trio_llm.gpu.cuda_streams import Lane
-from trio_llm.gpu.model import AttentionMetadata, CausalLM, KVCache
+from trio_llm.gpu.models.base import AttentionMetadata, CausalLM, KVCache
 from trio_llm.gpu.step_packing import INT_SEGMENTS, Segments, end, offsets
 
 # Decode batch sizes that get a CUDA graph; a decode step runs the smallest that fits.

@@ -254,7 +254,7 @@ def sample_on_device(logits: torch.Tensor, plan: SamplingPlan, inputs: DeviceSam
     which the caller then still has)."""
     masked = _masked(logits, plan, inputs)
     if plan.use_fused_kernel and (plan.any_sampled or plan.penalty_rows):
-        from trio_llm.gpu.triton_sampling import KernelPenalties, sample_without_filters
+        from trio_llm.gpu.kernels.triton_sampling import KernelPenalties, sample_without_filters
 
         penalties = None
         if plan.penalty_rows:
@@ -310,7 +310,7 @@ def _masked(logits: torch.Tensor, plan: SamplingPlan,
         words = inputs.bitmask_words.view(torch.int32)[:plan.num_bitmask_words]
         words = words.view(len(plan.bitmask_rows), -1)
         if logits.is_cuda:
-            from trio_llm.gpu.triton_bitmask import apply_token_bitmasks_inplace
+            from trio_llm.gpu.kernels.triton_bitmask import apply_token_bitmasks_inplace
 
             if any(count is not None for count in plan.num_logprobs):
                 masked = logits.clone()

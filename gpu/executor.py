@@ -9,7 +9,9 @@ last). ``execute`` runs one ScheduledBatch exactly as the scheduler built it:
 3. flatten every request's input tokens into one varlen forward (a request with
    ``input_from_previous_step`` takes the token sampled for it last step);
 4. sample the rows that have ``sample`` set, keyed by their ``output_index``,
-   and count the tokens of the rows with penalties (gpu/penalties.py).
+   and count the tokens of the rows with penalties (gpu/penalties.py);
+5. pool the rows of embedding requests (gpu/pooling.py): the last chunk of each
+   (``pool``) returns its vector instead of a sampled token.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -27,16 +28,18 @@ import torch
 from trio_llm.actors.config import EngineConfig
 from trio_llm.actors.messages import (
     NewRequestData,
+    PoolingOptions,
     SamplingOptions,
     ScheduledBatch,
     ScheduledRequest,
     StepResult,
 )
 from trio_llm.gpu.builtin import is_dummy_only, resolve_model
-from trio_llm.gpu.config import ModelConfig, ModelLoadError
 from trio_llm.gpu.loader import load_model, resolve_device, resolve_dtype
-from trio_llm.gpu.model import AttentionMetadata, CausalLM
+from trio_llm.gpu.models import ModelConfig, ModelLoadError, read_model_config
+from trio_llm.gpu.models.base import AttentionMetadata, CausalLM
 from trio_llm.gpu.penalties import PenaltyCounts
+from trio_llm.gpu.pooling import MeanPool, PoolingChunk, new_mean_pool, pool, pooling_chunk
 from trio_llm.gpu.sampler import (
     PromptLogprobRows,
     SamplingRow,
@@ -45,9 +48,6 @@ from trio_llm.gpu.sampler import (
     sample,
 )
 from trio_llm.gpu.tensor_parallel import TensorParallel
-
-if TYPE_CHECKING:
-    from trio_llm.gpu.tp_executor import TensorParallelExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +95,9 @@ class RequestState:
     sampling: SamplingOptions
     block_ids: list[int] = field(default_factory=list)
     last_sampled_token_id: int | None = None
+    # an embedding request: how it pools, and (mean pooling) its sum so far
+    pooling: PoolingOptions | None = None
+    mean_pool: MeanPool | None = None
 
 
 @dataclass(slots=True)
@@ -112,6 +115,7 @@ class StepInputs:
     sampled_request_ids: list[str] = field(default_factory=list)
     prompt_logprob_rows: PromptLogprobRows = field(
         default_factory=lambda: PromptLogprobRows([], [], []))
+    pooling_chunks: list[PoolingChunk] = field(default_factory=list)
 
 
 class ModelExecutor:
@@ -137,7 +141,7 @@ class ModelExecutor:
     def describe(cls, config: EngineConfig) -> ModelDescription:
         """Resolve the model and read its config.json; loads no weights."""
         model_path = resolve_model(config.model, config.revision)
-        model_config = ModelConfig.from_dir(model_path)
+        model_config = read_model_config(model_path)
         max_model_len = config.max_model_len or model_config.max_position_embeddings
         return ModelDescription(model_path=model_path, model_config=model_config,
                                 max_model_len=max_model_len)
@@ -176,6 +180,10 @@ class ModelExecutor:
             return StepResult(step_id=batch.step_id, request_ids=[], sampled_token_ids=[])
         with torch.inference_mode():
             hidden = self._forward(inputs)
+            pooled = pool(hidden, inputs.pooling_chunks) if inputs.pooling_chunks else []
+            if not inputs.sampling_rows:  # embedding requests only
+                return StepResult(step_id=batch.step_id, request_ids=[],
+                                  sampled_token_ids=[], pooled=pooled)
             logits = self.model.compute_logits(hidden[self._tensor(inputs.logits_indices)])
             output = sample(logits, inputs.sampling_rows, self.penalty_counts)
             record_sampled(self.penalty_counts, inputs.sampling_rows, output.token_ids)
@@ -188,7 +196,7 @@ class ModelExecutor:
             self.requests[request_id].last_sampled_token_id = token_id
         return StepResult(step_id=batch.step_id, request_ids=inputs.sampled_request_ids,
                           sampled_token_ids=token_ids, logprobs=output.logprobs,
-                          prompt_logprobs=prompt_results)
+                          prompt_logprobs=prompt_results, pooled=pooled)
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
@@ -198,7 +206,9 @@ class ModelExecutor:
             self.requests.pop(request_id, None)
             self.penalty_counts.release(request_id)
         for new_request in batch.new_requests:
-            self.requests[new_request.request_id] = RequestState(sampling=new_request.sampling)
+            self.requests[new_request.request_id] = RequestState(
+                sampling=new_request.sampling, pooling=new_request.pooling,
+                mean_pool=new_mean_pool(new_request.pooling))
             self._register_penalties(new_request)
         for scheduled in batch.requests:
             self._state(scheduled.request_id).block_ids.extend(scheduled.new_block_ids)
@@ -239,6 +249,11 @@ class ModelExecutor:
             inputs.prompt_logprob_rows.add(scheduled.request_id, len(inputs.token_ids),
                                            scheduled.prompt_logprob_token_ids,
                                            state.sampling.num_prompt_logprobs or 0)
+        if state.pooling is not None:
+            chunk = pooling_chunk(scheduled, state.pooling, state.mean_pool,
+                                  len(inputs.token_ids))
+            if chunk is not None:
+                inputs.pooling_chunks.append(chunk)
         inputs.token_ids += token_ids
         inputs.positions += positions
         inputs.slot_mapping += kv_slots(state.block_ids, self.block_size, start, context_len)
@@ -288,29 +303,6 @@ class ModelExecutor:
                           self.kv_caches, metadata)
 
 
-def create_executor(config: EngineConfig) -> ModelExecutor | TensorParallelExecutor:
-    """The executor for ``config``: with ``tensor_parallel_size`` > 1 one that drives a
-    worker process per rank (gpu/tp_executor.py); else the pipelined CUDA executor where
-    the model runs on CUDA (gpu/cuda_executor.py, imported only then), or this one."""
-    if config.tensor_parallel_size > 1:
-        from trio_llm.gpu.tp_executor import TensorParallelExecutor
-
-        return TensorParallelExecutor.create(config)
-    return create_rank_executor(config)
-
-
-def create_rank_executor(config: EngineConfig, *, parallel: TensorParallel | None = None,
-                         device: torch.device | None = None) -> ModelExecutor:
-    """The executor of one model (or of one rank's shard): CUDA's where ``device``
-    (default: the config's) is a GPU, else this one."""
-    device = device or resolve_device(config.device)
-    if device.type == "cuda":
-        from trio_llm.gpu.cuda_executor import CudaModelExecutor
-
-        return CudaModelExecutor.create(config, parallel=parallel, device=device)
-    return ModelExecutor.create(config, parallel=parallel, device=device)
-
-
 def configure_cpu_threads() -> int:
     """Set and return torch's intra-op threads for an engine on the CPU: at most every
     core but one, which the trio thread (scheduler, detokenizer, request streams) needs
@@ -327,14 +319,16 @@ def configure_cpu_threads() -> int:
 
 
 def _fuse_cpu_model(model: CausalLM) -> None:
-    """Run a float32 model through gpu/cpu_layers.py's kernels (compiled now, not in the
-    first step), where their shapes allow: a step in parts on ``cpu_forward_threads()``
-    threads, each part's ops on its own thread (torch's intra-op threads: 1)."""
-    from trio_llm.gpu import cpu_layers
+    """Run a float32 model through gpu/kernels/cpu_layers.py's kernels (gpu/models/cpu_fused.py;
+    compiled now, not in the first step), where their shapes allow: a step in parts on
+    ``cpu_forward_threads()`` threads, each part's ops on its own thread (torch's intra-op
+    threads: 1)."""
+    from trio_llm.gpu.kernels import cpu_layers
+    from trio_llm.gpu.models import cpu_fused
 
-    if cpu_layers.can_fuse(model):
+    if cpu_fused.can_fuse(model):
         cpu_layers.warm_up()
-        cpu_layers.fuse_model(model, num_parts=cpu_forward_threads())
+        cpu_fused.fuse_model(model, num_parts=cpu_forward_threads())
         torch.set_num_threads(1)
 
 

@@ -19,7 +19,7 @@ doubles as needed and is at most one row per running request (with 256 running
 on a 151,936-token vocabulary, 5 bytes per token: 194 MB).
 
 Every function here is plain torch ops on any device; the fused Triton kernel
-(gpu/triton_sampling.py) computes the penalties in registers with the same float32
+(gpu/kernels/triton_sampling.py) computes the penalties in registers with the same float32
 operations in the same order, so both give the same bits.
 """
 

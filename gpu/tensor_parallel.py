@@ -21,12 +21,15 @@ parallelism holds: its collectives are the identity and cost nothing.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from trio_llm.gpu.config import ModelConfig, ModelLoadError
+from trio_llm.gpu.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    from trio_llm.gpu.models.config import ModelConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +126,5 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 def check_divisible(config: ModelConfig, world_size: int) -> None:
     """Refuse, naming the size at fault, a model that ``world_size`` ranks cannot split."""
     parallel = TensorParallel(rank=0, world_size=world_size)
-    parallel.split(config.num_heads, "the number of attention heads")
-    parallel.split(config.num_kv_heads, "the number of KV heads")
-    parallel.split(config.intermediate_size, "the intermediate size")
+    for size, what in config.tensor_parallel_sizes():
+        parallel.split(size, what)

@@ -34,8 +34,8 @@ import torch.multiprocessing
 
 from trio_llm.actors.config import EngineConfig
 from trio_llm.actors.messages import ScheduledBatch, StepBitmasks, StepResult
-from trio_llm.gpu.config import ModelLoadError
 from trio_llm.gpu.loader import resolve_device
+from trio_llm.gpu.models.config import ModelLoadError
 from trio_llm.gpu.tensor_parallel import check_divisible
 from trio_llm.gpu.tp_worker import (
     WorkerFailed,

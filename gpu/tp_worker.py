@@ -25,16 +25,15 @@ import signal
 import sys
 import threading
 import traceback
-from collections import deque
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
 
 import msgspec
 import torch
 import torch.distributed as dist
 
-from trio_llm.actors.config import MAX_PIPELINE_DEPTH, EngineConfig
+from trio_llm.actors.config import EngineConfig
+from trio_llm.actors.executors import Executor, PendingStep, PipelinedExecutor, StepPipeline
 from trio_llm.actors.messages import (
     ScheduledBatch,
     StepBitmasks,
@@ -42,6 +41,7 @@ from trio_llm.actors.messages import (
     needs_bitmasks,
     with_bitmasks,
 )
+from trio_llm.gpu.rank_executor import create_rank_executor
 from trio_llm.gpu.tensor_parallel import TensorParallel
 
 # How long a pipelined rank waits for a command before it looks at its oldest step again.
@@ -122,15 +122,13 @@ def run_worker(rank: int, spec: WorkerSpec, commands: Connection, lifeline: Conn
     pipe = CommandPipe(commands)
     try:
         parallel, device = join_group(rank, spec)
-        from trio_llm.gpu.executor import create_rank_executor
-
         executor = create_rank_executor(spec.config, parallel=parallel, device=device)
         if rank == 0:
             pipe.report(WorkerReady(model_path=str(executor.model_path),
                                     max_model_len=executor.max_model_len,
                                     num_kv_blocks=executor.num_kv_blocks,
                                     vocab_size=executor.vocab_size))
-        if hasattr(executor, "launch"):
+        if isinstance(executor, PipelinedExecutor):
             serve_pipelined(executor, pipe, is_reporter=rank == 0)
         else:
             serve_in_order(executor, pipe, is_reporter=rank == 0)
@@ -174,7 +172,7 @@ def _share_cpu_threads(world_size: int) -> None:
     torch.set_num_threads(max(1, (num_cores - 1) // world_size))
 
 
-def serve_in_order(executor: Any, pipe: CommandPipe, *, is_reporter: bool) -> None:
+def serve_in_order(executor: Executor, pipe: CommandPipe, *, is_reporter: bool) -> None:
     """One step at a time (the CPU executor)."""
     while (message := pipe.receive()) is not None:
         assert isinstance(message, ScheduledBatch), "StepBitmasks follow their batch"
@@ -185,50 +183,43 @@ def serve_in_order(executor: Any, pipe: CommandPipe, *, is_reporter: bool) -> No
             pipe.report(result)
 
 
-def serve_pipelined(executor: Any, pipe: CommandPipe, *, is_reporter: bool) -> None:
+def serve_pipelined(executor: PipelinedExecutor, pipe: CommandPipe, *,
+                    is_reporter: bool) -> None:
     """Launch each batch as it arrives, up to MAX_PIPELINE_DEPTH in flight, and collect
-    them in order (the CUDA executor: step N+1 is enqueued while step N computes).
+    them in order (the CUDA executor: step N+1 is enqueued while step N computes), by
+    the runner's rules (StepPipeline, actors/executors.py).
 
     A step whose rows wait for bitmasks is launched at once and sampled when its
     StepBitmasks arrive, the next message. Those bitmasks come only once the engine
     has step N's result, so step N is collected (and reported) meanwhile: waiting for
     them first would wait forever.
     """
-    in_flight: deque[Any] = deque()
-    awaiting_bitmasks: Any = None  # the newest step, launched, its sampling not enqueued
+    pipeline = StepPipeline(executor)
 
-    def collect_oldest() -> None:
-        pending = in_flight.popleft()
+    def collect(pending: PendingStep) -> None:
         pending.wait()
-        result = executor.collect(pending)
+        result = pipeline.collect(pending)
         if is_reporter:
             pipe.report(result)
 
     while True:
-        oldest_can_finish = bool(in_flight) and in_flight[0] is not awaiting_bitmasks
-        if oldest_can_finish and (len(in_flight) == MAX_PIPELINE_DEPTH
-                                  or not _command_before_ready(pipe, in_flight[0])):
-            collect_oldest()
+        oldest = pipeline.next_to_collect()
+        if oldest is not None and (pipeline.is_full
+                                   or not _command_before_ready(pipe, oldest)):
+            collect(oldest)
             continue
         message = pipe.receive()
         if message is None:
             break
         if isinstance(message, StepBitmasks):
-            assert awaiting_bitmasks is not None and message.step_id == awaiting_bitmasks.step_id, \
-                "the bitmasks of a step come right after it"
-            executor.supply_bitmasks(awaiting_bitmasks, message.token_bitmasks)
-            awaiting_bitmasks = None
-            continue
-        assert awaiting_bitmasks is None, "a step's bitmasks come before the next step"
-        pending = executor.launch(message)
-        in_flight.append(pending)
-        if needs_bitmasks(message):
-            awaiting_bitmasks = pending
-    while in_flight:
-        collect_oldest()
+            pipeline.supply_bitmasks(message)
+        else:
+            pipeline.launch(message)
+    while (oldest := pipeline.next_to_collect()) is not None:
+        collect(oldest)
 
 
-def _command_before_ready(pipe: CommandPipe, pending: Any) -> bool:
+def _command_before_ready(pipe: CommandPipe, pending: PendingStep) -> bool:
     """Wait until a command arrives (True) or the step ``pending`` is done (False)."""
     while not pending.is_ready():
         if pipe.has_command(POLL_SECONDS):

@@ -1,4 +1,4 @@
-"""The CPU attention kernel (gpu/cpu_attention.py) against the torch reference.
+"""The CPU attention kernel (gpu/kernels/cpu_attention.py) against the torch reference.
 
 Close to the float64 reference in value; bitwise the same for a row whatever
 else the step holds: alone or batched, prefilled in one chunk or several,
@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from trio_llm.actors.config import EngineConfig
-from trio_llm.gpu import cpu_attention
 from trio_llm.gpu.attention import (
     default_attention_backend,
     float64_paged_attention,
     write_kv_cache,
 )
+from trio_llm.gpu.kernels import cpu_attention
 
 # (num_heads, num_kv_heads, head_dim): tiny's, the benchmark model's, no GQA, wide groups.
 SHAPES = [(4, 2, 16), (8, 4, 32), (4, 4, 32), (8, 1, 64)]

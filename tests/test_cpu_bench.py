@@ -10,7 +10,7 @@ import torch
 
 from trio_llm.actors.config import EngineConfig
 from trio_llm.api.bench import WorkloadItem
-from trio_llm.gpu.config import ModelConfig
+from trio_llm.gpu.models import read_model_config
 
 BENCH_PATH = Path(__file__).parent.parent / "benchmarks" / "cpu_bench.py"
 
@@ -31,7 +31,7 @@ def small_model(cpu_bench, tmp_path_factory):
 
 
 def test_builds_the_issues_model(small_model):
-    config = ModelConfig.from_dir(small_model)
+    config = read_model_config(small_model)
     assert (config.hidden_size, config.num_layers, config.num_heads, config.num_kv_heads,
             config.head_dim, config.vocab_size) == (256, 4, 8, 4, 32, 2048)
 

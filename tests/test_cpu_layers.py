@@ -1,9 +1,9 @@
-"""The fused CPU kernels (gpu/cpu_layers.py) against the torch model's own operations.
+"""The fused CPU kernels (gpu/kernels/cpu_layers.py) against the torch model's own operations.
 
 Each kernel is close to the torch operation it replaces (the order of a row's sums
 differs, nothing else), never depends on the other rows, and the fused model gives
 the plain model's logits and greedy tokens. The compiled forward (a whole part of a
-step in one call, its GEMMs through torch's sgemm_: gpu/cpu_blas.py) gives the fused
+step in one call, its GEMMs through torch's sgemm_: gpu/kernels/cpu_blas.py) gives the fused
 operations' bits.
 """
 
@@ -13,12 +13,16 @@ import pytest
 import torch
 
 from trio_llm.actors.config import EngineConfig
-from trio_llm.gpu import cpu_blas, cpu_layers
 from trio_llm.gpu.attention import write_kv_cache
-from trio_llm.gpu.config import RopeConfig
 from trio_llm.gpu.executor import ModelExecutor
-from trio_llm.gpu.layers import RMSNorm, RotaryEmbedding, chunked_linear, silu_and_mul
-from trio_llm.gpu.model import AttentionMetadata, CausalLM
+from trio_llm.gpu.kernels import cpu_attention, cpu_blas, cpu_layers
+from trio_llm.gpu.layers.linear import chunked_linear
+from trio_llm.gpu.layers.mlp import silu_and_mul
+from trio_llm.gpu.layers.norm import RMSNorm
+from trio_llm.gpu.layers.rotary import RotaryEmbedding
+from trio_llm.gpu.models import cpu_fused
+from trio_llm.gpu.models.base import AttentionMetadata, CausalLM
+from trio_llm.gpu.models.config import RopeConfig
 from trio_llm.gpu.testing import GREEDY, DriverRequest, ExecutorDriver, record_logits
 
 
@@ -99,12 +103,12 @@ def _executor(fused: bool, num_kv_blocks: int = 64) -> ModelExecutor:
     executor = ModelExecutor.create(EngineConfig(model="tiny", device="cpu", dtype="float32",
                                                  num_kv_blocks=num_kv_blocks))
     if not fused:
-        executor.model.__class__ = cpu_layers.CausalLM
+        executor.model.__class__ = CausalLM
     return executor
 
 
 def test_the_cpu_executor_runs_the_fused_model():
-    assert isinstance(_executor(fused=True).model, cpu_layers.CpuFusedCausalLM)
+    assert isinstance(_executor(fused=True).model, cpu_fused.CpuFusedCausalLM)
 
 
 def test_the_fused_model_gives_the_plain_models_logits_and_tokens():
@@ -127,19 +131,19 @@ def test_the_fused_model_gives_the_plain_models_logits_and_tokens():
 def test_other_dtypes_are_left_unfused():
     executor = ModelExecutor.create(EngineConfig(model="tiny", device="cpu", dtype="bfloat16",
                                                  num_kv_blocks=8))
-    assert type(executor.model) is cpu_layers.CausalLM
+    assert type(executor.model) is CausalLM
 
 
 def test_split_step_balances_whole_sequences():
-    decode = cpu_layers.split_step(np.full(512, 300), np.arange(513), 2)
+    decode = cpu_fused.split_step(np.full(512, 300), np.arange(513), 2)
     assert [(part.first_seq, part.end_seq, part.first_token, part.end_token)
             for part in decode] == [(0, 256, 0, 256), (256, 512, 256, 512)]
     # too few tokens for a second part: the threads would spend more than they save
-    assert len(cpu_layers.split_step(np.full(64, 300), np.arange(65), 2)) == 1
-    equal = cpu_layers.split_step(np.full(6, 300), np.arange(0, 1900, 300), 3)
+    assert len(cpu_fused.split_step(np.full(64, 300), np.arange(65), 2)) == 1
+    equal = cpu_fused.split_step(np.full(6, 300), np.arange(0, 1900, 300), 3)
     assert [(part.first_seq, part.end_seq) for part in equal] == [(0, 2), (2, 4), (4, 6)]
     # cuts fall at the edges of sequences: an uneven step may get fewer parts
-    uneven = cpu_layers.split_step(np.array([400, 400, 80, 800]),
+    uneven = cpu_fused.split_step(np.array([400, 400, 80, 800]),
                                    np.array([0, 400, 800, 880, 1680]), 3)
     assert [(part.first_seq, part.end_seq, part.first_token, part.end_token)
             for part in uneven] == [(0, 2, 0, 800), (2, 4, 800, 1680)]
@@ -150,8 +154,8 @@ def test_a_step_in_parts_gives_the_same_bits(monkeypatch, num_parts, min_tokens_
     """Prefills and decodes of six requests, steps cut into parts on their own threads
     (with one token per part allowed, the decodes too): every logit the same bits as in
     one part."""
-    monkeypatch.setattr(cpu_layers, "MIN_TOKENS_PER_PART", min_tokens_per_part)
-    monkeypatch.setattr(cpu_layers, "MIN_TOKENS_PER_COMPILED_PART", min_tokens_per_part)
+    monkeypatch.setattr(cpu_fused, "MIN_TOKENS_PER_PART", min_tokens_per_part)
+    monkeypatch.setattr(cpu_fused, "MIN_TOKENS_PER_COMPILED_PART", min_tokens_per_part)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, 2000, length).tolist() for length in (300, 1, 33, 400, 9, 264)]
     recorded = {}
@@ -196,7 +200,7 @@ def _with_biases(executor: ModelExecutor) -> None:
             linear.bias = torch.nn.Parameter(
                 0.1 * torch.randn(linear.weight.shape[0], generator=generator),
                 requires_grad=False)
-    cpu_layers.fuse_model(executor.model, num_parts=executor.model.num_parts)
+    cpu_fused.fuse_model(executor.model, num_parts=executor.model.num_parts)
     executor.kv_caches = executor.model.allocate_kv_caches(executor.num_kv_blocks,
                                                            executor.block_size)
 
@@ -208,8 +212,8 @@ def test_the_compiled_forward_gives_the_fused_operations_bits(monkeypatch, num_p
     """Prefills, chunked prefills and decodes of seven requests (a step of 1 to 700
     tokens, up to three parts of one token or more): every logit the same bits whether
     each part runs in one compiled call or in torch operations."""
-    monkeypatch.setattr(cpu_layers, "MIN_TOKENS_PER_PART", 1)
-    monkeypatch.setattr(cpu_layers, "MIN_TOKENS_PER_COMPILED_PART", 1)
+    monkeypatch.setattr(cpu_fused, "MIN_TOKENS_PER_PART", 1)
+    monkeypatch.setattr(cpu_fused, "MIN_TOKENS_PER_COMPILED_PART", 1)
     rng = np.random.default_rng(2)
     prompts = [rng.integers(3, 2000, length).tolist() for length in (300, 1, 33, 64, 9, 2, 31)]
     runs = {}
@@ -266,7 +270,7 @@ def test_split_step_cuts_decode_steps_at_chunk_edges():
     sequences cut 30 + 34 costs three chunks, 32 + 32 two; a cut that saves none stays
     where the work is even."""
     def cuts(num_seqs: int, context_lens: np.ndarray, max_parts: int = 2) -> list[int]:
-        parts = cpu_layers.split_step(context_lens, np.arange(num_seqs + 1), max_parts, 16)
+        parts = cpu_fused.split_step(context_lens, np.arange(num_seqs + 1), max_parts, 16)
         return [part.end_seq for part in parts]
 
     uneven = np.array([380] * 30 + [100] * 34)  # even work cuts near 28
@@ -284,12 +288,12 @@ def test_a_step_whose_parts_would_share_a_block_being_written_is_not_cut():
         # first 16 tokens cached and computes the last 4 into its second block
         tables = torch.tensor([[4, 5], twin_blocks], dtype=torch.int32)
         slots = torch.cat([torch.arange(64, 84), torch.arange(4) + 16 * twin_blocks[1]])
-        plan = cpu_layers.cpu_attention.plan_step(
+        plan = cpu_attention.plan_step(
             tables, torch.tensor([20, 20], dtype=torch.int32),
             torch.tensor([0, 20, 24], dtype=torch.int32), slots, num_tokens=24,
             num_blocks=8, block_size=16, max_runs=2)
-        parts = [cpu_layers.StepPart(0, 1, 0, 20), cpu_layers.StepPart(1, 2, 20, 24)]
-        return cpu_layers.reads_another_parts_writes(plan, parts, 8, 16)
+        parts = [cpu_fused.StepPart(0, 1, 0, 20), cpu_fused.StepPart(1, 2, 20, 24)]
+        return cpu_fused.reads_another_parts_writes(plan, parts, 8, 16)
 
     assert reads_the_others_writes([4, 6])  # block 4: a hit on what the first part writes
     assert not reads_the_others_writes([3, 6])  # block 3 was written in an earlier step
@@ -304,7 +308,7 @@ def test_the_compiled_forward_shares_the_layers_weights_and_takes_its_own_caches
         model.layers[1].mlp.down_proj.weight[0, 0] = 123.0
     assert stacked.weights[3][1, 0, 0] == 123.0
     assert stacked.holds(executor.kv_caches)
-    others = cpu_layers.CausalLM.allocate_kv_caches(model, executor.num_kv_blocks, 16)
+    others = CausalLM.allocate_kv_caches(model, executor.num_kv_blocks, 16)
     assert not stacked.holds(others)
     metadata = AttentionMetadata(slot_mapping=torch.arange(3),
                                  block_tables=torch.zeros(1, 1, dtype=torch.int32),

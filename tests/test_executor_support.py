@@ -78,6 +78,9 @@ class InstantPipelinedExecutor:
     def launch(self, batch: ScheduledBatch) -> DoneStep:
         return DoneStep(self.inner.execute(batch))
 
+    def supply_bitmasks(self, pending: DoneStep, token_bitmasks: list[bytes]) -> None:
+        raise AssertionError("this double runs no constrained rows (its steps are done)")
+
     def collect(self, pending: DoneStep) -> StepResult:
         return pending.result
 

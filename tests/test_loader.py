@@ -9,9 +9,9 @@ from safetensors.torch import load_file, save_file
 
 from trio_llm.actors.config import EngineConfig
 from trio_llm.gpu.builtin import TINY_CONFIG, tiny_weights
-from trio_llm.gpu.config import ModelConfig
 from trio_llm.gpu.executor import ModelExecutor
 from trio_llm.gpu.loader import ModelLoadError, load_model
+from trio_llm.gpu.models import read_model_config
 
 CPU = torch.device("cpu")
 SMALL_CONFIG = TINY_CONFIG | {"vocab_size": 96, "num_hidden_layers": 2}
@@ -154,10 +154,11 @@ def test_missing_shard(model_dir):
 
 
 def test_unsupported_architecture(model_dir):
-    _edit_config(model_dir, architectures=["MixtralForCausalLM"], model_type="mixtral")
+    _edit_config(model_dir, architectures=["GPTNeoXForCausalLM"], model_type="gpt_neox")
     with pytest.raises(ModelLoadError, match=r"config\.json: unsupported architecture "
-                       r"MixtralForCausalLM; supported: LlamaForCausalLM, Qwen2ForCausalLM, "
-                       r"Qwen3ForCausalLM"):
+                       r"GPTNeoXForCausalLM; supported: LlamaForCausalLM, Qwen2ForCausalLM, "
+                       r"Qwen3ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, "
+                       r"Qwen3MoeForCausalLM"):
         _load(model_dir)
 
 
@@ -213,7 +214,7 @@ def test_model_type_alone_names_the_family(model_dir):
     config = dict(SMALL_CONFIG)
     del config["architectures"]
     (model_dir / "config.json").write_text(json.dumps(config))
-    assert ModelConfig.from_dir(model_dir).architecture == "Qwen3ForCausalLM"
+    assert read_model_config(model_dir).architecture == "Qwen3ForCausalLM"
 
 
 def test_llama_directory_from_transformers(tmp_path):
@@ -222,7 +223,7 @@ def test_llama_directory_from_transformers(tmp_path):
                                       num_hidden_layers=1, num_attention_heads=4,
                                       num_key_value_heads=1, mlp_bias=True)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
-    model_config = ModelConfig.from_dir(tmp_path)
+    model_config = read_model_config(tmp_path)
     assert (model_config.family, model_config.mlp_bias, model_config.qk_norm) == (
         "llama", True, False)
     model = _load(tmp_path)

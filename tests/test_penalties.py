@@ -25,7 +25,6 @@ from trio_llm.actors.messages import (  # noqa: E402
     StructuredOutputsParams,
 )
 from trio_llm.api.engine import Engine  # noqa: E402
-from trio_llm.gpu import triton_sampling  # noqa: E402
 from trio_llm.gpu.builtin import resolve_model  # noqa: E402
 from trio_llm.gpu.cuda_executor import CudaExecutorOptions, CudaModelExecutor  # noqa: E402
 from trio_llm.gpu.cuda_sampler import (  # noqa: E402
@@ -35,6 +34,7 @@ from trio_llm.gpu.cuda_sampler import (  # noqa: E402
     sample_on_device,
 )
 from trio_llm.gpu.executor import ModelExecutor  # noqa: E402
+from trio_llm.gpu.kernels import triton_sampling  # noqa: E402
 from trio_llm.gpu.loader import load_model  # noqa: E402
 from trio_llm.gpu.penalties import PenaltyCounts  # noqa: E402
 from trio_llm.gpu.sampler import SamplingRow, record_sampled, sample  # noqa: E402

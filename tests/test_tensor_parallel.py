@@ -30,9 +30,9 @@ from trio_llm.actors.messages import (
 )
 from trio_llm.api.engine import Engine, EngineConfig
 from trio_llm.gpu.builtin import TINY_CONFIG, resolve_model
-from trio_llm.gpu.config import ModelLoadError
 from trio_llm.gpu.cuda_executor import CudaExecutorOptions, CudaModelExecutor
 from trio_llm.gpu.loader import load_model
+from trio_llm.gpu.models.config import ModelLoadError
 from trio_llm.gpu.tensor_parallel import TensorParallel
 from trio_llm.gpu.tp_executor import TensorParallelError, TensorParallelExecutor
 from trio_llm.gpu.tp_worker import CommandPipe, WorkerReport, serve_pipelined

@@ -224,10 +224,10 @@ def test_bitmasks_that_follow_a_launched_step_sample_like_inline_ones(device: st
                                                  reason="Triton's interpreter is off")),
     pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_the_in_place_kernel_masks_like_the_torch_version(device: str) -> None:
-    """gpu/triton_bitmask.py (Triton's interpreter on the CPU) leaves the logits
+    """gpu/kernels/triton_bitmask.py (Triton's interpreter on the CPU) leaves the logits
     gpu/sampler.apply_token_bitmasks returns, unconstrained rows untouched."""
+    from trio_llm.gpu.kernels.triton_bitmask import apply_token_bitmasks_inplace
     from trio_llm.gpu.sampler import apply_token_bitmasks
-    from trio_llm.gpu.triton_bitmask import apply_token_bitmasks_inplace
 
     masks = [bitmask(allowed) for allowed in ALLOWED]
     words = torch.from_numpy(np.frombuffer(b"".join(masks), dtype=np.int32).copy())

@@ -12,8 +12,8 @@ import torch
 
 HAS_CUDA = torch.cuda.is_available()  # without it, conftest.py runs Triton's interpreter
 
-from trio_llm.gpu import triton_attention  # noqa: E402
 from trio_llm.gpu.attention import paged_attention as reference_attention  # noqa: E402
+from trio_llm.gpu.kernels import triton_attention  # noqa: E402
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 DTYPE = torch.bfloat16 if HAS_CUDA else torch.float32

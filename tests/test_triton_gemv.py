@@ -14,12 +14,13 @@ import torch.nn.functional as F
 
 HAS_CUDA = torch.cuda.is_available()  # without it, conftest.py runs Triton's interpreter
 
-from trio_llm.gpu import triton_gemv, triton_layers  # noqa: E402
 from trio_llm.gpu.builtin import resolve_model  # noqa: E402
-from trio_llm.gpu.layers import Linear, chunked_linear  # noqa: E402
+from trio_llm.gpu.kernels import triton_gemv  # noqa: E402
+from trio_llm.gpu.kernels.triton_gemv import MAX_GEMV_ROWS, GemvConfig, gemv  # noqa: E402
+from trio_llm.gpu.layers.linear import Linear, chunked_linear  # noqa: E402
 from trio_llm.gpu.loader import load_model  # noqa: E402
-from trio_llm.gpu.model import AttentionMetadata, CausalLM  # noqa: E402
-from trio_llm.gpu.triton_gemv import MAX_GEMV_ROWS, GemvConfig, gemv  # noqa: E402
+from trio_llm.gpu.models import cuda_fused  # noqa: E402
+from trio_llm.gpu.models.base import AttentionMetadata, CausalLM  # noqa: E402
 
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 # 37 outputs in blocks of 16, 100 inputs in steps of 32: three programs of four steps.
@@ -118,7 +119,7 @@ def count_gemv_calls(monkeypatch) -> list[int]:
         calls.append(x.shape[0])
         return gemv(x, weight, bias, **options)
 
-    monkeypatch.setattr(triton_layers, "gemv", counting_gemv)
+    monkeypatch.setattr(cuda_fused, "gemv", counting_gemv)
     return calls
 
 
@@ -126,10 +127,10 @@ def test_gemv_linear_takes_only_small_unchunked_batches(monkeypatch, large_block
     linear = Linear(NUM_INPUTS, NUM_OUTPUTS, bias=True, dtype=torch.float32, device=DEVICE)
     linear.weight.data = random(NUM_OUTPUTS, NUM_INPUTS, seed=13, dtype=torch.float32)
     linear.bias.data = random(NUM_OUTPUTS, seed=14, dtype=torch.float32)
-    triton_layers.use_gemv(linear)
-    assert isinstance(linear, triton_layers.GemvLinear)
+    cuda_fused.use_gemv(linear)
+    assert isinstance(linear, cuda_fused.GemvLinear)
     calls = count_gemv_calls(monkeypatch)
-    rows = triton_layers.GEMV_ROWS
+    rows = cuda_fused.GEMV_ROWS
     x = random(rows + 1, NUM_INPUTS, seed=15, dtype=torch.float32)
     with torch.no_grad():
         out = linear(x[:rows])
@@ -148,12 +149,12 @@ def tiny_model() -> CausalLM:
 def test_fused_model_with_gemv_matches_the_plain_model_on_a_decode_batch(
         monkeypatch, large_blocks_on_cpu):
     plain = tiny_model()
-    fused = triton_layers.fuse_model(tiny_model())
-    triton_layers.use_gemv(fused)  # fuse_model does it on CUDA only
+    fused = cuda_fused.fuse_model(tiny_model())
+    cuda_fused.use_gemv(fused)  # fuse_model does it on CUDA only
     for model in (plain, fused):
         model.set_batch_invariant(False)  # the CPU default chunks rows and skips gemv
     calls = count_gemv_calls(monkeypatch)
-    monkeypatch.setattr(triton_layers, "GEMV_ROWS", MAX_GEMV_ROWS)  # the kernel at 3 rows
+    monkeypatch.setattr(cuda_fused, "GEMV_ROWS", MAX_GEMV_ROWS)  # the kernel at 3 rows
     # three decode tokens at positions 3, 6 and 2, their earlier positions cached
     token_ids = torch.tensor([5, 17, 300], device=DEVICE)
     positions = torch.tensor([3, 6, 2], device=DEVICE)

@@ -10,13 +10,15 @@ import torch
 
 HAS_CUDA = torch.cuda.is_available()  # without it, conftest.py runs Triton's interpreter
 
-from trio_llm.gpu import triton_layers  # noqa: E402
 from trio_llm.gpu.builtin import resolve_model  # noqa: E402
-from trio_llm.gpu.config import ModelConfig, RopeConfig  # noqa: E402
-from trio_llm.gpu.layers import RMSNorm, RotaryEmbedding  # noqa: E402
-from trio_llm.gpu.layers import silu_and_mul as torch_silu_and_mul  # noqa: E402
+from trio_llm.gpu.kernels import triton_layers  # noqa: E402
+from trio_llm.gpu.layers.mlp import silu_and_mul as torch_silu_and_mul  # noqa: E402
+from trio_llm.gpu.layers.norm import RMSNorm  # noqa: E402
+from trio_llm.gpu.layers.rotary import RotaryEmbedding  # noqa: E402
 from trio_llm.gpu.loader import fill_dummy_weights, load_model  # noqa: E402
-from trio_llm.gpu.model import AttentionMetadata, CausalLM  # noqa: E402
+from trio_llm.gpu.models import cuda_fused, parse_model_config  # noqa: E402
+from trio_llm.gpu.models.base import AttentionMetadata, CausalLM  # noqa: E402
+from trio_llm.gpu.models.config import RopeConfig  # noqa: E402
 
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 DTYPE = torch.bfloat16 if HAS_CUDA else torch.float32
@@ -88,7 +90,7 @@ def tiny_model() -> CausalLM:
 
 def test_fused_model_matches_the_plain_model_on_a_mixed_batch():
     plain = tiny_model()
-    fused = triton_layers.fuse_model(tiny_model())
+    fused = cuda_fused.fuse_model(tiny_model())
     assert type(fused).__name__ == "FusedCausalLM"
     # a 5-token prompt (blocks 0, 1) next to a decode token at position 3 (block 2)
     token_ids = torch.tensor([5, 17, 300, 2, 9, 44], device=DEVICE)
@@ -114,7 +116,7 @@ def test_fused_model_matches_the_plain_model_on_a_mixed_batch():
 
 
 def test_fused_model_handles_llama_without_qk_norm():
-    config = ModelConfig.from_dict({
+    config = parse_model_config({
         "architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32,
         "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
         "num_key_value_heads": 1, "head_dim": 16, "max_position_embeddings": 32})
@@ -123,7 +125,7 @@ def test_fused_model_handles_llama_without_qk_norm():
         fill_dummy_weights(plain)
         fused = CausalLM(config, dtype=DTYPE, device=DEVICE)
         fused.load_state_dict(plain.state_dict())
-        triton_layers.fuse_model(fused)
+        cuda_fused.fuse_model(fused)
         metadata = AttentionMetadata(
             slot_mapping=torch.arange(3, device=DEVICE),
             block_tables=torch.tensor([[0]], dtype=torch.int32, device=DEVICE),

@@ -11,8 +11,8 @@ import torch
 HAS_CUDA = torch.cuda.is_available()  # without it, conftest.py runs Triton's interpreter
 
 from trio_llm.actors.messages import SamplingOptions  # noqa: E402
-from trio_llm.gpu import triton_sampling  # noqa: E402
 from trio_llm.gpu.cuda_sampler import seed_key  # noqa: E402
+from trio_llm.gpu.kernels import triton_sampling  # noqa: E402
 from trio_llm.gpu.sampler import SamplingRow, sample  # noqa: E402
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"

@@ -11,32 +11,21 @@ activations. These kernels do the same arithmetic in three:
 - ``silu_and_mul``: SwiGLU.
 
 Linear layers fed one or two rows (decode of one or two streams) run through
-gpu/triton_gemv.py's ``gemv``, which streams the weights faster than cuBLAS does
+gpu/kernels/triton_gemv.py's ``gemv``, which streams the weights faster than cuBLAS does
 at that size.
 
 Each kernel rounds where the torch model rounds (to the activation dtype after
 the norm, after the weight, after each rotary product), so the fused model
 computes the same function up to the order of float32 sums.
 
-``fuse_model(model)`` makes a loaded CausalLM run its forward through these
-kernels (and the Triton attention backend, and on CUDA ``gemv``), keeping its
-weights.
+gpu/models/cuda_fused.py hands them to a model's fused forward.
 """
 
 from __future__ import annotations
 
-from typing import cast
-
 import torch
 import triton
 import triton.language as tl
-from torch import nn
-
-from trio_llm.gpu import triton_attention
-from trio_llm.gpu.attention import AttentionBackend
-from trio_llm.gpu.layers import Linear
-from trio_llm.gpu.model import AttentionMetadata, CausalLM, DecoderLayer, KVCache
-from trio_llm.gpu.triton_gemv import gemv
 
 SILU_BLOCK = 1024
 
@@ -212,82 +201,3 @@ def qk_norm_rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch
     return query
 
 
-class FusedCausalLM(CausalLM):
-    """A CausalLM whose forward runs through the fused kernels; see ``fuse_model``."""
-
-    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[KVCache], metadata: AttentionMetadata) -> torch.Tensor:
-        hidden = self.embed(token_ids)
-        residual: torch.Tensor | None = None
-        # nn.ModuleList yields Modules; its items are DecoderLayers (CausalLM builds them).
-        layers = cast(list[DecoderLayer], list(self.layers))
-        for layer, kv_cache in zip(layers, kv_caches, strict=True):
-            norm = layer.input_layernorm
-            if residual is None:
-                residual = hidden
-                normed = rms_norm(hidden, norm.weight, norm.eps)
-            else:
-                normed, residual = add_rms_norm(hidden, residual, norm.weight, norm.eps)
-            hidden = self._attention(layer.self_attn, normed, positions, kv_cache, metadata)
-            norm = layer.post_attention_layernorm
-            normed, residual = add_rms_norm(hidden, residual, norm.weight, norm.eps)
-            mlp = layer.mlp
-            hidden = self.parallel.reduce(mlp.down_proj(silu_and_mul(mlp.gate_up_proj(normed))))
-        if residual is None:
-            return rms_norm(hidden, self.norm.weight, self.norm.eps)
-        return add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)[0]
-
-    def _attention(self, attention, hidden, positions, kv_cache, metadata):
-        k_cache, v_cache = kv_cache
-        q_norm, k_norm = attention.q_norm, attention.k_norm
-        query = qk_norm_rope_write_kv(
-            attention.qkv_proj(hidden), positions, self.rotary.cos, self.rotary.sin,
-            q_norm.weight if q_norm is not None else None,
-            k_norm.weight if k_norm is not None else None,
-            q_norm.eps if q_norm is not None else 0.0, k_cache, v_cache,
-            metadata.slot_mapping, num_heads=attention.num_heads,
-            num_kv_heads=attention.num_kv_heads, head_dim=attention.head_dim)
-        attended = self.attention_backend.paged_attention(
-            query, k_cache, v_cache, metadata.block_tables, metadata.context_lens,
-            metadata.query_start_loc, attention.scale)
-        return self.parallel.reduce(
-            attention.o_proj(attended.view(hidden.shape[0], attention.q_size)))
-
-
-# Rows up to which GemvLinear uses gemv. Measured on the H200 inside captured decode
-# graphs (benchmarks/gemv_graph_ab.py, docs/performance.md): at 1 and 2 rows gemv
-# beats cuBLAS (qwen3-8b 4.12 and 4.26 against 4.51 and 4.55 ms a step), at 4 rows
-# cuBLAS wins for qwen3-8b (4.58 against 6.50 ms).
-GEMV_ROWS = 2
-
-
-class GemvLinear(Linear):
-    """A Linear that multiplies at most GEMV_ROWS rows with ``gemv``; larger batches,
-    and row-chunked (batch-invariant) layers, go through ``Linear``."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] <= GEMV_ROWS and not self.num_rows_per_chunk:
-            return gemv(x, self.weight, self.bias)
-        return super().forward(x)
-
-
-def use_gemv(module: nn.Module) -> None:
-    """Make every Linear in ``module`` (itself included) a GemvLinear, in place."""
-    for submodule in module.modules():
-        if type(submodule) is Linear:
-            submodule.__class__ = GemvLinear
-
-
-def fuse_model(model: CausalLM) -> CausalLM:
-    """Run ``model`` through the fused kernels and Triton attention, in place; returns it.
-
-    Its weights, caches layout and outputs stay as they were: only the forward
-    changes. On CUDA its linear layers (the lm_head too) take small batches through
-    ``gemv``. Batch-invariant (row-chunked) linears are left as configured.
-    """
-    model.__class__ = FusedCausalLM
-    model.attention_backend = AttentionBackend(
-        "triton", triton_attention.write_kv_cache, triton_attention.paged_attention)
-    if model.device.type == "cuda":
-        use_gemv(model)
-    return model

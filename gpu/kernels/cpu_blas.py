@@ -1,6 +1,6 @@
 """torch's own BLAS GEMM, called from numba kernels without the GIL (the CPU path, float32).
 
-The fused CPU forward (gpu/cpu_layers.py) runs a whole part of a step as one
+The fused CPU forward (gpu/kernels/cpu_layers.py) runs a whole part of a step as one
 compiled call, so its linear layers must be callable from compiled code. They
 call the very routine torch's ``bmm`` reaches on the CPU: the Fortran ``sgemm_``
 that libtorch exports (MKL's, on x86 builds), found once by name. Called the way
@@ -27,7 +27,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from trio_llm.gpu.layers import INVARIANT_ROWS_PER_CHUNK
+from trio_llm.gpu.layers.linear import INVARIANT_ROWS_PER_CHUNK
 
 ROWS_PER_CHUNK = INVARIANT_ROWS_PER_CHUNK
 _kernel = numba.njit(boundscheck=False, error_model="numpy", cache=True, nogil=True)

@@ -1,0 +1,447 @@
+"""Time gpu/kernels/fused_moe.py on the device; write $OUT/moe_kernel_bench.json.
+
+    python benchmarks/moe_kernel_bench.py                  # qwen3-30b-a3b, eager launches
+    python benchmarks/moe_kernel_bench.py --graph          # each timed call in a CUDA graph
+    python benchmarks/moe_kernel_bench.py --model all      # and qwen3.5-35b-a3b
+    python benchmarks/moe_kernel_bench.py --tune           # sweep block sizes per token count
+
+At 1, 64, 256 and 8192 tokens (``--tokens``), routed by softmax top-k of random
+logits, the kernel is first checked against ``fused_moe_reference`` (relative
+error in bf16), then timed next to
+
+- ``torch loop``: the per-expert loop a plain torch MoE runs (index the expert's
+  tokens, two matmuls, SwiGLU, weighted index_add): it syncs with the host, so it
+  is always timed eagerly, even with ``--graph``;
+- ``dense``: the two matmuls of a dense MLP with the same active FLOPs
+  (intermediate ``top_k * I``), the floor a grouped GEMM aims at.
+
+The weights exist in ``--layers`` copies and consecutive calls cycle through
+them, as a model's layers do, so that a decode step's experts (about 38 MB a
+layer for qwen3-30b-a3b) come from memory, not from the 50 MB L2.
+Time is the median over ``--repeats`` CUDA-event-timed runs of one call per
+layer copy, after warm-up. TFLOP/s counts ``6 T k I H`` (three GEMMs per routed
+row); GB/s counts the bytes of the experts actually routed to (each read
+once; for ``dense`` its own weights, ``top_k`` experts' worth) plus the hidden
+states in and out.
+
+``--tune`` replays CUDA graphs of each grouped GEMM alone for every candidate
+tile at each token count, BLOCK_M and group size (adding the alignment and the
+top-k sum, the path's other launches), and of the row-wise path up to
+``ROWWISE_MAX_TOKENS`` tokens; it prints the fastest as lines to paste into
+``CONFIGS`` in gpu/kernels/fused_moe.py. Each new tile compiles once (about a
+second), so a sweep of every size can outlast one 10-minute device call: run
+``--tune --tokens 1 64`` and ``--tune --tokens 256 8192`` separately (Triton's
+cache keeps the first call's kernels for the second).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from trio_llm.gpu.kernels import fused_moe as moe
+
+
+@dataclass(frozen=True, slots=True)
+class MoeShape:
+    hidden: int
+    num_experts: int
+    top_k: int
+    intermediate: int
+
+
+SHAPES = {
+    "qwen3-30b-a3b": MoeShape(hidden=2048, num_experts=128, top_k=8, intermediate=768),
+    "qwen3.5-35b-a3b": MoeShape(hidden=2048, num_experts=256, top_k=8, intermediate=512),
+}
+TOKEN_COUNTS = (1, 64, 256, 8192)
+TOLERANCE = 2e-2  # relative error of bf16 operands and a bf16 activation
+# Where the layers live, and their dtype (a CPU smoke run under the interpreter changes both).
+DEVICE, DTYPE = "cuda", torch.bfloat16
+
+
+@dataclass(slots=True)
+class Layer:
+    """One MoE layer's inputs, its weights in ``copies`` (see the module docstring)."""
+
+    hidden: torch.Tensor
+    w13: list[torch.Tensor]
+    w2: list[torch.Tensor]
+    topk_weights: torch.Tensor
+    topk_ids: torch.Tensor
+
+
+def make_layer(shape: MoeShape, num_tokens: int, copies: int) -> Layer:
+    generator = torch.Generator(device=DEVICE).manual_seed(num_tokens)
+
+    def random_bf16(*size: int, scale: float = 1.0) -> torch.Tensor:
+        values = torch.randn(*size, device=DEVICE, generator=generator) * scale
+        return values.to(DTYPE)
+
+    w13 = [random_bf16(shape.num_experts, 2 * shape.intermediate, shape.hidden,
+                       scale=shape.hidden**-0.5) for _ in range(copies)]
+    w2 = [random_bf16(shape.num_experts, shape.hidden, shape.intermediate,
+                      scale=shape.intermediate**-0.5) for _ in range(copies)]
+    hidden = random_bf16(num_tokens, shape.hidden)
+    logits = torch.randn(num_tokens, shape.num_experts, device=DEVICE, generator=generator)
+    weights, ids = logits.softmax(-1).topk(shape.top_k, dim=-1)
+    weights = weights / weights.sum(-1, keepdim=True)
+    return Layer(hidden, w13, w2, weights, ids.to(torch.int32))
+
+
+def relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((out.double() - expected.double()).norm() / expected.double().norm()).item()
+
+
+def torch_loop(hidden, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
+    """A plain torch MoE: per expert, its tokens through two matmuls, in bf16."""
+    intermediate = w13.shape[1] // 2
+    out = torch.zeros_like(hidden)
+    for expert in topk_ids.unique().tolist():
+        tokens, slots = torch.where(topk_ids == expert)
+        gate, up = (hidden[tokens] @ w13[expert].T).split(intermediate, dim=-1)
+        expert_out = (F.silu(gate) * up) @ w2[expert].T
+        out.index_add_(0, tokens, expert_out * topk_weights[tokens, slots, None].to(out.dtype))
+    return out
+
+
+def time_per_call(calls: Sequence[Callable[[], object]], *, graph: bool, repeats: int) -> float:
+    """Median microseconds of one call, from CUDA events around a pass over ``calls``."""
+    run: Callable[[], object]
+    if graph:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for call in calls:  # warm-up compiles and settles the allocator first
+                call()
+        torch.cuda.current_stream().wait_stream(stream)
+        cuda_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cuda_graph):
+            for call in calls:
+                call()
+        run = cuda_graph.replay
+    else:
+        def run() -> None:
+            for call in calls:
+                call()
+    for _ in range(3):
+        run()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(calls))
+    return statistics.median(times)
+
+
+def flops(shape: MoeShape, num_tokens: int) -> float:
+    return 6.0 * num_tokens * shape.top_k * shape.intermediate * shape.hidden
+
+
+def bytes_moved(shape: MoeShape, layer: Layer, num_experts_read: int) -> float:
+    """Each expert read once, the hidden states read and the output written."""
+    expert_bytes = 3 * shape.intermediate * shape.hidden * 2
+    return num_experts_read * expert_bytes + 2 * layer.hidden.numel() * 2
+
+
+def bench_size(shape: MoeShape, num_tokens: int, args) -> dict:
+    layer = make_layer(shape, num_tokens, args.layers)
+    copies = range(args.layers)
+    common = (layer.topk_weights, layer.topk_ids)
+    out = moe.fused_moe(layer.hidden, layer.w13[0], layer.w2[0], *common)
+    expected = moe.fused_moe_reference(layer.hidden, layer.w13[0], layer.w2[0], *common)
+    record: dict = {"tokens": num_tokens, "config": config_literal(moe.config_for(num_tokens)),
+                    "relative_error": relative_error(out, expected)}
+    if not record["relative_error"] < TOLERANCE:
+        record["error"] = f"relative error {record['relative_error']:.3g} >= {TOLERANCE}"
+        return record
+    kernel = [lambda i=i: moe.fused_moe(layer.hidden, layer.w13[i], layer.w2[i], *common)
+              for i in copies]
+    record["fused_us"] = time_per_call(kernel, graph=args.graph, repeats=args.repeats)
+    loop = [lambda i=i: torch_loop(layer.hidden, layer.w13[i], layer.w2[i], *common)
+            for i in copies]
+    record["torch_loop_us"] = time_per_call(loop, graph=False, repeats=max(3, args.repeats // 4))
+    dense_gate_up = [w.view(-1, shape.hidden)[: 2 * shape.top_k * shape.intermediate]
+                     for w in layer.w13]
+    dense_down = [torch.randn(shape.hidden, shape.top_k * shape.intermediate, device=DEVICE,
+                              dtype=DTYPE) for _ in copies]
+    dense = [lambda i=i: dense_mlp(layer.hidden, dense_gate_up[i], dense_down[i]) for i in copies]
+    record["dense_us"] = time_per_call(dense, graph=args.graph, repeats=args.repeats)
+    # The MoE reads the experts it routes to; the dense MLP's weights are top_k experts' worth.
+    moe_bytes = bytes_moved(shape, layer, layer.topk_ids.unique().numel())
+    traffic = {"fused": moe_bytes, "torch_loop": moe_bytes,
+               "dense": bytes_moved(shape, layer, shape.top_k)}
+    for name, num_bytes in traffic.items():
+        seconds = record[f"{name}_us"] * 1e-6
+        record[f"{name}_tflops"] = flops(shape, num_tokens) / seconds / 1e12
+        record[f"{name}_gbps"] = num_bytes / seconds / 1e9
+    return record
+
+
+def dense_mlp(hidden, gate_up_weight, down_weight) -> torch.Tensor:
+    """The dense GEMMs of the same active FLOPs (SwiGLU left out: it is not a GEMM)."""
+    gate_up = hidden @ gate_up_weight.T
+    return gate_up[:, : down_weight.shape[1]] @ down_weight.T
+
+
+def print_table(model: str, records: list[dict]) -> None:
+    print(f"\n{model}: per call, {'CUDA graph' if ARGS.graph else 'eager'} "
+          "(torch loop always eager)")
+    header = f"{'tokens':>6} {'rel.err':>8}"
+    for name in ("fused", "torch loop", "dense"):
+        header += f" | {name + ' us':>14} {'TFLOP/s':>8} {'GB/s':>7}"
+    print(header)
+    for record in records:
+        if "error" in record:
+            print(f"{record['tokens']:>6} failed: {record['error']}")
+            continue
+        line = f"{record['tokens']:>6} {record['relative_error']:8.1e}"
+        for name in ("fused", "torch_loop", "dense"):
+            line += (f" | {record[f'{name}_us']:14.1f} {record[f'{name}_tflops']:8.1f}"
+                     f" {record[f'{name}_gbps']:7.0f}")
+        print(line)
+
+
+# --tune: the candidates. Decode (short row blocks) is bound by streaming the
+# experts: narrow column blocks for many programs, deep reductions, many stages.
+# Prefill is bound by the tensor cores: wide tiles, more warps. The row-wise path
+# (GEMVs, no tensor cores) is tried up to ROWWISE_MAX_TOKENS.
+DECODE_TILES = [moe.GemmConfig(n, k, 4, stages) for n, k, stages in
+                itertools.product((16, 32, 64, 128), (64, 128, 256), (3, 4, 5))]
+PREFILL_TILES = [moe.GemmConfig(n, k, warps, stages) for n, k, warps, stages in
+                 itertools.product((64, 128, 256), (32, 64, 128), (4, 8), (3, 4))]
+ROWWISE_TILES = [moe.GemmConfig(n, k, warps, stages) for n, k, warps, stages in
+                 itertools.product((8, 16, 32), (128, 256, 512), (2, 4), (2, 3, 4))
+                 if n * k <= 8192]
+ROWWISE_MAX_TOKENS = 16
+GROUP_M = (1, 8)
+SHARED_MEMORY = 227 * 1024  # an H100/H200 SM's, per block
+
+
+def block_m_candidates(num_tokens: int, shape: MoeShape) -> tuple[int, ...]:
+    rows_per_expert = num_tokens * shape.top_k / shape.num_experts
+    if rows_per_expert <= 4:
+        return (16,)
+    if rows_per_expert <= 32:
+        return (16, 32, 64)
+    return (64, 128)
+
+
+def tile_candidates(gemm: str, block_m: int) -> list[moe.GemmConfig]:
+    """The grouped tiles worth compiling: their pipelined operands fit in shared memory
+    and their float32 accumulators (two for gate/up) in the registers of their warps."""
+    num_weight_tiles = 2 if gemm == "gate_up" else 1
+    fitting = []
+    for tile in DECODE_TILES if block_m <= 32 else PREFILL_TILES:
+        operand_bytes = 2 * tile.block_k * (block_m + num_weight_tiles * tile.block_n)
+        accumulators = num_weight_tiles * block_m * tile.block_n
+        if (operand_bytes * tile.num_stages <= SHARED_MEMORY
+                and accumulators <= 128 * tile.num_warps * 32):
+            fitting.append(tile)
+    return fitting
+
+
+def time_launches(launches: list[Callable[[], object]], repeats: int) -> float:
+    """Microseconds per launch, replayed from a CUDA graph (eager timing of a few
+    microseconds of GPU work would measure Triton's launcher instead)."""
+    try:
+        return time_per_call(launches, graph=True, repeats=repeats)
+    except Exception as error:  # a tile the compiler refuses (resources)
+        print(f"    skipped: {type(error).__name__}: {str(error)[:120]}", flush=True)
+        return float("inf")
+
+
+@dataclass(slots=True)
+class Tuning:
+    """One token count's layer, buffers and alignments, shared by every candidate."""
+
+    shape: MoeShape
+    layer: Layer
+    activation: torch.Tensor
+    per_slot: torch.Tensor
+    out: torch.Tensor
+    plans: dict[int, moe.ExpertPlan]
+    repeats: int
+
+    def fastest(self, launches: Callable[[moe.GemmConfig], list[Callable[[], object]]],
+                tiles: list[moe.GemmConfig]) -> tuple[float, moe.GemmConfig]:
+        timed = [(time_launches(launches(tile), self.repeats), tile) for tile in tiles]
+        return min(timed, key=lambda result: result[0])
+
+    def rowwise(self) -> tuple[float, moe.MoeConfig]:
+        """The row-wise path (its two launches are all of it): the gate/up tile swept
+        under a fixed down tile, then the down tile under the best gate/up one."""
+        def both(config: moe.RowwiseConfig) -> list[Callable[[], object]]:
+            return [functools.partial(self.launch_rowwise, w13, w2, config)
+                    for w13, w2 in zip(self.layer.w13, self.layer.w2, strict=True)]
+
+        fixed_down = ROWWISE_TILES[0]
+        _, gate_up_tile = self.fastest(
+            lambda tile: both(moe.RowwiseConfig(tile, fixed_down)), ROWWISE_TILES)
+        total, down_tile = self.fastest(
+            lambda tile: both(moe.RowwiseConfig(gate_up_tile, tile)), ROWWISE_TILES)
+        return total, moe.RowwiseConfig(gate_up_tile, down_tile)
+
+    def launch_rowwise(self, w13: torch.Tensor, w2: torch.Tensor,
+                       config: moe.RowwiseConfig) -> None:
+        layer = self.layer
+        moe.launch_rowwise(layer.hidden, w13, w2, layer.topk_weights, layer.topk_ids,
+                           self.activation, self.out, config)
+
+    def grouped(self, block_m: int, group_m: int) -> tuple[float, moe.MoeConfig]:
+        """Each GEMM timed alone over the alignment for ``block_m``, plus the alignment
+        and the top-k sum (the other launches of the grouped path)."""
+        layer, plan = self.layer, self.plans[block_m]
+
+        def gate_up(tile: moe.GemmConfig) -> list[Callable[[], object]]:
+            config = moe.GroupedConfig(block_m, group_m, tile, tile)
+            return [functools.partial(moe.launch_gate_up, layer.hidden, w13, self.activation,
+                                      plan, self.shape.top_k, config) for w13 in layer.w13]
+
+        def down(tile: moe.GemmConfig) -> list[Callable[[], object]]:
+            config = moe.GroupedConfig(block_m, group_m, tile, tile)
+            return [functools.partial(moe.launch_down, self.activation, w2, self.per_slot,
+                                      layer.topk_weights, plan, config) for w2 in layer.w2]
+
+        gate_up_us, gate_up_tile = self.fastest(gate_up, tile_candidates("gate_up", block_m))
+        down_us, down_tile = self.fastest(down, tile_candidates("down", block_m))
+        overhead_us = time_launches([self.align_and_sum_for(block_m)], self.repeats)
+        print(f"  block_m {block_m} group_m {group_m}: gate/up {gate_up_us:.1f} us, down "
+              f"{down_us:.1f} us, alignment and sum {overhead_us:.1f} us", flush=True)
+        total = gate_up_us + down_us + overhead_us
+        return total, moe.GroupedConfig(block_m, group_m, gate_up_tile, down_tile)
+
+    def align_and_sum_for(self, block_m: int) -> Callable[[], object]:
+        num_tokens, top_k = self.layer.topk_ids.shape
+
+        def align_and_sum() -> None:
+            moe.align_by_expert(self.layer.topk_ids, self.shape.num_experts, block_m)
+            if top_k > 1:
+                torch.sum(self.per_slot.view(num_tokens, top_k, -1), dim=1, out=self.out)
+        return align_and_sum
+
+
+def tune_size(shape: MoeShape, num_tokens: int, args) -> dict:
+    """The fastest configuration at ``num_tokens``: the row-wise path (for a few tokens)
+    against the grouped one at each BLOCK_M and group size."""
+    layer = make_layer(shape, num_tokens, args.layers)
+    num_rows = num_tokens * shape.top_k
+    tuning = Tuning(
+        shape, layer,
+        activation=torch.randn(num_rows, shape.intermediate, device=DEVICE).to(DTYPE),
+        per_slot=torch.empty(num_rows, shape.hidden, device=DEVICE, dtype=DTYPE),
+        out=torch.empty(num_tokens, shape.hidden, device=DEVICE, dtype=DTYPE),
+        plans={block_m: moe.align_by_expert(layer.topk_ids, shape.num_experts, block_m)
+               for block_m in block_m_candidates(num_tokens, shape)},
+        repeats=args.repeats)
+    candidates = [tuning.grouped(block_m, group_m)
+                  for block_m, group_m in itertools.product(tuning.plans, GROUP_M)]
+    if num_tokens <= ROWWISE_MAX_TOKENS:
+        candidates.append(tuning.rowwise())
+    for total, config in candidates:
+        print(f"  tokens {num_tokens}: {total:.1f} us {config_literal(config)}", flush=True)
+    total, config = min(candidates, key=lambda candidate: candidate[0])
+    inputs = (layer.hidden, layer.w13[0], layer.w2[0], layer.topk_weights, layer.topk_ids)
+    out = moe.fused_moe(*inputs, config=config)
+    return {"tokens": num_tokens, "layer_us": total, "config": asdict(config),
+            "relative_error": relative_error(out, moe.fused_moe_reference(*inputs)),
+            "literal": config_literal(config)}
+
+
+def config_literal(config: moe.MoeConfig) -> str:
+    def tile(t: moe.GemmConfig) -> str:
+        return f"GemmConfig({t.block_n}, {t.block_k}, {t.num_warps}, {t.num_stages})"
+    if isinstance(config, moe.RowwiseConfig):
+        return f"RowwiseConfig({tile(config.gate_up)}, {tile(config.down)})"
+    return (f"GroupedConfig({config.block_m}, {config.group_m}, {tile(config.gate_up)}, "
+            f"{tile(config.down)})")
+
+
+def print_tuned(tuned: list[dict]) -> None:
+    """The table to paste: each tuned count covers up to the geometric middle of the
+    next one."""
+    print("\nCONFIGS: tuple[tuple[int, MoeConfig], ...] = (")
+    for record, following in zip(tuned, [*tuned[1:], None], strict=True):
+        bound = "1 << 62" if following is None else str(
+            int((record["tokens"] * following["tokens"]) ** 0.5))
+        print(f"    ({bound}, {record['literal']}),  # tuned at {record['tokens']} tokens: "
+              f"{record['layer_us']:.1f} us, rel.err {record['relative_error']:.1e}")
+    print(")")
+
+
+def environment() -> dict:
+    return {"python": sys.version.split()[0], "torch": torch.__version__,
+            "triton": triton.__version__, "device": torch.cuda.get_device_name(),
+            "cuda": torch.version.cuda}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=[*SHAPES, "all"], default="qwen3-30b-a3b")
+    parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKEN_COUNTS))
+    parser.add_argument("--graph", action="store_true", help="time inside a CUDA graph")
+    parser.add_argument("--tune", action="store_true", help="sweep block sizes instead")
+    parser.add_argument("--layers", type=int, default=4,
+                        help="weight copies cycled through (keeps the experts out of L2)")
+    parser.add_argument("--repeats", type=int, default=20)
+    return parser.parse_args(argv)
+
+
+ARGS = parse_args([])
+
+
+def main() -> None:
+    global ARGS
+    ARGS = args = parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("moe_kernel_bench needs a CUDA device")
+    out_path = Path(os.environ.get("OUT", ".")) / "moe_kernel_bench.json"
+    results: dict = {"environment": environment(), "args": vars(args), "models": {}}
+    print(json.dumps(results["environment"]))
+    models = list(SHAPES) if args.model == "all" else [args.model]
+    failed = 0
+    for model in models:
+        records = []
+        for num_tokens in args.tokens:
+            started = time.monotonic()
+            try:
+                records.append((tune_size if args.tune else bench_size)(
+                    SHAPES[model], num_tokens, args))
+                print(f"{model} at {num_tokens} tokens: {time.monotonic() - started:.0f} s",
+                      flush=True)
+            except Exception as error:  # one size failing must not hide the others
+                traceback.print_exc()
+                records.append({"tokens": num_tokens,
+                                "error": f"{type(error).__name__}: {error}"[:500]})
+            failed += "error" in records[-1] or not records[-1].get("relative_error", 1) < TOLERANCE
+            torch.cuda.empty_cache()
+            results["models"][model] = records
+            out_path.write_text(json.dumps(results, indent=2))  # what a timeout leaves
+        if args.tune:
+            print(f"\n{model}:")
+            print_tuned([r for r in records if "error" not in r])
+        else:
+            print_table(model, records)
+    print(f"\n{failed} sizes failed or exceeded relative error {TOLERANCE}")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

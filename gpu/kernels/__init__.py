@@ -1,0 +1,1 @@
+"""Compute kernels: Triton (CUDA) and numba (CPU), apart from the models that call them."""

@@ -1,0 +1,526 @@
+"""A fused Mixture-of-Experts layer in Triton (the CUDA path of the MoE families).
+
+Each token is routed to ``top_k`` of ``E`` experts; expert ``e`` computes
+``down_e(silu(gate_e(x)) * up_e(x))``, and a token's output is the sum of its
+experts' outputs, each scaled by its routing weight. ``fused_moe`` computes it
+without ever waiting on the host, so the whole layer can be captured in a CUDA
+graph, along one of two paths.
+
+The grouped path (``GroupedConfig``, any number of tokens):
+
+1. ``align_by_expert`` (one kernel, two past ``ALIGN_CHUNK`` rows): the
+   ``T * top_k`` (token, slot) rows are grouped by expert into segments padded
+   to ``block_m`` rows, so that every ``block_m`` block of the sorted order
+   belongs to one expert. The order has a fixed length (an upper bound, see
+   ``max_sorted_rows``); the GEMMs skip the blocks past the real total, which
+   they read from device memory;
+2. the gate/up grouped GEMM: each program multiplies one block of rows by one
+   ``block_n`` slice of its expert's gate and up projections (``tl.dot``, both
+   accumulated in float32) and stores ``silu(gate) * up``: SwiGLU in the
+   epilogue, the ``2 * I`` wide intermediate never reaches memory;
+3. the down grouped GEMM over the activations, scaled by each row's routing
+   weight in the epilogue;
+4. the sum over a token's ``top_k`` rows, in slot order (with ``top_k == 1`` the
+   down GEMM writes the output directly).
+
+The row-wise path (``RowwiseConfig``, a few tokens: single-stream decode) needs
+no alignment and no separate sum: a gate/up program takes one (token, slot) row
+and a slice of its expert's columns, a down program one token and a slice of
+the hidden columns, summing its slots in float32 registers. Both are GEMVs that
+stream each weight once per row using it: two launches per layer.
+
+Block sizes come from a small table keyed by the token count (``CONFIGS``;
+decode wants the row-wise path or short row blocks and many column blocks,
+prefill long row blocks), not from autotuning: the kernels run inside CUDA
+graphs, and the interpreter that runs them in CI is too slow to tune.
+benchmarks/moe_kernel_bench.py ``--tune`` sweeps them on the device and prints
+the table.
+
+The GPU path is not batch invariant (the path and tiles, hence the float32 sum
+order, depend on the token count); the batch-invariant path is the CPU one.
+``fused_moe_reference`` is the same math as a per-expert torch loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+# The alignment's planning kernel is one program that reads the routing table in
+# chunks of this many entries; up to this many rows it also places them itself,
+# past it a second kernel places chunks of this many in parallel.
+ALIGN_CHUNK = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class GemmConfig:
+    """One GEMM's (or row-wise GEMV's) tile: output columns and reduction depth per
+    step, warps, and how many reduction steps the compiler keeps in flight."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True, slots=True)
+class GroupedConfig:
+    """The grouped path: rows aligned by expert, each program a block of ``block_m`` rows
+    of one expert. ``block_m`` is shared by the alignment and both GEMMs; ``group_m``
+    row blocks share a column sweep (L2 reuse of the weights)."""
+
+    block_m: int
+    group_m: int
+    gate_up: GemmConfig
+    down: GemmConfig
+
+
+@dataclass(frozen=True, slots=True)
+class RowwiseConfig:
+    """The row-wise path for a few tokens: no alignment, each gate/up program one
+    (token, slot) row, each down program one token, summing its slots in registers
+    (two launches in all). A weight slice is read once per row that uses it, so this
+    pays only while few rows share an expert."""
+
+    gate_up: GemmConfig
+    down: GemmConfig
+
+
+MoeConfig = GroupedConfig | RowwiseConfig
+
+# (largest token count, configuration), in increasing order; the last entry covers
+# every larger count. Guesses from the shapes of qwen3-30b-a3b (H=2048, E=128,
+# top-8, I=768) until benchmarks/moe_kernel_bench.py --tune replaces them.
+CONFIGS: tuple[tuple[int, MoeConfig], ...] = (
+    (2, RowwiseConfig(GemmConfig(16, 256, 4, 3), GemmConfig(8, 256, 4, 4))),
+    (32, GroupedConfig(16, 1, GemmConfig(32, 128, 4, 4), GemmConfig(64, 128, 4, 4))),
+    (128, GroupedConfig(16, 1, GemmConfig(64, 128, 4, 3), GemmConfig(128, 128, 4, 3))),
+    (512, GroupedConfig(32, 8, GemmConfig(64, 128, 4, 3), GemmConfig(128, 128, 4, 3))),
+    (1536, GroupedConfig(64, 8, GemmConfig(64, 64, 4, 3), GemmConfig(128, 64, 4, 3))),
+    (1 << 62, GroupedConfig(128, 8, GemmConfig(128, 64, 8, 4), GemmConfig(256, 64, 8, 4))),
+)
+
+
+def config_for(num_tokens: int) -> MoeConfig:
+    """The table's configuration for ``num_tokens`` tokens."""
+    for max_tokens, config in CONFIGS:
+        if num_tokens <= max_tokens:
+            return config
+    return CONFIGS[-1][1]
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertPlan:
+    """(token, slot) rows grouped by expert: ``sorted_rows[i]`` is a row index
+    ``token * top_k + slot``, or ``num_rows`` for padding; ``block_experts[b]`` is
+    the expert of rows ``[b * block_m, (b + 1) * block_m)``, or -1 past
+    ``num_padded_rows`` (a one-element device tensor: the real length of the order)."""
+
+    sorted_rows: torch.Tensor
+    block_experts: torch.Tensor
+    num_padded_rows: torch.Tensor
+    block_m: int
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_experts.numel()
+
+
+def max_sorted_rows(num_rows: int, num_experts: int, block_m: int) -> int:
+    """An upper bound on the padded length, fixed by the shapes alone (CUDA-graph safe):
+    each expert that has rows pads at most ``block_m - 1`` of them, and at most
+    ``min(num_rows, num_experts)`` experts have rows."""
+    bound = num_rows + min(num_rows, num_experts) * (block_m - 1)
+    return triton.cdiv(bound, block_m) * block_m
+
+
+# Counts that change with the batch are not specialised on (divisibility by 16, being
+# 1): one compiled kernel serves every batch size, so no new batch compiles mid-capture.
+@triton.jit(do_not_specialize=["num_rows", "num_blocks"])
+def _plan_blocks_kernel(topk_ids_ptr, sorted_rows_ptr, block_experts_ptr, num_padded_ptr,
+                        cursor_ptr, num_rows, num_experts, num_blocks,
+                        BLOCK_M: tl.constexpr, EXPERTS_PAD: tl.constexpr,
+                        BLOCKS_CHUNK: tl.constexpr, CHUNK: tl.constexpr,
+                        SCATTER: tl.constexpr):
+    """One program: count each expert's rows, lay the padded segments end to end,
+    name each block's expert, mark the segments padding (the scatter then
+    overwrites the real rows) and leave each expert's first position in ``cursor``.
+    With ``SCATTER`` (at most ``CHUNK`` rows) it places the rows itself, saving a launch."""
+    experts = tl.arange(0, EXPERTS_PAD)
+    counts = tl.zeros([EXPERTS_PAD], dtype=tl.int32)
+    for start in range(0, num_rows, CHUNK):
+        entries = start + tl.arange(0, CHUNK)
+        # Entries past the end land in the last bin, which no expert uses.
+        ids = tl.load(topk_ids_ptr + entries, mask=entries < num_rows, other=EXPERTS_PAD - 1)
+        counts += tl.histogram(ids.to(tl.int32), EXPERTS_PAD)
+    counts = tl.where(experts < num_experts, counts, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    starts = ends - padded
+    total = tl.sum(padded, 0)
+    tl.store(num_padded_ptr, total)
+    tl.store(cursor_ptr + experts, starts, mask=experts < num_experts)
+    for first in range(0, num_blocks, BLOCKS_CHUNK):
+        blocks = first + tl.arange(0, BLOCKS_CHUNK)
+        block_starts = blocks * BLOCK_M
+        # A block belongs to the expert whose segment holds its first row: the number
+        # of segments ending at or before that row (empty segments end where they start).
+        owner = tl.sum((ends[None, :] <= block_starts[:, None]).to(tl.int32), 1)
+        owner = tl.where(block_starts < total, owner, -1)
+        tl.store(block_experts_ptr + blocks, owner, mask=blocks < num_blocks)
+    for start in range(0, total, CHUNK):
+        positions = start + tl.arange(0, CHUNK)
+        tl.store(sorted_rows_ptr + positions, tl.full([CHUNK], 0, tl.int32) + num_rows,
+                 mask=positions < total)
+    if SCATTER:
+        # The barrier orders the cursor and padding stores of every thread before the
+        # atomics and row stores below.
+        tl.debug_barrier()
+        _scatter_chunk(topk_ids_ptr, sorted_rows_ptr, cursor_ptr, num_rows,
+                       tl.arange(0, CHUNK))
+
+
+@triton.jit
+def _scatter_chunk(topk_ids_ptr, sorted_rows_ptr, cursor_ptr, num_rows, rows):
+    """Each row takes the next free position of its expert's segment. The order within
+    a segment depends on the atomics' order; no result does (a row's products never
+    mix with another row's)."""
+    mask = rows < num_rows
+    ids = tl.load(topk_ids_ptr + rows, mask=mask, other=0).to(tl.int32)
+    positions = tl.atomic_add(cursor_ptr + ids, 1, mask=mask, sem="relaxed")
+    tl.store(sorted_rows_ptr + positions, rows, mask=mask)
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _scatter_rows_kernel(topk_ids_ptr, sorted_rows_ptr, cursor_ptr, num_rows,
+                         CHUNK: tl.constexpr):
+    _scatter_chunk(topk_ids_ptr, sorted_rows_ptr, cursor_ptr, num_rows,
+                   tl.program_id(0) * CHUNK + tl.arange(0, CHUNK))
+
+
+def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertPlan:
+    """Group the (token, slot) rows of ``topk_ids`` [T, top_k] by expert into segments
+    padded to ``block_m`` rows; no host synchronisation."""
+    num_rows = topk_ids.numel()
+    device = topk_ids.device
+    num_sorted = max_sorted_rows(num_rows, num_experts, block_m)
+    num_blocks = num_sorted // block_m
+    sorted_rows = torch.empty(num_sorted, dtype=torch.int32, device=device)
+    block_experts = torch.empty(num_blocks, dtype=torch.int32, device=device)
+    num_padded_rows = torch.empty(1, dtype=torch.int32, device=device)
+    cursor = torch.empty(num_experts, dtype=torch.int32, device=device)
+    topk_ids = topk_ids.contiguous()
+    # One spare bin past the experts for the masked entries; at least a warp of bins.
+    experts_pad = max(32, triton.next_power_of_2(num_experts + 1))
+    scatter_here = num_rows <= ALIGN_CHUNK
+    _plan_blocks_kernel[(1,)](
+        topk_ids, sorted_rows, block_experts, num_padded_rows, cursor, num_rows, num_experts,
+        num_blocks, BLOCK_M=block_m, EXPERTS_PAD=experts_pad,
+        BLOCKS_CHUNK=max(1, 8192 // experts_pad), CHUNK=ALIGN_CHUNK, SCATTER=scatter_here,
+        num_warps=8)
+    if not scatter_here:
+        _scatter_rows_kernel[(triton.cdiv(num_rows, ALIGN_CHUNK),)](
+            topk_ids, sorted_rows, cursor, num_rows, CHUNK=ALIGN_CHUNK, num_warps=4)
+    return ExpertPlan(sorted_rows, block_experts, num_padded_rows, block_m)
+
+
+@triton.jit
+def _tile(program, num_m_blocks, num_n_blocks, group_m):
+    """Programs walk ``group_m`` row blocks down one column block before the next column
+    block, so that programs running together share their weight tiles in L2."""
+    programs_per_group = group_m * num_n_blocks
+    first_m = (program // programs_per_group) * group_m
+    group_size = tl.minimum(num_m_blocks - first_m, group_m)
+    within = program % programs_per_group
+    return first_m + within % group_size, within // group_size
+
+
+@triton.jit
+def _block_rows(sorted_rows_ptr, block_experts_ptr, pid_m, BLOCK_M: tl.constexpr):
+    rows = tl.load(sorted_rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
+    return rows, expert
+
+
+@triton.jit(do_not_specialize=["num_rows", "num_m_blocks", "group_m"])
+def _gate_up_kernel(hidden_ptr, w13_ptr, activation_ptr, sorted_rows_ptr, block_experts_ptr,
+                    num_padded_ptr, num_rows, num_m_blocks, group_m, hidden_row_stride,
+                    w13_expert_stride, w13_row_stride,
+                    TOP_K: tl.constexpr, HIDDEN: tl.constexpr, INTERMEDIATE: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """activation[row, n] = silu(x . gate_e[n]) * (x . up_e[n]) for one block of rows
+    (all of expert e) and BLOCK_N columns n; x is the row's token's hidden state."""
+    pid_m, pid_n = _tile(tl.program_id(0), num_m_blocks, tl.cdiv(INTERMEDIATE, BLOCK_N),
+                         group_m)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    rows, expert = _block_rows(sorted_rows_ptr, block_experts_ptr, pid_m, BLOCK_M)
+    row_mask = rows < num_rows
+    tokens = (rows // TOP_K).to(tl.int64)
+    columns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # The last column block re-reads the last weight row instead of masking its loads;
+    # those columns are never stored.
+    weight_rows = tl.minimum(columns, INTERMEDIATE - 1).to(tl.int64)
+    depth = tl.arange(0, BLOCK_K)
+    x_ptrs = hidden_ptr + tokens[:, None] * hidden_row_stride + depth[None, :]
+    gate_ptrs = (w13_ptr + expert * w13_expert_stride + weight_rows[None, :] * w13_row_stride
+                 + depth[:, None])
+    up_ptrs = gate_ptrs + INTERMEDIATE * w13_row_stride
+    gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for start in range(0, HIDDEN, BLOCK_K):
+        if HIDDEN % BLOCK_K == 0:
+            x = tl.load(x_ptrs, mask=row_mask[:, None], other=0.0)
+            gate_weights = tl.load(gate_ptrs)
+            up_weights = tl.load(up_ptrs)
+        else:
+            depth_mask = depth < HIDDEN - start
+            x = tl.load(x_ptrs, mask=row_mask[:, None] & depth_mask[None, :], other=0.0)
+            gate_weights = tl.load(gate_ptrs, mask=depth_mask[:, None], other=0.0)
+            up_weights = tl.load(up_ptrs, mask=depth_mask[:, None], other=0.0)
+        gate = tl.dot(x, gate_weights, gate)
+        up = tl.dot(x, up_weights, up)
+        x_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K
+        up_ptrs += BLOCK_K
+    activated = gate * tl.sigmoid(gate) * up
+    out_ptrs = activation_ptr + rows.to(tl.int64)[:, None] * INTERMEDIATE + columns[None, :]
+    tl.store(out_ptrs, activated.to(activation_ptr.dtype.element_ty),
+             mask=row_mask[:, None] & (columns < INTERMEDIATE)[None, :])
+
+
+@triton.jit(do_not_specialize=["num_rows", "num_m_blocks", "group_m"])
+def _down_kernel(activation_ptr, w2_ptr, out_ptr, topk_weights_ptr, sorted_rows_ptr,
+                 block_experts_ptr, num_padded_ptr, num_rows, num_m_blocks, group_m,
+                 w2_expert_stride, w2_row_stride,
+                 HIDDEN: tl.constexpr, INTERMEDIATE: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[row, n] = weight[row] * (activation[row] . down_e[n]) for one block of rows
+    (all of expert e) and BLOCK_N hidden columns n."""
+    pid_m, pid_n = _tile(tl.program_id(0), num_m_blocks, tl.cdiv(HIDDEN, BLOCK_N), group_m)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    rows, expert = _block_rows(sorted_rows_ptr, block_experts_ptr, pid_m, BLOCK_M)
+    row_mask = rows < num_rows
+    rows = rows.to(tl.int64)
+    columns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    weight_rows = tl.minimum(columns, HIDDEN - 1).to(tl.int64)
+    depth = tl.arange(0, BLOCK_K)
+    a_ptrs = activation_ptr + rows[:, None] * INTERMEDIATE + depth[None, :]
+    w_ptrs = (w2_ptr + expert * w2_expert_stride + weight_rows[None, :] * w2_row_stride
+              + depth[:, None])
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for start in range(0, INTERMEDIATE, BLOCK_K):
+        if INTERMEDIATE % BLOCK_K == 0:
+            a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
+            w = tl.load(w_ptrs)
+        else:
+            depth_mask = depth < INTERMEDIATE - start
+            a = tl.load(a_ptrs, mask=row_mask[:, None] & depth_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=depth_mask[:, None], other=0.0)
+        acc = tl.dot(a, w, acc)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    routing = tl.load(topk_weights_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+    acc = acc * routing[:, None]
+    out_ptrs = out_ptr + rows[:, None] * HIDDEN + columns[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty),
+             mask=row_mask[:, None] & (columns < HIDDEN)[None, :])
+
+
+@triton.jit
+def _row_products(x_ptr, weight_ptrs, start, DEPTH: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One reduction step of a GEMV: the float32 products of ``x[start:start + BLOCK_K]``
+    with the same columns of the weight rows that ``weight_ptrs`` point to, summed."""
+    depth = start + tl.arange(0, BLOCK_K)
+    if DEPTH % BLOCK_K == 0:
+        x = tl.load(x_ptr + depth)
+        # Each weight is read once: let it leave the caches first.
+        w = tl.load(weight_ptrs[:, None] + depth[None, :], eviction_policy="evict_first")
+    else:
+        depth_mask = depth < DEPTH
+        x = tl.load(x_ptr + depth, mask=depth_mask, other=0.0)
+        w = tl.load(weight_ptrs[:, None] + depth[None, :], mask=depth_mask[None, :], other=0.0,
+                    eviction_policy="evict_first")
+    return tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], 1)
+
+
+@triton.jit
+def _rowwise_gate_up_kernel(hidden_ptr, w13_ptr, activation_ptr, topk_ids_ptr,
+                            hidden_row_stride, w13_expert_stride, w13_row_stride,
+                            TOP_K: tl.constexpr, HIDDEN: tl.constexpr,
+                            INTERMEDIATE: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """activation[row, n] = silu(x . gate_e[n]) * (x . up_e[n]) for one (token, slot)
+    row, its expert e, and BLOCK_N columns n."""
+    row = tl.program_id(0)
+    expert = tl.load(topk_ids_ptr + row).to(tl.int64)
+    x_ptr = hidden_ptr + (row // TOP_K).to(tl.int64) * hidden_row_stride
+    columns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    weight_rows = tl.minimum(columns, INTERMEDIATE - 1).to(tl.int64)
+    gate_ptrs = w13_ptr + expert * w13_expert_stride + weight_rows * w13_row_stride
+    up_ptrs = gate_ptrs + INTERMEDIATE * w13_row_stride
+    gate = tl.zeros([BLOCK_N], dtype=tl.float32)
+    up = tl.zeros([BLOCK_N], dtype=tl.float32)
+    # num_stages on the loop: without a tl.dot the pipeliner prefetches only when asked.
+    for start in tl.range(0, HIDDEN, BLOCK_K, num_stages=NUM_STAGES):
+        gate += _row_products(x_ptr, gate_ptrs, start, HIDDEN, BLOCK_K)
+        up += _row_products(x_ptr, up_ptrs, start, HIDDEN, BLOCK_K)
+    activated = gate * tl.sigmoid(gate) * up
+    tl.store(activation_ptr + row.to(tl.int64) * INTERMEDIATE + columns,
+             activated.to(activation_ptr.dtype.element_ty), mask=columns < INTERMEDIATE)
+
+
+@triton.jit
+def _rowwise_down_kernel(activation_ptr, w2_ptr, out_ptr, topk_weights_ptr, topk_ids_ptr,
+                         w2_expert_stride, w2_row_stride,
+                         TOP_K: tl.constexpr, HIDDEN: tl.constexpr,
+                         INTERMEDIATE: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """out[token, n] = sum over the token's slots of weight * (activation[row] . down_e[n]),
+    summed in float32, for BLOCK_N hidden columns n."""
+    token = tl.program_id(0).to(tl.int64)
+    columns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    weight_rows = tl.minimum(columns, HIDDEN - 1).to(tl.int64)
+    STEPS_PER_SLOT: tl.constexpr = (INTERMEDIATE + BLOCK_K - 1) // BLOCK_K
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    # One loop over every slot's reduction steps, so that the prefetch runs across
+    # slots instead of draining at each.
+    for step in tl.range(0, TOP_K * STEPS_PER_SLOT, num_stages=NUM_STAGES):
+        row = token * TOP_K + step // STEPS_PER_SLOT
+        expert = tl.load(topk_ids_ptr + row).to(tl.int64)
+        down_ptrs = w2_ptr + expert * w2_expert_stride + weight_rows * w2_row_stride
+        products = _row_products(activation_ptr + row * INTERMEDIATE, down_ptrs,
+                                 (step % STEPS_PER_SLOT) * BLOCK_K, INTERMEDIATE, BLOCK_K)
+        total += products * tl.load(topk_weights_ptr + row).to(tl.float32)
+    tl.store(out_ptr + token * HIDDEN + columns, total.to(out_ptr.dtype.element_ty),
+             mask=columns < HIDDEN)
+
+
+def _check_inputs(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> None:
+    num_tokens, hidden_size = hidden.shape
+    num_experts, two_intermediate, w13_hidden = w13.shape
+    if w13_hidden != hidden_size or two_intermediate % 2:
+        raise ValueError(f"w13 {tuple(w13.shape)} is not [experts, 2 * intermediate, "
+                         f"{hidden_size}] for hidden {tuple(hidden.shape)}")
+    if tuple(w2.shape) != (num_experts, hidden_size, two_intermediate // 2):
+        raise ValueError(f"w2 {tuple(w2.shape)} is not [{num_experts}, {hidden_size}, "
+                         f"{two_intermediate // 2}] for w13 {tuple(w13.shape)}")
+    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != num_tokens:
+        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights "
+                         f"{tuple(topk_weights.shape)} must both be [{num_tokens}, top_k]")
+    if not hidden.dtype == w13.dtype == w2.dtype:
+        raise ValueError(f"hidden ({hidden.dtype}), w13 ({w13.dtype}) and w2 ({w2.dtype}) "
+                         "must share one dtype")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_ids must be int32 or int64, not {topk_ids.dtype}")
+    if hidden.stride(1) != 1 or w13.stride(2) != 1 or w2.stride(2) != 1:
+        raise ValueError("hidden, w13 and w2 must be contiguous in their last dimension")
+
+
+def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
+              config: MoeConfig | None = None) -> torch.Tensor:
+    """The MoE layer's output [T, H] for ``hidden`` [T, H], gate/up weights ``w13``
+    [E, 2I, H] (rows [0, I) the gate, [I, 2I) the up projection), down weights ``w2``
+    [E, H, I], and each token's experts ``topk_ids`` [T, k] with their routing weights
+    ``topk_weights`` [T, k]. ``config`` overrides the table (for tuning)."""
+    _check_inputs(hidden, w13, w2, topk_weights, topk_ids)
+    num_tokens, hidden_size = hidden.shape
+    num_experts, intermediate = w13.shape[0], w13.shape[1] // 2
+    top_k = topk_ids.shape[1]
+    out = torch.empty((num_tokens, hidden_size), dtype=hidden.dtype, device=hidden.device)
+    if num_tokens == 0 or top_k == 0:
+        return out.zero_()
+    config = config or config_for(num_tokens)
+    topk_weights, topk_ids = topk_weights.contiguous(), topk_ids.contiguous()
+    num_rows = num_tokens * top_k
+    activation = torch.empty((num_rows, intermediate), dtype=hidden.dtype, device=hidden.device)
+    if isinstance(config, RowwiseConfig):
+        launch_rowwise(hidden, w13, w2, topk_weights, topk_ids, activation, out, config)
+        return out
+    plan = align_by_expert(topk_ids, num_experts, config.block_m)
+    launch_gate_up(hidden, w13, activation, plan, top_k, config)
+    # One output row per (token, slot), summed over the slots below; with one slot a
+    # row is a token, and the down GEMM writes the output itself.
+    per_slot = out if top_k == 1 else torch.empty(
+        (num_rows, hidden_size), dtype=hidden.dtype, device=hidden.device)
+    launch_down(activation, w2, per_slot, topk_weights, plan, config)
+    if top_k > 1:
+        torch.sum(per_slot.view(num_tokens, top_k, hidden_size), dim=1, out=out)
+    return out
+
+
+def launch_rowwise(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                   topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: torch.Tensor,
+                   out: torch.Tensor, config: RowwiseConfig) -> None:
+    """The row-wise path's two launches: ``activation`` [T * top_k, I], then ``out``."""
+    (num_rows, intermediate), (num_tokens, hidden_size) = activation.shape, out.shape
+    top_k = topk_ids.shape[1]
+    tile = config.gate_up
+    _rowwise_gate_up_kernel[(num_rows, triton.cdiv(intermediate, tile.block_n))](
+        hidden, w13, activation, topk_ids, hidden.stride(0), w13.stride(0), w13.stride(1),
+        TOP_K=top_k, HIDDEN=hidden_size, INTERMEDIATE=intermediate, BLOCK_N=tile.block_n,
+        BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages, num_warps=tile.num_warps,
+        num_stages=tile.num_stages)
+    tile = config.down
+    _rowwise_down_kernel[(num_tokens, triton.cdiv(hidden_size, tile.block_n))](
+        activation, w2, out, topk_weights, topk_ids, w2.stride(0), w2.stride(1),
+        TOP_K=top_k, HIDDEN=hidden_size, INTERMEDIATE=intermediate, BLOCK_N=tile.block_n,
+        BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages, num_warps=tile.num_warps,
+        num_stages=tile.num_stages)
+
+
+def launch_gate_up(hidden: torch.Tensor, w13: torch.Tensor, activation: torch.Tensor,
+                   plan: ExpertPlan, top_k: int, config: GroupedConfig) -> None:
+    """The first grouped GEMM with SwiGLU: ``activation`` [T * top_k, I] (rows by
+    (token, slot), as ``plan`` was built for)."""
+    num_rows, intermediate = activation.shape
+    tile = config.gate_up
+    grid = (plan.num_blocks * triton.cdiv(intermediate, tile.block_n),)
+    _gate_up_kernel[grid](
+        hidden, w13, activation, plan.sorted_rows, plan.block_experts, plan.num_padded_rows,
+        num_rows, plan.num_blocks, config.group_m, hidden.stride(0), w13.stride(0),
+        w13.stride(1), TOP_K=top_k, HIDDEN=hidden.shape[1], INTERMEDIATE=intermediate,
+        BLOCK_M=plan.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        num_warps=tile.num_warps, num_stages=tile.num_stages)
+
+
+def launch_down(activation: torch.Tensor, w2: torch.Tensor, per_slot: torch.Tensor,
+                topk_weights: torch.Tensor, plan: ExpertPlan, config: GroupedConfig) -> None:
+    """The second grouped GEMM with the routing weights: ``per_slot`` [T * top_k, H]."""
+    num_rows, hidden_size = per_slot.shape
+    tile = config.down
+    grid = (plan.num_blocks * triton.cdiv(hidden_size, tile.block_n),)
+    _down_kernel[grid](
+        activation, w2, per_slot, topk_weights, plan.sorted_rows, plan.block_experts,
+        plan.num_padded_rows, num_rows, plan.num_blocks, config.group_m, w2.stride(0),
+        w2.stride(1), HIDDEN=hidden_size, INTERMEDIATE=activation.shape[1],
+        BLOCK_M=plan.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        num_warps=tile.num_warps, num_stages=tile.num_stages)
+
+
+def fused_moe_reference(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                        topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """``fused_moe`` as a per-expert loop of float32 torch (it synchronises with the
+    host). The activation is rounded to the input dtype, where the kernel hands it
+    from one GEMM to the next; everything else stays in float32 until the output."""
+    _check_inputs(hidden, w13, w2, topk_weights, topk_ids)
+    intermediate = w13.shape[1] // 2
+    x = hidden.float()
+    out = torch.zeros(x.shape, dtype=torch.float32, device=hidden.device)
+    for expert in range(w13.shape[0]):
+        tokens, slots = torch.where(topk_ids == expert)
+        if tokens.numel() == 0:
+            continue
+        gate_up = x[tokens] @ w13[expert].float().T
+        gate, up = gate_up[:, :intermediate], gate_up[:, intermediate:]
+        activated = (F.silu(gate) * up).to(hidden.dtype).float()
+        expert_out = activated @ w2[expert].float().T
+        out.index_add_(0, tokens, expert_out * topk_weights[tokens, slots, None].float())
+    return out.to(hidden.dtype)

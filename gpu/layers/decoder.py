@@ -1,0 +1,73 @@
+"""One decoder layer: pre-norm attention, then a pre-norm feed-forward block.
+
+The feed-forward block is the family's: a dense MLP (layers/mlp.py) or a
+Mixture-of-Experts block (layers/moe.py); anything with ``forward(hidden)`` and
+``fused(hidden, ops)``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from torch import nn
+
+from trio_llm.gpu.attention import AttentionBackend
+from trio_llm.gpu.layers.attention import Attention, AttentionMetadata, KVCache
+from trio_llm.gpu.layers.fused_ops import FusedOps
+from trio_llm.gpu.layers.norm import RMSNorm
+from trio_llm.gpu.layers.rotary import RotaryEmbedding
+from trio_llm.gpu.tensor_parallel import TensorParallel
+
+if TYPE_CHECKING:
+    from trio_llm.gpu.models.config import ModelConfig
+
+
+class FeedForward(Protocol):
+    """A decoder layer's feed-forward block."""
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def fused(self, hidden: torch.Tensor, ops: FusedOps) -> torch.Tensor: ...
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention then the pre-norm feed-forward, each added to the residual."""
+
+    def __init__(self, config: ModelConfig, feed_forward: nn.Module, *, dtype: torch.dtype,
+                 device: torch.device, parallel: TensorParallel) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps,
+                                       dtype=dtype, device=device)
+        self.self_attn = Attention(config, dtype=dtype, device=device, parallel=parallel)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps,
+                                                dtype=dtype, device=device)
+        self.mlp = feed_forward
+
+    @property
+    def feed_forward(self) -> FeedForward:
+        return self.mlp  # type: ignore[return-value]  # a Module with fused()
+
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+                kv_cache: KVCache, metadata: AttentionMetadata,
+                backend: AttentionBackend) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, rotary,
+                                         kv_cache, metadata, backend)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+    def fused(self, hidden: torch.Tensor, residual: torch.Tensor | None,
+              positions: torch.Tensor, rotary: RotaryEmbedding, kv_cache: KVCache, step: Any,
+              backend: AttentionBackend, ops: FusedOps) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` with each residual add fused into the next norm: takes and returns
+        (this block's output, the residual stream before it is added); ``residual`` None
+        at the first layer, whose input is the embedding."""
+        norm = self.input_layernorm
+        if residual is None:
+            residual = hidden
+            normed = ops.rms_norm(hidden, norm.weight, norm.eps)
+        else:
+            normed, residual = ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
+        hidden = self.self_attn.fused(normed, positions, rotary, kv_cache, step, backend, ops)
+        norm = self.post_attention_layernorm
+        normed, residual = ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
+        return self.feed_forward.fused(normed, ops), residual

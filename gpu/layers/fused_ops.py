@@ -1,0 +1,54 @@
+"""The kernels a fused forward calls: one interface, Triton's and numba's behind it.
+
+A model's fused forward (models/base.py) is written once against this
+interface; gpu/models/cuda_fused.py implements it with the Triton kernels and
+gpu/models/cpu_fused.py with the numba ones (float32, batch-invariant). ``step`` is
+what the attention kernels read a step's layout from: the AttentionMetadata on
+CUDA, the CPU attention kernel's checked StepPlan on the CPU; both carry
+``slot_mapping``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+
+class FusedOps(Protocol):
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm over the last dimension."""
+        ...
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(RMSNorm of ``residual + x``, ``residual + x``)."""
+        ...
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """SwiGLU: the first half of each row gates the second half."""
+        ...
+
+    def qk_norm_rope_write_kv(self, qkv: torch.Tensor, positions: torch.Tensor,
+                              cos: torch.Tensor, sin: torch.Tensor,
+                              q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
+                              eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              slot_mapping: torch.Tensor, *, num_heads: int,
+                              num_kv_heads: int, head_dim: int) -> torch.Tensor:
+        """Normed, rotated queries [tokens, heads, head_dim] from the fused qkv output;
+        keys and values go to the cache."""
+        ...
+
+    def attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               step: Any, scale: float, backend: Any) -> torch.Tensor:
+        """Paged attention of ``query`` over the cache -> [tokens, heads, head_dim];
+        ``backend`` the model's AttentionBackend (a kernel set may use its own)."""
+        ...
+
+    def moe_experts(self, hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                    weights: torch.Tensor, expert_ids: torch.Tensor,
+                    num_rows_per_chunk: int) -> torch.Tensor:
+        """The routed experts' output [tokens, hidden] (layers/moe.py's ``expert_loop``
+        computes it): ``gate_up`` [experts, 2 I, hidden], ``down`` [experts, hidden, I],
+        ``weights`` and ``expert_ids`` [tokens, top_k]."""
+        ...

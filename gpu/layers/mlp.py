@@ -1,0 +1,38 @@
+"""The SwiGLU feed-forward block of a dense decoder layer."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trio_llm.gpu.layers.fused_ops import FusedOps
+from trio_llm.gpu.layers.linear import Linear
+from trio_llm.gpu.tensor_parallel import TensorParallel
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU: the first half of the last dimension gates the second half."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward with fused gate/up projection; under tensor parallelism a
+    slice of the intermediate size, the down projection's partial sums reduced."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, bias: bool,
+                 dtype: torch.dtype, device: torch.device, parallel: TensorParallel) -> None:
+        super().__init__()
+        self.parallel = parallel
+        local_size = parallel.split(intermediate_size, "the intermediate size")[1]
+        self.gate_up_proj = Linear(hidden_size, 2 * local_size, bias=bias, dtype=dtype,
+                                   device=device)
+        self.down_proj = Linear(local_size, hidden_size, bias=bias, dtype=dtype, device=device)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.parallel.reduce(self.down_proj(silu_and_mul(self.gate_up_proj(hidden))))
+
+    def fused(self, hidden: torch.Tensor, ops: FusedOps) -> torch.Tensor:
+        """``forward`` with the activation through ``ops``' kernel."""
+        return self.parallel.reduce(self.down_proj(ops.silu_and_mul(self.gate_up_proj(hidden))))

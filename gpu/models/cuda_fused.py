@@ -1,0 +1,102 @@
+"""Any family's model on CUDA: its fused forward through the Triton kernels.
+
+``fuse_model(model)`` makes a loaded CausalLM run ``fused_forward`` with
+gpu/kernels/triton_layers.py's kernels and the Triton attention backend,
+keeping its weights; on CUDA its linear layers take one or two rows (decode of
+one or two streams) through gpu/kernels/triton_gemv.py's ``gemv``, which streams
+the weights faster than cuBLAS does at that size. Each kernel rounds where the
+torch model rounds, so the fused model computes the same function up to the
+order of float32 sums.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from trio_llm.gpu.attention import AttentionBackend
+from trio_llm.gpu.kernels import triton_attention, triton_layers
+from trio_llm.gpu.kernels.triton_gemv import gemv
+from trio_llm.gpu.layers.attention import AttentionMetadata, KVCache
+from trio_llm.gpu.layers.linear import Linear
+from trio_llm.gpu.models.base import CausalLM
+
+
+class TritonOps:
+    """gpu/kernels/triton_layers.py's kernels as the FusedOps a model's fused forward
+    calls (gpu/layers/fused_ops.py); attention through the model's backend (Triton's once
+    fused), ``step`` its metadata."""
+
+    rms_norm = staticmethod(triton_layers.rms_norm)
+    add_rms_norm = staticmethod(triton_layers.add_rms_norm)
+    silu_and_mul = staticmethod(triton_layers.silu_and_mul)
+    qk_norm_rope_write_kv = staticmethod(triton_layers.qk_norm_rope_write_kv)
+
+    @staticmethod
+    def attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, step: Any,
+               scale: float, backend: Any) -> torch.Tensor:
+        return backend.paged_attention(query, k_cache, v_cache, step.block_tables,
+                                       step.context_lens, step.query_start_loc, scale)
+
+    @staticmethod
+    def moe_experts(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                    weights: torch.Tensor, expert_ids: torch.Tensor,
+                    num_rows_per_chunk: int) -> torch.Tensor:
+        """The fused MoE kernel (gpu/kernels/fused_moe.py): no host synchronisation, so
+        a step with MoE layers is captured in CUDA graphs like any other."""
+        from trio_llm.gpu.kernels.fused_moe import fused_moe
+
+        return fused_moe(hidden, gate_up, down, weights.to(torch.float32),
+                         expert_ids.to(torch.int32))
+
+
+TRITON_OPS = TritonOps()
+
+
+class FusedCausalLM(CausalLM):
+    """A CausalLM whose forward runs through the Triton kernels; see ``fuse_model``."""
+
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[KVCache], metadata: AttentionMetadata) -> torch.Tensor:
+        return self.fused_forward(TRITON_OPS, token_ids, positions, kv_caches, metadata)
+
+
+# Rows up to which GemvLinear uses gemv. Measured on the H200 inside captured decode
+# graphs (benchmarks/gemv_graph_ab.py, docs/performance.md): at 1 and 2 rows gemv
+# beats cuBLAS (qwen3-8b 4.12 and 4.26 against 4.51 and 4.55 ms a step), at 4 rows
+# cuBLAS wins for qwen3-8b (4.58 against 6.50 ms).
+GEMV_ROWS = 2
+
+
+class GemvLinear(Linear):
+    """A Linear that multiplies at most GEMV_ROWS rows with ``gemv``; larger batches,
+    and row-chunked (batch-invariant) layers, go through ``Linear``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] <= GEMV_ROWS and not self.num_rows_per_chunk:
+            return gemv(x, self.weight, self.bias)
+        return super().forward(x)
+
+
+def use_gemv(module: nn.Module) -> None:
+    """Make every Linear in ``module`` (itself included) a GemvLinear, in place."""
+    for submodule in module.modules():
+        if type(submodule) is Linear:
+            submodule.__class__ = GemvLinear
+
+
+def fuse_model(model: CausalLM) -> CausalLM:
+    """Run ``model`` through the fused kernels and Triton attention, in place; returns it.
+
+    Its weights, caches layout and outputs stay as they were: only the forward
+    changes. On CUDA its linear layers (the lm_head too) take small batches through
+    ``gemv``. Batch-invariant (row-chunked) linears are left as configured.
+    """
+    model.__class__ = FusedCausalLM
+    model.attention_backend = AttentionBackend(
+        "triton", triton_attention.write_kv_cache, triton_attention.paged_attention)
+    if model.device.type == "cuda":
+        use_gemv(model)
+    return model

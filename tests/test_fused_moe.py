@@ -1,0 +1,213 @@
+"""The fused MoE kernel against its per-expert torch reference, and the alignment's invariants.
+
+On CUDA the kernels run compiled, in bf16; elsewhere in Triton's interpreter
+(TRITON_INTERPRET=1, set by conftest.py before triton is imported) on small
+float32 shapes, so CI checks the kernels' logic too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()  # without it, conftest.py runs Triton's interpreter
+
+from trio_llm.gpu.kernels.fused_moe import (  # noqa: E402
+    CONFIGS,
+    GemmConfig,
+    GroupedConfig,
+    RowwiseConfig,
+    align_by_expert,
+    config_for,
+    fused_moe,
+    fused_moe_reference,
+    max_sorted_rows,
+)
+
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+DTYPE = torch.bfloat16 if HAS_CUDA else torch.float32
+TOLERANCE = 2e-2 if HAS_CUDA else 1e-5
+# The smallest tiles tl.dot takes; every block edge here cuts the test shapes unevenly.
+SMALL = GroupedConfig(block_m=16, group_m=2, gate_up=GemmConfig(16, 16, 1, 1),
+                      down=GemmConfig(32, 16, 1, 1))
+# Few programs (the interpreter runs each in Python), several reduction steps each.
+ROWWISE = RowwiseConfig(gate_up=GemmConfig(32, 16, 1, 1), down=GemmConfig(32, 16, 1, 1))
+PATHS = pytest.mark.parametrize("config", [SMALL, ROWWISE], ids=["grouped", "rowwise"])
+# Hidden 40 and intermediate 24: neither a multiple of the 16-deep reduction nor of
+# the 16/32-wide column blocks.
+HIDDEN, INTERMEDIATE = 40, 24
+
+
+def relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((out.double() - expected.double()).norm() / expected.double().norm()).item()
+
+
+def random_layer(num_tokens, num_experts, top_k, *, seed=0, hidden=HIDDEN,
+                 intermediate=INTERMEDIATE, routing=None):
+    """Hidden states, weights and a routing: softmax top-k of random logits unless
+    ``routing`` [T, k] names the experts."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, hidden, generator=generator)
+    w13 = torch.randn(num_experts, 2 * intermediate, hidden, generator=generator) / hidden**0.5
+    w2 = torch.randn(num_experts, hidden, intermediate, generator=generator) / intermediate**0.5
+    logits = torch.randn(num_tokens, num_experts, generator=generator)
+    weights, ids = logits.softmax(-1).topk(top_k, dim=-1)
+    if routing is not None:
+        ids = torch.as_tensor(routing, dtype=torch.int64).reshape(num_tokens, top_k)
+        weights = torch.rand(num_tokens, top_k, generator=generator)
+    as_device = {"device": DEVICE}
+    return (x.to(DTYPE).to(**as_device), w13.to(DTYPE).to(**as_device),
+            w2.to(DTYPE).to(**as_device), weights.float().to(**as_device),
+            ids.to(torch.int32).to(**as_device))
+
+
+def check_against_reference(layer, config=SMALL):
+    out = fused_moe(*layer, config=config)
+    expected = fused_moe_reference(*layer)
+    assert out.shape == expected.shape and out.dtype == expected.dtype
+    assert relative_error(out, expected) < TOLERANCE
+
+
+@pytest.mark.parametrize("num_tokens,config", [
+    (1, SMALL), (3, SMALL), (17, SMALL), (64, SMALL), (1, ROWWISE), (3, ROWWISE),
+], ids=["1-grouped", "3-grouped", "17-grouped", "64-grouped", "1-rowwise", "3-rowwise"])
+@pytest.mark.parametrize("num_experts,top_k", [(4, 1), (8, 2)])
+def test_fused_moe_matches_the_reference(num_tokens, num_experts, top_k, config):
+    check_against_reference(random_layer(num_tokens, num_experts, top_k, seed=num_tokens),
+                            config)
+
+
+@PATHS
+def test_uneven_loads_and_an_expert_without_tokens(config):
+    # Expert 0: 6 rows, expert 2: none, expert 5: one row (the grouped path's blocks
+    # hold 16 rows; test_alignment_* covers segments longer than a block).
+    routing = [[0, 1]] * 3 + [[0, 3], [0, 4], [5, 6], [7, 3]]
+    check_against_reference(random_layer(7, 8, 2, routing=routing, seed=1), config)
+
+
+def test_all_tokens_to_one_expert():
+    # 40 rows of expert 3: three blocks, the last partly padding; the others idle.
+    check_against_reference(random_layer(40, 4, 1, routing=[3] * 40, seed=2))
+
+
+@PATHS
+def test_each_token_to_every_expert(config):
+    check_against_reference(random_layer(5, 4, 4, routing=[[3, 1, 0, 2]] * 5, seed=3), config)
+
+
+@PATHS
+def test_hidden_states_with_a_row_stride(config):
+    # A view of wider rows (a slice of a fused buffer): rows are read by their stride.
+    x, w13, w2, weights, ids = random_layer(3, 4, 2, seed=6)
+    wide = torch.zeros(3, HIDDEN + 8, dtype=x.dtype, device=x.device)
+    wide[:, :HIDDEN] = x
+    check_against_reference((wide[:, :HIDDEN], w13, w2, weights, ids), config)
+
+
+@PATHS
+def test_int64_expert_ids_as_torch_topk_gives_them(config):
+    x, w13, w2, weights, ids = random_layer(3, 4, 2, seed=7)
+    check_against_reference((x, w13, w2, weights, ids.long()), config)
+
+
+def test_the_table_configurations_match_the_reference():
+    # The table's own blocks (BLOCK_M 16 to 64, deep reductions, both paths) on a
+    # layer whose dimensions are no multiple of them.
+    layer = random_layer(5, 4, 2, seed=4)
+    for config in {config for _, config in CONFIGS}:
+        check_against_reference(layer, config)
+
+
+def test_no_tokens_gives_an_empty_output():
+    x, w13, w2, weights, ids = random_layer(1, 4, 2)
+    out = fused_moe(x[:0], w13, w2, weights[:0], ids[:0])
+    assert out.shape == (0, HIDDEN)
+
+
+def test_mismatched_shapes_are_refused_by_name():
+    x, w13, w2, weights, ids = random_layer(3, 4, 2)
+    with pytest.raises(ValueError, match="w2"):
+        fused_moe(x, w13, w2[:, :, :-1], weights, ids)
+    with pytest.raises(ValueError, match="topk_ids"):
+        fused_moe(x, w13, w2, weights, ids[:, :1])
+    with pytest.raises(ValueError, match="w13"):
+        fused_moe(x[:, :-1], w13, w2, weights, ids)
+    with pytest.raises(ValueError, match="one dtype"):
+        fused_moe(x.double(), w13, w2, weights, ids)
+    with pytest.raises(ValueError, match="int32 or int64"):
+        fused_moe(x, w13, w2, weights, ids.float())
+
+
+def test_the_configuration_table_covers_every_token_count():
+    assert config_for(1) == CONFIGS[0][1]
+    assert config_for(10**9) == CONFIGS[-1][1]
+    assert [bound for bound, _ in CONFIGS] == sorted(bound for bound, _ in CONFIGS)
+
+
+@pytest.mark.parametrize("routing,num_experts,block_m", [
+    ([[0, 1]] * 9 + [[0, 3], [0, 4], [5, 6], [7, 3]], 8, 4),
+    ([[2]] * 33, 4, 16),
+    ([[1, 0], [0, 1], [3, 2]], 64, 16),  # fewer rows than experts: the tighter bound
+    ([[e % 5, (e + 2) % 5] for e in range(500)], 5, 8),  # one program places the rows
+    ([[e % 7, (e * 3 + 1) % 7] for e in range(600)], 7, 16),  # a second kernel places them
+])
+def test_alignment_places_every_row_once_and_marks_the_padding(routing, num_experts, block_m):
+    topk_ids = torch.tensor(routing, dtype=torch.int32, device=DEVICE)
+    num_rows = topk_ids.numel()
+    plan = align_by_expert(topk_ids, num_experts, block_m)
+    sorted_rows = plan.sorted_rows.cpu()
+    block_experts = plan.block_experts.cpu()
+    num_padded = int(plan.num_padded_rows.cpu())
+    flat_ids = topk_ids.flatten().cpu()
+    counts = torch.bincount(flat_ids.long(), minlength=num_experts)
+    expected_padded = int(((counts + block_m - 1) // block_m * block_m).sum())
+    assert num_padded == expected_padded
+    assert sorted_rows.numel() == max_sorted_rows(num_rows, num_experts, block_m)
+    assert sorted_rows.numel() >= num_padded
+    real = sorted_rows[:num_padded]
+    # Every (token, slot) row exactly once; the rest of the padded order is padding.
+    assert sorted(real[real < num_rows].tolist()) == list(range(num_rows))
+    assert (real[real >= num_rows] == num_rows).all()
+    # Each block belongs to one expert, holds only that expert's rows, and the
+    # experts come in increasing order; blocks past the total are marked -1.
+    num_used = num_padded // block_m
+    assert (block_experts[num_used:] == -1).all()
+    used = block_experts[:num_used]
+    assert (used[1:] >= used[:-1]).all()
+    for block, expert in enumerate(used.tolist()):
+        rows = real[block * block_m:(block + 1) * block_m]
+        rows = rows[rows < num_rows]
+        assert rows.numel() > 0  # padding never fills a whole block
+        assert (flat_ids[rows.long()] == expert).all()
+    # Each expert pads to a multiple of the block, so at most block_m - 1 padding rows each.
+    padding_per_expert = torch.bincount(used.long(), minlength=num_experts) * block_m - counts
+    assert ((padding_per_expert >= 0) & (padding_per_expert < block_m)).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 64, 300, 2000])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_qwen3_moe_shapes_with_the_table_configurations(num_tokens, dtype):
+    # qwen3-30b-a3b's layer: 128 experts, top-8, hidden 2048, intermediate 768.
+    x, w13, w2, weights, ids = random_layer(num_tokens, 128, 8, hidden=2048, intermediate=768,
+                                            seed=num_tokens)
+    layer = (x.to(dtype), w13.to(dtype), w2.to(dtype), weights, ids)
+    check_against_reference(layer, config_for(num_tokens))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 7, 2000],
+                         ids=["rowwise", "grouped-one-launch-alignment", "grouped-two-launch"])
+def test_fused_moe_is_captured_in_a_cuda_graph(num_tokens):
+    layer = random_layer(num_tokens, 8, 2, seed=5)
+    expected = fused_moe(*layer)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fused_moe(*layer)
+    # Same inputs, new routing written in place: the replay must follow it.
+    graph.replay()
+    assert torch.equal(captured, expected)
+    x, w13, w2, weights, ids = layer
+    ids.copy_((ids + 1) % 8)
+    graph.replay()
+    assert relative_error(captured, fused_moe_reference(x, w13, w2, weights, ids)) < TOLERANCE
