@@ -214,9 +214,12 @@ NUM_PLOT_BINS = 60
 
 def plot_throughput(path: Path, timeline: list[tuple[float, int]], *, title: str) -> None:
     """One PNG: output tokens/s over the timed run."""
-    from trio_llm.api.bench_serve import _matplotlib
-
-    _matplotlib().use("Agg")
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("trio-llm bench throughput: --plot needs matplotlib, which is not "
+                         "installed (pip install matplotlib)") from None
+    matplotlib.use("Agg")
     import matplotlib.pyplot as pyplot
 
     end = max((moment for moment, _ in timeline), default=0.0)

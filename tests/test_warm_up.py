@@ -19,7 +19,7 @@ from trio_llm.api.engine import Engine
 from trio_llm.api.server import ServerConfig
 from trio_llm.api.serving import serve_app
 from trio_llm.api.warm_up import DECODE_SIZES, WarmUpPlan, decode_ladder, prefill_ladder
-from trio_llm.gpu.executor import create_executor
+from trio_llm.gpu.factory import create_executor
 
 CONFIG = EngineConfig(model="tiny", max_num_seqs=16, max_num_batched_tokens=512,
                       max_model_len=512, num_kv_blocks=128)
