@@ -12,7 +12,7 @@ import pytest
 
 from trio_llm.actors.config import EngineConfig
 from trio_llm.actors.constraint_cost import (
-    ConstraintLimits,
+    DEFAULT_LIMITS,
     ConstraintTooCostly,
     check_constraint,
     regex_repeat,
@@ -33,7 +33,7 @@ from trio_llm.actors.queue import WaitingQueue
 from trio_llm.actors.tokenizer import Tokenizer
 from trio_llm.gpu.builtin import resolve_model
 
-LIMITS = ConstraintLimits()
+LIMITS = DEFAULT_LIMITS
 
 
 def nested(depth: int) -> dict[str, Any]:
@@ -55,6 +55,9 @@ PAST_EACH_LIMIT: dict[str, tuple[StructuredOutputsParams, str]] = {
               "max-nodes"),
     "properties": (json_constraint({"type": "object", "properties": {
         f"p{i}": {} for i in range(LIMITS.max_properties + 1)}}), "max-properties"),
+    "properties in all": (json_constraint({"type": "object", "properties": {
+        f"o{j}": {"type": "object", "properties": {f"p{i}": {} for i in range(
+            LIMITS.max_properties // 2)}} for j in range(3)}}), "max-properties"),
     "enum": (json_constraint({"enum": list(range(LIMITS.max_alternatives + 1))}),
              "max-alternatives"),
     "choices": (StructuredOutputsParams(choice=[str(i) for i in range(
