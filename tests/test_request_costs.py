@@ -217,3 +217,26 @@ def test_the_grammar_cache_keeps_its_bound_in_bytes_least_recently_used_first() 
     assert 2 <= grammars.num_cached <= 3  # (sizes differ by a few bytes)
     assert grammars.is_compiled(constraints[0]) and grammars.is_compiled(constraints[-1])
     assert not grammars.is_compiled(constraints[1])
+
+
+def test_a_prompt_too_long_for_any_tokenization_is_refused_without_tokenizing_it() -> None:
+    intake = make_intake()
+    encoded: list[int] = []
+    encode = intake.tokenizer.encode
+
+    def counting_encode(text: str, **kwargs: Any) -> list[int]:
+        encoded.append(len(text))
+        return encode(text, **kwargs)
+
+    intake.tokenizer.encode = counting_encode  # type: ignore[method-assign]
+    params = SamplingParams(max_tokens=4)
+    for text in ("x" * (intake.max_prompt_chars + 1), "x" * 7_000_000):
+        with pytest.raises(RequestRejected) as refused:
+            intake.admit(Submit(request_id="r", prompt=text, params=params, arrival_time=0.0))
+        assert refused.value.param == "prompt" and "maximum context length" in str(
+            refused.value)
+    assert encoded == []
+    with pytest.raises(RequestRejected):  # just under: tokenized, then refused by its count
+        intake.admit(Submit(request_id="r", prompt="ab " * 2000, params=params,
+                            arrival_time=0.0))
+    assert encoded == [6000]
