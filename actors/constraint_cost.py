@@ -34,7 +34,7 @@ class ConstraintLimits(msgspec.Struct, frozen=True, kw_only=True):
     max_bytes: int  # the constraint's text: schema, regex, grammar or choices
     max_depth: int  # nesting of a JSON schema's subschemas
     max_nodes: int  # subschemas of a JSON schema, in all
-    max_properties: int  # object properties, in all
+    max_properties: int  # optional object properties (not in required), in all
     max_alternatives: int  # enum and const values, choices, regex alternatives, in all
     # a bounded repetition ({n,m}, maxLength, maxItems...), nested ones multiplied
     max_repeat: int
@@ -222,10 +222,16 @@ class _SchemaWalk:
                 regex_repeat(pattern), "the JSON schema's pattern", limits))
         properties = schema.get("properties")
         if isinstance(properties, dict):
-            self.num_properties += len(properties)
+            # optional ones cost: xgrammar's rules for which may follow which
+            required = schema.get("required")
+            names = {name for name in required if isinstance(name, str)} if isinstance(
+                required, list) else set()
+            num_required = len(names & properties.keys())
+            self.num_properties += len(properties) - num_required
             if self.num_properties > limits.max_properties:
                 raise _too_costly("the JSON schema", f"has more than {limits.max_properties} "
-                                  "object properties", limits.max_properties, "max-properties")
+                                  "optional object properties", limits.max_properties,
+                                  "max-properties")
 
     @staticmethod
     def _subschemas(schema: dict[str, Any]) -> list[tuple[str, Any]]:
