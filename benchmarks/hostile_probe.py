@@ -213,8 +213,10 @@ def issue_22_attacks(client: httpx.AsyncClient, url: str
         "regex [a-z]{8}": constrained({"regex": "[a-z]{8}"}),
         "n 64 x 2 prompts, 200 tokens each": lambda: post(
             client, {"prompt": ["a", "b"], "n": 64, "max_tokens": 200, "ignore_eos": True}),
-        "n 128 x 2 prompts (over --max-request-choices)": lambda: post(
+        "n 128 x 2 prompts, 200 tokens each (at --max-request-choices)": lambda: post(
             client, {"prompt": ["a", "b"], "n": 128, "max_tokens": 200, "ignore_eos": True}),
+        "n 100 x 3 prompts (over --max-request-choices)": lambda: post(
+            client, {"prompt": ["a", "b", "c"], "n": 100, "max_tokens": 200}),
         "8 concurrent 7 MB bodies (refused)": bodies_of_7_mb,
         "Content-Length and Transfer-Encoding, a request behind": lambda: smuggled(
             url, b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n"),
