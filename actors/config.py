@@ -17,7 +17,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     CPU). ``pipeline_depth`` 2 plans step N+1 while N runs; 1 plans after N.
     ``enable_prefix_caching``: reuse the KV of cached prompt prefixes (full
     blocks), as vLLM does by default. ``tensor_parallel_size`` N > 1 splits the
-    model over N worker processes (one per GPU; on the CPU, N processes)."""
+    model over N worker processes (one per GPU; on the CPU, N processes).
+    ``runner`` (vLLM's ``--runner``): "generate" samples tokens; "pooling" serves
+    the model as an embedding model (Engine.embed, /v1/embeddings) and generates
+    nothing."""
 
     model: str = "tiny"
     revision: str | None = None  # of a Hugging Face id, looked up in the local cache
@@ -50,6 +53,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     tensor_parallel_size: PositiveInt = 1
     enable_prefix_caching: bool = True
     shutdown_grace_seconds: Annotated[float, msgspec.Meta(ge=0.0)] = 5.0
+    runner: Literal["generate", "pooling"] = "generate"
     # Structured outputs: the shape a constraint may have (actors/constraint_cost.py
     # says why each; docs/http-api.md lists them), the compile deadline, and the bytes
     # of compiled grammars kept (vLLM's VLLM_XGRAMMAR_CACHE_MB default, 512 MiB).

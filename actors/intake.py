@@ -41,12 +41,14 @@ from trio_llm.actors.messages import (
     Admit,
     ChatTemplateOptions,
     IntakeInbox,
+    PoolingParams,
     QueueInbox,
     Request,
     SamplingOptions,
     SamplingParams,
     Submit,
 )
+from trio_llm.actors.pooling import PoolingConfig
 from trio_llm.actors.streams import RequestStreams
 from trio_llm.actors.tokenizer import Tokenizer, TooManyTokens
 
@@ -85,12 +87,15 @@ class Intake:
 
     ``num_kv_tokens`` is the whole KV cache in tokens: a request whose prompt
     plus max_tokens exceeds it could never be scheduled. Owns the arrival
-    counter (one per admitted request).
+    counter (one per admitted request). ``pooling`` (the pooling runner: the
+    model serves embeddings) makes it admit embedding requests only.
     """
 
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer, *, max_model_len: int,
-                 num_kv_tokens: int, vocab_size: int, serves_constraints: bool = True) -> None:
+                 num_kv_tokens: int, vocab_size: int, serves_constraints: bool = True,
+                 pooling: PoolingConfig | None = None) -> None:
         self.config = config
+        self.pooling = pooling
         self.serves_constraints = serves_constraints
         self.constraint_limits = constraint_limits(config)
         self.tokenizer = tokenizer
@@ -113,6 +118,8 @@ class Intake:
                 f"priority {submit.priority} needs the priority scheduling policy "
                 "(--scheduling-policy priority); this engine schedules first come, "
                 "first served", param="priority")
+        if submit.pooling is not None or self.pooling is not None:
+            return self._admit_for_pooling(submit)
         params = self._validated_params(submit.params)
         _check_cache_salt(submit.cache_salt)
         prompt_token_ids = self._prompt_token_ids(submit, params)
@@ -134,6 +141,54 @@ class Intake:
             cache_salt=submit.cache_salt,
             group_id=submit.group_id,
         )
+
+    # -- embedding requests (the pooling runner) -------------------------------
+
+    def _admit_for_pooling(self, submit: Submit) -> Request:
+        """An embedding request: its prompt, run once, finishes with its pooled
+        hidden state (max_tokens 0, nothing sampled)."""
+        model_name = self.config.served_model_name or self.config.model
+        if self.pooling is None:
+            raise RequestRejected(
+                f"model {model_name!r} is not served as an embedding model: start the server "
+                f"with --runner pooling (or --task embed) to serve embeddings", param="model")
+        if submit.pooling is None:
+            raise RequestRejected(
+                f"model {model_name!r} is served as an embedding model (--runner pooling): it "
+                f"generates no text; ask /v1/embeddings (Engine.embed), or serve it without "
+                f"--runner pooling to generate")
+        pooling = self._validated_pooling(submit.pooling)
+        options = self.pooling.options(pooling, model_name)
+        prompt_params = SamplingParams(truncate_prompt_tokens=pooling.truncate_prompt_tokens,
+                                       add_special_tokens=pooling.add_special_tokens)
+        _check_cache_salt(submit.cache_salt)
+        prompt_token_ids = self._prompt_token_ids(submit, prompt_params)
+        if len(prompt_token_ids) > self.max_model_len:  # token ids, or a rendered chat
+            raise self._over_the_context(len(prompt_token_ids), _prompt_param(submit))
+        if len(prompt_token_ids) > self.num_kv_tokens:
+            raise RequestRejected(
+                f"the KV cache holds {self.num_kv_tokens} tokens in all, but the input has "
+                f"{len(prompt_token_ids)} tokens: it could never be scheduled",
+                param=_prompt_param(submit))
+        arrival_index = self.num_admitted
+        self.num_admitted += 1
+        return Request(
+            request_id=submit.request_id, prompt_token_ids=prompt_token_ids,
+            params=prompt_params, sampling=self._sampling_options(prompt_params, [], 0),
+            stop_token_ids=[], max_tokens=0, priority=submit.priority,
+            arrival_index=arrival_index, arrival_time=submit.arrival_time,
+            cache_salt=submit.cache_salt, pooling=options)
+
+    @staticmethod
+    def _validated_pooling(pooling: PoolingParams) -> PoolingParams:
+        if not isinstance(pooling, PoolingParams):
+            raise RequestRejected(f"pooling parameters must be a PoolingParams, not "
+                                  f"{type(pooling).__name__}")
+        fields = msgspec.structs.asdict(pooling)
+        try:
+            return msgspec.convert(fields, PoolingParams)
+        except msgspec.ValidationError as error:
+            raise _rejection_from(error, fields) from None
 
     # -- sampling parameters --------------------------------------------------
 
@@ -375,6 +430,11 @@ class Intake:
     # -- lengths ----------------------------------------------------------------
 
     def _over_the_context(self, num_prompt_tokens: int, prompt_param: str) -> RequestRejected:
+        if self.pooling is not None:  # an embedding request: no output to leave room for
+            return RequestRejected(
+                f"This model's maximum context length is {self.max_model_len} tokens, but the "
+                f"input has {num_prompt_tokens} tokens; shorten it, or set "
+                f"truncate_prompt_tokens", param=prompt_param)
         return RequestRejected(
             f"This model's maximum context length is {self.max_model_len} tokens, but the "
             f"prompt has {num_prompt_tokens} tokens, which leaves no room for output",

@@ -205,12 +205,14 @@ class RunningRequest:
     def schedule_prefill(self, num_tokens: int, new_block_ids: list[int],
                          step_id: int) -> ScheduledRequest:
         """The next ``num_tokens`` of its prefill run in step ``step_id``; the
-        last chunk samples its next output token."""
+        last chunk samples its next output token, or (an embedding request) pools."""
         self.block_ids += new_block_ids
         start = self.num_computed_tokens
-        sample = start + num_tokens == self.num_prefill_tokens
+        is_last_chunk = start + num_tokens == self.num_prefill_tokens
+        pool = is_last_chunk and self.request.pooling is not None
+        sample = is_last_chunk and not pool
         self.num_computed_tokens = start + num_tokens
-        self.num_placeholders += sample
+        self.num_placeholders += is_last_chunk  # its token, or its vector, is to come
         self.scheduled_step_id = step_id
         return ScheduledRequest(
             request_id=self.request_id, token_ids=self.prefill_token_ids[start:start + num_tokens],
@@ -218,6 +220,7 @@ class RunningRequest:
             new_block_ids=new_block_ids, sample=sample, output_index=len(self.output_token_ids),
             bitmask_follows=sample and self.grammar is not None,
             prompt_logprob_token_ids=self._prompt_logprob_targets(start, start + num_tokens),
+            pool=pool,
         )
 
     def _prompt_logprob_targets(self, start: int, end: int) -> list[int]:
@@ -465,7 +468,23 @@ class Scheduler:
         accepted = accept_tokens(grammars, grammar_token_ids)
         assert all(accepted), "the sampler obeys the grammar's mask"
         self.num_generation_tokens += len(deltas)
+        if result.pooled:
+            deltas += self._finish_pooled(result)
         return TokenBatch(deltas=deltas) if deltas else None
+
+    def _finish_pooled(self, result: StepResult) -> list[TokenDelta]:
+        """Embedding requests whose last chunk ran in ``result``'s step: each finishes
+        with its vector, and its blocks are free for the next step."""
+        deltas = []
+        for pooled in result.pooled:
+            running = self._running_by_id.get(pooled.request_id)
+            if running is None or running.start_step_id > result.step_id:
+                continue  # aborted or preempted since: its vector is dropped
+            running.num_placeholders -= 1
+            deltas.append(TokenDelta(request_id=pooled.request_id, token_ids=[], logprobs=None,
+                                     finish_reason="stop", embedding=pooled.data))
+            self._stop(running)
+        return deltas
 
     def ready_bitmasks(self) -> tuple[int, list[GrammarState]] | None:
         """(step id, the grammars of its rows whose masks follow, in batch order) of the
@@ -794,6 +813,8 @@ class Scheduler:
         if request.params.prompt_logprobs is not None and not waiting.output_token_ids:
             # every prompt position must be computed for its logprobs (vLLM's rule too)
             return CachedPrefix(root_hash, [], [])
+        if request.pooling is not None and request.pooling.pooling_type == "mean":
+            return CachedPrefix(root_hash, [], [])  # every position's state is pooled
         block_size = self.block_manager.block_size
         block_ids: list[int] = []
         block_hashes: list[bytes] = []
@@ -998,7 +1019,8 @@ def _new_request_data(running: RunningRequest) -> NewRequestData:
     request = running.request
     sampling = request.sampling
     if not sampling.has_penalties:
-        return NewRequestData(request_id=running.request_id, sampling=sampling)
+        return NewRequestData(request_id=running.request_id, sampling=sampling,
+                              pooling=request.pooling)
     prompt_token_ids = request.prompt_token_ids if sampling.repetition_penalty != 1.0 else []
     return NewRequestData(request_id=running.request_id, sampling=sampling,
                           prompt_token_ids=prompt_token_ids,

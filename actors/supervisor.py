@@ -53,6 +53,7 @@ from trio_llm.actors.messages import (
     TokenBatch,
     Track,
 )
+from trio_llm.actors.pooling import PoolingConfig
 from trio_llm.actors.queue import WaitingQueue, run_queue
 from trio_llm.actors.runner import Executor, run_runner
 from trio_llm.actors.scheduler import Scheduler, SchedulerStatistics, run_scheduler
@@ -136,6 +137,7 @@ async def run_supervisor(
     max_model_len: int,
     num_kv_blocks: int,
     vocab_size: int,
+    pooling: PoolingConfig | None = None,
     task_status: trio.TaskStatus[EngineActors] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """The in-process layout: start the five actors; report EngineActors once all run.
@@ -147,7 +149,8 @@ async def run_supervisor(
     # one grammar cache: what the queue compiles, the scheduler finds compiled
     grammars = engine_grammars(config, tokenizer, vocab_size)
     intake = Intake(config, tokenizer, max_model_len=max_model_len,
-                    num_kv_tokens=num_kv_blocks * config.block_size, vocab_size=vocab_size)
+                    num_kv_tokens=num_kv_blocks * config.block_size, vocab_size=vocab_size,
+                    pooling=pooling)
     queue = WaitingQueue(config, grammars)
     scheduler = Scheduler(config, num_kv_blocks, grammars)
     detokenizer = Detokenizer(tokenizer)
@@ -448,6 +451,7 @@ async def run_front_supervisor(
     ready: CoreReady,
     core: tuple[WireSendChannel[FrontToCore], WireReceiveChannel[CoreToFront]],
     *,
+    pooling: PoolingConfig | None = None,
     task_status: trio.TaskStatus[FrontActors] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """The served layout's front (one API server): intake and detokenizer
@@ -463,7 +467,7 @@ async def run_front_supervisor(
                                                                      ready.front_index))
     intake = Intake(intake_config, tokenizer, max_model_len=ready.max_model_len,
                     num_kv_tokens=ready.num_kv_blocks * config.block_size,
-                    vocab_size=ready.vocab_size)
+                    vocab_size=ready.vocab_size, pooling=pooling)
     detokenizer = Detokenizer(tokenizer)
     core_wire_send, core_wire_receive = core
 
