@@ -102,6 +102,9 @@ class Intake:
         self.num_kv_tokens = num_kv_tokens
         self.vocab_size = vocab_size
         self.num_admitted = 0
+        # A text longer than this holds more than max_model_len tokens whatever it says:
+        # refused without tokenizing it (a 7 MB prompt took 1.6 GB to tokenize).
+        self.max_prompt_chars = max_model_len * longest_token_chars(tokenizer)
 
     def admit(self, submit: Submit) -> Request:
         """Validate and tokenize one request. Raises RequestRejected(message, param=...)."""
@@ -390,6 +393,12 @@ class Intake:
                  keep_last: int | None = None) -> list[int]:
         """The text's token ids (only the last ``keep_last`` if set); else a prompt
         over the context is refused from its count, without building its list of ids."""
+        if keep_last is None and len(text) > self.max_prompt_chars:
+            raise RequestRejected(
+                f"This model's maximum context length is {self.max_model_len} tokens, but the "
+                f"prompt has {len(text)} characters: more tokens than that whatever they are "
+                "(no token of this tokenizer spans more than "
+                f"{self.max_prompt_chars // self.max_model_len} characters)", param=param)
         if keep_last is not None:
             token_ids = _scoped_to_request("tokenizer", param, self.tokenizer.encode, text,
                                            add_special_tokens=add_special_tokens)
@@ -482,6 +491,19 @@ class Intake:
                                if params.allowed_token_ids is not None else None),
             num_prompt_logprobs=params.prompt_logprobs,
         )
+
+
+# A word-level unknown token may stand for a whole word (WordPiece's [UNK] for up
+# to 100 characters): no token is taken to span fewer characters than this.
+MIN_TOKEN_SPAN_CHARS = 128
+
+
+def longest_token_chars(tokenizer: Tokenizer) -> int:
+    """The most characters one token can stand for: its vocabulary's longest entry
+    (byte-level vocabularies spell each byte as one character), at least
+    MIN_TOKEN_SPAN_CHARS."""
+    vocab = tokenizer.backend.get_vocab(with_added_tokens=True)
+    return max(MIN_TOKEN_SPAN_CHARS, max((len(token) for token in vocab), default=0))
 
 
 def _check_allowed_after_bans(params: SamplingParams, stop_token_ids: list[int]) -> None:

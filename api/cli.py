@@ -56,7 +56,8 @@ _ENGINE_FLAGS: list[tuple[str, type, str]] = [
                                             "grammar, choices)"),
     ("--structured-outputs-max-depth", int, "deepest nesting of a JSON schema"),
     ("--structured-outputs-max-nodes", int, "most subschemas in a JSON schema"),
-    ("--structured-outputs-max-properties", int, "most properties of one object"),
+    ("--structured-outputs-max-properties", int, "most optional object properties in a "
+                                                 "JSON schema"),
     ("--structured-outputs-max-alternatives", int, "most enum, const and choice values"),
     ("--structured-outputs-max-repeat", int, "largest bounded repetition"),
     ("--structured-outputs-compile-timeout", float, "seconds a constraint may take to compile"),
