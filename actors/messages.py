@@ -175,6 +175,9 @@ class Request(msgspec.Struct, frozen=True, kw_only=True):
     arrival_index: int
     arrival_time: float
     cache_salt: str | None = None
+    # the HTTP request it is one choice of (n, best_of, batched prompts): one group's
+    # requests share at most --max-seq-share of the seats while others wait
+    group_id: str | None = None
     pooling: PoolingOptions | None = None
 
 
@@ -214,6 +217,7 @@ class Submit(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     priority: int = 0
     arrival_time: float
     cache_salt: str | None = None
+    group_id: str | None = None  # see Request.group_id
     pooling: PoolingParams | None = None
 
 
@@ -240,10 +244,13 @@ class Pull(msgspec.Struct, frozen=True, kw_only=True, tag=True):
 
     With ``wait`` the queue answers only once at least one request is waiting
     (the scheduler is idle); otherwise it answers at once, possibly empty.
+    ``group_seats``: how many more requests of each group (Request.group_id) with
+    requests running may start now (a group not named: its whole share).
     """
 
     max_requests: int
     wait: bool
+    group_seats: dict[str, int] = {}
 
 
 class Requeue(msgspec.Struct, frozen=True, kw_only=True, tag=True):

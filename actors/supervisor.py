@@ -146,12 +146,12 @@ async def run_supervisor(
     gets EngineDead, the engine is marked dead, and the supervisor returns:
     the facade makes the failure loud at its exit.
     """
-    # one grammar cache: what intake compiles, the scheduler finds compiled
-    grammars = Grammars(tokenizer, vocab_size)
+    # one grammar cache: what the queue compiles, the scheduler finds compiled
+    grammars = engine_grammars(config, tokenizer, vocab_size)
     intake = Intake(config, tokenizer, max_model_len=max_model_len,
                     num_kv_tokens=num_kv_blocks * config.block_size, vocab_size=vocab_size,
-                    grammars=grammars, pooling=pooling)
-    queue = WaitingQueue(config)
+                    pooling=pooling)
+    queue = WaitingQueue(config, grammars)
     scheduler = Scheduler(config, num_kv_blocks, grammars)
     detokenizer = Detokenizer(tokenizer)
 
@@ -178,6 +178,11 @@ async def run_supervisor(
             raise
         logger.exception("engine actor failed; failing every open request", exc_info=group)
         actors.fail(group, streams)
+
+
+def engine_grammars(config: EngineConfig, tokenizer: Tokenizer, vocab_size: int) -> Grammars:
+    """The engine's grammar cache, bounded by ``structured_outputs_cache_mb``."""
+    return Grammars(tokenizer, vocab_size, cache_bytes=config.structured_outputs_cache_mb * 2**20)
 
 
 def _scheduler_buffer(config: EngineConfig) -> int:
@@ -293,10 +298,11 @@ async def run_core_supervisor(
     has gone. If an actor fails, every front is told (CoreFailed) and
     EngineDead is raised.
     """
-    queue = WaitingQueue(config)
-    # The core's own grammar cache: a front compiled each constraint to validate it,
-    # the core compiles it again (once per constraint, cached) to build the masks.
-    grammars = Grammars(Tokenizer.from_dir(config.tokenizer or model_path), vocab_size)
+    # The one grammar cache: the core's queue compiles each constraint (the fronts
+    # only check its shape), the scheduler builds the masks from it.
+    grammars = engine_grammars(config, Tokenizer.from_dir(config.tokenizer or model_path),
+                               vocab_size)
+    queue = WaitingQueue(config, grammars)
     scheduler = Scheduler(config, num_kv_blocks, grammars)
     routes = FrontRoutes(len(fronts))
 
@@ -461,8 +467,7 @@ async def run_front_supervisor(
                                                                      ready.front_index))
     intake = Intake(intake_config, tokenizer, max_model_len=ready.max_model_len,
                     num_kv_tokens=ready.num_kv_blocks * config.block_size,
-                    vocab_size=ready.vocab_size,
-                    grammars=Grammars(tokenizer, ready.vocab_size), pooling=pooling)
+                    vocab_size=ready.vocab_size, pooling=pooling)
     detokenizer = Detokenizer(tokenizer)
     core_wire_send, core_wire_receive = core
 

@@ -48,6 +48,19 @@ _ENGINE_FLAGS: list[tuple[str, type, str]] = [
     ("--priority-preemption-threshold", int, "priority gap at which a waiting request preempts"),
     ("--max-waiting-requests", int, "bound of the waiting queue"),
     ("--tensor-parallel-size", int, "worker processes (GPUs) the model is split over"),
+    # what one request may cost (docs/http-api.md, "Limits")
+    ("--max-seq-share", float, "share of --max-num-seqs one request's choices may hold"),
+    ("--max-request-choices", int, "most generations one request may ask for (prompts "
+                                   "times max(n, best_of))"),
+    ("--structured-outputs-max-bytes", int, "longest constraint text (schema, regex, "
+                                            "grammar, choices)"),
+    ("--structured-outputs-max-depth", int, "deepest nesting of a JSON schema"),
+    ("--structured-outputs-max-nodes", int, "most subschemas in a JSON schema"),
+    ("--structured-outputs-max-properties", int, "most properties of one object"),
+    ("--structured-outputs-max-alternatives", int, "most enum, const and choice values"),
+    ("--structured-outputs-max-repeat", int, "largest bounded repetition"),
+    ("--structured-outputs-compile-timeout", float, "seconds a constraint may take to compile"),
+    ("--structured-outputs-cache-mb", int, "memory of compiled grammars kept"),
     ("--runner", str, "generate (default), or pooling: serve the model as an embedding model "
                       "(/v1/embeddings)"),
 ]

@@ -243,7 +243,7 @@ class Engine:
         submits = []
         for index, (prompt, params) in enumerate(prompts):
             text, token_ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
-            submits.append(Submit(request_id=f"{base_id}-{index}", prompt=text,
+            submits.append(Submit(request_id=f"{base_id}-{index}", group_id=base_id, prompt=text,
                                   prompt_token_ids=token_ids, params=params, priority=priority,
                                   arrival_time=trio.current_time(), cache_salt=cache_salt))
         return self._run_many(submits)
@@ -258,8 +258,9 @@ class Engine:
         """Like generate_many, for one conversation answered once per ``params``
         (the template arguments as in ``chat``)."""
         base_id = request_id or self._new_request_id()
-        submits = [Submit(request_id=f"{base_id}-{index}", messages=messages, tools=tools,
-                          documents=documents, chat_template_kwargs=chat_template_kwargs,
+        submits = [Submit(request_id=f"{base_id}-{index}", group_id=base_id,
+                          messages=messages, tools=tools, documents=documents,
+                          chat_template_kwargs=chat_template_kwargs,
                           template_options=template_options or ChatTemplateOptions(),
                           params=choice_params,
                           priority=priority, arrival_time=trio.current_time(),
@@ -313,7 +314,7 @@ class Engine:
                       cache_salt=cache_salt)
 
     async def _run_many(self, submits: list[Submit]
-                        ) -> AsyncIterator[tuple[int, RequestOutput]]:
+                        ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         """``_run`` for several requests read by one task through a StreamGroup."""
         self._check_accepting()
         request_ids = [submit.request_id for submit in submits]

@@ -21,11 +21,17 @@ layer for qwen3-30b-a3b) come from memory, not from the 50 MB L2.
 Time is the median over ``--repeats`` CUDA-event-timed runs of one call per
 layer copy, after warm-up. TFLOP/s counts ``6 T k I H`` (three GEMMs per routed
 row); GB/s counts the bytes of the experts actually routed to (each read
-once) plus the hidden states in and out.
+once; for ``dense`` its own weights, ``top_k`` experts' worth) plus the hidden
+states in and out.
 
-``--tune`` times each GEMM separately for every candidate tile at each token
-count and BLOCK_M, and prints the best configurations as lines to paste into
-``CONFIGS`` in gpu/kernels/fused_moe.py.
+``--tune`` replays CUDA graphs of each grouped GEMM alone for every candidate
+tile at each token count, BLOCK_M and group size (adding the alignment and the
+top-k sum, the path's other launches), and of the row-wise path up to
+``ROWWISE_MAX_TOKENS`` tokens; it prints the fastest as lines to paste into
+``CONFIGS`` in gpu/kernels/fused_moe.py. Each new tile compiles once (about a
+second), so a sweep of every size can outlast one 10-minute device call: run
+``--tune --tokens 1 64`` and ``--tune --tokens 256 8192`` separately (Triton's
+cache keeps the first call's kernels for the second).
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import json
 import os
 import statistics
 import sys
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -148,10 +155,10 @@ def flops(shape: MoeShape, num_tokens: int) -> float:
     return 6.0 * num_tokens * shape.top_k * shape.intermediate * shape.hidden
 
 
-def bytes_moved(shape: MoeShape, layer: Layer) -> float:
-    num_touched = layer.topk_ids.unique().numel()
+def bytes_moved(shape: MoeShape, layer: Layer, num_experts_read: int) -> float:
+    """Each expert read once, the hidden states read and the output written."""
     expert_bytes = 3 * shape.intermediate * shape.hidden * 2
-    return num_touched * expert_bytes + 2 * layer.hidden.numel() * 2
+    return num_experts_read * expert_bytes + 2 * layer.hidden.numel() * 2
 
 
 def bench_size(shape: MoeShape, num_tokens: int, args) -> dict:
@@ -160,7 +167,7 @@ def bench_size(shape: MoeShape, num_tokens: int, args) -> dict:
     common = (layer.topk_weights, layer.topk_ids)
     out = moe.fused_moe(layer.hidden, layer.w13[0], layer.w2[0], *common)
     expected = moe.fused_moe_reference(layer.hidden, layer.w13[0], layer.w2[0], *common)
-    record: dict = {"tokens": num_tokens, "config": asdict(moe.config_for(num_tokens)),
+    record: dict = {"tokens": num_tokens, "config": config_literal(moe.config_for(num_tokens)),
                     "relative_error": relative_error(out, expected)}
     if not record["relative_error"] < TOLERANCE:
         record["error"] = f"relative error {record['relative_error']:.3g} >= {TOLERANCE}"
@@ -177,11 +184,14 @@ def bench_size(shape: MoeShape, num_tokens: int, args) -> dict:
                               dtype=DTYPE) for _ in copies]
     dense = [lambda i=i: dense_mlp(layer.hidden, dense_gate_up[i], dense_down[i]) for i in copies]
     record["dense_us"] = time_per_call(dense, graph=args.graph, repeats=args.repeats)
-    work, traffic = flops(shape, num_tokens), bytes_moved(shape, layer)
-    for name in ("fused", "torch_loop", "dense"):
+    # The MoE reads the experts it routes to; the dense MLP's weights are top_k experts' worth.
+    moe_bytes = bytes_moved(shape, layer, layer.topk_ids.unique().numel())
+    traffic = {"fused": moe_bytes, "torch_loop": moe_bytes,
+               "dense": bytes_moved(shape, layer, shape.top_k)}
+    for name, num_bytes in traffic.items():
         seconds = record[f"{name}_us"] * 1e-6
-        record[f"{name}_tflops"] = work / seconds / 1e12
-        record[f"{name}_gbps"] = traffic / seconds / 1e9
+        record[f"{name}_tflops"] = flops(shape, num_tokens) / seconds / 1e12
+        record[f"{name}_gbps"] = num_bytes / seconds / 1e9
     return record
 
 
@@ -211,11 +221,16 @@ def print_table(model: str, records: list[dict]) -> None:
 
 # --tune: the candidates. Decode (short row blocks) is bound by streaming the
 # experts: narrow column blocks for many programs, deep reductions, many stages.
-# Prefill is bound by the tensor cores: wide tiles, more warps.
+# Prefill is bound by the tensor cores: wide tiles, more warps. The row-wise path
+# (GEMVs, no tensor cores) is tried up to ROWWISE_MAX_TOKENS.
 DECODE_TILES = [moe.GemmConfig(n, k, 4, stages) for n, k, stages in
                 itertools.product((16, 32, 64, 128), (64, 128, 256), (3, 4, 5))]
 PREFILL_TILES = [moe.GemmConfig(n, k, warps, stages) for n, k, warps, stages in
                  itertools.product((64, 128, 256), (32, 64, 128), (4, 8), (3, 4))]
+ROWWISE_TILES = [moe.GemmConfig(n, k, warps, stages) for n, k, warps, stages in
+                 itertools.product((8, 16, 32), (128, 256, 512), (2, 4), (2, 3, 4))
+                 if n * k <= 8192]
+ROWWISE_MAX_TOKENS = 16
 GROUP_M = (1, 8)
 SHARED_MEMORY = 227 * 1024  # an H100/H200 SM's, per block
 
@@ -230,8 +245,8 @@ def block_m_candidates(num_tokens: int, shape: MoeShape) -> tuple[int, ...]:
 
 
 def tile_candidates(gemm: str, block_m: int) -> list[moe.GemmConfig]:
-    """The tiles worth compiling: their pipelined operands fit in shared memory and their
-    float32 accumulators (two for gate/up) in the registers of their warps."""
+    """The grouped tiles worth compiling: their pipelined operands fit in shared memory
+    and their float32 accumulators (two for gate/up) in the registers of their warps."""
     num_weight_tiles = 2 if gemm == "gate_up" else 1
     fitting = []
     for tile in DECODE_TILES if block_m <= 32 else PREFILL_TILES:
@@ -243,50 +258,109 @@ def tile_candidates(gemm: str, block_m: int) -> list[moe.GemmConfig]:
     return fitting
 
 
-def time_gemm(launches: list[Callable[[], None]], repeats: int) -> float:
+def time_launches(launches: list[Callable[[], object]], repeats: int) -> float:
+    """Microseconds per launch, replayed from a CUDA graph (eager timing of a few
+    microseconds of GPU work would measure Triton's launcher instead)."""
     try:
-        return time_per_call(launches, graph=False, repeats=repeats)
+        return time_per_call(launches, graph=True, repeats=repeats)
     except Exception as error:  # a tile the compiler refuses (resources)
         print(f"    skipped: {type(error).__name__}: {str(error)[:120]}", flush=True)
         return float("inf")
 
 
+@dataclass(slots=True)
+class Tuning:
+    """One token count's layer, buffers and alignments, shared by every candidate."""
+
+    shape: MoeShape
+    layer: Layer
+    activation: torch.Tensor
+    per_slot: torch.Tensor
+    out: torch.Tensor
+    plans: dict[int, moe.ExpertPlan]
+    repeats: int
+
+    def fastest(self, launches: Callable[[moe.GemmConfig], list[Callable[[], object]]],
+                tiles: list[moe.GemmConfig]) -> tuple[float, moe.GemmConfig]:
+        timed = [(time_launches(launches(tile), self.repeats), tile) for tile in tiles]
+        return min(timed, key=lambda result: result[0])
+
+    def rowwise(self) -> tuple[float, moe.MoeConfig]:
+        """The row-wise path (its two launches are all of it): the gate/up tile swept
+        under a fixed down tile, then the down tile under the best gate/up one."""
+        def both(config: moe.RowwiseConfig) -> list[Callable[[], object]]:
+            return [functools.partial(self.launch_rowwise, w13, w2, config)
+                    for w13, w2 in zip(self.layer.w13, self.layer.w2, strict=True)]
+
+        fixed_down = ROWWISE_TILES[0]
+        _, gate_up_tile = self.fastest(
+            lambda tile: both(moe.RowwiseConfig(tile, fixed_down)), ROWWISE_TILES)
+        total, down_tile = self.fastest(
+            lambda tile: both(moe.RowwiseConfig(gate_up_tile, tile)), ROWWISE_TILES)
+        return total, moe.RowwiseConfig(gate_up_tile, down_tile)
+
+    def launch_rowwise(self, w13: torch.Tensor, w2: torch.Tensor,
+                       config: moe.RowwiseConfig) -> None:
+        layer = self.layer
+        moe.launch_rowwise(layer.hidden, w13, w2, layer.topk_weights, layer.topk_ids,
+                           self.activation, self.out, config)
+
+    def grouped(self, block_m: int, group_m: int) -> tuple[float, moe.MoeConfig]:
+        """Each GEMM timed alone over the alignment for ``block_m``, plus the alignment
+        and the top-k sum (the other launches of the grouped path)."""
+        layer, plan = self.layer, self.plans[block_m]
+
+        def gate_up(tile: moe.GemmConfig) -> list[Callable[[], object]]:
+            config = moe.GroupedConfig(block_m, group_m, tile, tile)
+            return [functools.partial(moe.launch_gate_up, layer.hidden, w13, self.activation,
+                                      plan, self.shape.top_k, config) for w13 in layer.w13]
+
+        def down(tile: moe.GemmConfig) -> list[Callable[[], object]]:
+            config = moe.GroupedConfig(block_m, group_m, tile, tile)
+            return [functools.partial(moe.launch_down, self.activation, w2, self.per_slot,
+                                      layer.topk_weights, plan, config) for w2 in layer.w2]
+
+        gate_up_us, gate_up_tile = self.fastest(gate_up, tile_candidates("gate_up", block_m))
+        down_us, down_tile = self.fastest(down, tile_candidates("down", block_m))
+        overhead_us = time_launches([self.align_and_sum_for(block_m)], self.repeats)
+        print(f"  block_m {block_m} group_m {group_m}: gate/up {gate_up_us:.1f} us, down "
+              f"{down_us:.1f} us, alignment and sum {overhead_us:.1f} us", flush=True)
+        total = gate_up_us + down_us + overhead_us
+        return total, moe.GroupedConfig(block_m, group_m, gate_up_tile, down_tile)
+
+    def align_and_sum_for(self, block_m: int) -> Callable[[], object]:
+        num_tokens, top_k = self.layer.topk_ids.shape
+
+        def align_and_sum() -> None:
+            moe.align_by_expert(self.layer.topk_ids, self.shape.num_experts, block_m)
+            if top_k > 1:
+                torch.sum(self.per_slot.view(num_tokens, top_k, -1), dim=1, out=self.out)
+        return align_and_sum
+
+
 def tune_size(shape: MoeShape, num_tokens: int, args) -> dict:
-    """The fastest gate/up and down tiles for each BLOCK_M and group size, each GEMM
-    timed alone (cycling through the layer copies) over one alignment; the best sum wins."""
+    """The fastest configuration at ``num_tokens``: the row-wise path (for a few tokens)
+    against the grouped one at each BLOCK_M and group size."""
     layer = make_layer(shape, num_tokens, args.layers)
     num_rows = num_tokens * shape.top_k
-    activation = torch.randn(num_rows, shape.intermediate, device=DEVICE).to(DTYPE)
-    per_slot = torch.empty(num_rows, shape.hidden, device=DEVICE, dtype=DTYPE)
-    plans = {block_m: moe.align_by_expert(layer.topk_ids, shape.num_experts, block_m)
-             for block_m in block_m_candidates(num_tokens, shape)}
-
-    def launches(gemm: str, config: moe.MoeConfig) -> list[Callable[[], None]]:
-        plan = plans[config.block_m]
-        if gemm == "gate_up":
-            return [functools.partial(moe.launch_gate_up, layer.hidden, w13, activation, plan,
-                                      shape.top_k, config) for w13 in layer.w13]
-        return [functools.partial(moe.launch_down, activation, w2, per_slot,
-                                  layer.topk_weights, plan, config) for w2 in layer.w2]
-
-    best: tuple[float, moe.MoeConfig] | None = None
-    for block_m, group_m in itertools.product(plans, GROUP_M):
-        fastest = {}
-        for gemm in ("gate_up", "down"):
-            timed = [(time_gemm(launches(gemm, moe.MoeConfig(block_m, group_m, tile, tile)),
-                                args.repeats), tile) for tile in tile_candidates(gemm, block_m)]
-            fastest[gemm] = min(timed, key=lambda result: result[0])
-        total = fastest["gate_up"][0] + fastest["down"][0]
-        config = moe.MoeConfig(block_m, group_m, fastest["gate_up"][1], fastest["down"][1])
-        print(f"  tokens {num_tokens}: {total:.1f} us (gate/up {fastest['gate_up'][0]:.1f}, "
-              f"down {fastest['down'][0]:.1f}) {config_literal(config)}", flush=True)
-        if best is None or total < best[0]:
-            best = (total, config)
-    assert best is not None
-    total, config = best
+    tuning = Tuning(
+        shape, layer,
+        activation=torch.randn(num_rows, shape.intermediate, device=DEVICE).to(DTYPE),
+        per_slot=torch.empty(num_rows, shape.hidden, device=DEVICE, dtype=DTYPE),
+        out=torch.empty(num_tokens, shape.hidden, device=DEVICE, dtype=DTYPE),
+        plans={block_m: moe.align_by_expert(layer.topk_ids, shape.num_experts, block_m)
+               for block_m in block_m_candidates(num_tokens, shape)},
+        repeats=args.repeats)
+    candidates = [tuning.grouped(block_m, group_m)
+                  for block_m, group_m in itertools.product(tuning.plans, GROUP_M)]
+    if num_tokens <= ROWWISE_MAX_TOKENS:
+        candidates.append(tuning.rowwise())
+    for total, config in candidates:
+        print(f"  tokens {num_tokens}: {total:.1f} us {config_literal(config)}", flush=True)
+    total, config = min(candidates, key=lambda candidate: candidate[0])
     inputs = (layer.hidden, layer.w13[0], layer.w2[0], layer.topk_weights, layer.topk_ids)
     out = moe.fused_moe(*inputs, config=config)
-    return {"tokens": num_tokens, "gemm_us": total, "config": asdict(config),
+    return {"tokens": num_tokens, "layer_us": total, "config": asdict(config),
             "relative_error": relative_error(out, moe.fused_moe_reference(*inputs)),
             "literal": config_literal(config)}
 
@@ -294,7 +368,9 @@ def tune_size(shape: MoeShape, num_tokens: int, args) -> dict:
 def config_literal(config: moe.MoeConfig) -> str:
     def tile(t: moe.GemmConfig) -> str:
         return f"GemmConfig({t.block_n}, {t.block_k}, {t.num_warps}, {t.num_stages})"
-    return (f"MoeConfig({config.block_m}, {config.group_m}, {tile(config.gate_up)}, "
+    if isinstance(config, moe.RowwiseConfig):
+        return f"RowwiseConfig({tile(config.gate_up)}, {tile(config.down)})"
+    return (f"GroupedConfig({config.block_m}, {config.group_m}, {tile(config.gate_up)}, "
             f"{tile(config.down)})")
 
 
@@ -306,7 +382,7 @@ def print_tuned(tuned: list[dict]) -> None:
         bound = "1 << 62" if following is None else str(
             int((record["tokens"] * following["tokens"]) ** 0.5))
         print(f"    ({bound}, {record['literal']}),  # tuned at {record['tokens']} tokens: "
-              f"{record['gemm_us']:.1f} us, rel.err {record['relative_error']:.1e}")
+              f"{record['layer_us']:.1f} us, rel.err {record['relative_error']:.1e}")
     print(")")
 
 
@@ -344,9 +420,12 @@ def main() -> None:
     for model in models:
         records = []
         for num_tokens in args.tokens:
+            started = time.monotonic()
             try:
                 records.append((tune_size if args.tune else bench_size)(
                     SHAPES[model], num_tokens, args))
+                print(f"{model} at {num_tokens} tokens: {time.monotonic() - started:.0f} s",
+                      flush=True)
             except Exception as error:  # one size failing must not hide the others
                 traceback.print_exc()
                 records.append({"tokens": num_tokens,

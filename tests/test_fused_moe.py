@@ -15,7 +15,8 @@ HAS_CUDA = torch.cuda.is_available()  # without it, conftest.py runs Triton's in
 from trio_llm.gpu.kernels.fused_moe import (  # noqa: E402
     CONFIGS,
     GemmConfig,
-    MoeConfig,
+    GroupedConfig,
+    RowwiseConfig,
     align_by_expert,
     config_for,
     fused_moe,
@@ -27,8 +28,11 @@ DEVICE = "cuda" if HAS_CUDA else "cpu"
 DTYPE = torch.bfloat16 if HAS_CUDA else torch.float32
 TOLERANCE = 2e-2 if HAS_CUDA else 1e-5
 # The smallest tiles tl.dot takes; every block edge here cuts the test shapes unevenly.
-SMALL = MoeConfig(block_m=16, group_m=2, gate_up=GemmConfig(16, 16, 1, 1),
-                  down=GemmConfig(32, 16, 1, 1))
+SMALL = GroupedConfig(block_m=16, group_m=2, gate_up=GemmConfig(16, 16, 1, 1),
+                      down=GemmConfig(32, 16, 1, 1))
+# Few programs (the interpreter runs each in Python), several reduction steps each.
+ROWWISE = RowwiseConfig(gate_up=GemmConfig(32, 16, 1, 1), down=GemmConfig(32, 16, 1, 1))
+PATHS = pytest.mark.parametrize("config", [SMALL, ROWWISE], ids=["grouped", "rowwise"])
 # Hidden 40 and intermediate 24: neither a multiple of the 16-deep reduction nor of
 # the 16/32-wide column blocks.
 HIDDEN, INTERMEDIATE = 40, 24
@@ -64,16 +68,21 @@ def check_against_reference(layer, config=SMALL):
     assert relative_error(out, expected) < TOLERANCE
 
 
-@pytest.mark.parametrize("num_tokens", [1, 3, 17, 64])
+@pytest.mark.parametrize("num_tokens,config", [
+    (1, SMALL), (3, SMALL), (17, SMALL), (64, SMALL), (1, ROWWISE), (3, ROWWISE),
+], ids=["1-grouped", "3-grouped", "17-grouped", "64-grouped", "1-rowwise", "3-rowwise"])
 @pytest.mark.parametrize("num_experts,top_k", [(4, 1), (8, 2)])
-def test_fused_moe_matches_the_reference(num_tokens, num_experts, top_k):
-    check_against_reference(random_layer(num_tokens, num_experts, top_k, seed=num_tokens))
+def test_fused_moe_matches_the_reference(num_tokens, num_experts, top_k, config):
+    check_against_reference(random_layer(num_tokens, num_experts, top_k, seed=num_tokens),
+                            config)
 
 
-def test_uneven_loads_and_an_expert_without_tokens():
-    # Expert 0: 11 rows (a block and a bit), expert 2: none, expert 5: one row.
-    routing = [[0, 1]] * 9 + [[0, 3], [0, 4], [5, 6], [7, 3]]
-    check_against_reference(random_layer(13, 8, 2, routing=routing, seed=1))
+@PATHS
+def test_uneven_loads_and_an_expert_without_tokens(config):
+    # Expert 0: 6 rows, expert 2: none, expert 5: one row (the grouped path's blocks
+    # hold 16 rows; test_alignment_* covers segments longer than a block).
+    routing = [[0, 1]] * 3 + [[0, 3], [0, 4], [5, 6], [7, 3]]
+    check_against_reference(random_layer(7, 8, 2, routing=routing, seed=1), config)
 
 
 def test_all_tokens_to_one_expert():
@@ -81,14 +90,30 @@ def test_all_tokens_to_one_expert():
     check_against_reference(random_layer(40, 4, 1, routing=[3] * 40, seed=2))
 
 
-def test_each_token_to_every_expert():
-    check_against_reference(random_layer(5, 4, 4, routing=[[3, 1, 0, 2]] * 5, seed=3))
+@PATHS
+def test_each_token_to_every_expert(config):
+    check_against_reference(random_layer(5, 4, 4, routing=[[3, 1, 0, 2]] * 5, seed=3), config)
+
+
+@PATHS
+def test_hidden_states_with_a_row_stride(config):
+    # A view of wider rows (a slice of a fused buffer): rows are read by their stride.
+    x, w13, w2, weights, ids = random_layer(3, 4, 2, seed=6)
+    wide = torch.zeros(3, HIDDEN + 8, dtype=x.dtype, device=x.device)
+    wide[:, :HIDDEN] = x
+    check_against_reference((wide[:, :HIDDEN], w13, w2, weights, ids), config)
+
+
+@PATHS
+def test_int64_expert_ids_as_torch_topk_gives_them(config):
+    x, w13, w2, weights, ids = random_layer(3, 4, 2, seed=7)
+    check_against_reference((x, w13, w2, weights, ids.long()), config)
 
 
 def test_the_table_configurations_match_the_reference():
-    # The table's own blocks (BLOCK_M 16 to 64, deep reductions) on a layer
-    # whose dimensions are no multiple of them.
-    layer = random_layer(9, 4, 2, hidden=72, intermediate=40, seed=4)
+    # The table's own blocks (BLOCK_M 16 to 64, deep reductions, both paths) on a
+    # layer whose dimensions are no multiple of them.
+    layer = random_layer(5, 4, 2, seed=4)
     for config in {config for _, config in CONFIGS}:
         check_against_reference(layer, config)
 
@@ -123,7 +148,8 @@ def test_the_configuration_table_covers_every_token_count():
     ([[0, 1]] * 9 + [[0, 3], [0, 4], [5, 6], [7, 3]], 8, 4),
     ([[2]] * 33, 4, 16),
     ([[1, 0], [0, 1], [3, 2]], 64, 16),  # fewer rows than experts: the tighter bound
-    ([[e % 5, (e + 2) % 5] for e in range(500)], 5, 8),  # one chunk and a bit of entries
+    ([[e % 5, (e + 2) % 5] for e in range(500)], 5, 8),  # one program places the rows
+    ([[e % 7, (e * 3 + 1) % 7] for e in range(600)], 7, 16),  # a second kernel places them
 ])
 def test_alignment_places_every_row_once_and_marks_the_padding(routing, num_experts, block_m):
     topk_ids = torch.tensor(routing, dtype=torch.int32, device=DEVICE)
@@ -159,7 +185,7 @@ def test_alignment_places_every_row_once_and_marks_the_padding(routing, num_expe
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens", [1, 64, 300])
+@pytest.mark.parametrize("num_tokens", [1, 64, 300, 2000])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_qwen3_moe_shapes_with_the_table_configurations(num_tokens, dtype):
     # qwen3-30b-a3b's layer: 128 experts, top-8, hidden 2048, intermediate 768.
@@ -170,8 +196,10 @@ def test_qwen3_moe_shapes_with_the_table_configurations(num_tokens, dtype):
 
 
 @pytest.mark.gpu
-def test_fused_moe_is_captured_in_a_cuda_graph():
-    layer = random_layer(7, 8, 2, seed=5)
+@pytest.mark.parametrize("num_tokens", [1, 7, 2000],
+                         ids=["rowwise", "grouped-one-launch-alignment", "grouped-two-launch"])
+def test_fused_moe_is_captured_in_a_cuda_graph(num_tokens):
+    layer = random_layer(num_tokens, 8, 2, seed=5)
     expected = fused_moe(*layer)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -180,6 +208,6 @@ def test_fused_moe_is_captured_in_a_cuda_graph():
     graph.replay()
     assert torch.equal(captured, expected)
     x, w13, w2, weights, ids = layer
-    ids.copy_(ids.flip(0))
+    ids.copy_((ids + 1) % 8)
     graph.replay()
     assert relative_error(captured, fused_moe_reference(x, w13, w2, weights, ids)) < TOLERANCE

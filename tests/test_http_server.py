@@ -435,6 +435,22 @@ async def test_failure_of_a_plain_request_is_a_503() -> None:
     error_of(response)
 
 
+async def test_models_retrieve_answers_for_the_served_model_only() -> None:
+    """GET /v1/models/{id}, as the openai SDK's models.retrieve() asks it."""
+    import openai
+    from test_http_support import openai_clients
+
+    engine = FakeEngine(served_model_name="org/served")
+    with trio.fail_after(TIMEOUT):
+        async with running_server(engine) as url, openai_clients(url) as (client, _):
+            served = await client.models.retrieve("org/served")
+            by_root = await client.models.retrieve("fake-model")
+            with pytest.raises(openai.NotFoundError) as missing:
+                await client.models.retrieve("other")
+    assert (served.id, served.object, by_root.id) == ("org/served", "model", "org/served")
+    assert "does not exist" in str(missing.value)
+
+
 # -- the command line -----------------------------------------------------------------
 
 

@@ -154,10 +154,11 @@ def test_missing_shard(model_dir):
 
 
 def test_unsupported_architecture(model_dir):
-    _edit_config(model_dir, architectures=["MixtralForCausalLM"], model_type="mixtral")
+    _edit_config(model_dir, architectures=["GPTNeoXForCausalLM"], model_type="gpt_neox")
     with pytest.raises(ModelLoadError, match=r"config\.json: unsupported architecture "
-                       r"MixtralForCausalLM; supported: LlamaForCausalLM, Qwen2ForCausalLM, "
-                       r"Qwen3ForCausalLM"):
+                       r"GPTNeoXForCausalLM; supported: LlamaForCausalLM, Qwen2ForCausalLM, "
+                       r"Qwen3ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, "
+                       r"Qwen3MoeForCausalLM"):
         _load(model_dir)
 
 

@@ -20,7 +20,7 @@ order (gpu/kernels/cpu_attention.py); each elementwise step rounds where the tor
 rounds, so the fused model computes the torch model's function up to the order
 of those sums and the exponential in SiLU (the attention kernel's).
 
-``CPU_OPS`` is the set a model's fused forward calls (gpu/models/cpu_fused.py).
+gpu/models/cpu_fused.py hands them to a model's fused forward.
 The dense family's compiled forward goes further: ``_forward_layers`` runs a
 part of a step's whole forward as one compiled call, the linear layers through
 torch's own ``sgemm_`` (gpu/kernels/cpu_blas.py) in the chunks ``chunked_linear``
@@ -37,7 +37,6 @@ import numba
 import numpy as np
 import torch
 
-from trio_llm.gpu.kernels import cpu_attention
 from trio_llm.gpu.kernels.cpu_attention import LANES, _attend_rows, _exp_nonpositive, _lane_sum
 from trio_llm.gpu.kernels.cpu_blas import ROWS_PER_CHUNK, _gemm
 
@@ -272,34 +271,6 @@ def qk_norm_rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch
 
 
 _NO_WEIGHT = np.zeros(1, dtype=np.float32)
-
-
-class CpuOps:
-    """These kernels as the FusedOps a model's fused forward calls (gpu/layers/fused_ops.py),
-    ``step`` the CPU attention kernel's StepPlan."""
-
-    rms_norm = staticmethod(rms_norm)
-    add_rms_norm = staticmethod(add_rms_norm)
-    silu_and_mul = staticmethod(silu_and_mul)
-
-    @staticmethod
-    def qk_norm_rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-                              sin: torch.Tensor, q_norm: torch.Tensor | None,
-                              k_norm: torch.Tensor | None, eps: float, k_cache: torch.Tensor,
-                              v_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
-                              num_heads: int, num_kv_heads: int, head_dim: int
-                              ) -> torch.Tensor:
-        return qk_norm_rope_write_kv(qkv, positions, cos, sin, q_norm, k_norm, eps, k_cache,
-                                     v_cache, slot_mapping, num_heads=num_heads,
-                                     num_kv_heads=num_kv_heads)
-
-    @staticmethod
-    def attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, step: Any,
-               scale: float, backend: Any) -> torch.Tensor:
-        return cpu_attention.attend(step, query, k_cache, v_cache, scale)
-
-
-CPU_OPS = CpuOps()
 
 
 _warm_lock = threading.Lock()

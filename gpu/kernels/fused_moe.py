@@ -2,33 +2,42 @@
 
 Each token is routed to ``top_k`` of ``E`` experts; expert ``e`` computes
 ``down_e(silu(gate_e(x)) * up_e(x))``, and a token's output is the sum of its
-experts' outputs, each scaled by its routing weight. ``fused_moe`` does it in
-five launches, none of which waits on the host, so the whole layer can be
-captured in a CUDA graph:
+experts' outputs, each scaled by its routing weight. ``fused_moe`` computes it
+without ever waiting on the host, so the whole layer can be captured in a CUDA
+graph, along one of two paths.
 
-1. ``align_by_expert`` (two small kernels): the ``T * top_k`` (token, slot)
-   rows are grouped by expert into segments padded to ``block_m`` rows, so that
-   every ``block_m`` block of the sorted order belongs to one expert. The
-   sorted order has a fixed length (an upper bound, see ``max_sorted_rows``);
-   the blocks past the real total are skipped by the GEMMs, which read that
-   total from device memory.
+The grouped path (``GroupedConfig``, any number of tokens):
+
+1. ``align_by_expert`` (one kernel, two past ``ALIGN_CHUNK`` rows): the
+   ``T * top_k`` (token, slot) rows are grouped by expert into segments padded
+   to ``block_m`` rows, so that every ``block_m`` block of the sorted order
+   belongs to one expert. The order has a fixed length (an upper bound, see
+   ``max_sorted_rows``); the GEMMs skip the blocks past the real total, which
+   they read from device memory;
 2. the gate/up grouped GEMM: each program multiplies one block of rows by one
-   ``block_n`` slice of its expert's gate and up projections, with both products
-   accumulated in float32, and stores ``silu(gate) * up`` (SwiGLU in the
-   epilogue: the ``2 * I`` wide intermediate never reaches memory);
-3. the down grouped GEMM: the same over the activations, scaled by each row's
-   routing weight in the epilogue;
+   ``block_n`` slice of its expert's gate and up projections (``tl.dot``, both
+   accumulated in float32) and stores ``silu(gate) * up``: SwiGLU in the
+   epilogue, the ``2 * I`` wide intermediate never reaches memory;
+3. the down grouped GEMM over the activations, scaled by each row's routing
+   weight in the epilogue;
 4. the sum over a token's ``top_k`` rows, in slot order (with ``top_k == 1`` the
    down GEMM writes the output directly).
 
-Block sizes come from a small table keyed by the token count (``CONFIGS``;
-decode wants short blocks of rows and many column blocks, prefill long ones),
-not from autotuning: the kernels run inside CUDA graphs, and the interpreter
-that runs them in CI is too slow to tune. benchmarks/moe_kernel_bench.py
-``--tune`` sweeps them on the device and prints the table.
+The row-wise path (``RowwiseConfig``, a few tokens: single-stream decode) needs
+no alignment and no separate sum: a gate/up program takes one (token, slot) row
+and a slice of its expert's columns, a down program one token and a slice of
+the hidden columns, summing its slots in float32 registers. Both are GEMVs that
+stream each weight once per row using it: two launches per layer.
 
-The GPU path is not batch invariant (the configuration, hence the float32 sum
-order, depends on the token count); the batch-invariant path is the CPU one.
+Block sizes come from a small table keyed by the token count (``CONFIGS``;
+decode wants the row-wise path or short row blocks and many column blocks,
+prefill long row blocks), not from autotuning: the kernels run inside CUDA
+graphs, and the interpreter that runs them in CI is too slow to tune.
+benchmarks/moe_kernel_bench.py ``--tune`` sweeps them on the device and prints
+the table.
+
+The GPU path is not batch invariant (the path and tiles, hence the float32 sum
+order, depend on the token count); the batch-invariant path is the CPU one.
 ``fused_moe_reference`` is the same math as a per-expert torch loop.
 """
 
@@ -41,15 +50,16 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-# The alignment's first kernel runs as one program over the routing table in
-# chunks of this many entries; the second scatters chunks of this many in parallel.
+# The alignment's planning kernel is one program that reads the routing table in
+# chunks of this many entries; up to this many rows it also places them itself,
+# past it a second kernel places chunks of this many in parallel.
 ALIGN_CHUNK = 1024
 
 
 @dataclass(frozen=True, slots=True)
 class GemmConfig:
-    """One grouped GEMM's tile: output columns and reduction depth per step, warps,
-    and how many reduction steps the compiler keeps in flight."""
+    """One GEMM's (or row-wise GEMV's) tile: output columns and reduction depth per
+    step, warps, and how many reduction steps the compiler keeps in flight."""
 
     block_n: int
     block_k: int
@@ -58,10 +68,10 @@ class GemmConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class MoeConfig:
-    """A launch of ``fused_moe``: rows per block (shared by the alignment and both
-    GEMMs), how many row blocks share a column sweep (L2 reuse of the weights), and
-    each GEMM's tile."""
+class GroupedConfig:
+    """The grouped path: rows aligned by expert, each program a block of ``block_m`` rows
+    of one expert. ``block_m`` is shared by the alignment and both GEMMs; ``group_m``
+    row blocks share a column sweep (L2 reuse of the weights)."""
 
     block_m: int
     group_m: int
@@ -69,15 +79,29 @@ class MoeConfig:
     down: GemmConfig
 
 
+@dataclass(frozen=True, slots=True)
+class RowwiseConfig:
+    """The row-wise path for a few tokens: no alignment, each gate/up program one
+    (token, slot) row, each down program one token, summing its slots in registers
+    (two launches in all). A weight slice is read once per row that uses it, so this
+    pays only while few rows share an expert."""
+
+    gate_up: GemmConfig
+    down: GemmConfig
+
+
+MoeConfig = GroupedConfig | RowwiseConfig
+
 # (largest token count, configuration), in increasing order; the last entry covers
 # every larger count. Guesses from the shapes of qwen3-30b-a3b (H=2048, E=128,
 # top-8, I=768) until benchmarks/moe_kernel_bench.py --tune replaces them.
 CONFIGS: tuple[tuple[int, MoeConfig], ...] = (
-    (32, MoeConfig(16, 1, GemmConfig(32, 128, 4, 4), GemmConfig(64, 128, 4, 4))),
-    (128, MoeConfig(16, 1, GemmConfig(64, 128, 4, 4), GemmConfig(128, 128, 4, 3))),
-    (512, MoeConfig(32, 8, GemmConfig(64, 128, 4, 4), GemmConfig(128, 64, 4, 4))),
-    (2048, MoeConfig(64, 8, GemmConfig(64, 64, 4, 4), GemmConfig(128, 64, 4, 4))),
-    (1 << 62, MoeConfig(64, 8, GemmConfig(128, 64, 8, 4), GemmConfig(128, 64, 8, 4))),
+    (2, RowwiseConfig(GemmConfig(16, 256, 4, 3), GemmConfig(8, 256, 4, 4))),
+    (32, GroupedConfig(16, 1, GemmConfig(32, 128, 4, 4), GemmConfig(64, 128, 4, 4))),
+    (128, GroupedConfig(16, 1, GemmConfig(64, 128, 4, 3), GemmConfig(128, 128, 4, 3))),
+    (512, GroupedConfig(32, 8, GemmConfig(64, 128, 4, 3), GemmConfig(128, 128, 4, 3))),
+    (1536, GroupedConfig(64, 8, GemmConfig(64, 64, 4, 3), GemmConfig(128, 64, 4, 3))),
+    (1 << 62, GroupedConfig(128, 8, GemmConfig(128, 64, 8, 4), GemmConfig(256, 64, 8, 4))),
 )
 
 
@@ -120,10 +144,12 @@ def max_sorted_rows(num_rows: int, num_experts: int, block_m: int) -> int:
 def _plan_blocks_kernel(topk_ids_ptr, sorted_rows_ptr, block_experts_ptr, num_padded_ptr,
                         cursor_ptr, num_rows, num_experts, num_blocks,
                         BLOCK_M: tl.constexpr, EXPERTS_PAD: tl.constexpr,
-                        BLOCKS_CHUNK: tl.constexpr, CHUNK: tl.constexpr):
+                        BLOCKS_CHUNK: tl.constexpr, CHUNK: tl.constexpr,
+                        SCATTER: tl.constexpr):
     """One program: count each expert's rows, lay the padded segments end to end,
     name each block's expert, mark the segments padding (the scatter then
-    overwrites the real rows) and leave each expert's first position in ``cursor``."""
+    overwrites the real rows) and leave each expert's first position in ``cursor``.
+    With ``SCATTER`` (at most ``CHUNK`` rows) it places the rows itself, saving a launch."""
     experts = tl.arange(0, EXPERTS_PAD)
     counts = tl.zeros([EXPERTS_PAD], dtype=tl.int32)
     for start in range(0, num_rows, CHUNK):
@@ -150,19 +176,30 @@ def _plan_blocks_kernel(topk_ids_ptr, sorted_rows_ptr, block_experts_ptr, num_pa
         positions = start + tl.arange(0, CHUNK)
         tl.store(sorted_rows_ptr + positions, tl.full([CHUNK], 0, tl.int32) + num_rows,
                  mask=positions < total)
+    if SCATTER:
+        # The barrier orders the cursor and padding stores of every thread before the
+        # atomics and row stores below.
+        tl.debug_barrier()
+        _scatter_chunk(topk_ids_ptr, sorted_rows_ptr, cursor_ptr, num_rows,
+                       tl.arange(0, CHUNK))
+
+
+@triton.jit
+def _scatter_chunk(topk_ids_ptr, sorted_rows_ptr, cursor_ptr, num_rows, rows):
+    """Each row takes the next free position of its expert's segment. The order within
+    a segment depends on the atomics' order; no result does (a row's products never
+    mix with another row's)."""
+    mask = rows < num_rows
+    ids = tl.load(topk_ids_ptr + rows, mask=mask, other=0).to(tl.int32)
+    positions = tl.atomic_add(cursor_ptr + ids, 1, mask=mask, sem="relaxed")
+    tl.store(sorted_rows_ptr + positions, rows, mask=mask)
 
 
 @triton.jit(do_not_specialize=["num_rows"])
 def _scatter_rows_kernel(topk_ids_ptr, sorted_rows_ptr, cursor_ptr, num_rows,
                          CHUNK: tl.constexpr):
-    """Each row takes the next free position of its expert's segment. The order within
-    a segment depends on the atomics' order; no result does (a row's products never
-    mix with another row's)."""
-    rows = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
-    mask = rows < num_rows
-    ids = tl.load(topk_ids_ptr + rows, mask=mask, other=0).to(tl.int32)
-    positions = tl.atomic_add(cursor_ptr + ids, 1, mask=mask, sem="relaxed")
-    tl.store(sorted_rows_ptr + positions, rows, mask=mask)
+    _scatter_chunk(topk_ids_ptr, sorted_rows_ptr, cursor_ptr, num_rows,
+                   tl.program_id(0) * CHUNK + tl.arange(0, CHUNK))
 
 
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertPlan:
@@ -179,12 +216,15 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> E
     topk_ids = topk_ids.contiguous()
     # One spare bin past the experts for the masked entries; at least a warp of bins.
     experts_pad = max(32, triton.next_power_of_2(num_experts + 1))
+    scatter_here = num_rows <= ALIGN_CHUNK
     _plan_blocks_kernel[(1,)](
         topk_ids, sorted_rows, block_experts, num_padded_rows, cursor, num_rows, num_experts,
         num_blocks, BLOCK_M=block_m, EXPERTS_PAD=experts_pad,
-        BLOCKS_CHUNK=max(1, 8192 // experts_pad), CHUNK=ALIGN_CHUNK, num_warps=8)
-    _scatter_rows_kernel[(triton.cdiv(num_rows, ALIGN_CHUNK),)](
-        topk_ids, sorted_rows, cursor, num_rows, CHUNK=ALIGN_CHUNK, num_warps=4)
+        BLOCKS_CHUNK=max(1, 8192 // experts_pad), CHUNK=ALIGN_CHUNK, SCATTER=scatter_here,
+        num_warps=8)
+    if not scatter_here:
+        _scatter_rows_kernel[(triton.cdiv(num_rows, ALIGN_CHUNK),)](
+            topk_ids, sorted_rows, cursor, num_rows, CHUNK=ALIGN_CHUNK, num_warps=4)
     return ExpertPlan(sorted_rows, block_experts, num_padded_rows, block_m)
 
 
@@ -206,7 +246,7 @@ def _block_rows(sorted_rows_ptr, block_experts_ptr, pid_m, BLOCK_M: tl.constexpr
     return rows, expert
 
 
-@triton.jit(do_not_specialize=["num_rows", "num_m_blocks"])
+@triton.jit(do_not_specialize=["num_rows", "num_m_blocks", "group_m"])
 def _gate_up_kernel(hidden_ptr, w13_ptr, activation_ptr, sorted_rows_ptr, block_experts_ptr,
                     num_padded_ptr, num_rows, num_m_blocks, group_m, hidden_row_stride,
                     w13_expert_stride, w13_row_stride,
@@ -253,7 +293,7 @@ def _gate_up_kernel(hidden_ptr, w13_ptr, activation_ptr, sorted_rows_ptr, block_
              mask=row_mask[:, None] & (columns < INTERMEDIATE)[None, :])
 
 
-@triton.jit(do_not_specialize=["num_rows", "num_m_blocks"])
+@triton.jit(do_not_specialize=["num_rows", "num_m_blocks", "group_m"])
 def _down_kernel(activation_ptr, w2_ptr, out_ptr, topk_weights_ptr, sorted_rows_ptr,
                  block_experts_ptr, num_padded_ptr, num_rows, num_m_blocks, group_m,
                  w2_expert_stride, w2_row_stride,
@@ -290,6 +330,75 @@ def _down_kernel(activation_ptr, w2_ptr, out_ptr, topk_weights_ptr, sorted_rows_
     out_ptrs = out_ptr + rows[:, None] * HIDDEN + columns[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty),
              mask=row_mask[:, None] & (columns < HIDDEN)[None, :])
+
+
+@triton.jit
+def _row_products(x_ptr, weight_ptrs, start, DEPTH: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One reduction step of a GEMV: the float32 products of ``x[start:start + BLOCK_K]``
+    with the same columns of the weight rows that ``weight_ptrs`` point to, summed."""
+    depth = start + tl.arange(0, BLOCK_K)
+    if DEPTH % BLOCK_K == 0:
+        x = tl.load(x_ptr + depth)
+        # Each weight is read once: let it leave the caches first.
+        w = tl.load(weight_ptrs[:, None] + depth[None, :], eviction_policy="evict_first")
+    else:
+        depth_mask = depth < DEPTH
+        x = tl.load(x_ptr + depth, mask=depth_mask, other=0.0)
+        w = tl.load(weight_ptrs[:, None] + depth[None, :], mask=depth_mask[None, :], other=0.0,
+                    eviction_policy="evict_first")
+    return tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], 1)
+
+
+@triton.jit
+def _rowwise_gate_up_kernel(hidden_ptr, w13_ptr, activation_ptr, topk_ids_ptr,
+                            hidden_row_stride, w13_expert_stride, w13_row_stride,
+                            TOP_K: tl.constexpr, HIDDEN: tl.constexpr,
+                            INTERMEDIATE: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """activation[row, n] = silu(x . gate_e[n]) * (x . up_e[n]) for one (token, slot)
+    row, its expert e, and BLOCK_N columns n."""
+    row = tl.program_id(0)
+    expert = tl.load(topk_ids_ptr + row).to(tl.int64)
+    x_ptr = hidden_ptr + (row // TOP_K).to(tl.int64) * hidden_row_stride
+    columns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    weight_rows = tl.minimum(columns, INTERMEDIATE - 1).to(tl.int64)
+    gate_ptrs = w13_ptr + expert * w13_expert_stride + weight_rows * w13_row_stride
+    up_ptrs = gate_ptrs + INTERMEDIATE * w13_row_stride
+    gate = tl.zeros([BLOCK_N], dtype=tl.float32)
+    up = tl.zeros([BLOCK_N], dtype=tl.float32)
+    # num_stages on the loop: without a tl.dot the pipeliner prefetches only when asked.
+    for start in tl.range(0, HIDDEN, BLOCK_K, num_stages=NUM_STAGES):
+        gate += _row_products(x_ptr, gate_ptrs, start, HIDDEN, BLOCK_K)
+        up += _row_products(x_ptr, up_ptrs, start, HIDDEN, BLOCK_K)
+    activated = gate * tl.sigmoid(gate) * up
+    tl.store(activation_ptr + row.to(tl.int64) * INTERMEDIATE + columns,
+             activated.to(activation_ptr.dtype.element_ty), mask=columns < INTERMEDIATE)
+
+
+@triton.jit
+def _rowwise_down_kernel(activation_ptr, w2_ptr, out_ptr, topk_weights_ptr, topk_ids_ptr,
+                         w2_expert_stride, w2_row_stride,
+                         TOP_K: tl.constexpr, HIDDEN: tl.constexpr,
+                         INTERMEDIATE: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """out[token, n] = sum over the token's slots of weight * (activation[row] . down_e[n]),
+    summed in float32, for BLOCK_N hidden columns n."""
+    token = tl.program_id(0).to(tl.int64)
+    columns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    weight_rows = tl.minimum(columns, HIDDEN - 1).to(tl.int64)
+    STEPS_PER_SLOT: tl.constexpr = (INTERMEDIATE + BLOCK_K - 1) // BLOCK_K
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    # One loop over every slot's reduction steps, so that the prefetch runs across
+    # slots instead of draining at each.
+    for step in tl.range(0, TOP_K * STEPS_PER_SLOT, num_stages=NUM_STAGES):
+        row = token * TOP_K + step // STEPS_PER_SLOT
+        expert = tl.load(topk_ids_ptr + row).to(tl.int64)
+        down_ptrs = w2_ptr + expert * w2_expert_stride + weight_rows * w2_row_stride
+        products = _row_products(activation_ptr + row * INTERMEDIATE, down_ptrs,
+                                 (step % STEPS_PER_SLOT) * BLOCK_K, INTERMEDIATE, BLOCK_K)
+        total += products * tl.load(topk_weights_ptr + row).to(tl.float32)
+    tl.store(out_ptr + token * HIDDEN + columns, total.to(out_ptr.dtype.element_ty),
+             mask=columns < HIDDEN)
 
 
 def _check_inputs(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -329,22 +438,46 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if num_tokens == 0 or top_k == 0:
         return out.zero_()
     config = config or config_for(num_tokens)
-    plan = align_by_expert(topk_ids, num_experts, config.block_m)
+    topk_weights, topk_ids = topk_weights.contiguous(), topk_ids.contiguous()
     num_rows = num_tokens * top_k
     activation = torch.empty((num_rows, intermediate), dtype=hidden.dtype, device=hidden.device)
+    if isinstance(config, RowwiseConfig):
+        launch_rowwise(hidden, w13, w2, topk_weights, topk_ids, activation, out, config)
+        return out
+    plan = align_by_expert(topk_ids, num_experts, config.block_m)
     launch_gate_up(hidden, w13, activation, plan, top_k, config)
     # One output row per (token, slot), summed over the slots below; with one slot a
     # row is a token, and the down GEMM writes the output itself.
     per_slot = out if top_k == 1 else torch.empty(
         (num_rows, hidden_size), dtype=hidden.dtype, device=hidden.device)
-    launch_down(activation, w2, per_slot, topk_weights.contiguous(), plan, config)
+    launch_down(activation, w2, per_slot, topk_weights, plan, config)
     if top_k > 1:
         torch.sum(per_slot.view(num_tokens, top_k, hidden_size), dim=1, out=out)
     return out
 
 
+def launch_rowwise(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                   topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: torch.Tensor,
+                   out: torch.Tensor, config: RowwiseConfig) -> None:
+    """The row-wise path's two launches: ``activation`` [T * top_k, I], then ``out``."""
+    (num_rows, intermediate), (num_tokens, hidden_size) = activation.shape, out.shape
+    top_k = topk_ids.shape[1]
+    tile = config.gate_up
+    _rowwise_gate_up_kernel[(num_rows, triton.cdiv(intermediate, tile.block_n))](
+        hidden, w13, activation, topk_ids, hidden.stride(0), w13.stride(0), w13.stride(1),
+        TOP_K=top_k, HIDDEN=hidden_size, INTERMEDIATE=intermediate, BLOCK_N=tile.block_n,
+        BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages, num_warps=tile.num_warps,
+        num_stages=tile.num_stages)
+    tile = config.down
+    _rowwise_down_kernel[(num_tokens, triton.cdiv(hidden_size, tile.block_n))](
+        activation, w2, out, topk_weights, topk_ids, w2.stride(0), w2.stride(1),
+        TOP_K=top_k, HIDDEN=hidden_size, INTERMEDIATE=intermediate, BLOCK_N=tile.block_n,
+        BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages, num_warps=tile.num_warps,
+        num_stages=tile.num_stages)
+
+
 def launch_gate_up(hidden: torch.Tensor, w13: torch.Tensor, activation: torch.Tensor,
-                   plan: ExpertPlan, top_k: int, config: MoeConfig) -> None:
+                   plan: ExpertPlan, top_k: int, config: GroupedConfig) -> None:
     """The first grouped GEMM with SwiGLU: ``activation`` [T * top_k, I] (rows by
     (token, slot), as ``plan`` was built for)."""
     num_rows, intermediate = activation.shape
@@ -359,7 +492,7 @@ def launch_gate_up(hidden: torch.Tensor, w13: torch.Tensor, activation: torch.Te
 
 
 def launch_down(activation: torch.Tensor, w2: torch.Tensor, per_slot: torch.Tensor,
-                topk_weights: torch.Tensor, plan: ExpertPlan, config: MoeConfig) -> None:
+                topk_weights: torch.Tensor, plan: ExpertPlan, config: GroupedConfig) -> None:
     """The second grouped GEMM with the routing weights: ``per_slot`` [T * top_k, H]."""
     num_rows, hidden_size = per_slot.shape
     tile = config.down

@@ -18,12 +18,10 @@ Each kernel rounds where the torch model rounds (to the activation dtype after
 the norm, after the weight, after each rotary product), so the fused model
 computes the same function up to the order of float32 sums.
 
-``TRITON_OPS`` is the set a model's fused forward calls (gpu/models/cuda_fused.py).
+gpu/models/cuda_fused.py hands them to a model's fused forward.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 import triton
@@ -203,20 +201,3 @@ def qk_norm_rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch
     return query
 
 
-class TritonOps:
-    """These kernels as the FusedOps a model's fused forward calls (gpu/layers/fused_ops.py);
-    attention through the model's backend (Triton's once fused), ``step`` its metadata."""
-
-    rms_norm = staticmethod(rms_norm)
-    add_rms_norm = staticmethod(add_rms_norm)
-    silu_and_mul = staticmethod(silu_and_mul)
-    qk_norm_rope_write_kv = staticmethod(qk_norm_rope_write_kv)
-
-    @staticmethod
-    def attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, step: Any,
-               scale: float, backend: Any) -> torch.Tensor:
-        return backend.paged_attention(query, k_cache, v_cache, step.block_tables,
-                                       step.context_lens, step.query_start_loc, scale)
-
-
-TRITON_OPS = TritonOps()

@@ -1,8 +1,8 @@
 """The kernels a fused forward calls: one interface, Triton's and numba's behind it.
 
 A model's fused forward (models/base.py) is written once against this
-interface; gpu/kernels/triton_layers.py implements it on CUDA and
-gpu/kernels/cpu_layers.py on the CPU (float32, batch-invariant). ``step`` is
+interface; gpu/models/cuda_fused.py implements it with the Triton kernels and
+gpu/models/cpu_fused.py with the numba ones (float32, batch-invariant). ``step`` is
 what the attention kernels read a step's layout from: the AttentionMetadata on
 CUDA, the CPU attention kernel's checked StepPlan on the CPU; both carry
 ``slot_mapping``.
@@ -43,4 +43,12 @@ class FusedOps(Protocol):
                step: Any, scale: float, backend: Any) -> torch.Tensor:
         """Paged attention of ``query`` over the cache -> [tokens, heads, head_dim];
         ``backend`` the model's AttentionBackend (a kernel set may use its own)."""
+        ...
+
+    def moe_experts(self, hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                    weights: torch.Tensor, expert_ids: torch.Tensor,
+                    num_rows_per_chunk: int) -> torch.Tensor:
+        """The routed experts' output [tokens, hidden] (layers/moe.py's ``expert_loop``
+        computes it): ``gate_up`` [experts, 2 I, hidden], ``down`` [experts, hidden, I],
+        ``weights`` and ``expert_ids`` [tokens, top_k]."""
         ...

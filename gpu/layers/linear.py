@@ -46,6 +46,12 @@ def chunked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     concatenation after it (benchmarks/cpu_attention_bench.py times both).
     """
     num_rows, num_features = x.shape
+    if weight.shape[0] == 1:
+        # A one-column batched GEMM takes another path whose bits depend on the number
+        # of chunks (measured on torch 2.13's CPU build): multiply a zero row too.
+        padded = torch.cat([weight, weight.new_zeros(1, num_features)])
+        padded_bias = None if bias is None else torch.cat([bias, bias.new_zeros(1)])
+        return chunked_linear(x, padded, padded_bias, num_rows_per_chunk)[:, :1]
     num_padding_rows = -num_rows % num_rows_per_chunk
     if num_padding_rows:
         x = torch.cat([x, x.new_zeros(num_padding_rows, num_features)])

@@ -11,12 +11,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from trio_llm.gpu.models import dense
+from trio_llm.gpu.models import dense, mixtral, qwen2_moe, qwen3_moe
 from trio_llm.gpu.models.base import FAMILIES, CausalLM, ModelFamily
 from trio_llm.gpu.models.config import ModelConfig, ModelLoadError, read_config_json
 
 __all__ = ["FAMILIES", "CausalLM", "ModelConfig", "ModelLoadError", "architecture_of",
-           "dense", "parse_model_config", "read_model_config"]
+           "dense", "mixtral", "parse_model_config", "qwen2_moe", "qwen3_moe", "read_model_config"]
 
 
 def architecture_of(data: dict[str, Any], source: str) -> tuple[str, ModelFamily]:

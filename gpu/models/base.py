@@ -40,6 +40,7 @@ from trio_llm.gpu.layers.attention import AttentionMetadata, KVCache
 from trio_llm.gpu.layers.decoder import DecoderLayer
 from trio_llm.gpu.layers.fused_ops import FusedOps
 from trio_llm.gpu.layers.linear import INVARIANT_ROWS_PER_CHUNK, Linear
+from trio_llm.gpu.layers.moe import SparseMoeBlock
 from trio_llm.gpu.layers.norm import RMSNorm
 from trio_llm.gpu.layers.rotary import RotaryEmbedding
 from trio_llm.gpu.models.config import ModelConfig, ModelLoadError
@@ -131,7 +132,7 @@ class CausalLM(nn.Module):
     def set_batch_invariant(self, enabled: bool) -> None:
         """Make every row's result independent of the batch it shares (the CPU default)."""
         for module in self.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, (Linear, SparseMoeBlock)):
                 module.num_rows_per_chunk = INVARIANT_ROWS_PER_CHUNK if enabled else 0
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor,

@@ -16,8 +16,8 @@ from typing import Any
 from trio_llm.gpu.errors import ModelLoadError
 from trio_llm.gpu.layers.rotary import SUPPORTED_ROPE_TYPES, RopeConfig
 
-__all__ = ["ModelConfig", "ModelLoadError", "RopeConfig", "common_fields", "parse_rope",
-           "read_config_json"]
+__all__ = ["ModelConfig", "ModelLoadError", "MoeConfig", "RopeConfig", "common_fields",
+           "moe_fields", "parse_rope", "read_config_json"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +56,57 @@ class ModelConfig:
         return [(self.num_heads, "the number of attention heads"),
                 (self.num_kv_heads, "the number of KV heads"),
                 (self.intermediate_size, "the intermediate size")]
+
+
+@dataclass(frozen=True, slots=True)
+class MoeConfig(ModelConfig):
+    """A Mixture-of-Experts family's config: the dense fields, and its experts'.
+
+    Layer i is an MoE block unless it is in ``mlp_only_layers`` or ``(i + 1)`` is not a
+    multiple of ``decoder_sparse_step`` (then a dense MLP of ``intermediate_size``)."""
+
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    router_weights_in_float32: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    shared_expert_intermediate_size: int = 0
+
+    def is_moe_layer(self, layer_index: int) -> bool:
+        return (layer_index not in self.mlp_only_layers and self.num_experts > 0
+                and (layer_index + 1) % self.decoder_sparse_step == 0)
+
+    def tensor_parallel_sizes(self) -> list[tuple[int, str]]:
+        sizes = [(self.num_heads, "the number of attention heads"),
+                 (self.num_kv_heads, "the number of KV heads"),
+                 (self.moe_intermediate_size, "the experts' intermediate size")]
+        if not all(self.is_moe_layer(index) for index in range(self.num_layers)):
+            sizes.append((self.intermediate_size, "the intermediate size"))
+        if self.shared_expert_intermediate_size:
+            sizes.append((self.shared_expert_intermediate_size,
+                          "the shared expert's intermediate size"))
+        return sizes
+
+
+def moe_fields(data: dict[str, Any], source: str, *, num_experts_key: str) -> dict[str, Any]:
+    """The experts' fields of config.json, as MoeConfig's keyword arguments."""
+    num_experts = int(data.get(num_experts_key) or data.get("num_local_experts")
+                      or data.get("num_experts") or 0)
+    top_k = int(data["num_experts_per_tok"])
+    if num_experts < 1 or not 1 <= top_k <= num_experts:
+        raise ModelLoadError(f"{source}: num_experts_per_tok ({top_k}) must lie in 1.."
+                             f"{num_experts_key} ({num_experts})")
+    step = int(data.get("decoder_sparse_step", 1))
+    if step < 1:
+        raise ModelLoadError(f"{source}: decoder_sparse_step must be at least 1, not {step}")
+    return {
+        "num_experts": num_experts,
+        "num_experts_per_tok": top_k,
+        "decoder_sparse_step": step,
+        "mlp_only_layers": tuple(int(index) for index in data.get("mlp_only_layers") or ()),
+    }
 
 
 def read_config_json(directory: Path) -> tuple[dict[str, Any], str]:

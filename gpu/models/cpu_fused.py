@@ -23,13 +23,50 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from trio_llm.gpu.kernels import cpu_attention
+from trio_llm.gpu.kernels import cpu_attention, cpu_layers
 from trio_llm.gpu.kernels.cpu_attention import LANES
 from trio_llm.gpu.kernels.cpu_blas import ROWS_PER_CHUNK, sgemm_address
-from trio_llm.gpu.kernels.cpu_layers import CPU_OPS, _forward_layers, _linear_chunks
+from trio_llm.gpu.kernels.cpu_layers import _forward_layers, _linear_chunks
 from trio_llm.gpu.layers.attention import AttentionMetadata, KVCache
 from trio_llm.gpu.layers.mlp import MLP
+from trio_llm.gpu.layers.moe import expert_loop
 from trio_llm.gpu.models.base import CausalLM
+
+
+class CpuOps:
+    """gpu/kernels/cpu_layers.py's kernels as the FusedOps a model's fused forward calls
+    (gpu/layers/fused_ops.py), ``step`` the CPU attention kernel's StepPlan; the experts
+    of an MoE block in fixed row chunks (batch-invariant)."""
+
+    rms_norm = staticmethod(cpu_layers.rms_norm)
+    add_rms_norm = staticmethod(cpu_layers.add_rms_norm)
+    silu_and_mul = staticmethod(cpu_layers.silu_and_mul)
+
+    @staticmethod
+    def qk_norm_rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                              sin: torch.Tensor, q_norm: torch.Tensor | None,
+                              k_norm: torch.Tensor | None, eps: float, k_cache: torch.Tensor,
+                              v_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
+                              num_heads: int, num_kv_heads: int, head_dim: int
+                              ) -> torch.Tensor:
+        return cpu_layers.qk_norm_rope_write_kv(
+            qkv, positions, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, slot_mapping,
+            num_heads=num_heads, num_kv_heads=num_kv_heads)
+
+    @staticmethod
+    def attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, step: Any,
+               scale: float, backend: Any) -> torch.Tensor:
+        return cpu_attention.attend(step, query, k_cache, v_cache, scale)
+
+    @staticmethod
+    def moe_experts(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                    weights: torch.Tensor, expert_ids: torch.Tensor,
+                    num_rows_per_chunk: int) -> torch.Tensor:
+        return expert_loop(hidden, gate_up, down, weights, expert_ids, cpu_layers.silu_and_mul,
+                           num_rows_per_chunk)
+
+
+CPU_OPS = CpuOps()
 
 
 def can_fuse(model: CausalLM) -> bool:

@@ -11,16 +11,48 @@ order of float32 sums.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 from trio_llm.gpu.attention import AttentionBackend
-from trio_llm.gpu.kernels import triton_attention
+from trio_llm.gpu.kernels import triton_attention, triton_layers
 from trio_llm.gpu.kernels.triton_gemv import gemv
-from trio_llm.gpu.kernels.triton_layers import TRITON_OPS
 from trio_llm.gpu.layers.attention import AttentionMetadata, KVCache
 from trio_llm.gpu.layers.linear import Linear
 from trio_llm.gpu.models.base import CausalLM
+
+
+class TritonOps:
+    """gpu/kernels/triton_layers.py's kernels as the FusedOps a model's fused forward
+    calls (gpu/layers/fused_ops.py); attention through the model's backend (Triton's once
+    fused), ``step`` its metadata."""
+
+    rms_norm = staticmethod(triton_layers.rms_norm)
+    add_rms_norm = staticmethod(triton_layers.add_rms_norm)
+    silu_and_mul = staticmethod(triton_layers.silu_and_mul)
+    qk_norm_rope_write_kv = staticmethod(triton_layers.qk_norm_rope_write_kv)
+
+    @staticmethod
+    def attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, step: Any,
+               scale: float, backend: Any) -> torch.Tensor:
+        return backend.paged_attention(query, k_cache, v_cache, step.block_tables,
+                                       step.context_lens, step.query_start_loc, scale)
+
+    @staticmethod
+    def moe_experts(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                    weights: torch.Tensor, expert_ids: torch.Tensor,
+                    num_rows_per_chunk: int) -> torch.Tensor:
+        """The fused MoE kernel (gpu/kernels/fused_moe.py): no host synchronisation, so
+        a step with MoE layers is captured in CUDA graphs like any other."""
+        from trio_llm.gpu.kernels.fused_moe import fused_moe
+
+        return fused_moe(hidden, gate_up, down, weights.to(torch.float32),
+                         expert_ids.to(torch.int32))
+
+
+TRITON_OPS = TritonOps()
 
 
 class FusedCausalLM(CausalLM):

@@ -126,3 +126,20 @@ class TargetMap:
 def bias_suffixes(has_bias: bool) -> tuple[str, ...]:
     """The checkpoint tensors of a linear layer: its weight, and its bias if it has one."""
     return ("weight", "bias") if has_bias else ("weight",)
+
+
+def expert_targets(targets: TargetMap, ours: str, theirs: str, num_experts: int,
+                   intermediate_size: int, names: tuple[str, str, str]) -> None:
+    """Every expert's checkpoint tensors ``theirs`` + ``{expert}.{gate}``, ``{up}``,
+    ``{down}`` (``names``) into the stacked ``ours`` + experts_gate_up (gate rows, then
+    up rows, each this rank's slice of ``intermediate_size``) and experts_down (its
+    columns)."""
+    what = "the experts' intermediate size"
+    gate, up, down = names
+    for expert in range(num_experts):
+        prefix = f"{theirs}{expert}."
+        targets.column_parallel(prefix, ours + "experts_gate_up",
+                                [(gate, intermediate_size, what), (up, intermediate_size, what)],
+                                "weight", expert=expert)
+        targets.row_parallel(f"{prefix}{down}.weight", ours + "experts_down", intermediate_size,
+                             what, expert=expert)

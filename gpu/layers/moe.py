@@ -1,0 +1,173 @@
+"""The Mixture-of-Experts feed-forward block: a router picks ``top_k`` of ``num_experts``
+SwiGLU experts for each token, and their outputs are summed, each by its weight.
+
+As transformers computes it (Qwen3-MoE, Qwen2-MoE, Mixtral): the router's logits
+are softmaxed in float32, ``torch.topk`` picks the experts (ties resolve as it
+resolves them), the picked probabilities are renormalised where the family asks
+(``normalize``), and a token's expert outputs are added to zero in ascending
+expert order. Qwen2-MoE adds a shared expert, gated by a sigmoid.
+
+Every expert's weights are stacked: ``experts_gate_up`` [experts, 2 * I, hidden]
+(gate rows, then up rows) and ``experts_down`` [experts, hidden, I], the layout
+of the fused MoE kernel. Under tensor parallelism each rank holds every
+expert's slice of I, and the partial outputs (the shared expert's too) are
+summed over the ranks once.
+
+On the CPU each expert multiplies its tokens in fixed row chunks (as a
+batch-invariant ``Linear`` does), so a token's output never depends on which
+other tokens share the step or the expert. On CUDA the experts run through the
+kernel set's ``moe_experts`` (one fused kernel, no host synchronisation: safe
+inside a CUDA graph).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trio_llm.gpu.layers.fused_ops import FusedOps
+from trio_llm.gpu.layers.linear import Linear, chunked_linear
+from trio_llm.gpu.layers.mlp import MLP, silu_and_mul
+from trio_llm.gpu.tensor_parallel import TensorParallel
+
+if TYPE_CHECKING:
+    from trio_llm.gpu.models.config import MoeConfig
+
+EXPERT_INTERMEDIATE = "the experts' intermediate size"
+SHARED_INTERMEDIATE = "the shared expert's intermediate size"
+
+
+@dataclass(frozen=True, slots=True)
+class MoeShape:
+    """What one MoE block is: its experts and how the router weighs them."""
+
+    hidden_size: int
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    # renormalise the top-k probabilities to sum to one
+    normalize: bool
+    # Mixtral keeps the weights in float32; the Qwen families round them to the
+    # activations' dtype first
+    weights_in_float32: bool = False
+    # 0: no shared expert
+    shared_intermediate_size: int = 0
+
+
+class SparseMoeBlock(nn.Module):
+    """Routed SwiGLU experts (and a sigmoid-gated shared expert where the shape has one)."""
+
+    def __init__(self, shape: MoeShape, *, dtype: torch.dtype, device: torch.device,
+                 parallel: TensorParallel) -> None:
+        super().__init__()
+        self.shape = shape
+        self.parallel = parallel
+        hidden = shape.hidden_size
+        local_size = parallel.split(shape.intermediate_size, EXPERT_INTERMEDIATE)[1]
+        self.gate = Linear(hidden, shape.num_experts, bias=False, dtype=dtype, device=device)
+        self.experts_gate_up = nn.Parameter(
+            torch.empty(shape.num_experts, 2 * local_size, hidden, dtype=dtype, device=device),
+            requires_grad=False)
+        self.experts_down = nn.Parameter(
+            torch.empty(shape.num_experts, hidden, local_size, dtype=dtype, device=device),
+            requires_grad=False)
+        self.shared_expert_gate_up = self.shared_expert_down = None
+        self.shared_expert_gate = None
+        if shape.shared_intermediate_size:
+            shared_size = parallel.split(shape.shared_intermediate_size, SHARED_INTERMEDIATE)[1]
+            self.shared_expert_gate_up = Linear(hidden, 2 * shared_size, bias=False,
+                                                dtype=dtype, device=device)
+            self.shared_expert_down = Linear(shared_size, hidden, bias=False, dtype=dtype,
+                                             device=device)
+            self.shared_expert_gate = Linear(hidden, 1, bias=False, dtype=dtype, device=device)
+        # 0: plain GEMMs; else each expert's rows in chunks of this many (batch-invariant)
+        self.num_rows_per_chunk = 0
+
+    def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [tokens, top_k], expert ids [tokens, top_k]) as transformers picks them."""
+        logits = self.gate(hidden)
+        probabilities = F.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, expert_ids = torch.topk(probabilities, self.shape.top_k, dim=-1)
+        if self.shape.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if not self.shape.weights_in_float32:
+            weights = weights.to(logits.dtype)
+        return weights, expert_ids
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        weights, expert_ids = self.route(hidden)
+        routed = expert_loop(hidden, self.experts_gate_up, self.experts_down, weights,
+                             expert_ids, silu_and_mul, self.num_rows_per_chunk)
+        return self.parallel.reduce(self._with_shared_expert(hidden, routed, silu_and_mul))
+
+    def fused(self, hidden: torch.Tensor, ops: FusedOps) -> torch.Tensor:
+        """``forward`` with the experts (and activations) through ``ops``' kernels."""
+        weights, expert_ids = self.route(hidden)
+        routed = ops.moe_experts(hidden, self.experts_gate_up, self.experts_down, weights,
+                                 expert_ids, self.num_rows_per_chunk)
+        return self.parallel.reduce(self._with_shared_expert(hidden, routed, ops.silu_and_mul))
+
+    def _with_shared_expert(self, hidden: torch.Tensor, routed: torch.Tensor,
+                            activation: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """The routed experts' (partial) output plus the gated shared expert's, if any."""
+        if (self.shared_expert_gate_up is None or self.shared_expert_down is None
+                or self.shared_expert_gate is None):
+            return routed
+        shared = self.shared_expert_down(activation(self.shared_expert_gate_up(hidden)))
+        return routed + torch.sigmoid(self.shared_expert_gate(hidden)) * shared
+
+
+def expert_loop(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                weights: torch.Tensor, expert_ids: torch.Tensor,
+                activation: Callable[[torch.Tensor], torch.Tensor],
+                num_rows_per_chunk: int) -> torch.Tensor:
+    """The routed experts' output [tokens, hidden]: each expert that some token picked
+    runs once over its tokens (in ascending expert order, so that a token's outputs are
+    summed in transformers' order); ``num_rows_per_chunk`` as in ``Linear``."""
+    out = torch.zeros_like(hidden)
+    num_tokens, top_k = expert_ids.shape
+    if num_tokens == 0:
+        return out
+    flat_ids = expert_ids.reshape(-1)
+    # picks grouped by expert, each group in (token, rank) order
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=gate_up.shape[0]).tolist()
+    start = 0
+    for expert, count in enumerate(counts):
+        if not count:
+            continue
+        picks = order[start:start + count]
+        start += count
+        token_ids = picks // top_k
+        rows = _linear(hidden[token_ids], gate_up[expert], num_rows_per_chunk)
+        rows = _linear(activation(rows), down[expert], num_rows_per_chunk)
+        rows = rows * weights.reshape(-1)[picks].unsqueeze(-1)
+        out.index_add_(0, token_ids, rows.to(out.dtype))
+    return out
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, num_rows_per_chunk: int) -> torch.Tensor:
+    if num_rows_per_chunk:
+        return chunked_linear(x, weight, None, num_rows_per_chunk)
+    return F.linear(x, weight)
+
+
+def moe_or_mlp(config: MoeConfig, layer_index: int, *, dtype: torch.dtype,
+               device: torch.device, parallel: TensorParallel) -> nn.Module:
+    """Layer ``layer_index``'s feed-forward block in an MoE family: experts, or a dense
+    MLP where the config says so (``MoeConfig.is_moe_layer``)."""
+    if not config.is_moe_layer(layer_index):
+        return MLP(config.hidden_size, config.intermediate_size, bias=False, dtype=dtype,
+                   device=device, parallel=parallel)
+    shape = MoeShape(hidden_size=config.hidden_size, num_experts=config.num_experts,
+                     top_k=config.num_experts_per_tok,
+                     intermediate_size=config.moe_intermediate_size,
+                     normalize=config.norm_topk_prob,
+                     weights_in_float32=config.router_weights_in_float32,
+                     shared_intermediate_size=config.shared_expert_intermediate_size)
+    return SparseMoeBlock(shape, dtype=dtype, device=device, parallel=parallel)

@@ -1,0 +1,56 @@
+"""Qwen3-MoE (``Qwen3MoeForCausalLM``: Qwen3-30B-A3B, Qwen3-235B-A22B).
+
+Qwen3's attention (q/k norms, no biases) and, in every layer that
+``decoder_sparse_step`` and ``mlp_only_layers`` make sparse, a softmax router
+over ``num_experts`` SwiGLU experts of ``moe_intermediate_size``, the top
+``num_experts_per_tok`` renormalised where ``norm_topk_prob`` (gpu/layers/moe.py);
+the other layers a dense MLP of ``intermediate_size``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trio_llm.gpu.layers.moe import moe_or_mlp
+from trio_llm.gpu.models.base import ModelFamily, register_family
+from trio_llm.gpu.models.config import (
+    ModelConfig,
+    MoeConfig,
+    check_activation,
+    check_no_sliding_window,
+    common_fields,
+    moe_fields,
+)
+from trio_llm.gpu.models.dense import mlp_targets
+from trio_llm.gpu.models.weights import TargetMap, expert_targets
+
+
+def parse_config(data: dict[str, Any], source: str, architecture: str) -> ModelConfig:
+    check_activation(data, source)
+    check_no_sliding_window(data, source)
+    fields = common_fields(data, source, architecture=architecture, family="qwen3_moe")
+    return MoeConfig(**fields | {"qk_norm": True, "mlp_bias": False},
+                     **moe_fields(data, source, num_experts_key="num_experts"),
+                     moe_intermediate_size=int(data["moe_intermediate_size"]),
+                     norm_topk_prob=bool(data.get("norm_topk_prob", False)))
+
+
+def feed_forward_targets(targets: TargetMap, config: ModelConfig, layer_index: int, ours: str,
+                         theirs: str) -> None:
+    assert isinstance(config, MoeConfig)
+    if not config.is_moe_layer(layer_index):
+        mlp_targets(targets, theirs + "mlp.", ours + "mlp.", config.intermediate_size, False)
+        return
+    targets.whole(theirs + "mlp.gate.weight", ours + "mlp.gate.weight")
+    expert_targets(targets, ours + "mlp.", theirs + "mlp.experts.", config.num_experts,
+                   config.moe_intermediate_size, ("gate_proj", "up_proj", "down_proj"))
+
+
+FAMILY = register_family(ModelFamily(
+    name="qwen3_moe",
+    architectures=("Qwen3MoeForCausalLM",),
+    parse_config=parse_config,
+    feed_forward=moe_or_mlp,
+    feed_forward_targets=feed_forward_targets,
+    model_types={"qwen3_moe": "Qwen3MoeForCausalLM"},
+))

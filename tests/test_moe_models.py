@@ -1,0 +1,215 @@
+"""The Mixture-of-Experts families compute what transformers computes, on the CPU.
+
+Random tiny Qwen3-MoE, Qwen2-MoE (with its shared expert) and Mixtral
+checkpoints are written by transformers' own classes (``save_pretrained``);
+greedy generation through ModelExecutor, several prompts in one mixed batch
+with prefills split at odd boundaries, must equal transformers' ``generate``
+token for token (float32), with logits within 1e-4. A request's logits are the
+same bits alone or batched, and preempted or not; ties between experts resolve
+as transformers resolves them.
+"""
+
+import random
+
+import pytest
+import torch
+from test_model import NUM_NEW_TOKENS, PROMPT_LENGTHS, _reference, _run_executor
+
+from trio_llm.actors.config import EngineConfig
+from trio_llm.gpu.executor import ModelExecutor
+from trio_llm.gpu.layers.moe import MoeShape, SparseMoeBlock
+from trio_llm.gpu.loader import load_model
+from trio_llm.gpu.models import read_model_config
+from trio_llm.gpu.models.cpu_fused import CpuFusedCausalLM
+from trio_llm.gpu.tensor_parallel import TensorParallel
+from trio_llm.gpu.testing import DriverRequest, ExecutorDriver, record_logits
+from trio_llm.gpu.tp_executor import TensorParallelExecutor
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB_SIZE = 384
+FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
+
+
+def moe_config(family: str):
+    """A tiny config of ``family``: 8 (Qwen3) or 4 experts, top-2, hidden and head sizes
+    the fused CPU kernels take (multiples of 16)."""
+    common = dict(vocab_size=VOCAB_SIZE, hidden_size=64, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, eos_token_id=None,
+                  bos_token_id=None, pad_token_id=0, num_experts_per_tok=2)
+    if family == "qwen3_moe":
+        # layer 1 dense (mlp_only_layers), the experts' top-2 renormalised
+        return transformers.Qwen3MoeConfig(**common, head_dim=16, num_hidden_layers=3,
+                                           intermediate_size=96, moe_intermediate_size=32,
+                                           num_experts=8, norm_topk_prob=True,
+                                           mlp_only_layers=[1])
+    if family == "qwen2_moe":
+        return transformers.Qwen2MoeConfig(**common, num_hidden_layers=2,
+                                           intermediate_size=96, moe_intermediate_size=32,
+                                           shared_expert_intermediate_size=48, num_experts=4)
+    return transformers.MixtralConfig(**common, head_dim=16, num_hidden_layers=2,
+                                      intermediate_size=32, num_local_experts=4)
+
+
+def randomise(model, seed: int) -> None:
+    """Weights with well-spread logits (greedy choices are never near-ties), and router
+    logits spread enough that the experts' choice changes from token to token."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            noise = torch.randn(parameter.shape, generator=generator)
+            if "norm" in name:
+                parameter.copy_(1.0 + 0.1 * noise)
+            elif name.endswith("bias"):
+                parameter.copy_(0.1 * noise)
+            elif "embed" in name or "lm_head" in name:
+                parameter.copy_(0.6 * noise)
+            else:
+                parameter.copy_(noise * parameter.shape[-1] ** -0.5)
+
+
+def write_checkpoint(family: str, directory) -> object:
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(moe_config(family))
+    randomise(model, seed=len(family))
+    model.save_pretrained(directory)
+    return model.eval()
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def checkpoint(request, tmp_path_factory):
+    """(directory, transformers model) for a random checkpoint of one MoE family."""
+    directory = tmp_path_factory.mktemp(request.param)
+    return directory, write_checkpoint(request.param, directory)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(1)
+    return [[rng.randrange(VOCAB_SIZE) for _ in range(length)] for length in PROMPT_LENGTHS]
+
+
+def test_the_config_names_the_experts(checkpoint):
+    directory, model = checkpoint
+    config = read_model_config(directory)
+    assert config.num_experts == (model.config.num_local_experts
+                                  if hasattr(model.config, "num_local_experts")
+                                  else model.config.num_experts)
+    assert config.num_experts_per_tok == 2
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_greedy_generation_matches_transformers(checkpoint, prompts, block_size):
+    directory, model = checkpoint
+    requests, recorded = _run_executor(directory, prompts, block_size=block_size)
+    executor_model = ModelExecutor.create(EngineConfig(
+        model=str(directory), num_kv_blocks=8, device="cpu", dtype="float32")).model
+    assert isinstance(executor_model, CpuFusedCausalLM)  # the engine's CPU path
+    for request, prompt in zip(requests, prompts, strict=True):
+        expected_tokens, expected_logits = _reference(model, prompt)
+        assert request.output_token_ids == expected_tokens
+        ours = torch.stack([recorded[(request.request_id, index)]
+                            for index in range(NUM_NEW_TOKENS)])
+        torch.testing.assert_close(ours, expected_logits, rtol=0, atol=1e-4)
+
+
+def _recorded_logits(directory, requests) -> dict:
+    executor = ModelExecutor.create(EngineConfig(model=str(directory), block_size=16,
+                                                 num_kv_blocks=256, device="cpu",
+                                                 dtype="float32"))
+    recorded = record_logits(executor)
+    ExecutorDriver(executor).run(requests)
+    return recorded
+
+
+def test_a_requests_logits_are_the_same_bits_alone_batched_or_preempted(checkpoint, prompts):
+    """Each request alone, in one chunk; then all of them in one run, arriving at
+    different steps, prefilled in odd chunks, one preempted and recomputed: every
+    logit the same bits (the experts see other tokens in every step of the batch)."""
+    directory, _ = checkpoint
+    alone: dict = {}
+    for index, prompt in enumerate(prompts):
+        alone |= _recorded_logits(directory, [DriverRequest(
+            request_id=f"r{index}", prompt_token_ids=prompt, max_tokens=NUM_NEW_TOKENS)])
+    batched = _recorded_logits(directory, [
+        DriverRequest(request_id=f"r{index}", prompt_token_ids=prompt,
+                      max_tokens=NUM_NEW_TOKENS, chunk_sizes=[3, 7, 1 << 30],
+                      arrival_step=index % 2, preempt_at_steps=[4] if index == 1 else [])
+        for index, prompt in enumerate(prompts)])
+    assert alone.keys() == batched.keys()
+    for key, logits in alone.items():
+        assert torch.equal(batched[key], logits), key
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_ties_between_experts_resolve_as_in_transformers(family):
+    """Equal router logits (duplicate router rows, then a router of zeros): the experts
+    picked, and their weights, are transformers' own."""
+    config = moe_config(family)
+    reference = (transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeTopKRouter(config)
+                 if family == "qwen3_moe" else
+                 transformers.models.mixtral.modeling_mixtral.MixtralTopKRouter(config))
+    num_experts = reference.weight.shape[0]
+    shape = MoeShape(hidden_size=64, num_experts=num_experts, top_k=2, intermediate_size=32,
+                     normalize=family == "mixtral" or config.norm_topk_prob,
+                     weights_in_float32=family == "mixtral")
+    block = SparseMoeBlock(shape, dtype=torch.float32, device=torch.device("cpu"),
+                           parallel=TensorParallel.single())
+    hidden = torch.randn(37, 64, generator=torch.Generator().manual_seed(3))
+    rows = torch.randn(num_experts // 2, 64, generator=torch.Generator().manual_seed(4))
+    for weight in (torch.cat([rows, rows]), torch.zeros(num_experts, 64)):
+        with torch.no_grad():
+            reference.weight.copy_(weight)
+            block.gate.weight.copy_(weight)
+            _, expected_weights, expected_ids = reference(hidden)
+            weights, expert_ids = block.route(hidden)
+        assert torch.equal(expert_ids, expected_ids)
+        assert torch.equal(weights, expected_weights)
+
+
+def test_the_experts_of_two_ranks_tile_the_whole_layer(checkpoint):
+    """Each rank holds every expert's slice of the intermediate size: gate and up rows,
+    down columns; the router whole."""
+    directory, _ = checkpoint
+
+    def experts(rank: int, world_size: int) -> dict[str, torch.Tensor]:
+        model = load_model(directory, dtype=torch.float32, device=torch.device("cpu"),
+                           parallel=TensorParallel(rank=rank, world_size=world_size))
+        return {name: tensor for name, tensor in model.named_parameters()
+                if "experts_" in name or "mlp.gate." in name}
+
+    whole, ranks = experts(0, 1), [experts(rank, 2) for rank in range(2)]
+    assert whole
+    for name, tensor in whole.items():
+        shards = [rank[name] for rank in ranks]
+        if name.endswith("experts_gate_up"):
+            gate, up = (part.chunk(2, dim=1) for part in tensor.chunk(2, dim=1))
+            for rank, shard in enumerate(shards):
+                assert torch.equal(shard, torch.cat([gate[rank], up[rank]], dim=1))
+        elif name.endswith("experts_down"):
+            assert torch.equal(torch.cat(shards, dim=2), tensor)
+        else:
+            assert all(torch.equal(shard, tensor) for shard in shards), name
+
+
+def test_two_ranks_over_gloo_generate_what_one_does(checkpoint, prompts):
+    """Tensor parallelism 2 on the CPU (worker processes, gloo): the experts split along
+    their intermediate size, the same greedy tokens as one rank."""
+    directory, _ = checkpoint
+    requests = [DriverRequest(request_id=f"r{index}", prompt_token_ids=prompt,
+                              max_tokens=NUM_NEW_TOKENS)
+                for index, prompt in enumerate(prompts)]
+    one_rank = ModelExecutor.create(EngineConfig(model=str(directory), num_kv_blocks=128,
+                                                 device="cpu", dtype="float32"))
+    expected = [request.output_token_ids for request in ExecutorDriver(one_rank).run(requests)]
+    requests = [DriverRequest(request_id=request.request_id,
+                              prompt_token_ids=request.prompt_token_ids,
+                              max_tokens=NUM_NEW_TOKENS) for request in requests]
+    two_ranks = TensorParallelExecutor.create(EngineConfig(
+        model=str(directory), num_kv_blocks=128, device="cpu", dtype="float32",
+        tensor_parallel_size=2))
+    try:
+        ExecutorDriver(two_ranks).run(requests)  # type: ignore[arg-type]
+    finally:
+        two_ranks.close()
+    assert [request.output_token_ids for request in requests] == expected
