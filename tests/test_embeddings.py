@@ -24,6 +24,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import openai
 import pytest
@@ -579,3 +580,16 @@ def test_the_pipelined_executor_pools_what_the_plain_one_does(checkpoints,
     assert len(_pooled(expected)["mean"]) == 48 * 4  # cut to its dimensions
     if use_cuda_graphs:  # steps with pooling run eagerly; the decode-only one from a graph
         assert pipelined.stats.num_graph_steps == 1
+
+
+async def test_two_tensor_parallel_ranks_pool_what_one_does(checkpoints) -> None:
+    """Rank 0's result carries the vectors; every rank pools the same all-reduced states
+    (up to the split sums' float32 rounding, as tokens' logprobs at TP 2)."""
+    config = engine_config(checkpoints["mean_normalized"], max_num_batched_tokens=16)
+    with trio.fail_after(2 * TIMEOUT):
+        async with Engine.open(config) as engine:
+            expected = await engine.embed_many(PROMPTS)
+        async with Engine.open(msgspec.structs.replace(config, tensor_parallel_size=2)) as engine:
+            found = await engine.embed_many(PROMPTS)
+    for ours, reference in zip(found, expected, strict=True):
+        np.testing.assert_allclose(ours.embedding, reference.embedding, rtol=0, atol=TOLERANCE)
