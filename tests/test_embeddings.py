@@ -593,3 +593,22 @@ async def test_two_tensor_parallel_ranks_pool_what_one_does(checkpoints) -> None
             found = await engine.embed_many(PROMPTS)
     for ours, reference in zip(found, expected, strict=True):
         np.testing.assert_allclose(ours.embedding, reference.embedding, rtol=0, atol=TOLERANCE)
+
+
+@pytest.mark.parametrize("variant", ["last", "mean"])
+async def test_a_preempted_embedding_request_pools_what_it_would_alone(checkpoints,
+                                                                       variant) -> None:
+    """Three 60-token prompts in chunks of 40 through a KV cache of 96 tokens: a prompt
+    that cannot grow into its next chunk is preempted and recomputed later, and pools
+    the same bits (a mean-pooled one starts its sum over)."""
+    directory = checkpoints[variant]
+    prompts = [list(range(start, start + 60)) for start in (3, 100, 200)]
+    with trio.fail_after(2 * TIMEOUT):
+        async with Engine.open(engine_config(directory)) as engine:
+            expected = [await engine.embed(prompt) for prompt in prompts]
+        async with Engine.open(engine_config(directory, num_kv_blocks=6,
+                                             max_num_batched_tokens=40)) as engine:
+            found = await engine.embed_many(prompts)
+            stats = engine.statistics()
+    assert stats.num_preemptions > 0
+    assert [output.data for output in found] == [output.data for output in expected]
