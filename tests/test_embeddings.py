@@ -31,7 +31,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import trio
-from test_http_support import openai_clients, running_server
+from test_http_support import open_raw_request, openai_clients, running_server, wait_until
 
 from trio_llm.actors.config import EngineConfig
 from trio_llm.actors.errors import RequestRejected
@@ -612,3 +612,19 @@ async def test_a_preempted_embedding_request_pools_what_it_would_alone(checkpoin
             stats = engine.statistics()
     assert stats.num_preemptions > 0
     assert [output.data for output in found] == [output.data for output in expected]
+
+
+async def test_a_client_that_goes_away_aborts_its_inputs(checkpoints) -> None:
+    inputs = [list(range(3 + index, 103 + index)) for index in range(64)]  # 6,400 tokens
+    config = engine_config(checkpoints["last"], max_num_batched_tokens=16, max_num_seqs=2)
+    with trio.fail_after(TIMEOUT):
+        async with Engine.open(config) as engine, running_server(engine) as url:
+            connection = await open_raw_request(url, "/v1/embeddings", {"input": inputs})
+            await wait_until(lambda: engine.statistics().num_running > 0)
+            await connection.aclose()
+            await wait_until(lambda: engine.num_open_requests == 0)
+            await engine.embed([5, 6, 7])  # after the aborts (intake's inbox is FIFO)
+            stats = engine.statistics()
+    assert (stats.num_running, stats.num_waiting) == (0, 0)
+    assert stats.num_free_blocks == stats.num_total_blocks
+    assert stats.num_prompt_tokens < 6400  # most inputs never ran
