@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from quart_trio import QuartTrio
 
     from trio_llm.api.engine import Engine
+    from trio_llm.api.server import ServerConfig
 
 BodyT = TypeVar("BodyT", bound=msgspec.Struct)
 
@@ -42,6 +43,7 @@ class Handlers(Protocol):
     import it back)."""
 
     engine: Engine
+    config: ServerConfig
     model_name: str
     _conversion_threads: trio.CapacityLimiter
 
