@@ -26,11 +26,13 @@ from trio_llm.actors.errors import RequestRejected
 from trio_llm.actors.messages import PoolingParams, embedding_values
 from trio_llm.api.engine import EmbeddingOutput
 from trio_llm.api.request_fields import Refusal
+from trio_llm.api.stats_log import log_request
 
 if TYPE_CHECKING:
     from quart_trio import QuartTrio
 
     from trio_llm.api.engine import Engine
+    from trio_llm.api.server import ServerConfig
 
 BodyT = TypeVar("BodyT", bound=msgspec.Struct)
 
@@ -41,6 +43,7 @@ class Handlers(Protocol):
     import it back)."""
 
     engine: Engine
+    config: ServerConfig
     model_name: str
     _conversion_threads: trio.CapacityLimiter
 
@@ -135,6 +138,10 @@ async def respond(api: Handlers) -> Response:
     response_id = f"embd-{uuid.uuid4().hex}"
     outputs = await engine.embed_many(inputs, pooling, priority=body.priority,
                                       request_id=response_id)
+    if not api.config.disable_log_requests:
+        num_prompt_tokens = sum(output.num_prompt_tokens for output in outputs)
+        log_request(f"POST {EMBEDDINGS_PATH}", 200, response_id,
+                    f"{len(outputs)} inputs, {num_prompt_tokens} prompt tokens")
     build = response_builder(body, outputs, response_id, api.model_name)
     num_values = sum(len(output.data) for output in outputs) // 4
     if num_values <= MAX_INLINE_VALUES:

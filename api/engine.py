@@ -28,7 +28,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 import trio
@@ -324,7 +324,9 @@ class Engine:
                                           cache_salt)
                    for index, prompt in enumerate(prompts)]
         results: list[EmbeddingOutput | None] = [None] * len(submits)
-        async with contextlib.aclosing(self._run_many(submits)) as outputs:
+        # (an async generator: closed here if a result raises, which aborts the rest)
+        many = cast(AsyncGenerator[tuple[int, RequestOutput], None], self._run_many(submits))
+        async with contextlib.aclosing(many) as outputs:
             async for index, output in outputs:
                 if output.finished:
                     results[index] = _embedding_output(output)
