@@ -36,6 +36,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     load_format: Literal["auto", "safetensors", "dummy"] = "auto"
+    # online quantization of an unquantized checkpoint's linear weights (vLLM's
+    # --quantization): "fp8", e4m3 with per-row scales (gpu/quantization.py)
+    quantization: Literal["fp8"] | None = None
     seed: int = 0
     max_num_seqs: PositiveInt = 256
     max_num_batched_tokens: PositiveInt = 8192

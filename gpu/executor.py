@@ -276,7 +276,7 @@ def load_executor_model(config: EngineConfig, *, parallel: TensorParallel | None
                        load_format=_load_format(config),
                        max_positions=max(description.max_model_len,
                                          description.model_config.max_position_embeddings),
-                       parallel=parallel)
+                       parallel=parallel, quantization=config.quantization)
     num_kv_blocks = config.num_kv_blocks or _num_kv_blocks_for_memory(model, config)
     num_kv_blocks = model.parallel.min_over_ranks(num_kv_blocks, device)
     if device.type == "cpu":

@@ -239,18 +239,3 @@ def test_cpu_kv_cache_is_sized_from_its_memory_budget(model_dir):
     assert executor.num_kv_blocks == int(0.001 * 2**30 // bytes_per_block)
     assert executor.kv_caches[0][0].shape == (executor.num_kv_blocks, 16, 2, 16)
 
-
-@pytest.mark.parametrize("quantization", [
-    {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
-    {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"},
-    {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False},
-    {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"},
-    {"quant_method": "mxfp4", "modules_to_not_convert": ["lm_head"]},
-    {"quant_method": "compressed-tensors", "format": "pack-quantized"},
-], ids=lambda quantization: quantization["quant_method"])
-def test_a_quantized_checkpoint_is_refused_naming_its_method(model_dir, quantization):
-    _edit_config(model_dir, quantization_config=quantization)
-    method = quantization["quant_method"]
-    with pytest.raises(ModelLoadError, match=rf"config\.json: quantization_config '{method}' "
-                       r"is not supported: trio-llm loads unquantized weights only"):
-        _load(model_dir)

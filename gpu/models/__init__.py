@@ -8,12 +8,14 @@ add a family.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 from trio_llm.gpu.models import dense, mixtral, qwen2_moe, qwen3_moe
 from trio_llm.gpu.models.base import FAMILIES, CausalLM, ModelFamily
 from trio_llm.gpu.models.config import ModelConfig, ModelLoadError, read_config_json
+from trio_llm.gpu.quantization import parse_quantization
 
 __all__ = ["FAMILIES", "CausalLM", "ModelConfig", "ModelLoadError", "architecture_of",
            "dense", "mixtral", "parse_model_config", "qwen2_moe", "qwen3_moe", "read_model_config"]
@@ -35,27 +37,14 @@ def architecture_of(data: dict[str, Any], source: str) -> tuple[str, ModelFamily
                          f"supported: {', '.join(FAMILIES)}")
 
 
-def check_not_quantized(data: dict[str, Any], source: str) -> None:
-    """Refuse a quantized checkpoint, naming its method: trio-llm implements none, and
-    reading its packed weights as plain ones would serve noise."""
-    quantization = data.get("quantization_config")
-    if quantization is None:
-        return
-    method = (quantization.get("quant_method") if isinstance(quantization, dict) else None)
-    if method is None and isinstance(quantization, dict) and quantization.get("load_in_4bit"):
-        method = "bitsandbytes"
-    raise ModelLoadError(f"{source}: quantization_config {method or 'of an unnamed method'!r} "
-                         f"is not supported: trio-llm loads unquantized weights only "
-                         f"(float32, bfloat16, float16)")
-
-
 def parse_model_config(data: dict[str, Any], *, source: str = "config.json") -> ModelConfig:
     """Parse config.json's contents with its family's parser; ``source`` names the file
     in error messages."""
     try:
-        check_not_quantized(data, source)
+        quantization = parse_quantization(data, source)
         architecture, family = architecture_of(data, source)
-        return family.parse_config(data, source, architecture)
+        config = family.parse_config(data, source, architecture)
+        return dataclasses.replace(config, quantization=quantization)
     except ModelLoadError:
         raise
     except (KeyError, TypeError, ValueError) as error:
