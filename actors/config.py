@@ -17,7 +17,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     CPU). ``pipeline_depth`` 2 plans step N+1 while N runs; 1 plans after N.
     ``enable_prefix_caching``: reuse the KV of cached prompt prefixes (full
     blocks), as vLLM does by default. ``tensor_parallel_size`` N > 1 splits the
-    model over N worker processes (one per GPU; on the CPU, N processes)."""
+    model over N worker processes (one per GPU; on the CPU, N processes).
+    ``runner`` (vLLM's ``--runner``): "generate" samples tokens; "pooling" serves
+    the model as an embedding model (Engine.embed, /v1/embeddings) and generates
+    nothing."""
 
     model: str = "tiny"
     revision: str | None = None  # of a Hugging Face id, looked up in the local cache
@@ -50,3 +53,26 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     tensor_parallel_size: PositiveInt = 1
     enable_prefix_caching: bool = True
     shutdown_grace_seconds: Annotated[float, msgspec.Meta(ge=0.0)] = 5.0
+    runner: Literal["generate", "pooling"] = "generate"
+    # Structured outputs: the shape a constraint may have (actors/constraint_cost.py
+    # says why each; docs/http-api.md lists them), the compile deadline, and the bytes
+    # of compiled grammars kept (vLLM's VLLM_XGRAMMAR_CACHE_MB default, 512 MiB).
+    structured_outputs_max_bytes: PositiveInt = 64 * 1024
+    structured_outputs_max_depth: PositiveInt = 32
+    structured_outputs_max_nodes: PositiveInt = 2048
+    structured_outputs_max_properties: PositiveInt = 256
+    structured_outputs_max_alternatives: PositiveInt = 1024
+    structured_outputs_max_repeat: PositiveInt = 1024
+    structured_outputs_compile_timeout: Annotated[float, msgspec.Meta(gt=0.0)] = 10.0
+    structured_outputs_cache_mb: PositiveInt = 512
+    # Seats one request's choices (n, best_of, batched prompts) may hold at once,
+    # as a share of max_num_seqs (at least one seat); 1.0: no bound of its own.
+    max_seq_share: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.5
+    # Generations one HTTP request may ask for (prompts times max(n, best_of)); ours,
+    # vLLM bounds neither.
+    max_request_choices: PositiveInt = 256
+
+    @property
+    def max_group_seats(self) -> int:
+        """Seats the requests of one group may hold at once: ``max_seq_share`` of them."""
+        return max(1, int(self.max_num_seqs * self.max_seq_share))

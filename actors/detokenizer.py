@@ -362,7 +362,8 @@ class _DecodingRequest:
                                num_prompt_tokens=self.num_prompt_tokens,
                                num_output_tokens=self.num_output_tokens, queue_time=queue_time,
                                prompt_token_ids=prompt_token_ids,
-                               prompt_logprobs=delta.prompt_logprobs)
+                               prompt_logprobs=delta.prompt_logprobs,
+                               embedding=delta.embedding)
         # Most outputs do not finish: the constructor leaves the finish fields unset.
         if stop_reason is not None:
             output.finished, output.finish_reason, output.stop_reason = True, "stop", stop_reason

@@ -58,33 +58,43 @@ def choice_grammar(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
 
 
-class Grammars:
-    """Compiles constraints for one tokenizer and vocabulary. Thread-safe: intake
-    compiles in worker threads while the scheduler starts matchers."""
+# vLLM's VLLM_XGRAMMAR_CACHE_MB default: compiled grammars an engine keeps at hand.
+DEFAULT_CACHE_BYTES = 512 * 2**20
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+
+class Grammars:
+    """Compiles constraints for one tokenizer and vocabulary and keeps the compiled
+    grammars, most recently used last, within ``cache_bytes`` (xgrammar's own size of
+    each). Thread-safe: the queue compiles in worker threads while the scheduler
+    starts matchers. A matcher keeps its grammar alive after eviction: a running
+    request never loses its grammar, a waiting one is compiled again."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, *,
+                 cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self.cache_bytes = cache_bytes
         self._compiler: Any = None
         self._json_safe_words: np.ndarray | None = None
         self._lock = threading.Lock()
-        # constraint (its msgspec encoding) -> compiled grammar, most recently used last
-        self._compiled: OrderedDict[bytes, Any] = OrderedDict()
+        # constraint (its msgspec encoding) -> (compiled grammar, its bytes)
+        self._compiled: OrderedDict[bytes, tuple[Any, int]] = OrderedDict()
+        self.num_cached_bytes = 0
 
     def is_compiled(self, params: StructuredOutputsParams) -> bool:
         """Whether ``start`` finds ``params`` compiled (it then never blocks)."""
         with self._lock:
-            return msgspec.msgpack.encode(params) in self._compiled
+            return constraint_key(params) in self._compiled
 
     def compile(self, params: StructuredOutputsParams) -> Any:
         """The compiled grammar of ``params``; GrammarError names what is wrong.
         Blocking: from a worker thread, except for constraints already compiled."""
-        key = msgspec.msgpack.encode(params)
+        key = constraint_key(params)
         with self._lock:
-            compiled = self._compiled.get(key)
-            if compiled is not None:
+            cached = self._compiled.get(key)
+            if cached is not None:
                 self._compiled.move_to_end(key)
-                return compiled
+                return cached[0]
         kinds = constraint_kind(params)
         if len(kinds) != 1:
             raise GrammarError(f"give exactly one constraint of json, json_object, regex, "
@@ -95,17 +105,42 @@ class Grammars:
         except (RuntimeError, ValueError, TypeError) as error:
             raise GrammarError(f"the {kinds[0]} constraint cannot be compiled: "
                                f"{_first_line(error)}") from None
-        with self._lock:
-            self._compiled[key] = compiled
-            if len(self._compiled) > MAX_COMPILED_GRAMMARS:
-                self._compiled.popitem(last=False)
+        self._keep(key, compiled)
         return compiled
 
-    def start(self, params: StructuredOutputsParams) -> GrammarState:
-        """A matcher at the start of the output (blocking unless ``is_compiled``)."""
+    def _keep(self, key: bytes, compiled: Any) -> None:
+        """Cache it, evicting the least recently used beyond ``cache_bytes`` (one
+        grammar alone over the bound is still kept: its request is about to start)."""
+        num_bytes = int(compiled.memory_size_bytes)
+        with self._lock:
+            if key in self._compiled:
+                return
+            self._compiled[key] = (compiled, num_bytes)
+            self.num_cached_bytes += num_bytes
+            while self.num_cached_bytes > self.cache_bytes and len(self._compiled) > 1:
+                _, (_, evicted_bytes) = self._compiled.popitem(last=False)
+                self.num_cached_bytes -= evicted_bytes
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._compiled)
+
+    def lookup(self, params: StructuredOutputsParams) -> Any:
+        """The compiled grammar of ``params`` if cached (never compiles), else None."""
+        key = constraint_key(params)
+        with self._lock:
+            cached = self._compiled.get(key)
+            if cached is None:
+                return None
+            self._compiled.move_to_end(key)
+            return cached[0]
+
+    def start(self, params: StructuredOutputsParams, compiled: Any = None) -> GrammarState:
+        """A matcher at the start of the output, of ``compiled`` (``lookup``'s) or,
+        blocking, of ``params`` compiled now."""
         import xgrammar
 
-        matcher = xgrammar.GrammarMatcher(self.compile(params))
+        matcher = xgrammar.GrammarMatcher(compiled or self.compile(params))
         is_json = params.json is not None or params.json_object
         return GrammarState(matcher, self.vocab_size,
                             allowed_words=self._json_safe_words if is_json else None)
@@ -137,11 +172,13 @@ class Grammars:
             return self._compiler
 
 
-# Compiled grammars an engine keeps at hand (xgrammar's compiler caches more, by size).
-MAX_COMPILED_GRAMMARS = 256
+def constraint_key(params: StructuredOutputsParams) -> bytes:
+    """The cache key of a constraint: its msgspec encoding."""
+    return msgspec.msgpack.encode(params)
 
-# Compilers (and the grammars they cached) outlive an engine: one per tokenizer and
-# vocabulary in the process, so reopening an engine over the same model recompiles nothing.
+
+# Compilers outlive an engine: one per tokenizer and vocabulary in the process, so
+# reopening an engine over the same model builds no second vocabulary view.
 _COMPILERS: dict[tuple[str, int, tuple[int, ...]], tuple[Any, np.ndarray]] = {}
 _COMPILERS_LOCK = threading.Lock()
 
@@ -163,7 +200,9 @@ def _new_compiler(tokenizer: Tokenizer, vocab_size: int,
     import xgrammar
 
     info = tokenizer_info(tokenizer, vocab_size, serialised=serialised)
-    return (xgrammar.GrammarCompiler(info, cache_enabled=True),
+    # xgrammar's own cache is off: it is unbounded by default, and Grammars keeps
+    # the compiled grammars within its bound in bytes.
+    return (xgrammar.GrammarCompiler(info, cache_enabled=False),
             _words_without_control_characters(info.decoded_vocab, vocab_size))
 
 

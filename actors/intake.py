@@ -12,6 +12,11 @@ and takes the engine down loudly (the supervisor fails every request).
 Admission runs in a worker thread, one request at a time in arrival order:
 tokenizing and rendering cost time linear in the request's size, and must not
 stall the event loop that streams every other request.
+
+A constraint (structured outputs) is checked here against the engine's limits on
+its shape (actors/constraint_cost.py), which bound what compiling it can cost;
+it compiles later, once, where the queue is (actors/queue.py), so that in the
+served layout the API server never compiles what the engine core compiles again.
 """
 
 from __future__ import annotations
@@ -24,19 +29,26 @@ import msgspec
 import trio
 
 from trio_llm.actors.config import EngineConfig
+from trio_llm.actors.constraint_cost import (
+    ConstraintTooCostly,
+    check_constraint,
+    constraint_limits,
+)
 from trio_llm.actors.errors import RequestRejected
-from trio_llm.actors.grammar import GrammarError, Grammars
+from trio_llm.actors.grammar import constraint_kind
 from trio_llm.actors.messages import (
     Abort,
     Admit,
     ChatTemplateOptions,
     IntakeInbox,
+    PoolingParams,
     QueueInbox,
     Request,
     SamplingOptions,
     SamplingParams,
     Submit,
 )
+from trio_llm.actors.pooling import PoolingConfig
 from trio_llm.actors.streams import RequestStreams
 from trio_llm.actors.tokenizer import Tokenizer, TooManyTokens
 
@@ -75,13 +87,17 @@ class Intake:
 
     ``num_kv_tokens`` is the whole KV cache in tokens: a request whose prompt
     plus max_tokens exceeds it could never be scheduled. Owns the arrival
-    counter (one per admitted request).
+    counter (one per admitted request). ``pooling`` (the pooling runner: the
+    model serves embeddings) makes it admit embedding requests only.
     """
 
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer, *, max_model_len: int,
-                 num_kv_tokens: int, vocab_size: int, grammars: Grammars | None = None) -> None:
+                 num_kv_tokens: int, vocab_size: int, serves_constraints: bool = True,
+                 pooling: PoolingConfig | None = None) -> None:
         self.config = config
-        self.grammars = grammars
+        self.pooling = pooling
+        self.serves_constraints = serves_constraints
+        self.constraint_limits = constraint_limits(config)
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.num_kv_tokens = num_kv_tokens
@@ -99,6 +115,8 @@ class Intake:
                 f"priority {submit.priority} needs the priority scheduling policy "
                 "(--scheduling-policy priority); this engine schedules first come, "
                 "first served", param="priority")
+        if submit.pooling is not None or self.pooling is not None:
+            return self._admit_for_pooling(submit)
         params = self._validated_params(submit.params)
         _check_cache_salt(submit.cache_salt)
         prompt_token_ids = self._prompt_token_ids(submit, params)
@@ -118,7 +136,56 @@ class Intake:
             arrival_index=arrival_index,
             arrival_time=submit.arrival_time,
             cache_salt=submit.cache_salt,
+            group_id=submit.group_id,
         )
+
+    # -- embedding requests (the pooling runner) -------------------------------
+
+    def _admit_for_pooling(self, submit: Submit) -> Request:
+        """An embedding request: its prompt, run once, finishes with its pooled
+        hidden state (max_tokens 0, nothing sampled)."""
+        model_name = self.config.served_model_name or self.config.model
+        if self.pooling is None:
+            raise RequestRejected(
+                f"model {model_name!r} is not served as an embedding model: start the server "
+                f"with --runner pooling (or --task embed) to serve embeddings", param="model")
+        if submit.pooling is None:
+            raise RequestRejected(
+                f"model {model_name!r} is served as an embedding model (--runner pooling): it "
+                f"generates no text; ask /v1/embeddings (Engine.embed), or serve it without "
+                f"--runner pooling to generate")
+        pooling = self._validated_pooling(submit.pooling)
+        options = self.pooling.options(pooling, model_name)
+        prompt_params = SamplingParams(truncate_prompt_tokens=pooling.truncate_prompt_tokens,
+                                       add_special_tokens=pooling.add_special_tokens)
+        _check_cache_salt(submit.cache_salt)
+        prompt_token_ids = self._prompt_token_ids(submit, prompt_params)
+        if len(prompt_token_ids) > self.max_model_len:  # token ids, or a rendered chat
+            raise self._over_the_context(len(prompt_token_ids), _prompt_param(submit))
+        if len(prompt_token_ids) > self.num_kv_tokens:
+            raise RequestRejected(
+                f"the KV cache holds {self.num_kv_tokens} tokens in all, but the input has "
+                f"{len(prompt_token_ids)} tokens: it could never be scheduled",
+                param=_prompt_param(submit))
+        arrival_index = self.num_admitted
+        self.num_admitted += 1
+        return Request(
+            request_id=submit.request_id, prompt_token_ids=prompt_token_ids,
+            params=prompt_params, sampling=self._sampling_options(prompt_params, [], 0),
+            stop_token_ids=[], max_tokens=0, priority=submit.priority,
+            arrival_index=arrival_index, arrival_time=submit.arrival_time,
+            cache_salt=submit.cache_salt, pooling=options)
+
+    @staticmethod
+    def _validated_pooling(pooling: PoolingParams) -> PoolingParams:
+        if not isinstance(pooling, PoolingParams):
+            raise RequestRejected(f"pooling parameters must be a PoolingParams, not "
+                                  f"{type(pooling).__name__}")
+        fields = msgspec.structs.asdict(pooling)
+        try:
+            return msgspec.convert(fields, PoolingParams)
+        except msgspec.ValidationError as error:
+            raise _rejection_from(error, fields) from None
 
     # -- sampling parameters --------------------------------------------------
 
@@ -212,9 +279,10 @@ class Intake:
     def _check_structured_outputs(self, params: SamplingParams) -> None:
         """What a constraint cannot be combined with: the grammar decides when the
         output may end, so EOS must end it and may not be banned before min_tokens."""
-        if params.structured_outputs is None:
+        constraint = params.structured_outputs
+        if constraint is None:
             return
-        if self.grammars is None:
+        if not self.serves_constraints:
             raise RequestRejected("this engine serves no structured outputs",
                                   param="structured_outputs")
         for name in ("ignore_eos", "min_tokens"):
@@ -222,24 +290,17 @@ class Intake:
                 raise RequestRejected(f"{name} cannot be combined with structured outputs "
                                       f"(the grammar decides where the output ends)",
                                       param=name)
+        kinds = constraint_kind(constraint)
+        if len(kinds) != 1:
+            raise RequestRejected(f"give exactly one constraint of json, json_object, regex, "
+                                  f"choice, grammar (got {', '.join(kinds) or 'none'})",
+                                  param="structured_outputs")
+        try:  # before any compile: what compiling it may cost is bounded
+            check_constraint(constraint, self.constraint_limits)
+        except ConstraintTooCostly as error:
+            raise RequestRejected(f"structured_outputs.{kinds[0]}: {error}",
+                                  param="structured_outputs") from None
 
-    def needs_compiling(self, request: Request) -> bool:
-        """Its constraint is not compiled yet (``compile_constraint`` would block)."""
-        constraint = request.params.structured_outputs
-        return (constraint is not None and self.grammars is not None
-                and not self.grammars.is_compiled(constraint))
-
-    def compile_constraint(self, request: Request) -> None:
-        """Compile the request's constraint into the grammar cache (blocking: call
-        it in a worker thread). Raises RequestRejected naming what does not compile."""
-        constraint = request.params.structured_outputs
-        if constraint is None:
-            return
-        assert self.grammars is not None
-        try:
-            self.grammars.compile(constraint)
-        except GrammarError as error:
-            raise RequestRejected(str(error), param="structured_outputs") from None
     def _check_stop_strings(self, stops: list[str]) -> None:
         if len(stops) > MAX_STOP_STRINGS:
             raise RequestRejected(f"at most {MAX_STOP_STRINGS} stop strings are allowed, "
@@ -360,6 +421,11 @@ class Intake:
     # -- lengths ----------------------------------------------------------------
 
     def _over_the_context(self, num_prompt_tokens: int, prompt_param: str) -> RequestRejected:
+        if self.pooling is not None:  # an embedding request: no output to leave room for
+            return RequestRejected(
+                f"This model's maximum context length is {self.max_model_len} tokens, but the "
+                f"input has {num_prompt_tokens} tokens; shorten it, or set "
+                f"truncate_prompt_tokens", param=prompt_param)
         return RequestRejected(
             f"This model's maximum context length is {self.max_model_len} tokens, but the "
             f"prompt has {num_prompt_tokens} tokens, which leaves no room for output",
@@ -514,78 +580,31 @@ async def run_intake(
 
     Each Submit is admitted in a worker thread, one at a time, so arrival
     order (and with it every derived seed) is kept and an Abort never
-    overtakes the Submit before it. A constraint not compiled yet is compiled
-    in a second worker thread, one at a time, while later requests go on: its
-    request reaches the queue once compiled (an Abort meanwhile follows it
-    there). A rejected request fails its stream at once and never reaches the
-    queue. Closes the queue outbox when the inbox closes and the last compile
-    has ended.
+    overtakes the Submit before it. A rejected request fails its stream at
+    once and never reaches the queue. Closes the queue outbox when the inbox
+    closes.
     """
-    compiles = _Compiles(queue_outbox, streams, intake)
+    # A thread of its own: trio's shared default limiter could be exhausted by
+    # other work, and admission would wait behind it.
+    admit_thread = trio.CapacityLimiter(1)
     task_status.started()
-    async with queue_outbox, trio.open_nursery() as nursery:
-        compiles.nursery = nursery
+    async with queue_outbox:
         async for message in inbox:
             match message:
                 case Submit():
-                    await _submit(message, queue_outbox, streams, intake, compiles)
-                case Abort(request_id=request_id):
-                    if not compiles.defer_abort(request_id):
-                        await queue_outbox.send(message)
-
-
-class _Compiles:
-    """The requests whose constraint compiles while intake goes on, and their Aborts."""
-
-    def __init__(self, queue_outbox: trio.MemorySendChannel[QueueInbox],
-                 streams: RequestStreams, intake: Intake) -> None:
-        self.queue_outbox = queue_outbox
-        self.streams = streams
-        self.intake = intake
-        self.nursery: trio.Nursery | None = None
-        # Their own threads: trio's shared default limiter could be exhausted by
-        # other work, and admission would wait behind it.
-        self.admit_thread = trio.CapacityLimiter(1)
-        self.compile_thread = trio.CapacityLimiter(1)
-        # request id -> whether an Abort arrived while it compiled
-        self._aborted: dict[str, bool] = {}
-
-    def start(self, request: Request) -> None:
-        assert self.nursery is not None
-        self._aborted[request.request_id] = False
-        self.nursery.start_soon(self._compile_then_admit, request)
-
-    def defer_abort(self, request_id: str) -> bool:
-        """True if the request is compiling: its Abort follows its Admit later."""
-        if request_id not in self._aborted:
-            return False
-        self._aborted[request_id] = True
-        return True
-
-    async def _compile_then_admit(self, request: Request) -> None:
-        # Abandoned on cancellation: shutdown does not wait for a large schema.
-        rejection = await trio.to_thread.run_sync(_compile_or_rejection, self.intake, request,
-                                                  abandon_on_cancel=True,
-                                                  limiter=self.compile_thread)
-        aborted = self._aborted.pop(request.request_id)
-        if rejection is not None:
-            self.streams.fail(request.request_id, rejection)
-            return
-        await self.queue_outbox.send(Admit(request=request))
-        if aborted:
-            await self.queue_outbox.send(Abort(request_id=request.request_id))
+                    await _submit(message, queue_outbox, streams, intake, admit_thread)
+                case Abort():
+                    await queue_outbox.send(message)
 
 
 async def _submit(submit: Submit, queue_outbox: trio.MemorySendChannel[QueueInbox],
-                  streams: RequestStreams, intake: Intake, compiles: _Compiles) -> None:
+                  streams: RequestStreams, intake: Intake,
+                  admit_thread: trio.CapacityLimiter) -> None:
     # Abandoned on cancellation: shutdown does not wait for a long prompt.
     outcome = await trio.to_thread.run_sync(_admit_or_rejection, intake, submit,
-                                            abandon_on_cancel=True,
-                                            limiter=compiles.admit_thread)
+                                            abandon_on_cancel=True, limiter=admit_thread)
     if isinstance(outcome, RequestRejected):
         streams.fail(submit.request_id, outcome)
-    elif intake.needs_compiling(outcome):
-        compiles.start(outcome)
     else:
         await queue_outbox.send(Admit(request=outcome))
 
@@ -594,15 +613,5 @@ def _admit_or_rejection(intake: Intake, submit: Submit) -> Request | RequestReje
     """In the worker thread: the admitted request, or why it was refused."""
     try:
         return intake.admit(submit)
-    except RequestRejected as rejection:
-        return rejection
-
-
-def _compile_or_rejection(intake: Intake, request: Request) -> RequestRejected | None:
-    """In the worker thread (seconds for a large schema and vocabulary, never on the
-    event loop): None once compiled, or why it does not compile."""
-    try:
-        intake.compile_constraint(request)
-        return None
     except RequestRejected as rejection:
         return rejection

@@ -12,6 +12,8 @@ Flow (see docs/architecture.md):
 
 from __future__ import annotations
 
+import array
+import sys
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -91,6 +93,35 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     add_special_tokens: bool | None = None
 
 
+class PoolingParams(msgspec.Struct, frozen=True, kw_only=True):
+    """What a caller asks of an embedding request (vLLM's PoolingParams): the
+    engine runs the prompt and returns its pooled hidden state instead of
+    generating. ``dimensions`` keeps the vector's first n entries (Matryoshka
+    truncation, before normalising), only where the model declares it may;
+    ``normalize`` None is the model's default (its sentence-transformers config,
+    else true). ``truncate_prompt_tokens`` and ``add_special_tokens`` as in
+    SamplingParams."""
+
+    dimensions: PositiveInt | None = None
+    normalize: bool | None = None
+    truncate_prompt_tokens: Annotated[int, msgspec.Meta(ge=-1)] | None = None
+    add_special_tokens: bool | None = None
+
+
+PoolingType = Literal["last", "mean"]
+
+
+class PoolingOptions(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """An embedding request, resolved by intake for the scheduler and the runner:
+    which hidden states to pool (the last prompt token's, or the mean over every
+    prompt token), whether to normalise (L2), and how many leading dimensions to
+    keep (None: all). The runner pools after the model's final norm."""
+
+    pooling_type: PoolingType
+    normalize: bool
+    dimensions: int | None = None
+
+
 class SamplingOptions(msgspec.Struct, frozen=True, kw_only=True):
     """The part of a request the runner needs to sample its tokens.
 
@@ -130,6 +161,8 @@ class Request(msgspec.Struct, frozen=True, kw_only=True):
     ``stop_token_ids`` already holds EOS ids unless ``ignore_eos``; ``max_tokens``
     is resolved (never over max_model_len minus the prompt). ``cache_salt``
     (vLLM's field) keeps its prefix-cache blocks apart from other salts'.
+    ``pooling`` (an embedding request): ``max_tokens`` is 0, and the request
+    finishes with its pooled hidden state once its last prompt chunk ran.
     """
 
     request_id: str
@@ -142,6 +175,10 @@ class Request(msgspec.Struct, frozen=True, kw_only=True):
     arrival_index: int
     arrival_time: float
     cache_salt: str | None = None
+    # the HTTP request it is one choice of (n, best_of, batched prompts): one group's
+    # requests share at most --max-seq-share of the seats while others wait
+    group_id: str | None = None
+    pooling: PoolingOptions | None = None
 
 
 # -- facade -> intake ---------------------------------------------------------
@@ -164,6 +201,8 @@ class Submit(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     ``tools`` (OpenAI function definitions), ``documents`` (for retrieval-augmented
     templates) and ``chat_template_kwargs`` reach the chat template with
     ``messages``; a message may carry ``tool_calls`` or ``tool_call_id``.
+    ``pooling`` makes it an embedding request (``params`` then unused): only an
+    engine with the pooling runner takes it.
     """
 
     request_id: str
@@ -178,6 +217,8 @@ class Submit(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     priority: int = 0
     arrival_time: float
     cache_salt: str | None = None
+    group_id: str | None = None  # see Request.group_id
+    pooling: PoolingParams | None = None
 
 
 class Abort(msgspec.Struct, frozen=True, kw_only=True, tag=True):
@@ -203,10 +244,13 @@ class Pull(msgspec.Struct, frozen=True, kw_only=True, tag=True):
 
     With ``wait`` the queue answers only once at least one request is waiting
     (the scheduler is idle); otherwise it answers at once, possibly empty.
+    ``group_seats``: how many more requests of each group (Request.group_id) with
+    requests running may start now (a group not named: its whole share).
     """
 
     max_requests: int
     wait: bool
+    group_seats: dict[str, int] = {}
 
 
 class Requeue(msgspec.Struct, frozen=True, kw_only=True, tag=True):
@@ -264,7 +308,9 @@ class ScheduledRequest(msgspec.Struct, frozen=True, kw_only=True, array_like=Tru
     flight; it arrives in a StepBitmasks for this step, and the runner samples the
     step only then. ``prompt_logprob_token_ids`` (a request with prompt logprobs):
     the prompt tokens that follow this chunk's first positions, one per position
-    whose logprob the runner reports (StepResult.prompt_logprobs).
+    whose logprob the runner reports (StepResult.prompt_logprobs). ``pool``: the
+    last prompt chunk of an embedding request, which returns the pooled hidden
+    state (StepResult.pooled) instead of sampling.
     """
 
     request_id: str
@@ -277,6 +323,7 @@ class ScheduledRequest(msgspec.Struct, frozen=True, kw_only=True, array_like=Tru
     token_bitmask: bytes | None = None
     bitmask_follows: bool = False
     prompt_logprob_token_ids: list[int] = []
+    pool: bool = False
 
 
 class NewRequestData(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
@@ -285,13 +332,15 @@ class NewRequestData(msgspec.Struct, frozen=True, kw_only=True, array_like=True)
     A request with penalties (``sampling.has_penalties``) brings the tokens they
     count: its output so far (a recomputed request's) and, with a repetition
     penalty, its prompt. The runner counts every token it samples after that
-    itself, so the counts never wait for the host (depth 2).
+    itself, so the counts never wait for the host (depth 2). An embedding request
+    brings its ``pooling``: every chunk of a mean-pooled one adds to its sum.
     """
 
     request_id: str
     sampling: SamplingOptions
     prompt_token_ids: list[int] = []
     output_token_ids: list[int] = []
+    pooling: PoolingOptions | None = None
 
 
 class ScheduledBatch(msgspec.Struct, frozen=True, kw_only=True, tag=True):
@@ -351,15 +400,26 @@ class PromptLogprobs(msgspec.Struct, frozen=True, kw_only=True, array_like=True)
     logprobs: list[TokenLogprobs]
 
 
+class PooledOutput(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """An embedding request's vector: float32 values, little-endian, as bytes (no
+    tensor crosses a channel; bytes cost msgpack a copy, where a list of floats
+    costs a Python object per dimension). Truncated and normalised as asked."""
+
+    request_id: str
+    data: bytes
+
+
 class StepResult(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     """The runner's answer to one ScheduledBatch: one sampled token for each
-    request that had ``sample`` set, in batch order."""
+    request that had ``sample`` set, in batch order; one pooled vector for each
+    that had ``pool`` set."""
 
     step_id: int
     request_ids: list[str]
     sampled_token_ids: list[int]
     logprobs: list[TokenLogprobs | None] | None = None
     prompt_logprobs: list[PromptLogprobs] = []
+    pooled: list[PooledOutput] = []
 
 
 class StopStringHit(msgspec.Struct, frozen=True, kw_only=True, tag=True):
@@ -396,6 +456,8 @@ class TokenDelta(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=
     # with the first output token of a request with prompt logprobs: one per prompt
     # token, None for the first
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # an embedding request's vector (PooledOutput.data), with its finish
+    embedding: bytes | None = None
 
 
 class TokenBatch(msgspec.Struct, frozen=True, kw_only=True, tag=True):
@@ -435,3 +497,15 @@ class RequestOutput(msgspec.Struct, kw_only=True, gc=False):
     # their logprobs too (None for the first)
     prompt_token_ids: list[int] | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # an embedding request's vector, on its one (finished) output: float32 values,
+    # little-endian (``embedding_values`` reads them)
+    embedding: bytes | None = None
+
+
+def embedding_values(data: bytes) -> list[float]:
+    """An embedding's float32 little-endian bytes as Python floats."""
+    values = array.array("f")
+    values.frombytes(data)
+    if sys.byteorder != "little":
+        values.byteswap()
+    return values.tolist()

@@ -33,6 +33,14 @@ request whose last token was sampled in the batch in flight takes it as input
 straight from the runner (``input_from_previous_step``); the scheduler counts
 that token as a placeholder and reconciles when the StepResult arrives.
 
+A constrained request starts only with its grammar compiled (the queue compiles
+it, actors/queue.py); one pulled without it (its grammar left the cache since)
+goes back to the queue, which compiles it again: the scheduler never compiles.
+
+Seat shares: the requests of one group (the choices of one HTTP request) hold at
+most ``max_group_seats`` seats (``--max-seq-share`` of ``--max-num-seqs``); the
+Pull says how many more each group may start, and the queue passes over the rest.
+
 Constrained requests (structured outputs) carry a grammar: each sampled token
 is masked by what the grammar allows after the confirmed output. Every sampled
 row of a constrained request is scheduled with ``bitmask_follows``: its mask is
@@ -78,7 +86,6 @@ from trio_llm.actors.messages import (
     StepBitmasks,
     StepResult,
     StopStringHit,
-    StructuredOutputsParams,
     TokenBatch,
     TokenDelta,
     TokenLogprobs,
@@ -198,12 +205,14 @@ class RunningRequest:
     def schedule_prefill(self, num_tokens: int, new_block_ids: list[int],
                          step_id: int) -> ScheduledRequest:
         """The next ``num_tokens`` of its prefill run in step ``step_id``; the
-        last chunk samples its next output token."""
+        last chunk samples its next output token, or (an embedding request) pools."""
         self.block_ids += new_block_ids
         start = self.num_computed_tokens
-        sample = start + num_tokens == self.num_prefill_tokens
+        is_last_chunk = start + num_tokens == self.num_prefill_tokens
+        pool = is_last_chunk and self.request.pooling is not None
+        sample = is_last_chunk and not pool
         self.num_computed_tokens = start + num_tokens
-        self.num_placeholders += sample
+        self.num_placeholders += is_last_chunk  # its token, or its vector, is to come
         self.scheduled_step_id = step_id
         return ScheduledRequest(
             request_id=self.request_id, token_ids=self.prefill_token_ids[start:start + num_tokens],
@@ -211,6 +220,7 @@ class RunningRequest:
             new_block_ids=new_block_ids, sample=sample, output_index=len(self.output_token_ids),
             bitmask_follows=sample and self.grammar is not None,
             prompt_logprob_token_ids=self._prompt_logprob_targets(start, start + num_tokens),
+            pool=pool,
         )
 
     def _prompt_logprob_targets(self, start: int, end: int) -> list[int]:
@@ -342,6 +352,11 @@ class Scheduler:
         self._unsalted_root_hash = root_block_hash(self._model_identity, None)
         # step id -> its constrained requests whose bitmasks follow, in batch order
         self._bitmasks_follow: dict[int, list[RunningRequest]] = {}
+        # group id -> its running requests (only groups with some)
+        self._num_running_by_group: dict[str, int] = {}
+        self.max_group_seats = config.max_group_seats
+        # the compiled grammars of this step's pulled requests (held: none can be evicted)
+        self._compiled_grammars: dict[str, Any] = {}
         self.num_preemptions = 0
         self.num_steps = 0
         self.num_prompt_tokens = 0
@@ -391,19 +406,23 @@ class Scheduler:
             num_admissible = max(num_admissible, 1)
         if num_admissible <= 0:
             return None
-        return Pull(max_requests=num_admissible, wait=is_idle)
+        return Pull(max_requests=num_admissible, wait=is_idle,
+                    group_seats={group_id: self.max_group_seats - num_running
+                                 for group_id, num_running in self._num_running_by_group.items()})
 
     def schedule(self, pulled: list[WaitingRequest]) -> StepPlan:
         """Plan the next step from the running requests and the ``pulled`` ones."""
         assert self.can_plan_step()
         step = _StepBuilder(self._next_step_id, self.config.max_num_batched_tokens)
         waiting = deque(w for w in pulled if not self._was_stopped_while_waiting(w))
+        not_compiled = self._hold_compiled_grammars(waiting)
         if self._preemption_threshold is not None:
             self._admit_by_priority(waiting, step)
         self._schedule_running(step)
         self._admit_waiting(waiting, step)
-        requeued = self._preempted + list(waiting)
+        requeued = self._preempted + not_compiled + list(waiting)
         self._preempted = []
+        self._compiled_grammars.clear()
         batch = self._finish_batch(step) if step.requests else None
         assert batch is not None or self._in_flight_step_ids or not self._running, \
             "running requests but nothing to run"
@@ -449,7 +468,23 @@ class Scheduler:
         accepted = accept_tokens(grammars, grammar_token_ids)
         assert all(accepted), "the sampler obeys the grammar's mask"
         self.num_generation_tokens += len(deltas)
+        if result.pooled:
+            deltas += self._finish_pooled(result)
         return TokenBatch(deltas=deltas) if deltas else None
+
+    def _finish_pooled(self, result: StepResult) -> list[TokenDelta]:
+        """Embedding requests whose last chunk ran in ``result``'s step: each finishes
+        with its vector, and its blocks are free for the next step."""
+        deltas = []
+        for pooled in result.pooled:
+            running = self._running_by_id.get(pooled.request_id)
+            if running is None or running.start_step_id > result.step_id:
+                continue  # aborted or preempted since: its vector is dropped
+            running.num_placeholders -= 1
+            deltas.append(TokenDelta(request_id=pooled.request_id, token_ids=[], logprobs=None,
+                                     finish_reason="stop", embedding=pooled.data))
+            self._stop(running)
+        return deltas
 
     def ready_bitmasks(self) -> tuple[int, list[GrammarState]] | None:
         """(step id, the grammars of its rows whose masks follow, in batch order) of the
@@ -466,16 +501,24 @@ class Scheduler:
         assert all(grammars), "only constrained rows wait for a mask"
         return step_id, cast(list[GrammarState], grammars)
 
-    def constraints_to_compile(self, pulled: list[WaitingRequest]
-                               ) -> list[StructuredOutputsParams]:
-        """The constraints of ``pulled`` not compiled yet (the served layout's core
-        meets each once): the shell compiles them in a worker thread first."""
+    def _hold_compiled_grammars(self, waiting: deque[WaitingRequest]) -> list[WaitingRequest]:
+        """Take each constrained request's compiled grammar out of the cache for this
+        step; remove from ``waiting`` and return those whose grammar is not there
+        (evicted since the queue compiled it: the queue compiles it again)."""
         if self.grammars is None:
             return []
-        grammars = self.grammars
-        constraints = (waiting.request.params.structured_outputs for waiting in pulled)
-        return [constraint for constraint in constraints
-                if constraint is not None and not grammars.is_compiled(constraint)]
+        not_compiled: list[WaitingRequest] = []
+        for request in list(waiting):
+            constraint = request.request.params.structured_outputs
+            if constraint is None:
+                continue
+            compiled = self.grammars.lookup(constraint)
+            if compiled is None:
+                waiting.remove(request)
+                not_compiled.append(request)
+            else:
+                self._compiled_grammars[request.request.request_id] = compiled
+        return not_compiled
 
     def abort(self, request_id: str) -> TokenBatch | None:
         """Stop a running request, or forget a preempted one; its final (empty)
@@ -611,6 +654,9 @@ class Scheduler:
         self._preempted_request_ids.discard(running.request_id)
         bisect.insort(self._running, running, key=_sort_key_of)
         self._running_by_id[running.request_id] = running
+        group_id = running.request.group_id
+        if group_id is not None:
+            self._num_running_by_group[group_id] = self._num_running_by_group.get(group_id, 0) + 1
         step.new_requests.append(_new_request_data(running))
         if waiting.num_preemptions == 0:
             step.tracks.append(Track(request=running.request))
@@ -630,7 +676,8 @@ class Scheduler:
         if constraint is None:
             return None
         assert self.grammars is not None, "intake admits constraints only with grammars"
-        grammar = self.grammars.start(constraint)
+        compiled = self._compiled_grammars[waiting.request.request_id]
+        grammar = self.grammars.start(constraint, compiled)
         for token_id in waiting.output_token_ids:
             accepted = grammar.accept(token_id)
             assert accepted, "its output was sampled under this grammar"
@@ -725,6 +772,11 @@ class Scheduler:
         assert self._running[index] is running
         del self._running[index]
         del self._running_by_id[running.request_id]
+        group_id = running.request.group_id
+        if group_id is not None:
+            num_running = self._num_running_by_group.pop(group_id) - 1
+            if num_running:
+                self._num_running_by_group[group_id] = num_running
         self._stopped_request_ids.append(running.request_id)
 
     def _finish_batch(self, step: _StepBuilder) -> ScheduledBatch:
@@ -761,6 +813,8 @@ class Scheduler:
         if request.params.prompt_logprobs is not None and not waiting.output_token_ids:
             # every prompt position must be computed for its logprobs (vLLM's rule too)
             return CachedPrefix(root_hash, [], [])
+        if request.pooling is not None and request.pooling.pooling_type == "mean":
+            return CachedPrefix(root_hash, [], [])  # every position's state is pooled
         block_size = self.block_manager.block_size
         block_ids: list[int] = []
         block_hashes: list[bytes] = []
@@ -905,13 +959,9 @@ async def run_scheduler(
     task_status.started()
     async with queue_outbox, runner_outbox, detokenizer_outbox:
         outboxes = _Outboxes(queue_outbox, runner_outbox, detokenizer_outbox)
-        # A thread of its own: trio's shared default limiter could be held by other
-        # work, and every step would wait behind it.
-        compile_thread = trio.CapacityLimiter(1)
         while True:
             if scheduler.can_plan_step():
                 pulled = await _pull(inbox, scheduler, outboxes)
-                await _compile_constraints(scheduler, pulled, compile_thread)
                 plan = scheduler.schedule(pulled)
                 await _send_plan(plan, outboxes)
                 await _send_ready_bitmasks(scheduler, outboxes.runner)
@@ -934,17 +984,6 @@ async def _pull(inbox: trio.MemoryReceiveChannel[SchedulerInbox], scheduler: Sch
         if isinstance(message, Pulled):
             return message.requests
         await _handle(message, scheduler, outboxes)
-
-
-async def _compile_constraints(scheduler: Scheduler, pulled: list[WaitingRequest],
-                               compile_thread: trio.CapacityLimiter) -> None:
-    """Compile in a worker thread what the scheduler would otherwise compile on the
-    event loop: in the served layout the core meets each constraint once (its
-    front compiled it too, to validate it); in-process intake compiled them all."""
-    grammars = scheduler.grammars
-    for constraint in scheduler.constraints_to_compile(pulled):
-        assert grammars is not None
-        await trio.to_thread.run_sync(grammars.compile, constraint, limiter=compile_thread)
 
 
 async def _send_plan(plan: StepPlan, outboxes: _Outboxes) -> None:
@@ -980,7 +1019,8 @@ def _new_request_data(running: RunningRequest) -> NewRequestData:
     request = running.request
     sampling = request.sampling
     if not sampling.has_penalties:
-        return NewRequestData(request_id=running.request_id, sampling=sampling)
+        return NewRequestData(request_id=running.request_id, sampling=sampling,
+                              pooling=request.pooling)
     prompt_token_ids = request.prompt_token_ids if sampling.repetition_penalty != 1.0 else []
     return NewRequestData(request_id=running.request_id, sampling=sampling,
                           prompt_token_ids=prompt_token_ids,

@@ -156,6 +156,7 @@ def _merge(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
                           else newer.prompt_token_ids),
         prompt_logprobs=(older.prompt_logprobs if older.prompt_logprobs is not None
                          else newer.prompt_logprobs),
+        embedding=newer.embedding,  # only ever on a request's last output
     )
 
 

@@ -53,6 +53,7 @@ from trio_llm.actors.messages import (
     TokenBatch,
     Track,
 )
+from trio_llm.actors.pooling import PoolingConfig
 from trio_llm.actors.queue import WaitingQueue, run_queue
 from trio_llm.actors.runner import Executor, run_runner
 from trio_llm.actors.scheduler import Scheduler, SchedulerStatistics, run_scheduler
@@ -136,6 +137,7 @@ async def run_supervisor(
     max_model_len: int,
     num_kv_blocks: int,
     vocab_size: int,
+    pooling: PoolingConfig | None = None,
     task_status: trio.TaskStatus[EngineActors] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """The in-process layout: start the five actors; report EngineActors once all run.
@@ -144,12 +146,12 @@ async def run_supervisor(
     gets EngineDead, the engine is marked dead, and the supervisor returns:
     the facade makes the failure loud at its exit.
     """
-    # one grammar cache: what intake compiles, the scheduler finds compiled
-    grammars = Grammars(tokenizer, vocab_size)
+    # one grammar cache: what the queue compiles, the scheduler finds compiled
+    grammars = engine_grammars(config, tokenizer, vocab_size)
     intake = Intake(config, tokenizer, max_model_len=max_model_len,
                     num_kv_tokens=num_kv_blocks * config.block_size, vocab_size=vocab_size,
-                    grammars=grammars)
-    queue = WaitingQueue(config)
+                    pooling=pooling)
+    queue = WaitingQueue(config, grammars)
     scheduler = Scheduler(config, num_kv_blocks, grammars)
     detokenizer = Detokenizer(tokenizer)
 
@@ -176,6 +178,11 @@ async def run_supervisor(
             raise
         logger.exception("engine actor failed; failing every open request", exc_info=group)
         actors.fail(group, streams)
+
+
+def engine_grammars(config: EngineConfig, tokenizer: Tokenizer, vocab_size: int) -> Grammars:
+    """The engine's grammar cache, bounded by ``structured_outputs_cache_mb``."""
+    return Grammars(tokenizer, vocab_size, cache_bytes=config.structured_outputs_cache_mb * 2**20)
 
 
 def _scheduler_buffer(config: EngineConfig) -> int:
@@ -291,10 +298,11 @@ async def run_core_supervisor(
     has gone. If an actor fails, every front is told (CoreFailed) and
     EngineDead is raised.
     """
-    queue = WaitingQueue(config)
-    # The core's own grammar cache: a front compiled each constraint to validate it,
-    # the core compiles it again (once per constraint, cached) to build the masks.
-    grammars = Grammars(Tokenizer.from_dir(config.tokenizer or model_path), vocab_size)
+    # The one grammar cache: the core's queue compiles each constraint (the fronts
+    # only check its shape), the scheduler builds the masks from it.
+    grammars = engine_grammars(config, Tokenizer.from_dir(config.tokenizer or model_path),
+                               vocab_size)
+    queue = WaitingQueue(config, grammars)
     scheduler = Scheduler(config, num_kv_blocks, grammars)
     routes = FrontRoutes(len(fronts))
 
@@ -443,6 +451,7 @@ async def run_front_supervisor(
     ready: CoreReady,
     core: tuple[WireSendChannel[FrontToCore], WireReceiveChannel[CoreToFront]],
     *,
+    pooling: PoolingConfig | None = None,
     task_status: trio.TaskStatus[FrontActors] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """The served layout's front (one API server): intake and detokenizer
@@ -458,8 +467,7 @@ async def run_front_supervisor(
                                                                      ready.front_index))
     intake = Intake(intake_config, tokenizer, max_model_len=ready.max_model_len,
                     num_kv_tokens=ready.num_kv_blocks * config.block_size,
-                    vocab_size=ready.vocab_size,
-                    grammars=Grammars(tokenizer, ready.vocab_size))
+                    vocab_size=ready.vocab_size, pooling=pooling)
     detokenizer = Detokenizer(tokenizer)
     core_wire_send, core_wire_receive = core
 

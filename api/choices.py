@@ -32,7 +32,8 @@ from trio_llm.api.protocol import (
     Usage,
 )
 
-# Engine requests per HTTP request (prompts times max(n, best_of)); ours.
+# Engine requests per HTTP request (prompts times max(n, best_of)): the default of
+# --max-request-choices (EngineConfig.max_request_choices); ours.
 MAX_CHILD_REQUESTS = 256
 
 
@@ -47,16 +48,20 @@ class ChoicePlan:
 
     @classmethod
     def of(cls, num_prompts: int, n: int, best_of: int | None, *,
-           max_waiting_requests: int) -> ChoicePlan:
-        """Refuses more children than MAX_CHILD_REQUESTS, or than the engine's queue
-        holds: a request that could never be queued whole is a 400, not a 503."""
+           max_waiting_requests: int, max_children: int = MAX_CHILD_REQUESTS) -> ChoicePlan:
+        """Refuses more children than ``max_children`` (--max-request-choices), or than
+        the engine's queue holds: a request that could never be queued whole is a 400,
+        not a 503."""
         plan = cls(num_prompts=num_prompts, num_choices=n, num_candidates=max(n, best_of or 1))
-        limit = min(MAX_CHILD_REQUESTS, max_waiting_requests)
+        limit = min(max_children, max_waiting_requests)
         if plan.num_children > limit:
             param = "n" if num_prompts == 1 else "prompt"
+            flag = ("--max-request-choices" if limit == max_children
+                    else "--max-waiting-requests")
             raise RequestRejected(
                 f"this request asks for {plan.num_children} generations ({num_prompts} "
-                f"prompts, {plan.num_candidates} each); at most {limit}", param=param)
+                f"prompts, {plan.num_candidates} each); at most {limit} ({flag})",
+                param=param)
         return plan
 
     @property

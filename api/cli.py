@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 from functools import partial
+from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 import msgspec
@@ -47,7 +48,24 @@ _ENGINE_FLAGS: list[tuple[str, type, str]] = [
     ("--priority-preemption-threshold", int, "priority gap at which a waiting request preempts"),
     ("--max-waiting-requests", int, "bound of the waiting queue"),
     ("--tensor-parallel-size", int, "worker processes (GPUs) the model is split over"),
+    # what one request may cost (docs/http-api.md, "Limits")
+    ("--max-seq-share", float, "share of --max-num-seqs one request's choices may hold"),
+    ("--max-request-choices", int, "most generations one request may ask for (prompts "
+                                   "times max(n, best_of))"),
+    ("--structured-outputs-max-bytes", int, "longest constraint text (schema, regex, "
+                                            "grammar, choices)"),
+    ("--structured-outputs-max-depth", int, "deepest nesting of a JSON schema"),
+    ("--structured-outputs-max-nodes", int, "most subschemas in a JSON schema"),
+    ("--structured-outputs-max-properties", int, "most properties of one object"),
+    ("--structured-outputs-max-alternatives", int, "most enum, const and choice values"),
+    ("--structured-outputs-max-repeat", int, "largest bounded repetition"),
+    ("--structured-outputs-compile-timeout", float, "seconds a constraint may take to compile"),
+    ("--structured-outputs-cache-mb", int, "memory of compiled grammars kept"),
+    ("--runner", str, "generate (default), or pooling: serve the model as an embedding model "
+                      "(/v1/embeddings)"),
 ]
+# vLLM's older flag for the runner: --task embed is --runner pooling.
+_TASK_RUNNERS = {"generate": "generate", "embed": "pooling"}
 
 # Short names vLLM also accepts.
 _FLAG_ALIASES = {"--tensor-parallel-size": ("-tp",)}
@@ -72,8 +90,6 @@ UNSUPPORTED_VLLM_FLAGS: dict[tuple[str, ...], str] = {
     ("--swap-space",): "KV swap space on the CPU (preempted requests are recomputed)",
     ("--kv-transfer-config",): "disaggregated prefill (KV transfer)",
     ("--limit-mm-per-prompt",): "multimodal inputs",
-    ("--task",): "pooling tasks (embeddings, scores)",
-    ("--runner",): "pooling runners (embeddings, scores)",
     ("--tokenizer-mode",): "tokenizer modes (the Hugging Face tokenizer is used)",
     ("--load-format-config", "--model-loader-extra-config"): "custom model loaders",
     ("--guided-decoding-backend", "--structured-outputs-config"):
@@ -119,6 +135,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="pipeline depth 2 (default) or 1 (--no-async-scheduling); vLLM's name",
     )
     group.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
+    group.add_argument("--task", choices=sorted(_TASK_RUNNERS), default=None,
+                       help="embed is --runner pooling, generate --runner generate (vLLM's "
+                            "older name)")
     group.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
@@ -148,6 +167,12 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             raise SystemExit(f"trio-llm: the model is given twice: {model_tag} and "
                              f"--model {given['model']}")
         given["model"] = model_tag
+    task = getattr(args, "task", None)
+    if task is not None:
+        runner = _TASK_RUNNERS[task]
+        if given.get("runner", runner) != runner:
+            raise SystemExit(f"trio-llm: --task {task} contradicts --runner {given['runner']}")
+        given["runner"] = runner
     config = _converted_flags(given, EngineConfig)
     _check_chat_template(config.chat_template)
     check_model(config)
@@ -198,6 +223,19 @@ def check_model(config: EngineConfig) -> None:
                          f"Hugging Face id ORG/NAME") from None
     _check_max_model_len(config, model_config.max_position_embeddings)
     _check_device(config.device)
+    _check_pooling(config, directory)
+
+
+def _check_pooling(config: EngineConfig, directory: Path) -> None:
+    """A model run as an embedding model pools as its checkpoint says, or not at all."""
+    from trio_llm.actors.pooling import PoolingConfigError, read_pooling_config
+
+    if config.runner != "pooling":
+        return
+    try:
+        read_pooling_config(directory)
+    except PoolingConfigError as error:
+        raise SystemExit(f"trio-llm: --runner pooling: {error}") from None
 
 
 def _check_max_model_len(config: EngineConfig, max_position_embeddings: int) -> None:

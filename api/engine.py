@@ -4,6 +4,9 @@
         async for out in engine.generate("Hello", SamplingParams(max_tokens=16)):
             print(out.text, end="")
 
+    # a model served as an embedding model: EngineConfig(..., runner="pooling")
+    vector = (await engine.embed("Hello")).embedding
+
 Cancellation belongs to the caller: leaving a `generate` stream early (a
 ``break``, ``aclose()``, the end of an ``async with`` around it), or a cancel
 scope around it, aborts the request; its KV blocks are free within one engine
@@ -21,24 +24,29 @@ import contextlib
 import gc
 import itertools
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import trio
 
 from trio_llm.actors.config import EngineConfig
-from trio_llm.actors.errors import EngineDead, EngineError
+from trio_llm.actors.errors import EngineDead, EngineError, RequestFailed
 from trio_llm.actors.fronts import CoreReady, CoreToFront
 from trio_llm.actors.generation_defaults import GenerationDefaults, read_generation_defaults
 from trio_llm.actors.messages import (
     Abort,
     ChatTemplateOptions,
+    PoolingParams,
     RequestOutput,
     SamplingParams,
     Submit,
+    embedding_values,
 )
+from trio_llm.actors.pooling import PoolingConfig, read_pooling_config
 from trio_llm.actors.runner import LoadedExecutor
 from trio_llm.actors.streams import RequestStream, RequestStreams, StreamGroup
 from trio_llm.actors.supervisor import (
@@ -61,8 +69,23 @@ logger = logging.getLogger(__name__)
 # since it runs shielded in cleanup.
 ABORT_SEND_TIMEOUT = 5.0
 
-__all__ = ["Engine", "EngineConfig", "EngineStatistics", "RequestOutput", "RequestOutputStream",
-           "SamplingParams"]
+__all__ = ["EmbeddingOutput", "Engine", "EngineConfig", "EngineStatistics", "PoolingParams",
+           "RequestOutput", "RequestOutputStream", "SamplingParams"]
+
+
+class EmbeddingOutput(msgspec.Struct, frozen=True, kw_only=True):
+    """One embedding request's result (vLLM's EmbeddingRequestOutput, flattened):
+    ``embedding`` as floats, ``data`` the same float32 values as little-endian bytes
+    (what base64 encodes), the prompt's token ids as the model saw them."""
+
+    request_id: str
+    embedding: list[float]
+    data: bytes
+    prompt_token_ids: list[int]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
 
 
 class Engine:
@@ -71,8 +94,11 @@ class Engine:
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer, actors: EngineActors,
                  streams: RequestStreams, *, max_model_len: int,
                  request_id_prefix: str = "req-",
-                 generation_defaults: GenerationDefaults | None = None) -> None:
+                 generation_defaults: GenerationDefaults | None = None,
+                 pooling: PoolingConfig | None = None) -> None:
         self.config = config
+        # the pooling runner's pooling (the model serves embeddings), else None
+        self.pooling = pooling
         self.tokenizer = tokenizer
         # the checkpoint's default sampling parameters (--generation-config)
         self.generation_defaults = generation_defaults or GenerationDefaults()
@@ -105,16 +131,17 @@ class Engine:
             tokenizer = Tokenizer.from_dir(config.tokenizer or executor.model_path,
                                            chat_template=config.chat_template)
             defaults = read_generation_defaults(config.generation_config, executor.model_path)
+            pooling = pooling_config(config, executor.model_path)
             streams = RequestStreams()
             async with trio.open_nursery() as nursery:
                 actors = await nursery.start(partial(
                     run_supervisor, config, executor, tokenizer, streams,
                     max_model_len=executor.max_model_len, num_kv_blocks=executor.num_kv_blocks,
-                    vocab_size=executor.vocab_size,
+                    vocab_size=executor.vocab_size, pooling=pooling,
                 ))
                 engine = cls(config, tokenizer, actors, streams,
                              max_model_len=executor.max_model_len,
-                             generation_defaults=defaults)
+                             generation_defaults=defaults, pooling=pooling)
                 async with engine._running(nursery.cancel_scope):
                     yield engine
         if actors.error is not None:
@@ -139,14 +166,16 @@ class Engine:
                 Tokenizer.from_dir, config.tokenizer or ready.model_path,
                 chat_template=config.chat_template))
             defaults = read_generation_defaults(config.generation_config, ready.model_path)
+            pooling = pooling_config(config, ready.model_path)
             streams = RequestStreams()
             async with trio.open_nursery() as nursery:
                 actors = await nursery.start(partial(
-                    run_front_supervisor, config, tokenizer, streams, ready, core))
+                    run_front_supervisor, config, tokenizer, streams, ready, core,
+                    pooling=pooling))
                 engine = cls(config, tokenizer, actors, streams,
                              max_model_len=ready.max_model_len,
                              request_id_prefix=f"req-{ready.front_index}-",
-                             generation_defaults=defaults)
+                             generation_defaults=defaults, pooling=pooling)
                 async with engine._running(nursery.cancel_scope):
                     yield engine
         if actors.error is not None:
@@ -215,7 +244,7 @@ class Engine:
         submits = []
         for index, (prompt, params) in enumerate(prompts):
             text, token_ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
-            submits.append(Submit(request_id=f"{base_id}-{index}", prompt=text,
+            submits.append(Submit(request_id=f"{base_id}-{index}", group_id=base_id, prompt=text,
                                   prompt_token_ids=token_ids, params=params, priority=priority,
                                   arrival_time=trio.current_time(), cache_salt=cache_salt))
         return self._run_many(submits)
@@ -230,8 +259,9 @@ class Engine:
         """Like generate_many, for one conversation answered once per ``params``
         (the template arguments as in ``chat``)."""
         base_id = request_id or self._new_request_id()
-        submits = [Submit(request_id=f"{base_id}-{index}", messages=messages, tools=tools,
-                          documents=documents, chat_template_kwargs=chat_template_kwargs,
+        submits = [Submit(request_id=f"{base_id}-{index}", group_id=base_id,
+                          messages=messages, tools=tools, documents=documents,
+                          chat_template_kwargs=chat_template_kwargs,
                           template_options=template_options or ChatTemplateOptions(),
                           params=choice_params,
                           priority=priority, arrival_time=trio.current_time(),
@@ -239,8 +269,51 @@ class Engine:
                    for index, choice_params in enumerate(params)]
         return self._run_many(submits)
 
+    # -- embeddings (the pooling runner) ------------------------------------------
+
+    async def embed(self, prompt: str | list[int], pooling: PoolingParams | None = None, *,
+                    priority: int = 0, request_id: str | None = None,
+                    cache_salt: str | None = None) -> EmbeddingOutput:
+        """The embedding of one prompt (vLLM's ``LLM.embed``), on an engine with
+        ``runner="pooling"``: a prefill-only request through the same engine, batched
+        with the others. Cancelling the call aborts it."""
+        submit = self._embedding_submit(prompt, pooling, request_id or self._new_request_id(),
+                                        priority, cache_salt)
+        async with self._run(submit) as stream:
+            async for output in stream:
+                if output.finished:
+                    return _embedding_output(output)
+        raise AssertionError("a request stream ends with a finished output")
+
+    async def embed_many(self, prompts: Sequence[str | list[int]],
+                         pooling: PoolingParams | None = None, *, priority: int = 0,
+                         request_id: str | None = None,
+                         cache_salt: str | None = None) -> list[EmbeddingOutput]:
+        """The embeddings of several prompts, in their order: one request each
+        (``{request_id}-{index}``), all submitted at once and read as one stream. The
+        first refusal ends the call (the others are aborted)."""
+        base_id = request_id or self._new_request_id()
+        submits = [self._embedding_submit(prompt, pooling, f"{base_id}-{index}", priority,
+                                          cache_salt)
+                   for index, prompt in enumerate(prompts)]
+        results: list[EmbeddingOutput | None] = [None] * len(submits)
+        async with contextlib.aclosing(self._run_many(submits)) as outputs:
+            async for index, output in outputs:
+                if output.finished:
+                    results[index] = _embedding_output(output)
+        assert all(result is not None for result in results), "every request finished"
+        return results  # type: ignore[return-value]
+
+    def _embedding_submit(self, prompt: str | list[int], pooling: PoolingParams | None,
+                          request_id: str, priority: int, cache_salt: str | None) -> Submit:
+        text, token_ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
+        return Submit(request_id=request_id, prompt=text, prompt_token_ids=token_ids,
+                      params=SamplingParams(), pooling=pooling or PoolingParams(),
+                      priority=priority, arrival_time=trio.current_time(),
+                      cache_salt=cache_salt)
+
     async def _run_many(self, submits: list[Submit]
-                        ) -> AsyncIterator[tuple[int, RequestOutput]]:
+                        ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         """``_run`` for several requests read by one task through a StreamGroup."""
         self._check_accepting()
         request_ids = [submit.request_id for submit in submits]
@@ -491,6 +564,22 @@ class _StreamLoop:
 
     def __del__(self) -> None:
         self._stream._abandon()
+
+
+def _embedding_output(output: RequestOutput) -> EmbeddingOutput:
+    if output.embedding is None:
+        raise RequestFailed(f"request {output.request_id!r} ended ({output.finish_reason}) "
+                            f"before its embedding was computed", stage="embed")
+    return EmbeddingOutput(request_id=output.request_id,
+                           embedding=embedding_values(output.embedding), data=output.embedding,
+                           prompt_token_ids=output.prompt_token_ids or [])
+
+
+def pooling_config(config: EngineConfig, model_path: str | Path) -> PoolingConfig | None:
+    """The checkpoint's pooling where the engine runs it as an embedding model."""
+    if config.runner != "pooling":
+        return None
+    return read_pooling_config(model_path)
 
 
 async def _wait_core_ready(wire: trio.abc.ReceiveChannel[CoreToFront]) -> CoreReady:

@@ -56,6 +56,12 @@ def _get(summary: str, content: dict[str, Any], *, error_statuses: tuple[str, ..
     return {"get": {"summary": summary, "responses": responses}}
 
 
+def _with_path_parameter(operation: dict[str, Any], name: str) -> dict[str, Any]:
+    operation["get"]["parameters"] = [{"name": name, "in": "path", "required": True,
+                                       "schema": {"type": "string"}}]
+    return operation
+
+
 def openapi_document(title: str) -> dict[str, Any]:
     """The whole document; ``title`` names the served model."""
     kinds: list[type] = [protocol.CompletionRequest, protocol.ChatCompletionRequest,
@@ -77,6 +83,10 @@ def openapi_document(title: str) -> dict[str, Any]:
                              protocol.DetokenizeResponse),
         "/v1/models": _get("The served model", {JSON: {"schema": _ref(protocol.ModelList)}},
                            error_statuses=("401",)),
+        "/v1/models/{model_id}": _with_path_parameter(
+            _get("The served model's card, by its name",
+                 {JSON: {"schema": _ref(protocol.ModelCard)}}, error_statuses=("401", "404")),
+            "model_id"),
         "/health": _get("200 while the engine serves (503 draining or dead)", {},
                         error_statuses=("503",)),
         "/metrics": _get("Prometheus metrics", {"text/plain": {"schema": {"type": "string"}}}),

@@ -27,20 +27,20 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 import msgspec
 import trio
 from quart import request
 from quart_trio.wrappers.response import TrioResponse as Response
 
-from trio_llm.actors.errors import EngineError
+from trio_llm.actors.errors import EngineError, RequestRejected
 from trio_llm.actors.generation_defaults import GenerationDefaults
-from trio_llm.actors.messages import RequestOutput, SamplingParams
+from trio_llm.actors.messages import RequestOutput, SamplingParams, TokenLogprobs
 from trio_llm.api import protocol
-from trio_llm.api import server as http
 from trio_llm.api.reasoning_parsers import THINK_END
 from trio_llm.api.responses_protocol import (
+    LOGPROBS_INCLUDE,
     REFUSED_RESPONSES_FIELDS,
     ChatTranslation,
     IncompleteDetails,
@@ -56,8 +56,12 @@ from trio_llm.api.responses_protocol import (
     ResponseError,
     ResponsesRequest,
     ResponseUsage,
+    TokenLogprob,
+    TopLogprob,
     chat_translation,
+    wants_logprobs,
 )
+from trio_llm.api.streaming import closing, event_stream, observe
 from trio_llm.api.tool_calls import (
     ChatOutputParser,
     ParsedOutput,
@@ -70,12 +74,42 @@ from trio_llm.api.tool_calls import (
 if TYPE_CHECKING:
     from quart_trio import QuartTrio
 
-    from trio_llm.api.metrics import RequestTimer
+    from trio_llm.api.engine import Engine
+    from trio_llm.api.metrics import RequestTimer, ServerMetrics
+    from trio_llm.api.request_fields import Refusal
+
+BodyT = TypeVar("BodyT")
+ResultT = TypeVar("ResultT")
 
 RESPONSES_PATH = "/v1/responses"
 
 
-def register_routes(app: QuartTrio, api: http.OpenAIServer) -> None:
+class Handlers(Protocol):
+    """What this module uses of the app's handlers (api/server.py's OpenAIServer,
+    which registers these routes: a Protocol, so that this module does not
+    import it back)."""
+
+    engine: Engine
+    model_name: str
+    tool_options: ToolServingOptions
+    metrics: ServerMetrics
+
+    async def _decoded_body(self, kind: type[BodyT],
+                            refused: dict[str, Refusal] | None = None) -> BodyT: ...
+
+    def _check_model(self, model: str | None) -> None: ...
+
+    async def _converted(self, convert: Callable[[BodyT], ResultT], body: BodyT) -> ResultT: ...
+
+    def _logged(self, timer: RequestTimer, route: str, request_id: str
+                ) -> AbstractContextManager[None]: ...
+
+    def _token_text(self, token_id: int) -> str: ...
+
+    def _json(self, body: msgspec.Struct, *, status: int = 200) -> Response: ...
+
+
+def register_routes(app: QuartTrio, api: Handlers) -> None:
     """Serve POST /v1/responses from ``app``, with ``api``'s engine and settings."""
     async def create_response() -> Response:
         return await respond(api)
@@ -123,35 +157,48 @@ def engine_request(body: ResponsesRequest, *, options: ToolServingOptions,
                          messages=translation.messages(), params=params)
 
 
-async def respond(api: http.OpenAIServer) -> Response:
+async def respond(api: Handlers) -> Response:
     body = await api._decoded_body(ResponsesRequest, REFUSED_RESPONSES_FIELDS)
     api._check_model(body.model)
     prepared = await api._converted(partial(
         engine_request, options=api.tool_options,
         defaults=api.engine.generation_defaults), body)
+    parser = _output_parser(api.tool_options, prepared.tool_plan,
+                            returns_logprobs=wants_logprobs(body))
     response_id = f"resp_{uuid.uuid4().hex}"
     chat = prepared.translation.request
     outputs = api.engine.chat(prepared.messages, prepared.params, priority=chat.priority,
                               request_id=response_id, cache_salt=chat.cache_salt,
                               template_options=protocol.template_options(chat),
                               **prepared.template_variables())
-    reasoning = reasoning_parser_for(api.tool_options)
-    parser = (ChatOutputParser(reasoning=reasoning, tools=prepared.tool_plan.parser,
-                               max_calls=prepared.tool_plan.max_calls)
-              if reasoning is not None or prepared.tool_plan.parser is not None else None)
     builder = ResponseBuilder(template=_template(response_id, api.model_name, body,
                                                  prepared.params),
-                              parser=parser, token_text=api._token_text)
+                              parser=parser, token_text=api._token_text,
+                              returns_logprobs=wants_logprobs(body))
     timer = api.metrics.timer(trio.current_time())
     log_line = partial(api._logged, timer, f"POST {request.path}", response_id)
     if not body.stream:
         with log_line():
-            async with http.closing(outputs):
+            async with closing(outputs):
                 async for output in outputs:
-                    http._observe(timer, output)
+                    observe(timer, output)
                     builder.add(output)
         return api._json(builder.response())
-    return await http._event_stream(_events(outputs, builder, timer, log_line))
+    return await event_stream(_events(outputs, builder, timer, log_line))
+
+
+def _output_parser(options: ToolServingOptions, tool_plan: ToolPlan, *,
+                   returns_logprobs: bool) -> ChatOutputParser | None:
+    """The chat endpoint's parser of the output (reasoning, then tool calls), if any."""
+    reasoning = reasoning_parser_for(options)
+    if reasoning is None and tool_plan.parser is None:
+        return None
+    if returns_logprobs:
+        # a token's text may land in reasoning or a call rather than the message
+        raise RequestRejected(f"include {LOGPROBS_INCLUDE!r} is not supported with a "
+                              "reasoning parser or tool calls", param="include")
+    return ChatOutputParser(reasoning=reasoning, tools=tool_plan.parser,
+                            max_calls=tool_plan.max_calls)
 
 
 def _template(response_id: str, model: str, body: ResponsesRequest,
@@ -166,7 +213,8 @@ def _template(response_id: str, model: str, body: ResponsesRequest,
         parallel_tool_calls=body.parallel_tool_calls, temperature=params.temperature,
         top_p=params.top_p, text=text, tools=body.tools or [],
         tool_choice=body.tool_choice if body.tool_choice is not None else "auto",
-        user=body.user, metadata=body.metadata, max_tool_calls=body.max_tool_calls)
+        user=body.user, metadata=body.metadata, max_tool_calls=body.max_tool_calls,
+        top_logprobs=body.top_logprobs or 0)
 
 
 async def _events(outputs: AsyncIterator[RequestOutput], builder: ResponseBuilder,
@@ -176,13 +224,13 @@ async def _events(outputs: AsyncIterator[RequestOutput], builder: ResponseBuilde
     (so a refused request gets its HTTP status), and however it ends, ``closing``
     ends the engine request."""
     with log_line():
-        async with http.closing(outputs):
+        async with closing(outputs):
             output = await anext(outputs)
             for event in builder.start():
                 yield _sse(event)
             try:
                 while True:
-                    http._observe(timer, output)
+                    observe(timer, output)
                     for event in builder.feed(output):
                         yield _sse(event)
                     if output.finished:
@@ -192,7 +240,7 @@ async def _events(outputs: AsyncIterator[RequestOutput], builder: ResponseBuilde
                 pass  # ended without a last output: nothing more to say
             except EngineError as error:
                 timer.summary = f"failed in the stream: {error}"
-                yield _sse(builder.failed(http._error_info(error)[1]))
+                yield _sse(builder.failed(str(error) or type(error).__name__))
 
 
 def _sse(event: dict[str, Any]) -> bytes:
@@ -218,6 +266,7 @@ class _Item:
     name: str = ""
     call_id: str = ""
     status: str = "in_progress"
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def output(self) -> OutputItem:
         match self.kind:
@@ -227,7 +276,7 @@ class _Item:
                                        if self.status != "in_progress" else [])
             case "message":
                 return OutputMessage(id=self.item_id, status=self.status,
-                                     content=[OutputText(text=self.text)]
+                                     content=[OutputText(text=self.text, logprobs=self.logprobs)]
                                      if self.status != "in_progress" else [])
             case "function_call":
                 return OutputFunctionCall(id=self.item_id, call_id=self.call_id,
@@ -236,7 +285,7 @@ class _Item:
 
     def part(self) -> OutputText | ReasoningText:
         return (ReasoningText(text=self.text) if self.kind == "reasoning"
-                else OutputText(text=self.text))
+                else OutputText(text=self.text, logprobs=self.logprobs))
 
 
 @dataclass(kw_only=True)
@@ -252,7 +301,10 @@ class ResponseBuilder:
     template: ResponseBody
     parser: ChatOutputParser | None
     token_text: Callable[[int], str]
+    # include ["message.output_text.logprobs"]: only without a parser (see respond)
+    returns_logprobs: bool = False
     _items: list[_Item] = field(default_factory=list)
+    _pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     _text: str = ""
     _last: RequestOutput | None = None
     # (text offset where the output starts, its token ids): to count reasoning tokens
@@ -297,6 +349,24 @@ class ResponseBuilder:
             self._outputs.append((len(self._text), output.token_ids))
         self._last = output
         self._text += output.text
+        if self.returns_logprobs and output.logprobs is not None:
+            self._pending_logprobs += [
+                self._token_logprob(token_id, entry) for token_id, entry in zip(
+                    output.token_ids, output.logprobs, strict=False) if entry is not None]
+
+    def _token_logprob(self, token_id: int, entry: TokenLogprobs) -> TokenLogprob:
+        top = [TopLogprob(token=(text := self.token_text(top_id)), bytes=list(text.encode()),
+                          logprob=logprob)
+               for top_id, logprob in zip(entry.top_token_ids, entry.top_logprobs, strict=False)]
+        token = self.token_text(token_id)
+        return TokenLogprob(token=token, bytes=list(token.encode()), logprob=entry.logprob,
+                            top_logprobs=top)
+
+    def _take_logprobs(self, item: _Item) -> list[TokenLogprob]:
+        """The message's logprobs not sent yet, now its item's."""
+        taken, self._pending_logprobs = self._pending_logprobs, []
+        item.logprobs += taken
+        return taken
 
     def _parsed(self, *, is_final: bool) -> ParsedOutput:
         if self.parser is None:
@@ -358,7 +428,7 @@ class ResponseBuilder:
         if item.kind == "reasoning":
             return self._event("response.reasoning_text.delta", **self._at(item), delta=delta)
         return self._event("response.output_text.delta", **self._at(item), delta=delta,
-                           logprobs=[])
+                           logprobs=self._take_logprobs(item))
 
     def _close_open(self, status: str) -> list[dict[str, Any]]:
         events = []
@@ -377,8 +447,9 @@ class ResponseBuilder:
             events = [self._event("response.reasoning_text.done", **self._at(item),
                                   text=item.text)]
         else:
+            self._take_logprobs(item)
             events = [self._event("response.output_text.done", **self._at(item),
-                                  text=item.text, logprobs=[])]
+                                  text=item.text, logprobs=item.logprobs)]
         if item.kind != "function_call":
             events.append(self._event("response.content_part.done", **self._at(item),
                                       part=item.part()))

@@ -208,9 +208,11 @@ def _converted(value: Any, kind: type[Any], param: str) -> Any:
     try:
         return msgspec.convert(value, kind)
     except msgspec.ValidationError as error:
+        # the error's path is within the item: make it the body's
+        message = (str(error).replace("`$", f"`$.{param}") if "`$" in str(error)
+                   else f"{error} - at `$.{param}`")
         path = protocol.param_of_validation_error(str(error))
-        raise RequestRejected(f"{param}: {error}", param=f"{param}.{path}" if path else param
-                              ) from None
+        raise RequestRejected(message, param=f"{param}.{path}" if path else param) from None
 
 
 def input_items(items: list[dict[str, Any]]) -> list[InputItem]:
@@ -301,8 +303,17 @@ def chat_translation(body: ResponsesRequest) -> ChatTranslation:
         response_format=_response_format(body.text), tools=_tools(body.tools),
         tool_choice=_tool_choice(body.tool_choice),
         parallel_tool_calls=body.parallel_tool_calls,
-        chat_template_kwargs=body.chat_template_kwargs)
+        chat_template_kwargs=body.chat_template_kwargs, logprobs=wants_logprobs(body),
+        top_logprobs=body.top_logprobs if wants_logprobs(body) else None)
     return ChatTranslation(request=request, reasoning=conversation.reasoning)
+
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+
+def wants_logprobs(body: ResponsesRequest) -> bool:
+    """The message's tokens come with their logprobs (and ``top_logprobs`` alternatives)."""
+    return LOGPROBS_INCLUDE in (body.include or [])
 
 
 def check_refused_values(body: ResponsesRequest) -> None:
@@ -322,16 +333,18 @@ def check_refused_values(body: ResponsesRequest) -> None:
         raise RequestRejected(f"truncation {body.truncation!r} is not supported by trio-llm: "
                               'only "disabled"; a conversation over the context is refused, '
                               "never cut", param="truncation")
-    if body.top_logprobs:
-        raise RequestRejected("top_logprobs is not supported by trio-llm: responses carry no "
-                              "logprobs", param="top_logprobs")
+    if body.top_logprobs and not wants_logprobs(body):
+        raise RequestRejected(f"top_logprobs needs include [{LOGPROBS_INCLUDE!r}]",
+                              param="top_logprobs")
     if body.service_tier not in (None, "auto", "default"):
         raise RequestRejected(f"service_tier {body.service_tier!r} is not supported by "
                               "trio-llm: it has one service tier", param="service_tier")
-    if body.include:
-        raise RequestRejected(f"include {body.include[0]!r} is not supported by trio-llm: "
-                              "responses carry no logprobs, encrypted reasoning or tool "
-                              "results", param="include")
+    for index, included in enumerate(body.include or []):
+        if included != LOGPROBS_INCLUDE:
+            raise RequestRejected(f"include {included!r} is not supported by trio-llm: it "
+                                  f"includes only {LOGPROBS_INCLUDE!r} (no encrypted "
+                                  "reasoning, no results of built-in tools)",
+                                  param=f"include[{index}]")
     if body.text is not None and body.text.verbosity is not None:
         raise RequestRejected("text.verbosity is not supported by trio-llm; say it in the "
                               "instructions", param="text.verbosity")
@@ -377,10 +390,13 @@ def _item_text(content: str | list[ContentPart], part_types: tuple[str, ...],
     if isinstance(content, str):
         return content
     for part_index, part in enumerate(content):
-        if part.type not in part_types or part.text is None:
+        if part.type not in part_types:
             raise RequestRejected(
                 f"content parts of type {part.type!r} are not supported here; trio-llm "
                 f"takes text ({', '.join(part_types)})", param=f"{param}[{part_index}]")
+        if part.text is None:
+            raise RequestRejected(f"a content part of type {part.type!r} needs text",
+                                  param=f"{param}[{part_index}].text")
     return "".join(part.text or "" for part in content)
 
 
@@ -429,8 +445,10 @@ def _tools(tools: list[dict[str, Any]] | None) -> list[protocol.ToolDefinition] 
 def _tool_choice(choice: str | dict[str, Any] | None) -> protocol.ToolChoice | None:
     if choice is None or choice in ("none", "auto", "required"):
         return choice  # type: ignore[return-value]
-    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(
-            choice.get("name"), str):
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        if not isinstance(choice.get("name"), str):
+            raise RequestRejected('tool_choice of type "function" needs the name of one of '
+                                  "the tools", param="tool_choice.name")
         return protocol.NamedToolChoice(type="function",
                                         function=protocol.NamedFunction(name=choice["name"]))
     shown = choice if isinstance(choice, str) else choice.get("type")
@@ -442,11 +460,27 @@ def _tool_choice(choice: str | dict[str, Any] | None) -> protocol.ToolChoice | N
 # -- responses ----------------------------------------------------------------------------
 
 
+class TopLogprob(msgspec.Struct, kw_only=True):
+    token: str
+    bytes: list[int]
+    logprob: float
+
+
+class TokenLogprob(msgspec.Struct, kw_only=True):
+    """A token of the message, its logprob and its ``top_logprobs`` likeliest
+    alternatives (OpenAI's ``Logprob``)."""
+
+    token: str
+    bytes: list[int]
+    logprob: float
+    top_logprobs: list[TopLogprob] = []
+
+
 class OutputText(msgspec.Struct, kw_only=True):
     type: Literal["output_text"] = "output_text"
     text: str
     annotations: list[Any] = []
-    logprobs: list[Any] = []
+    logprobs: list[TokenLogprob] = []
 
 
 class OutputMessage(msgspec.Struct, kw_only=True, tag_field="type", tag="message"):

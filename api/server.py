@@ -28,8 +28,6 @@ from collections.abc import (
 )
 from contextlib import (
     AbstractContextManager,
-    aclosing,
-    asynccontextmanager,
     contextmanager,
 )
 from functools import partial
@@ -53,12 +51,13 @@ from trio_llm.actors.errors import (
 )
 from trio_llm.actors.generation_defaults import GenerationDefaults
 from trio_llm.actors.messages import RequestOutput, SamplingParams, StructuredOutputsParams
-from trio_llm.api import protocol, request_fields
+from trio_llm.api import embeddings, protocol, request_fields, responses
 from trio_llm.api.choices import ChoiceOutputs, ChoicePlan, combined_chat, combined_completion
 from trio_llm.api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from trio_llm.api.metrics import RequestTimer, ServerMetrics
 from trio_llm.api.openapi import openapi_document
 from trio_llm.api.stats_log import DEFAULT_STATS_INTERVAL_SECONDS, log_request
+from trio_llm.api.streaming import closing, event_stream, observe
 from trio_llm.api.tool_calls import (
     ChatOutputParser,
     ToolServingOptions,
@@ -79,9 +78,6 @@ ResultT = TypeVar("ResultT")
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 # A client gets this long to send its request body (HTTP 408 after that).
 BODY_TIMEOUT_SECONDS = 60.0
-# Closing a request's output stream only sends an Abort to the engine; bound it
-# anyway, since it runs shielded.
-CLOSE_TIMEOUT_SECONDS = 5.0
 # Worker threads for converting generation requests, and for /tokenize and
 # /detokenize: limiters of their own. With trio's shared default limiter,
 # enough large requests at once could hold every thread and hold up the
@@ -95,7 +91,7 @@ MAX_INLINE_CONVERSION_BYTES = 16 * 1024
 NUM_TOKENIZER_THREADS = 8
 OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json", "/version", "/ping"})
 # OpenAI endpoints trio-llm does not serve: a clear 404 instead of "URL not found".
-NOT_SUPPORTED_PATHS = ("/v1/embeddings", "/v1/audio/<path:rest>",
+NOT_SUPPORTED_PATHS = ("/v1/audio/<path:rest>",
                        "/v1/images/<path:rest>", "/v1/moderations", "/v1/rerank",
                        "/v1/score", "/pooling", "/classify")
 SSE_DONE = b"data: [DONE]\n\n"
@@ -146,8 +142,8 @@ def create_app(engine: Engine, config: ServerConfig) -> QuartTrio:
     app.extensions["trio_llm"] = api
     # Each endpoint module registers its routes on the app.
     register_routes(app, api)
-    from trio_llm.api.responses import register_routes as register_responses  # it imports us
-    register_responses(app, api)
+    responses.register_routes(app, api)
+    embeddings.register_routes(app, api)
     app.before_request(api.check_api_key)
     if config.allowed_origins:
         quart_cors.cors(app, allow_origin=config.allowed_origins,
@@ -176,6 +172,7 @@ def register_routes(app: QuartTrio, api: OpenAIServer) -> None:
         ("/v1/completions", api.completions, "POST"),
         ("/v1/chat/completions", api.chat_completions, "POST"),
         ("/v1/models", api.models, "GET"),
+        ("/v1/models/<path:model_id>", api.model, "GET"),
         ("/health", api.health, "GET"),
         ("/metrics", api.metrics_text, "GET"),
         ("/tokenize", api.tokenize, "POST"),
@@ -232,7 +229,8 @@ class OpenAIServer:
         self._check_model(body.model)
         prompts, params, echo_texts = await self._converted(self._completion_arguments, body)
         plan = ChoicePlan.of(len(prompts), body.n, body.best_of,
-                             max_waiting_requests=self.engine.config.max_waiting_requests)
+                             max_waiting_requests=self.engine.config.max_waiting_requests,
+                             max_children=self.engine.config.max_request_choices)
         response_id = f"cmpl-{uuid.uuid4().hex}"
         builders = [protocol.CompletionBuilder(
             response_id=response_id, model=self.model_name, token_text=self._token_text,
@@ -284,7 +282,8 @@ class OpenAIServer:
             template_variables["chat_template_kwargs"] = protocol.checked_template_kwargs(
                 body.chat_template_kwargs)
         plan = ChoicePlan.of(1, body.n, body.best_of,
-                             max_waiting_requests=self.engine.config.max_waiting_requests)
+                             max_waiting_requests=self.engine.config.max_waiting_requests,
+                             max_children=self.engine.config.max_request_choices)
         if not plan.is_single:
             builders = [dataclasses.replace(builder, index=index, parser=(
                 ChatOutputParser(reasoning=reasoning_parser_for(self.tool_options),
@@ -345,12 +344,12 @@ class OpenAIServer:
             with log_line():
                 async with closing(outputs):
                     async for output in outputs:
-                        _observe(timer, output)
+                        observe(timer, output)
                         builder.add(output)
             return self._json(builder.response())
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         events = self._events(outputs, builder, timer, log_line, include_usage=include_usage)
-        return await _event_stream(events)
+        return await event_stream(events)
 
     async def respond_choices(self, outputs: AsyncIterator[tuple[int, RequestOutput]],
                               builders: Sequence[protocol.CompletionBuilder]
@@ -369,7 +368,7 @@ class OpenAIServer:
             with log_line():
                 async with closing(outputs):
                     async for index, output in outputs:
-                        _observe(timers[index], output)
+                        observe(timers[index], output)
                         builders[index].add(collected.take(index, output))
             if isinstance(body, protocol.CompletionRequest):
                 return self._json(combined_completion(
@@ -379,7 +378,7 @@ class OpenAIServer:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         events = self._choice_events(outputs, builders, collected, timers, log_line,
                                      include_usage=include_usage)
-        return await _event_stream(events)
+        return await event_stream(events)
 
     async def _choice_events(self, outputs: AsyncIterator[tuple[int, RequestOutput]],
                              builders: Sequence[protocol.CompletionBuilder]
@@ -393,7 +392,7 @@ class OpenAIServer:
                 index, output = await anext(outputs)
                 try:
                     while True:
-                        _observe(timers[index], output)
+                        observe(timers[index], output)
                         chunk = builders[index].chunk(collected.take(index, output))
                         if chunk is not None:
                             yield _sse_event(chunk)
@@ -427,7 +426,7 @@ class OpenAIServer:
                 output = await anext(outputs)
                 try:
                     while True:
-                        _observe(timer, output)
+                        observe(timer, output)
                         chunk = builder.chunk(output)
                         if chunk is not None:
                             yield _sse_event(chunk)
@@ -477,11 +476,18 @@ class OpenAIServer:
     # -- the rest of the API ------------------------------------------------------
 
     async def models(self) -> Response:
-        card = protocol.ModelCard(id=self.model_name, created=self.created,
+        return self._json(protocol.ModelList(data=[self._model_card()]))
+
+    async def model(self, model_id: str) -> Response:
+        """One model's card (the openai SDK's ``models.retrieve``); 404 for another."""
+        self._check_model(model_id)
+        return self._json(self._model_card())
+
+    def _model_card(self) -> protocol.ModelCard:
+        return protocol.ModelCard(id=self.model_name, created=self.created,
                                   root=self.engine.config.model,
                                   max_model_len=self.engine.max_model_len,
                                   vocab_size=self.engine.tokenizer.vocab_size)
-        return self._json(protocol.ModelList(data=[card]))
 
     async def health(self) -> Response:
         if self.engine.is_healthy:
@@ -684,49 +690,9 @@ def _chat_arguments(body: protocol.ChatCompletionRequest, *,
 # -- streaming and request tracking ---------------------------------------------------
 
 
-def _observe(timer: RequestTimer, output: RequestOutput) -> None:
-    now = trio.current_time()
-    timer.on_output(now, num_new_tokens=len(output.token_ids), queue_time=output.queue_time)
-    if output.finished:
-        timer.on_finish(now, output.finish_reason, num_prompt_tokens=output.num_prompt_tokens,
-                        num_output_tokens=output.num_output_tokens)
-
-
 def _sse_event(body: msgspec.Struct) -> bytes:
     return b"data: " + msgspec.json.encode(body) + b"\n\n"
 
 
 def _error_event(error: EngineError) -> bytes:
     return _sse_event(_error_body(*_error_info(error)))
-
-
-async def _event_stream(events: AsyncGenerator[bytes, None]) -> Response:
-    """The SSE response of ``events``, run to its first event before answering, so
-    that a request the engine refuses gets its 4xx/503 status rather than an error
-    event inside a 200. Once started, the generator's cleanup runs however it ends,
-    even if the response is dropped before Quart sends it."""
-    first_event = await anext(events)
-    return Response(_resumed(first_event, events), content_type="text/event-stream",
-                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-
-async def _resumed(first_event: bytes,
-                   events: AsyncGenerator[bytes, None]) -> AsyncIterator[bytes]:
-    """``events`` again, from its first event that was already taken."""
-    async with aclosing(events):
-        yield first_event
-        async for event in events:
-            yield event
-
-
-@asynccontextmanager
-async def closing(outputs: AsyncIterator[Any]) -> AsyncIterator[None]:
-    """Close ``outputs`` on the way out, even when cancelled: the engine aborts
-    the request unless it had finished."""
-    try:
-        yield
-    finally:
-        aclose = getattr(outputs, "aclose", None)
-        if aclose is not None:
-            with trio.move_on_after(CLOSE_TIMEOUT_SECONDS, shield=True):
-                await aclose()

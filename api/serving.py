@@ -37,6 +37,7 @@ from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, Scope
 
 from trio_llm.actors.config import EngineConfig
 from trio_llm.api.connections import CompletedResponseGuard
+from trio_llm.api.framing import StrictFraming, strictly_framed
 from trio_llm.api.server import ServerConfig, create_app
 from trio_llm.api.stats_log import log_stats_every
 
@@ -189,7 +190,8 @@ async def serve_app(engine: Engine, config: ServerConfig, *,
         guard = CompletedResponseGuard(app)
         guarded_app = RootPath(guard, config.root_path) if config.root_path else guard
         binds = await nursery.start(partial(
-            _serve_then_cancel, guarded_app, hypercorn_config(config, listen_fd=listen_fd),
+            _serve_then_cancel, strictly_framed(guarded_app),
+            hypercorn_config(config, listen_fd=listen_fd),
             stop, nursery.cancel_scope))
         url = binds[0]
         if not config.disable_log_stats:
@@ -221,7 +223,7 @@ class RootPath:
         await self.app(scope, receive, send)
 
 
-async def _serve_then_cancel(app: CompletedResponseGuard | RootPath, config: HypercornConfig,
+async def _serve_then_cancel(app: StrictFraming, config: HypercornConfig,
                              stop: trio.Event, scope: trio.CancelScope, *,
                              task_status: trio.TaskStatus[list[str]]) -> None:
     """Hypercorn until it stops, then the tasks beside it (the stats line)."""

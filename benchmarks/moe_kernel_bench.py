@@ -21,11 +21,17 @@ layer for qwen3-30b-a3b) come from memory, not from the 50 MB L2.
 Time is the median over ``--repeats`` CUDA-event-timed runs of one call per
 layer copy, after warm-up. TFLOP/s counts ``6 T k I H`` (three GEMMs per routed
 row); GB/s counts the bytes of the experts actually routed to (each read
-once) plus the hidden states in and out.
+once; for ``dense`` its own weights, ``top_k`` experts' worth) plus the hidden
+states in and out.
 
-``--tune`` times each GEMM separately for every candidate tile at each token
-count and BLOCK_M, and prints the best configurations as lines to paste into
-``CONFIGS`` in gpu/kernels/fused_moe.py.
+``--tune`` replays CUDA graphs of each grouped GEMM alone for every candidate
+tile at each token count, BLOCK_M and group size (adding the alignment and the
+top-k sum, the path's other launches), and of the row-wise path up to
+``ROWWISE_MAX_TOKENS`` tokens; it prints the fastest as lines to paste into
+``CONFIGS`` in gpu/kernels/fused_moe.py. Each new tile compiles once (about a
+second), so a sweep of every size can outlast one 10-minute device call: run
+``--tune --tokens 1 64`` and ``--tune --tokens 256 8192`` separately (Triton's
+cache keeps the first call's kernels for the second).
 """
 
 from __future__ import annotations
@@ -149,10 +155,10 @@ def flops(shape: MoeShape, num_tokens: int) -> float:
     return 6.0 * num_tokens * shape.top_k * shape.intermediate * shape.hidden
 
 
-def bytes_moved(shape: MoeShape, layer: Layer) -> float:
-    num_touched = layer.topk_ids.unique().numel()
+def bytes_moved(shape: MoeShape, layer: Layer, num_experts_read: int) -> float:
+    """Each expert read once, the hidden states read and the output written."""
     expert_bytes = 3 * shape.intermediate * shape.hidden * 2
-    return num_touched * expert_bytes + 2 * layer.hidden.numel() * 2
+    return num_experts_read * expert_bytes + 2 * layer.hidden.numel() * 2
 
 
 def bench_size(shape: MoeShape, num_tokens: int, args) -> dict:
@@ -178,11 +184,14 @@ def bench_size(shape: MoeShape, num_tokens: int, args) -> dict:
                               dtype=DTYPE) for _ in copies]
     dense = [lambda i=i: dense_mlp(layer.hidden, dense_gate_up[i], dense_down[i]) for i in copies]
     record["dense_us"] = time_per_call(dense, graph=args.graph, repeats=args.repeats)
-    work, traffic = flops(shape, num_tokens), bytes_moved(shape, layer)
-    for name in ("fused", "torch_loop", "dense"):
+    # The MoE reads the experts it routes to; the dense MLP's weights are top_k experts' worth.
+    moe_bytes = bytes_moved(shape, layer, layer.topk_ids.unique().numel())
+    traffic = {"fused": moe_bytes, "torch_loop": moe_bytes,
+               "dense": bytes_moved(shape, layer, shape.top_k)}
+    for name, num_bytes in traffic.items():
         seconds = record[f"{name}_us"] * 1e-6
-        record[f"{name}_tflops"] = work / seconds / 1e12
-        record[f"{name}_gbps"] = traffic / seconds / 1e9
+        record[f"{name}_tflops"] = flops(shape, num_tokens) / seconds / 1e12
+        record[f"{name}_gbps"] = num_bytes / seconds / 1e9
     return record
 
 

@@ -72,6 +72,7 @@ from trio_llm.gpu.executor import (
     load_executor_model,
 )
 from trio_llm.gpu.models.base import AttentionMetadata, CausalLM
+from trio_llm.gpu.pooling import pooled_output, pooled_vectors
 from trio_llm.gpu.request_table import RequestState, RequestTable
 from trio_llm.gpu.sampler import (
     PromptLogprobRows,
@@ -185,6 +186,8 @@ class PendingStep:
     # the positions whose prompt logprobs are asked, and their hidden states
     prompt_logprob_rows: PromptLogprobRows | None = None
     prompt_hidden: torch.Tensor | None = None
+    # (request id, vector on the device) of the embedding requests it finishes
+    pooled: list[tuple[str, torch.Tensor]] = field(default_factory=list)
 
     def is_ready(self) -> bool:
         return bool(self.done.done)
@@ -403,9 +406,11 @@ class CudaModelExecutor:
                 prompt_results = prompt_logprobs(self.model.compute_logits,
                                                  pending.prompt_hidden,
                                                  pending.prompt_logprob_rows)
+        # the step is done: its vectors are read on any stream
+        pooled = [pooled_output(request_id, vector) for request_id, vector in pending.pooled]
         return StepResult(step_id=pending.step_id, request_ids=pending.request_ids,
                           sampled_token_ids=token_ids, logprobs=logprobs,
-                          prompt_logprobs=prompt_results)
+                          prompt_logprobs=prompt_results, pooled=pooled)
 
     def drain(self) -> None:
         """Wait for the steps launched and never collected (a runner cancelled at
@@ -448,8 +453,9 @@ class CudaModelExecutor:
     def _pad_for_graph(self, step: HostStep) -> None:
         """Choose the captured graph that fits the step, if any, and pad it to its sizes.
         Decode graphs compute logits for every row: only where every request samples.
-        A step with prompt logprobs runs eagerly: a graph keeps no hidden states."""
-        if step.prompt_logprob_rows.rows:
+        A step with prompt logprobs, or pooling, runs eagerly: a graph keeps no hidden
+        states."""
+        if step.prompt_logprob_rows.rows or step.pooling_chunks:
             return
         is_decode = step.num_tokens == step.num_seqs
         if is_decode and len(step.sampled_request_ids) == step.num_seqs:
@@ -485,7 +491,7 @@ class CudaModelExecutor:
             pending = PendingStep(step_id=step.step_id, request_ids=step.sampled_request_ids,
                                   done=DoneEvent(), slot=slot,
                                   prompt_logprob_rows=step.prompt_logprob_rows,
-                                  prompt_hidden=step.prompt_hidden,
+                                  prompt_hidden=step.prompt_hidden, pooled=step.pooled,
                                   forward=ForwardState(step=step, plan=plan,
                                                        inputs=_sampling_inputs(ints, floats),
                                                        logits=logits,
@@ -587,6 +593,8 @@ class CudaModelExecutor:
         hidden = self.model(token_ids, ints["positions"], self.kv_caches, metadata)
         if ints.length("prompt_logprob_rows"):
             step.prompt_hidden = hidden.index_select(0, ints["prompt_logprob_rows"])
+        if step.pooling_chunks:
+            step.pooled = pooled_vectors(hidden, step.pooling_chunks)
         return self.model.compute_logits(hidden.index_select(0, ints["logits_indices"]))
 
     def _apply_table_updates(self, ints: Segments) -> None:

@@ -15,6 +15,7 @@ from trio_llm.actors.config import MAX_PIPELINE_DEPTH
 from trio_llm.actors.messages import NewRequestData, ScheduledBatch
 from trio_llm.gpu.cuda_sampler import is_plain, plain_row_values
 from trio_llm.gpu.executor import MIN_VECTORIZED_SLOTS, kv_slot_array, kv_slots
+from trio_llm.gpu.pooling import pooling_chunk
 from trio_llm.gpu.request_table import RequestState, RequestTable
 from trio_llm.gpu.sampler import SamplingRow
 from trio_llm.gpu.step_packing import HostStep
@@ -141,6 +142,11 @@ class StepPlanner:
                     step.prompt_logprob_rows.add(request_id, len(token_ids),
                                                  scheduled.prompt_logprob_token_ids,
                                                  state.sampling.num_prompt_logprobs or 0)
+                if state.pooling is not None:  # an embedding request
+                    chunk = pooling_chunk(scheduled, state.pooling, state.mean_pool,
+                                          len(token_ids))
+                    if chunk is not None:
+                        step.pooling_chunks.append(chunk)
                 token_ids += scheduled.token_ids
                 context_len = start + len(scheduled.token_ids)
                 if context_len - start < MIN_VECTORIZED_SLOTS:

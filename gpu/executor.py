@@ -9,7 +9,9 @@ last). ``execute`` runs one ScheduledBatch exactly as the scheduler built it:
 3. flatten every request's input tokens into one varlen forward (a request with
    ``input_from_previous_step`` takes the token sampled for it last step);
 4. sample the rows that have ``sample`` set, keyed by their ``output_index``,
-   and count the tokens of the rows with penalties (gpu/penalties.py).
+   and count the tokens of the rows with penalties (gpu/penalties.py);
+5. pool the rows of embedding requests (gpu/pooling.py): the last chunk of each
+   (``pool``) returns its vector instead of a sampled token.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from trio_llm.gpu.builtin import is_dummy_only, resolve_model
 from trio_llm.gpu.loader import load_model, resolve_device, resolve_dtype
 from trio_llm.gpu.models import ModelConfig, ModelLoadError, read_model_config
 from trio_llm.gpu.models.base import AttentionMetadata, CausalLM
+from trio_llm.gpu.pooling import PoolingChunk, pool, pooling_chunk
 from trio_llm.gpu.request_table import RequestState, RequestTable
 from trio_llm.gpu.sampler import (
     PromptLogprobRows,
@@ -97,6 +100,7 @@ class StepInputs:
     sampled_request_ids: list[str] = field(default_factory=list)
     prompt_logprob_rows: PromptLogprobRows = field(
         default_factory=lambda: PromptLogprobRows([], [], []))
+    pooling_chunks: list[PoolingChunk] = field(default_factory=list)
 
 
 class ModelExecutor:
@@ -151,6 +155,10 @@ class ModelExecutor:
             return StepResult(step_id=batch.step_id, request_ids=[], sampled_token_ids=[])
         with torch.inference_mode():
             hidden = self._forward(inputs)
+            pooled = pool(hidden, inputs.pooling_chunks) if inputs.pooling_chunks else []
+            if not inputs.sampling_rows:  # embedding requests only
+                return StepResult(step_id=batch.step_id, request_ids=[],
+                                  sampled_token_ids=[], pooled=pooled)
             logits = self.model.compute_logits(hidden[self._tensor(inputs.logits_indices)])
             output = sample(logits, inputs.sampling_rows, self.penalty_counts)
             record_sampled(self.penalty_counts, inputs.sampling_rows, output.token_ids)
@@ -163,7 +171,7 @@ class ModelExecutor:
             self.requests[request_id].last_sampled_token_id = token_id
         return StepResult(step_id=batch.step_id, request_ids=inputs.sampled_request_ids,
                           sampled_token_ids=token_ids, logprobs=output.logprobs,
-                          prompt_logprobs=prompt_results)
+                          prompt_logprobs=prompt_results, pooled=pooled)
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
@@ -198,6 +206,11 @@ class ModelExecutor:
             inputs.prompt_logprob_rows.add(scheduled.request_id, len(inputs.token_ids),
                                            scheduled.prompt_logprob_token_ids,
                                            state.sampling.num_prompt_logprobs or 0)
+        if state.pooling is not None:
+            chunk = pooling_chunk(scheduled, state.pooling, state.mean_pool,
+                                  len(inputs.token_ids))
+            if chunk is not None:
+                inputs.pooling_chunks.append(chunk)
         inputs.token_ids += token_ids
         inputs.positions += positions
         inputs.slot_mapping += kv_slots(state.block_ids, self.block_size, start, context_len)

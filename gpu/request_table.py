@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from trio_llm.actors.messages import NewRequestData, SamplingOptions
+from trio_llm.actors.messages import NewRequestData, PoolingOptions, SamplingOptions
 from trio_llm.gpu.penalties import PenaltyCounts
+from trio_llm.gpu.pooling import MeanPool, new_mean_pool
 
 
 @dataclass(slots=True)
@@ -26,6 +27,9 @@ class RequestState:
     sampling: SamplingOptions
     block_ids: list[int] = field(default_factory=list)
     last_sampled_token_id: int | None = None
+    # an embedding request: how it pools, and (mean pooling) its sum so far
+    pooling: PoolingOptions | None = None
+    mean_pool: MeanPool | None = None
 
 
 class RequestTable:
@@ -40,7 +44,9 @@ class RequestTable:
 
     def add(self, new_request: NewRequestData) -> RequestState:
         """A new request's state (replacing what a restarted one had)."""
-        state = self.states[new_request.request_id] = RequestState(sampling=new_request.sampling)
+        state = self.states[new_request.request_id] = RequestState(
+            sampling=new_request.sampling, pooling=new_request.pooling,
+            mean_pool=new_mean_pool(new_request.pooling))
         return state
 
     def register_penalties(self, new_request: NewRequestData,

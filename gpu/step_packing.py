@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from trio_llm.gpu.cuda_streams import Event
+from trio_llm.gpu.pooling import PoolingChunk
 from trio_llm.gpu.sampler import PromptLogprobRows, SamplingRow
 
 # One value per input token, in this order, at the start of the upload.
@@ -75,6 +76,10 @@ class HostStep:
     prompt_logprob_rows: PromptLogprobRows = field(
         default_factory=lambda: PromptLogprobRows([], [], []))
     prompt_hidden: torch.Tensor | None = None
+    # embedding requests' chunks (the step then runs eagerly), and the vectors of those
+    # whose last chunk it is, on the device once computed (gpu/pooling.py)
+    pooling_chunks: list[PoolingChunk] = field(default_factory=list)
+    pooled: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     # Long chunks' positions and slots stay NumPy arrays (a list of thousands of ints
     # costs tens of nanoseconds an element to build and again to copy into the upload):
     # segment name -> (index into ``ints[name]`` the array goes before, the array).

@@ -95,6 +95,21 @@ def test_each_token_to_every_expert(config):
     check_against_reference(random_layer(5, 4, 4, routing=[[3, 1, 0, 2]] * 5, seed=3), config)
 
 
+@PATHS
+def test_hidden_states_with_a_row_stride(config):
+    # A view of wider rows (a slice of a fused buffer): rows are read by their stride.
+    x, w13, w2, weights, ids = random_layer(3, 4, 2, seed=6)
+    wide = torch.zeros(3, HIDDEN + 8, dtype=x.dtype, device=x.device)
+    wide[:, :HIDDEN] = x
+    check_against_reference((wide[:, :HIDDEN], w13, w2, weights, ids), config)
+
+
+@PATHS
+def test_int64_expert_ids_as_torch_topk_gives_them(config):
+    x, w13, w2, weights, ids = random_layer(3, 4, 2, seed=7)
+    check_against_reference((x, w13, w2, weights, ids.long()), config)
+
+
 def test_the_table_configurations_match_the_reference():
     # The table's own blocks (BLOCK_M 16 to 64, deep reductions, both paths) on a
     # layer whose dimensions are no multiple of them.

@@ -289,3 +289,57 @@ async def test_requests_stuck_in_worker_threads_never_hold_up_the_engine(
                 finally:
                     release.set()
     assert response.json()["choices"] == reference
+
+
+async def read_to_the_end(stream: trio.SocketStream) -> bytes:
+    """Everything the server sends until it closes the connection."""
+    received = b""
+    while data := await stream.receive_some(65536):
+        received += data
+    return received
+
+
+SMUGGLED = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+CHUNKED_BODY = b'{"prompt": "hi", "max_tokens": 1}'
+CHUNKED = f"{len(CHUNKED_BODY):x}\r\n".encode() + CHUNKED_BODY + b"\r\n0\r\n\r\n"
+
+FRAMINGS = {
+    "content-length and transfer-encoding": (
+        b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n"),
+    "transfer-encoding and content-length": (
+        b"Transfer-Encoding: chunked\r\nContent-Length: 200\r\n"),
+    "obs-folded transfer-encoding": b"Transfer-Encoding:\r\n chunked\r\n",
+    "obs-folded other header": b"X-Note: a\r\n\tb\r\nTransfer-Encoding: chunked\r\n",
+}
+
+
+@pytest.mark.parametrize("framing", list(FRAMINGS))
+async def test_ambiguous_framing_is_a_400_and_the_connection_closes(framing: str) -> None:
+    """Request smuggling (RFC 9112, 6.3): both lengths, or an obs-folded header, get a
+    400 and the connection is closed at once, so the request hidden behind the body
+    is never answered; over a real loopback socket, raw bytes."""
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + FRAMINGS[framing] + b"\r\n")
+    with trio.fail_after(TIMEOUT):
+        async with running_server(FakeEngine()) as url:
+            stream = await trio.open_tcp_stream(*host_port(url))
+            await stream.send_all(head + CHUNKED + SMUGGLED)
+            received = await read_to_the_end(stream)
+            await stream.aclose()
+    assert received.startswith(b"HTTP/1.1 400"), received[:200]
+    assert received.count(b"HTTP/1.1 ") == 1, "the smuggled request was answered"
+    assert b"connection: close" in received.lower()
+
+
+async def test_a_plain_chunked_request_is_still_served_and_kept_alive() -> None:
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n")
+    with trio.fail_after(TIMEOUT):
+        async with running_server(FakeEngine()) as url:
+            stream = await trio.open_tcp_stream(*host_port(url))
+            await stream.send_all(head + CHUNKED)
+            response_head = await receive_response(stream)
+            outcome = await next_request_outcome(stream)
+            await stream.aclose()
+    assert response_head.startswith(b"HTTP/1.1 200")
+    assert outcome.startswith("b'HTTP/1.1 200"), outcome

@@ -15,12 +15,13 @@ from typing import Any
 
 import httpx
 import jsonschema
+import msgspec
 import openai
 import pydantic
 import pytest
 import trio
 from msgspec.structs import replace
-from test_http_openai import served_engine
+from test_http_openai import _wait_engine_idle, served_engine
 from test_http_support import (
     FakeEngine,
     open_raw_request,
@@ -32,9 +33,11 @@ from test_http_support import (
 
 from trio_llm.actors.config import EngineConfig
 from trio_llm.actors.errors import RequestRejected
-from trio_llm.actors.messages import SamplingParams
+from trio_llm.actors.messages import RequestOutput, SamplingParams
 from trio_llm.api.engine import Engine
-from trio_llm.api.responses_protocol import ResponsesRequest, chat_translation
+from trio_llm.api.responses import ResponseBuilder
+from trio_llm.api.responses_protocol import ResponseBody, ResponsesRequest, chat_translation
+from trio_llm.api.tool_calls import ChatOutputParser
 from trio_llm.gpu.builtin import resolve_model
 
 CONFIG = EngineConfig(model="tiny", num_kv_blocks=128, block_size=16, max_num_seqs=8,
@@ -134,6 +137,33 @@ async def test_text_streamed_or_not_is_what_the_engine_generates(layout: str) ->
                           "response.output_item.done", "response.incomplete"]
 
 
+@pytest.mark.parametrize("layout", ["in-process", "served"])
+async def test_dropped_connections_free_their_kv_blocks(layout: str) -> None:
+    """As on chat: a stream left after its first delta, and a whole response whose
+    client went away, end their engine requests and free every block."""
+    request = {"model": "tiny", "input": "Tell me a story.", "max_output_tokens": 200,
+               "ignore_eos": True}
+    with trio.fail_after(TIMEOUT):
+        async with served_engine(layout) as served:
+            engine, url = served.engine, served.url
+            connection = await open_raw_request(url, "/v1/responses",
+                                                {**request, "stream": True})
+            await receive_until(connection, b"response.output_text.delta")
+            assert (await engine.fetch_statistics()).num_running == 1
+            await connection.aclose()
+            await _wait_engine_idle(served)
+            after_stream = await engine.fetch_statistics()
+            connection = await open_raw_request(url, "/v1/responses", request)
+            await wait_until(lambda: served.http_engine.num_open_requests == 1)
+            await connection.aclose()
+            await _wait_engine_idle(served)
+            after_whole = await engine.fetch_statistics()
+    for snapshot in (after_stream, after_whole):
+        assert snapshot.num_running == 0
+        assert snapshot.num_free_blocks == snapshot.num_total_blocks
+    assert after_whole.num_generation_tokens < 200, "neither ran to its 200 tokens"
+
+
 async def test_the_stream_helper_and_a_completed_response() -> None:
     fields: dict[str, Any] = {
         "model": "tiny", "input": "Pick one.", "max_output_tokens": 20, "temperature": 1.0,
@@ -181,6 +211,40 @@ async def test_the_same_conversation_gives_the_same_tokens_on_chat_and_responses
     assert response.usage.input_tokens == chat.usage.prompt_tokens
     assert response.usage.output_tokens == chat.usage.completion_tokens == 12
     assert response.temperature == 1.0 and response.top_p == 0.9
+
+
+async def test_logprobs_of_the_message_are_chats() -> None:
+    question = "Name a colour."
+    with trio.fail_after(TIMEOUT):
+        async with clients() as (client, sync_client):
+            chat = await client.chat.completions.create(
+                messages=[{"role": "user", "content": question}], max_tokens=6,
+                logprobs=True, top_logprobs=2, **GREEDY)
+            fields: dict[str, Any] = {**GREEDY, "input": question, "max_output_tokens": 6,
+                                      "include": ["message.output_text.logprobs"],
+                                      "top_logprobs": 2}
+            response = await client.responses.create(**fields)
+            events = await stream_events(sync_client, **fields)
+        async with clients(reasoning_parser="qwen3") as (client, _):
+            refused = None
+            try:
+                await client.responses.create(**fields)
+            except openai.BadRequestError as error:
+                refused = error.body
+    expected = [(entry.token, entry.logprob, [(top.token, top.logprob)
+                                              for top in entry.top_logprobs])
+                for entry in chat.choices[0].logprobs.content]  # type: ignore[union-attr]
+    (message,) = response.output
+    part = message.content[0]  # type: ignore[union-attr]
+    got = [(entry.token, entry.logprob, [(top.token, top.logprob) for top in entry.top_logprobs])
+           for entry in part.logprobs]
+    assert len(got) == 6 and got == expected
+    streamed = [entry for event in events if event.type == "response.output_text.delta"
+                for entry in event.logprobs]
+    assert [(entry.token, entry.logprob) for entry in streamed] == [
+        (token, logprob) for token, logprob, _ in expected]
+    assert response.top_logprobs == 2
+    assert refused is not None and refused["param"] == "include"
 
 
 async def test_a_json_schema_output_validates_streamed_or_not() -> None:
@@ -443,12 +507,13 @@ REFUSED: list[tuple[dict[str, Any], str, str]] = [
     ({"conversation": "conv_1"}, "conversation", "keeps no responses"),
     ({"background": True}, "background", "background"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt", "prompt templates"),
-    ({"include": ["reasoning.encrypted_content"]}, "include", "encrypted"),
+    ({"include": ["message.output_text.logprobs", "reasoning.encrypted_content"]},
+     "include[1]", "encrypted"),
     ({"reasoning": {"effort": "high"}}, "reasoning.effort", "chat_template_kwargs"),
     ({"reasoning": {"summary": "auto"}}, "reasoning.summary", "reasoning_text"),
     ({"text": {"verbosity": "low"}}, "text.verbosity", "verbosity"),
     ({"truncation": "auto"}, "truncation", "disabled"),
-    ({"top_logprobs": 3}, "top_logprobs", "logprobs"),
+    ({"top_logprobs": 3}, "top_logprobs", "needs include"),
     ({"service_tier": "flex"}, "service_tier", "one service tier"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type", "built-in"),
     ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {
@@ -465,6 +530,13 @@ REFUSED: list[tuple[dict[str, Any], str, str]] = [
     ({"prompt_cache_retention": "24h"}, "prompt_cache_retention", "memory"),
     ({"context_management": [{"type": "compaction"}]}, "context_management", "compacted"),
     ({"request_id": "mine"}, "request_id", "names each response"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text"}]}]},
+     "input[0].content[0].text", "needs text"),
+    ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]},
+     "input[0].call_id", "`$.input[0]`"),
+    ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role", "`$.input[0].role`"),
+    ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function"}},
+     "tool_choice.name", "needs the name"),
     ({"text": {"format": {"type": "json_object"}}, "structured_outputs": {"regex": "a"}},
      "structured_outputs", "not both"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema",
@@ -515,3 +587,55 @@ def test_every_field_of_openais_request_schema_has_a_status() -> None:
              | NO_EFFECT_FIELDS)
     assert openai_fields - known == set()
     assert {"input", "store", "previous_response_id", "tools"} <= openai_fields
+
+
+THINK_THEN_CALL = ('<think>look it up</think>On it.<tool_call>\n{"name": "get_time", '
+                   '"arguments": {"zone": "UTC"}}\n</tool_call><tool_call>\n{"name": '
+                   '"get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>')
+
+
+def _builder() -> ResponseBuilder:
+    from trio_llm.api.reasoning_parsers import Qwen3ReasoningParser
+    from trio_llm.api.tool_parsers import HermesToolParser
+
+    template = ResponseBody(id="resp_1", created_at=0, status="in_progress", model="m")
+    parser = ChatOutputParser(reasoning=Qwen3ReasoningParser(), tools=HermesToolParser())
+    return ResponseBuilder(template=template, parser=parser, token_text=lambda _: "x")
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, len(THINK_THEN_CALL)])
+def test_streamed_items_are_the_whole_responses_whatever_the_chunks(chunk: int) -> None:
+    """Reasoning, then a message, then two calls: the items the events build are
+    the non-streamed response's, however the text arrives."""
+    pieces = [THINK_THEN_CALL[start:start + chunk]
+              for start in range(0, len(THINK_THEN_CALL), chunk)]
+    outputs = [RequestOutput(request_id="r", token_ids=[1], text=piece,
+                             finished=index == len(pieces) - 1,
+                             finish_reason="stop" if index == len(pieces) - 1 else None,
+                             num_prompt_tokens=3, num_output_tokens=index + 1)
+               for index, piece in enumerate(pieces)]
+    streamed, whole = _builder(), _builder()
+    events = streamed.start()
+    for output in outputs:
+        events += streamed.feed(output)
+        whole.add(output)
+    response = msgspec.to_builtins(whole.response())
+    assert [event["sequence_number"] for event in events] == list(range(len(events)))
+    done = [msgspec.to_builtins(event["item"]) for event in events
+            if event["type"] == "response.output_item.done"]
+    final = msgspec.to_builtins(events[-1]["response"])
+    assert events[-1]["type"] == "response.completed"
+    without_ids = [{**item, "id": None, "call_id": None} for item in done]
+    assert without_ids == [{**item, "id": None, "call_id": None}
+                           for item in response["output"]]
+    assert final["output"] == done
+    assert [item["type"] for item in done] == ["reasoning", "message", "function_call",
+                                               "function_call"]
+    assert done[0]["content"] == [{"type": "reasoning_text", "text": "look it up"}]
+    assert done[1]["content"][0]["text"] == "On it."
+    assert [(item["name"], json.loads(item["arguments"])) for item in done[2:]] == [
+        ("get_time", {"zone": "UTC"}), ("get_weather", {"city": "Oslo"})]
+    arguments = "".join(event["delta"] for event in events
+                        if event["type"] == "response.function_call_arguments.delta")
+    assert arguments == done[2]["arguments"] + done[3]["arguments"]
+    assert final["usage"]["output_tokens_details"]["reasoning_tokens"] > 0

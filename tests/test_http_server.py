@@ -435,6 +435,22 @@ async def test_failure_of_a_plain_request_is_a_503() -> None:
     error_of(response)
 
 
+async def test_models_retrieve_answers_for_the_served_model_only() -> None:
+    """GET /v1/models/{id}, as the openai SDK's models.retrieve() asks it."""
+    import openai
+    from test_http_support import openai_clients
+
+    engine = FakeEngine(served_model_name="org/served")
+    with trio.fail_after(TIMEOUT):
+        async with running_server(engine) as url, openai_clients(url) as (client, _):
+            served = await client.models.retrieve("org/served")
+            by_root = await client.models.retrieve("fake-model")
+            with pytest.raises(openai.NotFoundError) as missing:
+                await client.models.retrieve("other")
+    assert (served.id, served.object, by_root.id) == ("org/served", "model", "org/served")
+    assert "does not exist" in str(missing.value)
+
+
 # -- the command line -----------------------------------------------------------------
 
 
@@ -512,7 +528,9 @@ async def test_version_ping_and_endpoints_not_served() -> None:
         async with running_server(engine, api_key="secret") as url:
             served_version = await get(url, "/version")
             pings = [await get(url, "/ping"), await post(url, "/ping", {})]
-            embeddings = await post(url, "/v1/embeddings", {"model": "tiny", "input": "x"},
+            moderations = await post(url, "/v1/moderations", {"input": "x"},
+                                     headers={"Authorization": "Bearer secret"})
+            embeddings = await post(url, "/v1/embeddings", {"input": "x"},
                                     headers={"Authorization": "Bearer secret"})
             speech = await post(url, "/v1/audio/speech", {"input": "x"},
                                 headers={"Authorization": "Bearer secret"})
@@ -520,8 +538,11 @@ async def test_version_ping_and_endpoints_not_served() -> None:
     assert served_version.status_code == 200
     assert served_version.json() == {"version": version("trio-llm")}
     assert [ping.status_code for ping in pings] == [200, 200]  # open, like /health
-    for response, path in ((embeddings, "/v1/embeddings"), (speech, "/v1/audio/speech")):
+    for response, path in ((moderations, "/v1/moderations"), (speech, "/v1/audio/speech")):
         assert response.status_code == 404
         assert f"{path} is not supported by trio-llm" in error_of(response)["message"]
+    # served, but only by a model run as an embedding model: how to serve one
+    assert embeddings.status_code == 400
+    assert "--runner pooling" in error_of(embeddings)["message"]
     assert unknown.status_code == 404
     assert "not supported by trio-llm" not in error_of(unknown)["message"]

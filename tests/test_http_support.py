@@ -80,6 +80,7 @@ class FakeEngine:
         self.max_model_len = max_model_len
         self.tokenizer = FakeTokenizer()
         self.generation_defaults = GenerationDefaults()
+        self.pooling = None  # a generating engine: /v1/embeddings is refused
         self.running: set[str] = set()
         self.finished: list[str] = []
         self.aborted: list[str] = []

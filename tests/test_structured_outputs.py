@@ -315,10 +315,10 @@ def test_the_scheduler_hands_out_each_steps_grammars_once_every_step_before_is_r
     scheduler = Scheduler(CONFIG, 64, grammars)
     params = constrained(0, choice=["yes", "no"])
     intake = Intake(CONFIG, tokenizer, max_model_len=512, num_kv_tokens=64 * 16,
-                    vocab_size=2048, grammars=grammars)
+                    vocab_size=2048)
     request = intake.admit(Submit(request_id="r", prompt_token_ids=[5, 6, 7], params=params,
                                   arrival_time=0.0))
-    intake.compile_constraint(request)
+    grammars.compile(params.structured_outputs)  # type: ignore[arg-type]  # the queue's part
     first = scheduler.schedule([WaitingRequest(request=request)]).batch
     assert first is not None and first.requests[0].bitmask_follows
     assert first.requests[0].token_bitmask is None, "masks never ride in the batch"
@@ -432,18 +432,16 @@ def test_the_vocabulary_view_is_the_one_xgrammar_builds_through_transformers(
     assert direct.decoded_vocab == through.decoded_vocab
 
 
-async def test_the_scheduler_actor_compiles_off_the_event_loop_and_sends_masks_after_batches(
-        ) -> None:
-    """A constraint the scheduler has not seen (the served layout's core meets each
-    once) is compiled in a worker thread of its own (not on the event loop, and not
-    behind trio's shared default limiter, held here by other work); a step's masks are
-    filled at once, in one call on the event loop (xgrammar works without the GIL; a
-    worker thread waited for the GIL to start), and reach the runner right after its
-    batch."""
+async def test_the_scheduler_actor_never_compiles_and_sends_masks_after_batches() -> None:
+    """A pulled request whose grammar is not compiled (the queue compiles; a grammar
+    may leave the cache before its request starts) goes back to the queue at once:
+    the scheduler never compiles. Once compiled, a step's masks are filled at once, in
+    one call on the event loop (xgrammar works without the GIL; a worker thread waited
+    for the GIL to start), and reach the runner right after its batch."""
     import threading
 
     from trio_llm.actors import scheduler as scheduler_module
-    from trio_llm.actors.messages import Pull, Pulled, ScheduledBatch, StepBitmasks
+    from trio_llm.actors.messages import Pull, Pulled, Requeue, ScheduledBatch, StepBitmasks
     from trio_llm.actors.scheduler import run_scheduler
 
     tokenizer = Tokenizer.from_dir(resolve_model("tiny"))
@@ -452,31 +450,25 @@ async def test_the_scheduler_actor_compiles_off_the_event_loop_and_sends_masks_a
     constraint = params.structured_outputs
     assert constraint is not None and not grammars.is_compiled(constraint)
     event_loop_thread = threading.current_thread()
-    compiled_on, filled_on = [], []
+    filled_on = []
     compile, fill = grammars.compile, scheduler_module.fill_bitmasks
 
-    def recording_compile(params: Any) -> Any:
-        if not grammars.is_compiled(params):
-            compiled_on.append(threading.current_thread())
-        return compile(params)
+    def refused_compile(params: Any) -> Any:
+        raise AssertionError("the scheduler compiled")
 
     def recording_fill(states: Any) -> list[bytes]:
         filled_on.append(threading.current_thread())
         return fill(states)
 
-    grammars.compile = recording_compile  # type: ignore[method-assign]
+    grammars.compile = refused_compile  # type: ignore[method-assign]
     intake = Intake(CONFIG, tokenizer, max_model_len=512, num_kv_tokens=512 * 16,
-                    vocab_size=2048, grammars=Grammars(tokenizer, vocab_size=2048))
+                    vocab_size=2048)
     request = intake.admit(Submit(request_id="r", prompt_token_ids=[5, 6, 7], params=params,
                                   arrival_time=0.0))
     inbox_send, inbox = trio.open_memory_channel[Any](8)
     queue_outbox, from_scheduler = trio.open_memory_channel[Any](8)
     runner_outbox, to_runner = trio.open_memory_channel[Any](8)
     detokenizer_outbox, to_detokenizer = trio.open_memory_channel[Any](8)
-    default_threads = trio.to_thread.current_default_thread_limiter()
-    default_threads.total_tokens = 1
-    other_work = object()
-    await default_threads.acquire_on_behalf_of(other_work)
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
             scheduler_module.fill_bitmasks = recording_fill
@@ -484,20 +476,23 @@ async def test_the_scheduler_actor_compiles_off_the_event_loop_and_sends_masks_a
                 await nursery.start(run_scheduler, inbox, queue_outbox, runner_outbox,
                                     detokenizer_outbox, Scheduler(CONFIG, 512, grammars))
                 assert isinstance(await from_scheduler.receive(), Pull)
-                await inbox_send.send(Pulled(requests=[WaitingRequest(request=request)],
-                                             num_waiting=0))
+                pulled = Pulled(requests=[WaitingRequest(request=request)], num_waiting=0)
+                await inbox_send.send(pulled)
+                requeue = await from_scheduler.receive()
+                assert isinstance(requeue, Requeue) and requeue.requests == pulled.requests
+                assert isinstance(await from_scheduler.receive(), Pull)
+                compile(constraint)  # as the queue does, in its worker thread
+                await inbox_send.send(pulled)
                 batch = await to_runner.receive()
                 assert isinstance(batch, ScheduledBatch) and batch.requests[0].bitmask_follows
                 bitmasks = await to_runner.receive()
                 assert isinstance(bitmasks, StepBitmasks) and bitmasks.step_id == batch.step_id
                 (mask,) = bitmasks.token_bitmasks
-                expected = grammars.start(constraint)
+                expected = grammars.start(constraint, grammars.lookup(constraint))
                 assert allowed_ids(mask) == allowed_ids(expected.next_bitmask())
             finally:
                 scheduler_module.fill_bitmasks = fill
-                default_threads.release_on_behalf_of(other_work)
             nursery.cancel_scope.cancel()
-    assert compiled_on and event_loop_thread not in compiled_on
     assert filled_on == [event_loop_thread]
 
 

@@ -50,15 +50,16 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-# The alignment's first kernel runs as one program over the routing table in
-# chunks of this many entries; the second scatters chunks of this many in parallel.
+# The alignment's planning kernel is one program that reads the routing table in
+# chunks of this many entries; up to this many rows it also places them itself,
+# past it a second kernel places chunks of this many in parallel.
 ALIGN_CHUNK = 1024
 
 
 @dataclass(frozen=True, slots=True)
 class GemmConfig:
-    """One grouped GEMM's tile: output columns and reduction depth per step, warps,
-    and how many reduction steps the compiler keeps in flight."""
+    """One GEMM's (or row-wise GEMV's) tile: output columns and reduction depth per
+    step, warps, and how many reduction steps the compiler keeps in flight."""
 
     block_n: int
     block_k: int
