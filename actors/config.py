@@ -36,6 +36,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     load_format: Literal["auto", "safetensors", "dummy"] = "auto"
+    # online quantization of an unquantized checkpoint's linear weights (vLLM's
+    # --quantization): "fp8", e4m3 with per-row scales (gpu/quantization.py)
+    quantization: Literal["fp8"] | None = None
     seed: int = 0
     max_num_seqs: PositiveInt = 256
     max_num_batched_tokens: PositiveInt = 8192
@@ -60,7 +63,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     structured_outputs_max_bytes: PositiveInt = 64 * 1024
     structured_outputs_max_depth: PositiveInt = 32
     structured_outputs_max_nodes: PositiveInt = 2048
-    structured_outputs_max_properties: PositiveInt = 256
+    structured_outputs_max_properties: PositiveInt = 384
     structured_outputs_max_alternatives: PositiveInt = 1024
     structured_outputs_max_repeat: PositiveInt = 1024
     structured_outputs_compile_timeout: Annotated[float, msgspec.Meta(gt=0.0)] = 10.0

@@ -903,7 +903,8 @@ class _ReleasedBlocks:
 def model_identity(config: EngineConfig) -> str:
     """What besides the tokens decides a block's KV values: the model and how it
     is loaded (dummy weights come from the seed). Salts every block hash."""
-    return "|".join((config.model, config.dtype, config.load_format, str(config.seed)))
+    identity = "|".join((config.model, config.dtype, config.load_format, str(config.seed)))
+    return identity + (f"|{config.quantization}" if config.quantization else "")
 
 
 def _num_prefill_tokens(waiting: WaitingRequest) -> int:

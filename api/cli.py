@@ -36,6 +36,8 @@ _ENGINE_FLAGS: list[tuple[str, type, str]] = [
     ("--dtype", str, "auto, float32, bfloat16 or float16"),
     ("--device", str, "auto, cpu or cuda"),
     ("--load-format", str, "auto, safetensors or dummy (random weights)"),
+    ("--quantization", str, "fp8: round an unquantized checkpoint's linear weights to e4m3 "
+                            "(per-row scales); FP8 checkpoints need no flag"),
     ("--seed", int, "seed for requests that give none"),
     ("--max-num-seqs", int, "most requests running at once"),
     ("--max-num-batched-tokens", int, "token budget of one step"),
@@ -56,7 +58,8 @@ _ENGINE_FLAGS: list[tuple[str, type, str]] = [
                                             "grammar, choices)"),
     ("--structured-outputs-max-depth", int, "deepest nesting of a JSON schema"),
     ("--structured-outputs-max-nodes", int, "most subschemas in a JSON schema"),
-    ("--structured-outputs-max-properties", int, "most properties of one object"),
+    ("--structured-outputs-max-properties", int, "most optional object properties in a "
+                                                 "JSON schema"),
     ("--structured-outputs-max-alternatives", int, "most enum, const and choice values"),
     ("--structured-outputs-max-repeat", int, "largest bounded repetition"),
     ("--structured-outputs-compile-timeout", float, "seconds a constraint may take to compile"),
@@ -68,14 +71,13 @@ _ENGINE_FLAGS: list[tuple[str, type, str]] = [
 _TASK_RUNNERS = {"generate": "generate", "embed": "pooling"}
 
 # Short names vLLM also accepts.
-_FLAG_ALIASES = {"--tensor-parallel-size": ("-tp",)}
+_FLAG_ALIASES = {"--tensor-parallel-size": ("-tp",), "--quantization": ("-q",)}
 
 
 # vLLM's flags for features trio-llm does not have yet: recognized, and refused with
 # one line (docs/vllm-compatibility.md lists them). A flag leaves this list when its
-# feature lands (--quantization and --kv-cache-dtype: issue 27).
+# feature lands (--kv-cache-dtype: issue 27).
 UNSUPPORTED_VLLM_FLAGS: dict[tuple[str, ...], str] = {
-    ("--quantization", "-q"): "quantized weights",
     ("--kv-cache-dtype",): "a KV cache in another dtype",
     ("--enable-lora",): "LoRA adapters",
     ("--lora-modules",): "LoRA adapters",
@@ -194,8 +196,23 @@ def _converted_flags(given: dict[str, Any], kind: type[ConfigT]) -> ConfigT:
         if not expected or name not in given:
             raise SystemExit(f"trio-llm: invalid option: {error}") from None
         flag = "--" + name.replace("_", "-")
+        if expected.startswith("Invalid enum value"):  # a Literal field: name its values
+            expected = "one of " + ", ".join(map(str, _literal_values(kind, name)))
         raise SystemExit(f"trio-llm: {flag} {given[name]}: must be "
                          f"{expected.replace('`', '').removeprefix('Expected ')}") from None
+
+
+def _literal_values(kind: type, name: str) -> list[object]:
+    """The values field ``name`` of struct ``kind`` takes (its Literal types')."""
+    import msgspec.inspect
+
+    info = msgspec.inspect.type_info(kind)
+    assert isinstance(info, msgspec.inspect.StructType)
+    field_type = next(field.type for field in info.fields if field.name == name)
+    types = (field_type.types if isinstance(field_type, msgspec.inspect.UnionType)
+             else (field_type,))
+    return [value for member in types if isinstance(member, msgspec.inspect.LiteralType)
+            for value in member.values]
 
 
 # vLLM's opt-in to a --max-model-len beyond the model's positions, and trio-llm's own name.
@@ -209,6 +226,7 @@ def check_model(config: EngineConfig) -> None:
     not a model, an architecture trio-llm does not run, a --max-model-len beyond
     the model's positions, --device cuda without a GPU."""
     from trio_llm.gpu.builtin import resolve_model
+    from trio_llm.gpu.loader import check_online_quantization
     from trio_llm.gpu.models import ModelLoadError, read_model_config
 
     try:
@@ -221,6 +239,10 @@ def check_model(config: EngineConfig) -> None:
         raise SystemExit(f"trio-llm: --model {config.model} is not a model trio-llm can "
                          f"run: {error}; give a model directory, a built-in name or a "
                          f"Hugging Face id ORG/NAME") from None
+    try:
+        check_online_quantization(config.quantization, model_config.quantization, directory)
+    except ModelLoadError as error:
+        raise SystemExit(f"trio-llm: {error}") from None
     _check_max_model_len(config, model_config.max_position_embeddings)
     _check_device(config.device)
     _check_pooling(config, directory)
@@ -428,11 +450,23 @@ def _run_generate(args: argparse.Namespace) -> int:
 # -- `trio-llm bench` ------------------------------------------------------------------
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """--help with every flag's default, as vLLM's shows them (None and off left out)."""
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if (action.option_strings and action.default not in (None, False, argparse.SUPPRESS)
+                and "%(default)" not in (action.help or "")
+                and action.help is not argparse.SUPPRESS):
+            action.help = f"{action.help or ''} (default: %(default)s)".lstrip()
+        return super()._format_action(action)
+
+
 def add_bench_commands(commands: Any) -> None:
     """Add `bench throughput` and `bench serve` to the `trio-llm bench` parser."""
     from trio_llm.api import bench_serve
 
-    throughput = commands.add_parser("throughput", help="in-process engine throughput")
+    throughput = commands.add_parser("throughput", help="in-process engine throughput",
+                                     formatter_class=DefaultsHelpFormatter)
     add_engine_arguments(throughput)
     throughput.add_argument("--backend", choices=["trio-llm", "transformers"], default="trio-llm")
     throughput.add_argument("--executor", choices=["model", "null"], default="model",
@@ -449,9 +483,12 @@ def add_bench_commands(commands: Any) -> None:
     throughput.add_argument("--json", metavar="PATH",
                             help="write the results as JSON here ('-': to stdout, no table)")
     throughput.add_argument("--no-progress", action="store_true")
+    throughput.add_argument("--plot", type=Path, default=None, metavar="PATH.png",
+                            help="plot output tokens/s over the run (needs matplotlib)")
     throughput.set_defaults(run=_run_bench_throughput)
 
-    serve = commands.add_parser("serve", help="benchmark a running server over HTTP")
+    serve = commands.add_parser("serve", help="benchmark a running server over HTTP",
+                                formatter_class=DefaultsHelpFormatter)
     bench_serve.add_bench_serve_arguments(serve)
     serve.set_defaults(run=bench_serve.run_bench_serve)
 
@@ -471,7 +508,7 @@ class _OneLineParser(argparse.ArgumentParser):
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = _OneLineParser(prog="trio-llm", description=__doc__,
-                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                            formatter_class=DefaultsHelpFormatter)
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--version", action="version", version=f"trio-llm {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)

@@ -3,9 +3,12 @@
 ``tiny`` is a small Qwen3-architecture model with a real byte-level BPE tokenizer
 (trained on gpu/tiny_corpus.py), a ChatML chat template and random weights from a
 fixed seed: small enough that the whole engine runs fast on a CPU, real enough
-that text goes in and text comes out. ``qwen3-0.6b`` and ``qwen3-8b`` carry the
-public configurations of those models for ``load_format="dummy"`` (random
-weights, no safetensors written): they measure speed, not quality.
+that text goes in and text comes out. ``tiny-moe`` is the same with Qwen3-MoE
+layers (8 experts, top 2): the Mixture-of-Experts path end to end on a CPU.
+``qwen3-0.6b``, ``qwen3-8b``, ``qwen3-30b-a3b`` (Qwen3-MoE: 128 experts, top 8)
+and ``qwen3-moe-small`` (a Qwen3-MoE shape for CPU benchmarks) carry
+configurations for ``load_format="dummy"`` (random weights, no safetensors
+written): they measure speed, not quality.
 
 A built model directory is written to a temporary directory and renamed into
 place, so processes that start at the same time never see half a model.
@@ -80,6 +83,17 @@ TINY_CONFIG: dict[str, Any] = {
     "dtype": "float32",
 }
 
+TINY_MOE_CONFIG: dict[str, Any] = TINY_CONFIG | {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+}
+
 QWEN3_COMMON: dict[str, Any] = {
     "architectures": ["Qwen3ForCausalLM"],
     "model_type": "qwen3",
@@ -119,6 +133,48 @@ QWEN3_8B_CONFIG: dict[str, Any] = QWEN3_COMMON | {
     "num_hidden_layers": 36,
     "num_key_value_heads": 8,
     "tie_word_embeddings": False,
+}
+
+
+# Qwen3-30B-A3B's published configuration (3.3B of its 30.5B parameters active a token).
+QWEN3_30B_A3B_CONFIG: dict[str, Any] = QWEN3_COMMON | {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "num_hidden_layers": 48,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "max_window_layers": 48,
+    "tie_word_embeddings": False,
+}
+
+# A small Qwen3-MoE for CPU benchmarks: Qwen3-30B-A3B's shape of routing (top 8 of
+# many experts), a few layers of a small hidden size.
+QWEN3_MOE_SMALL_CONFIG: dict[str, Any] = QWEN3_COMMON | {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "hidden_size": 512,
+    "intermediate_size": 1536,
+    "moe_intermediate_size": 256,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "num_hidden_layers": 4,
+    "num_experts": 32,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "vocab_size": 32768,
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": True,
 }
 
 
@@ -317,6 +373,23 @@ def tiny_weights(config: dict[str, Any], *, seed: int = TINY_SEED) -> dict[str, 
                                                     TINY_EMBEDDING_STD)}
     for layer_index in range(config["num_hidden_layers"]):
         prefix = f"model.layers.{layer_index}."
+        if "num_experts" in config:  # Qwen3-MoE: the experts replace the MLP
+            expert = config["moe_intermediate_size"]
+            weights[prefix + "mlp.gate.weight"] = linear(config["num_experts"], hidden)
+            for index in range(config["num_experts"]):
+                weights |= {
+                    f"{prefix}mlp.experts.{index}.gate_proj.weight": linear(expert, hidden),
+                    f"{prefix}mlp.experts.{index}.up_proj.weight": linear(expert, hidden),
+                    f"{prefix}mlp.experts.{index}.down_proj.weight": linear(
+                        hidden, expert, TINY_RESIDUAL_GAIN),
+                }
+        else:
+            weights |= {
+                prefix + "mlp.gate_proj.weight": linear(intermediate, hidden),
+                prefix + "mlp.up_proj.weight": linear(intermediate, hidden),
+                prefix + "mlp.down_proj.weight": linear(hidden, intermediate,
+                                                        TINY_RESIDUAL_GAIN),
+            }
         weights |= {
             prefix + "input_layernorm.weight": norm(hidden),
             prefix + "self_attn.q_proj.weight": linear(q_size, hidden),
@@ -326,9 +399,6 @@ def tiny_weights(config: dict[str, Any], *, seed: int = TINY_SEED) -> dict[str, 
             prefix + "self_attn.q_norm.weight": norm(head_dim),
             prefix + "self_attn.k_norm.weight": norm(head_dim),
             prefix + "post_attention_layernorm.weight": norm(hidden),
-            prefix + "mlp.gate_proj.weight": linear(intermediate, hidden),
-            prefix + "mlp.up_proj.weight": linear(intermediate, hidden),
-            prefix + "mlp.down_proj.weight": linear(hidden, intermediate, TINY_RESIDUAL_GAIN),
         }
     weights["model.norm.weight"] = norm(hidden)
     return {name: tensor.contiguous() for name, tensor in weights.items()}
@@ -337,14 +407,20 @@ def tiny_weights(config: dict[str, Any], *, seed: int = TINY_SEED) -> dict[str, 
 # -- builders ----------------------------------------------------------------------
 
 
-def build_tiny(directory: Path) -> None:
-    """Write the `tiny` model: config, tokenizer, chat template, weights."""
-    tokenizer = train_tiny_tokenizer()
-    _write_tokenizer(directory, tokenizer,
-                     model_max_length=TINY_CONFIG["max_position_embeddings"])
-    _write_json(directory / "config.json", TINY_CONFIG)
-    save_file(tiny_weights(TINY_CONFIG), str(directory / "model.safetensors"),
-              metadata={"format": "pt"})
+def _tiny_builder(config: dict[str, Any]) -> Callable[[Path], None]:
+    def build(directory: Path) -> None:
+        """Write a tiny model: config, tokenizer, chat template, weights."""
+        tokenizer = train_tiny_tokenizer()
+        _write_tokenizer(directory, tokenizer,
+                         model_max_length=config["max_position_embeddings"])
+        _write_json(directory / "config.json", config)
+        save_file(tiny_weights(config), str(directory / "model.safetensors"),
+                  metadata={"format": "pt"})
+
+    return build
+
+
+build_tiny = _tiny_builder(TINY_CONFIG)
 
 
 def _dummy_builder(config: dict[str, Any]) -> Callable[[Path], None]:
@@ -361,9 +437,12 @@ def _dummy_builder(config: dict[str, Any]) -> Callable[[Path], None]:
 DUMMY_ONLY_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen3-0.6b": QWEN3_0_6B_CONFIG,
     "qwen3-8b": QWEN3_8B_CONFIG,
+    "qwen3-30b-a3b": QWEN3_30B_A3B_CONFIG,
+    "qwen3-moe-small": QWEN3_MOE_SMALL_CONFIG,
 }
 
 BUILTIN_MODELS: dict[str, Callable[[Path], None]] = {
     "tiny": build_tiny,
+    "tiny-moe": _tiny_builder(TINY_MOE_CONFIG),
     **{name: _dummy_builder(config) for name, config in DUMMY_ONLY_CONFIGS.items()},
 }

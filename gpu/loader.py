@@ -9,6 +9,12 @@ once every parameter was filled.
 
 ``load_format="dummy"`` fills the same architecture with seeded random weights
 from config.json alone, for benchmarks.
+
+FP8 (gpu/quantization.py): an e4m3 checkpoint tensor is read with its scale tensor
+and dequantized as it is read; a tensor of any other dtype is read as it is (a layer
+the checkpoint left unquantized). An e4m3 tensor in a checkpoint whose config.json
+does not say how it is scaled is refused. ``quantization="fp8"`` (online) rounds each
+linear weight to e4m3 with per-row scales as it is read, before it is sharded.
 """
 
 from __future__ import annotations
@@ -17,18 +23,27 @@ import json
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
 from trio_llm.gpu.models import CausalLM, ModelLoadError, read_model_config
 from trio_llm.gpu.models.weights import Target, copy_into
+from trio_llm.gpu.quantization import (
+    ONLINE_METHODS,
+    SAFETENSORS_E4M3,
+    SAFETENSORS_FLOAT8,
+    CheckpointQuantization,
+    checkpoint_fp8_weight,
+    is_quantizable,
+    quantize_rows,
+    scale_name,
+)
 from trio_llm.gpu.tensor_parallel import TensorParallel
 
 __all__ = ["ModelLoadError", "fill_dummy_weights", "load_model", "resolve_device",
            "resolve_dtype"]
-
-__all__ = ["ModelLoadError", "load_model", "resolve_device", "resolve_dtype"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 INDEX_FILE = "model.safetensors.index.json"
@@ -55,20 +70,38 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def load_model(directory: Path, *, dtype: torch.dtype, device: torch.device,
                load_format: str = "auto", max_positions: int | None = None,
-               parallel: TensorParallel | None = None) -> CausalLM:
+               parallel: TensorParallel | None = None,
+               quantization: str | None = None) -> CausalLM:
     """Build the model described by ``directory``/config.json and fill its weights
-    (with ``parallel``, this rank's shard only: it reads no other rank's part)."""
+    (with ``parallel``, this rank's shard only: it reads no other rank's part);
+    ``quantization="fp8"``: its linear weights rounded to e4m3 (online FP8)."""
     config = read_model_config(directory)
+    check_online_quantization(quantization, config.quantization, directory)
     with torch.no_grad():
         model = CausalLM(config, dtype=dtype, device=device, max_positions=max_positions,
                          parallel=parallel)
         if load_format == "dummy":
-            fill_dummy_weights(model)
+            fill_dummy_weights(model, fp8=quantization is not None
+                               or config.quantization is not None)
         elif load_format in ("auto", "safetensors"):
-            _load_safetensors(model, directory)
+            _load_safetensors(model, directory, online=quantization is not None)
         else:
             raise ModelLoadError(f"unsupported load_format {load_format!r}")
     return model.eval()
+
+
+def check_online_quantization(method: str | None, checkpoint: CheckpointQuantization | None,
+                              directory: Path) -> None:
+    """``--quantization``: a method trio-llm has, for a checkpoint not quantized already."""
+    if method is None:
+        return
+    if method not in ONLINE_METHODS:
+        raise ModelLoadError(f"quantization {method!r} is not supported; supported: "
+                             f"{', '.join(ONLINE_METHODS)}")
+    if checkpoint is not None:
+        raise ModelLoadError(f"{directory}: --quantization {method} quantizes an unquantized "
+                             f"checkpoint, and this one is quantized already (quantization_config "
+                             f"{checkpoint.method!r}): leave --quantization out")
 
 
 # -- safetensors ---------------------------------------------------------------------
@@ -105,11 +138,12 @@ def _indexed_files(index_path: Path) -> dict[Path, list[str] | None]:
     return dict(names_by_file)
 
 
-def _load_safetensors(model: CausalLM, directory: Path) -> None:
+def _load_safetensors(model: CausalLM, directory: Path, *, online: bool) -> None:
     targets = model.checkpoint_targets()
     parameters = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
-    for tensor_name, tensor in _read_tensors(directory, targets):
+    decoder = _WeightDecoder(directory, model.config.quantization, online=online)
+    for tensor_name, tensor in _read_tensors(directory, targets, decoder):
         copy_into(parameters, targets[tensor_name], tensor)
         loaded.add(tensor_name)
     missing = [name for name in targets if name not in loaded]
@@ -119,7 +153,7 @@ def _load_safetensors(model: CausalLM, directory: Path) -> None:
         raise ModelLoadError(f"{directory}: missing tensor(s) in the checkpoint: {shown}")
 
 
-def _read_tensors(directory: Path, targets: dict[str, Target]
+def _read_tensors(directory: Path, targets: dict[str, Target], decoder: _WeightDecoder
                   ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield every needed tensor with its name, checking its shape before reading its data."""
     for path, indexed_names in checkpoint_files(directory).items():
@@ -135,7 +169,7 @@ def _read_tensors(directory: Path, targets: dict[str, Target]
                     tensor_slice = file.get_slice(name)
                     _check_shape(path, name, tensor_slice.get_shape(), targets[name])
                     # only this rank's shard is read from the file
-                    yield name, targets[name].take(tensor_slice)
+                    yield name, decoder.take(path, name, tensor_slice, targets[name])
         except ModelLoadError:
             raise
         except Exception as error:  # safetensors raises its own types for corrupt files
@@ -148,13 +182,59 @@ def _check_shape(path: Path, name: str, shape: list[int], target: Target) -> Non
                              f"expected {list(target.shape)}, found {list(shape)}")
 
 
+class _WeightDecoder:
+    """Reads a checkpoint tensor's part for its target: an e4m3 weight dequantized with
+    its scale (found in whichever file holds it), a float weight rounded to e4m3 for
+    online FP8, anything else as it is."""
+
+    def __init__(self, directory: Path, quantization: CheckpointQuantization | None, *,
+                 online: bool) -> None:
+        self.directory = directory
+        self.quantization = quantization
+        self.online = online
+        self._files_by_name: dict[str, Path] | None = None
+
+    def take(self, path: Path, name: str, tensor_slice: Any, target: Target) -> torch.Tensor:
+        dtype = tensor_slice.get_dtype()
+        if dtype in SAFETENSORS_FLOAT8:
+            if self.quantization is None or dtype != SAFETENSORS_E4M3:
+                raise ModelLoadError(
+                    f"{path}: tensor {name} is {dtype}, and config.json's quantization_config "
+                    f"does not say how it is scaled (trio-llm reads e4m3 weights of the "
+                    f"formats gpu/quantization.py names)")
+            scale = self._read(scale_name(self.quantization, name))
+            weight = checkpoint_fp8_weight(self.quantization, name, tensor_slice[:], scale)
+            return target.take(weight.dequantize())  # whole, then this rank's shard
+        if self.online and is_quantizable(target.parameter_name):
+            return target.take(quantize_rows(tensor_slice[:]).dequantize())
+        return target.take(tensor_slice)
+
+    def _read(self, name: str) -> torch.Tensor:
+        """Tensor ``name`` from whichever checkpoint file holds it."""
+        if self._files_by_name is None:
+            self._files_by_name = {}
+            for file_path, names in checkpoint_files(self.directory).items():
+                if names is None:
+                    with safe_open(str(file_path), framework="pt", device="cpu") as file:
+                        names = list(file.keys())
+                self._files_by_name |= dict.fromkeys(names, file_path)
+        found = self._files_by_name.get(name)
+        if found is None:
+            raise ModelLoadError(f"{self.directory}: missing tensor {name} (the scale of an "
+                                 f"FP8 weight) in the checkpoint")
+        with safe_open(str(found), framework="pt", device="cpu") as file:
+            return file.get_tensor(name)
+
+
 # -- dummy weights -------------------------------------------------------------------
 
 
-def fill_dummy_weights(model: CausalLM, *, seed: int = DUMMY_SEED, std: float = DUMMY_STD) -> None:
+def fill_dummy_weights(model: CausalLM, *, seed: int = DUMMY_SEED, std: float = DUMMY_STD,
+                       fp8: bool = False) -> None:
     """Seeded random weights: norms at one, biases at zero, everything else normal with a
     small std. Each checkpoint tensor is drawn whole, in one order, then sharded as a
-    checkpoint would be: every tensor-parallel size gets the same model."""
+    checkpoint would be: every tensor-parallel size gets the same model. ``fp8``: the
+    linear weights rounded to e4m3 with per-row scales."""
     generator = torch.Generator(device=model.device).manual_seed(seed)
     parameters = dict(model.named_parameters(remove_duplicate=False))
     for name, target in model.checkpoint_targets().items():
@@ -165,4 +245,6 @@ def fill_dummy_weights(model: CausalLM, *, seed: int = DUMMY_SEED, std: float = 
         else:
             tensor = torch.randn(target.shape, generator=generator, device=model.device,
                                  dtype=torch.float32).mul_(std)
+            if fp8 and is_quantizable(target.parameter_name):
+                tensor = quantize_rows(tensor).dequantize()
         copy_into(parameters, target, target.take(tensor))

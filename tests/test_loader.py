@@ -238,3 +238,4 @@ def test_cpu_kv_cache_is_sized_from_its_memory_budget(model_dir):
     bytes_per_block = 2 * 2 * 16 * 2 * 16 * 4
     assert executor.num_kv_blocks == int(0.001 * 2**30 // bytes_per_block)
     assert executor.kv_caches[0][0].shape == (executor.num_kv_blocks, 16, 2, 16)
+

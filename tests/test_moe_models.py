@@ -213,3 +213,68 @@ def test_two_ranks_over_gloo_generate_what_one_does(checkpoint, prompts):
     finally:
         two_ranks.close()
     assert [request.output_token_ids for request in requests] == expected
+
+
+def test_the_fused_gpu_forward_matches_the_plain_one(checkpoint, monkeypatch):
+    """The CUDA path's forward (gpu/models/cuda_fused.py: Triton's layers, attention and
+    fused MoE kernel; here in Triton's interpreter) against the torch forward, on a
+    mixed batch: a 5-token prompt beside a decode token with 3 positions cached."""
+    from trio_llm.gpu.kernels import fused_moe
+    from trio_llm.gpu.models import cuda_fused
+    from trio_llm.gpu.models.base import AttentionMetadata
+
+    directory, _ = checkpoint
+    calls = []
+    kernel = fused_moe.fused_moe
+    monkeypatch.setattr(fused_moe, "fused_moe",
+                        lambda *args, **kwargs: calls.append(1) or kernel(*args, **kwargs))
+
+    def load():
+        model = load_model(directory, dtype=torch.float32, device=torch.device("cpu"))
+        model.set_batch_invariant(False)
+        return model
+
+    plain, fused = load(), cuda_fused.fuse_model(load())
+    token_ids = torch.tensor([5, 17, 300, 2, 9, 44])
+    positions = torch.tensor([0, 1, 2, 3, 4, 3])
+    metadata = AttentionMetadata(
+        slot_mapping=torch.tensor([0, 1, 2, 3, 4, 11]),
+        block_tables=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
+        context_lens=torch.tensor([5, 4], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, 5, 6], dtype=torch.int32))
+    caches = [plain.allocate_kv_caches(4, 4), fused.allocate_kv_caches(4, 4)]
+    generator = torch.Generator().manual_seed(5)
+    for plain_pair, fused_pair in zip(*caches, strict=True):
+        for plain_cache, fused_cache in zip(plain_pair, fused_pair, strict=True):
+            plain_cache.copy_(torch.randn(plain_cache.shape, generator=generator))
+            fused_cache.copy_(plain_cache)
+    with torch.no_grad():
+        expected = plain(token_ids, positions, caches[0], metadata)
+        out = fused(token_ids, positions, caches[1], metadata)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-4)
+    assert len(calls) == sum(isinstance(module, SparseMoeBlock) for module in fused.modules())
+    assert torch.equal(plain.compute_logits(expected).argmax(-1),
+                       fused.compute_logits(out).argmax(-1))
+
+
+@pytest.mark.gpu
+def test_cuda_greedy_generation_matches_transformers(checkpoint, prompts):
+    """On CUDA, float32: the torch forward's logits within TF32 rounding of
+    transformers'; the CUDA executor's (fused MoE kernel, CUDA graphs) greedy tokens
+    equal to transformers'."""
+    from trio_llm.gpu.rank_executor import create_rank_executor
+
+    directory, model = checkpoint
+    requests, recorded = _run_executor(directory, prompts, block_size=16, device="cuda")
+    config = EngineConfig(model=str(directory), block_size=16, num_kv_blocks=512,
+                          device="cuda", dtype="float32", max_num_seqs=8)
+    fused = [DriverRequest(request_id=f"r{index}", prompt_token_ids=prompt,
+                           max_tokens=NUM_NEW_TOKENS) for index, prompt in enumerate(prompts)]
+    ExecutorDriver(create_rank_executor(config)).run(fused)  # type: ignore[arg-type]
+    for request, fused_request, prompt in zip(requests, fused, prompts, strict=True):
+        expected_tokens, expected_logits = _reference(model, prompt)
+        assert request.output_token_ids == expected_tokens
+        assert fused_request.output_token_ids == expected_tokens
+        ours = torch.stack([recorded[(request.request_id, index)].cpu()
+                            for index in range(NUM_NEW_TOKENS)])
+        torch.testing.assert_close(ours, expected_logits, rtol=0, atol=1e-3)

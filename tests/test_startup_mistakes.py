@@ -40,8 +40,10 @@ MISTAKES = [
     ("--max-model-len beyond the model", ["--max-model-len", "10000000"],
      ["--max-model-len 10000000", "max_position_embeddings (4096)",
       "VLLM_ALLOW_LONG_MAX_MODEL_LEN"]),
-    ("vLLM flag for an unsupported feature", ["--quantization", "awq"],
-     ["--quantization", "not supported by trio-llm yet", "leave it out"]),
+    ("vLLM flag for an unsupported feature", ["--kv-cache-dtype", "fp8"],
+     ["--kv-cache-dtype", "not supported by trio-llm yet", "leave it out"]),
+    ("a quantization trio-llm lacks", ["--quantization", "awq"],
+     ["--quantization awq", "must be one of fp8"]),
     ("vLLM switch for an unsupported feature", ["--enable-lora"],
      ["--enable-lora", "not supported by trio-llm yet"]),
 ]

@@ -8,12 +8,14 @@ add a family.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 from trio_llm.gpu.models import dense, mixtral, qwen2_moe, qwen3_moe
 from trio_llm.gpu.models.base import FAMILIES, CausalLM, ModelFamily
 from trio_llm.gpu.models.config import ModelConfig, ModelLoadError, read_config_json
+from trio_llm.gpu.quantization import parse_quantization
 
 __all__ = ["FAMILIES", "CausalLM", "ModelConfig", "ModelLoadError", "architecture_of",
            "dense", "mixtral", "parse_model_config", "qwen2_moe", "qwen3_moe", "read_model_config"]
@@ -39,8 +41,10 @@ def parse_model_config(data: dict[str, Any], *, source: str = "config.json") -> 
     """Parse config.json's contents with its family's parser; ``source`` names the file
     in error messages."""
     try:
+        quantization = parse_quantization(data, source)
         architecture, family = architecture_of(data, source)
-        return family.parse_config(data, source, architecture)
+        config = family.parse_config(data, source, architecture)
+        return dataclasses.replace(config, quantization=quantization)
     except ModelLoadError:
         raise
     except (KeyError, TypeError, ValueError) as error:

@@ -15,6 +15,7 @@ from typing import Any
 
 from trio_llm.gpu.errors import ModelLoadError
 from trio_llm.gpu.layers.rotary import SUPPORTED_ROPE_TYPES, RopeConfig
+from trio_llm.gpu.quantization import CheckpointQuantization
 
 __all__ = ["ModelConfig", "ModelLoadError", "MoeConfig", "RopeConfig", "common_fields",
            "moe_fields", "parse_rope", "read_config_json"]
@@ -42,6 +43,8 @@ class ModelConfig:
     qk_norm: bool
     rope: RopeConfig
     checkpoint_dtype: str | None = None
+    # how the checkpoint stores FP8 weights (gpu/quantization.py); None: unquantized
+    quantization: CheckpointQuantization | None = None
 
     @property
     def q_size(self) -> int:
