@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_model import NUM_NEW_TOKENS, _family_config, _randomise, _run_executor
+from test_model import NUM_NEW_TOKENS, _family_config, _randomise, _reference, _run_executor
 from test_moe_models import moe_config, randomise
 
 from trio_llm.actors.config import EngineConfig
@@ -196,7 +196,8 @@ def _tiny_model(family: str):
 
 def _prompts():
     generator = torch.Generator().manual_seed(3)
-    return [torch.randint(0, 384, (length,), generator=generator).tolist()
+    # no token 0: transformers' generate masks it as padding (pad_token_id=0)
+    return [torch.randint(1, 384, (length,), generator=generator).tolist()
             for length in (5, 23, 1)]
 
 
@@ -235,6 +236,26 @@ def test_an_fp8_checkpoint_generates_what_its_dequantized_weights_do(
                                      block, keep)
     assert sum(tensor.dtype == E4M3 for tensor in quantized.values()) > 8
     _assert_same_generation(tmp_path / "fp8", tmp_path / "plain")
+
+
+@pytest.mark.parametrize(("family", "block"), [("qwen3", (32, 32)), ("qwen3_moe", (16, 32))])
+def test_transformers_loading_the_fp8_checkpoint_generates_what_trio_llm_does(
+        tmp_path, family, block):
+    """transformers dequantizes a block-wise FP8 checkpoint on the CPU (it needs
+    accelerate, not one of trio-llm's dependencies; whole blocks only)."""
+    pytest.importorskip("accelerate")
+    write_fp8_checkpoint(_tiny_model(family), tmp_path / "fp8", tmp_path / "plain", "block",
+                         block)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "fp8", dtype=torch.float32).eval()
+    prompts = _prompts()
+    requests, recorded = _run_executor(tmp_path / "fp8", prompts, block_size=16)
+    for request, prompt in zip(requests, prompts, strict=True):
+        expected_tokens, expected_logits = _reference(theirs, prompt)
+        assert request.output_token_ids == expected_tokens
+        ours = torch.stack([recorded[(request.request_id, index)]
+                            for index in range(NUM_NEW_TOKENS)])
+        torch.testing.assert_close(ours, expected_logits, rtol=0, atol=1e-4)
 
 
 def test_the_dequantized_weights_are_not_the_float_ones(tmp_path):
