@@ -22,6 +22,7 @@ from trio_llm.gpu.executor import ModelExecutor
 from trio_llm.gpu.loader import load_model
 from trio_llm.gpu.models import ModelLoadError, parse_model_config
 from trio_llm.gpu.quantization import E4M3, E4M3_MAX, is_quantizable
+from trio_llm.gpu.tensor_parallel import TensorParallel
 from trio_llm.gpu.testing import DriverRequest, ExecutorDriver, record_logits
 
 transformers = pytest.importorskip("transformers")
@@ -392,3 +393,34 @@ def test_the_cli_refuses_online_fp8_for_a_quantized_checkpoint_in_one_line(tmp_p
     message = str(raised.value)
     assert "\n" not in message
     assert message.startswith("trio-llm: ") and "leave --quantization out" in message
+
+
+def _parameters(directory, rank: int, world_size: int, **options) -> dict[str, torch.Tensor]:
+    model = load_model(directory, dtype=torch.float32, device=torch.device("cpu"),
+                       parallel=TensorParallel(rank=rank, world_size=world_size), **options)
+    return dict(model.named_parameters())
+
+
+def test_each_rank_dequantizes_the_whole_weight_then_takes_its_shard(tmp_path):
+    """Under tensor parallelism 2 each rank holds exactly its shard of the dequantized
+    weights (a block's scale spans both ranks' columns of down_proj)."""
+    write_fp8_checkpoint(_tiny_model("qwen3_moe"), tmp_path / "fp8", tmp_path / "plain",
+                         "block", (16, 32))
+    for rank in range(2):
+        fp8, plain = _parameters(tmp_path / "fp8", rank, 2), _parameters(tmp_path / "plain",
+                                                                         rank, 2)
+        assert fp8.keys() == plain.keys()
+        for name, tensor in plain.items():
+            assert torch.equal(fp8[name], tensor), name
+
+
+def test_online_fp8_scales_a_row_over_its_whole_length_on_every_rank(float_checkpoint):
+    """The per-row scale comes from the whole row, not a rank's columns of it: the shards
+    of the row-parallel weights put together are the single rank's weights."""
+    whole = _parameters(float_checkpoint, 0, 1, quantization="fp8")
+    ranks = [_parameters(float_checkpoint, rank, 2, quantization="fp8") for rank in range(2)]
+    row_parallel = [name for name in whole if name.endswith(("o_proj.weight", "down_proj.weight",
+                                                              "experts_down"))]
+    assert len(row_parallel) >= 5
+    for name in row_parallel:
+        assert torch.equal(torch.cat([rank[name] for rank in ranks], dim=-1), whole[name]), name
