@@ -63,7 +63,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     structured_outputs_max_bytes: PositiveInt = 64 * 1024
     structured_outputs_max_depth: PositiveInt = 32
     structured_outputs_max_nodes: PositiveInt = 2048
-    structured_outputs_max_properties: PositiveInt = 256
+    structured_outputs_max_properties: PositiveInt = 384
     structured_outputs_max_alternatives: PositiveInt = 1024
     structured_outputs_max_repeat: PositiveInt = 1024
     structured_outputs_compile_timeout: Annotated[float, msgspec.Meta(gt=0.0)] = 10.0

@@ -31,13 +31,13 @@ class ConstraintLimits(msgspec.Struct, frozen=True, kw_only=True):
     """The largest constraint shape a request may ask for (EngineConfig's
     ``structured_outputs_max_*``; docs/http-api.md lists them with their flags)."""
 
-    max_bytes: int = 64 * 1024  # the constraint's text: schema, regex, grammar or choices
-    max_depth: int = 32  # nesting of a JSON schema's subschemas
-    max_nodes: int = 2048  # subschemas of a JSON schema, in all
-    max_properties: int = 256  # properties of one object
-    max_alternatives: int = 1024  # enum and const values and choices, in all
+    max_bytes: int  # the constraint's text: schema, regex, grammar or choices
+    max_depth: int  # nesting of a JSON schema's subschemas
+    max_nodes: int  # subschemas of a JSON schema, in all
+    max_properties: int  # optional object properties (not in required), in all
+    max_alternatives: int  # enum and const values, choices, regex alternatives, in all
     # a bounded repetition ({n,m}, maxLength, maxItems...), nested ones multiplied
-    max_repeat: int = 1024
+    max_repeat: int
 
 
 def constraint_limits(config: EngineConfig) -> ConstraintLimits:
@@ -49,6 +49,9 @@ def constraint_limits(config: EngineConfig) -> ConstraintLimits:
         max_properties=config.structured_outputs_max_properties,
         max_alternatives=config.structured_outputs_max_alternatives,
         max_repeat=config.structured_outputs_max_repeat)
+
+
+DEFAULT_LIMITS = constraint_limits(EngineConfig())
 
 
 class ConstraintTooCostly(ValueError):
@@ -175,6 +178,7 @@ class _SchemaWalk:
     def __init__(self, limits: ConstraintLimits) -> None:
         self.limits = limits
         self.num_nodes = 0
+        self.num_properties = 0
         self.num_alternatives = 0
         self.max_repeat = 1
 
@@ -184,7 +188,7 @@ class _SchemaWalk:
         except (msgspec.DecodeError, RecursionError):
             return 1  # not JSON (or nested past the decoder): the compile says why, at once
         self._walk(schema, 1)
-        return self.num_nodes + self.num_alternatives + self.max_repeat
+        return self.num_nodes + self.num_properties + self.num_alternatives + self.max_repeat
 
     def _walk(self, schema: Any, depth: int) -> None:
         if not isinstance(schema, dict):
@@ -217,9 +221,17 @@ class _SchemaWalk:
             self.max_repeat = max(self.max_repeat, _check_repeat(
                 regex_repeat(pattern), "the JSON schema's pattern", limits))
         properties = schema.get("properties")
-        if isinstance(properties, dict) and len(properties) > limits.max_properties:
-            raise _too_costly("an object of the JSON schema", f"has {len(properties)} properties",
-                              limits.max_properties, "max-properties")
+        if isinstance(properties, dict):
+            # optional ones cost: xgrammar's rules for which may follow which
+            required = schema.get("required")
+            names = {name for name in required if isinstance(name, str)} if isinstance(
+                required, list) else set()
+            num_required = len(names & properties.keys())
+            self.num_properties += len(properties) - num_required
+            if self.num_properties > limits.max_properties:
+                raise _too_costly("the JSON schema", f"has more than {limits.max_properties} "
+                                  "optional object properties", limits.max_properties,
+                                  "max-properties")
 
     @staticmethod
     def _subschemas(schema: dict[str, Any]) -> list[tuple[str, Any]]:

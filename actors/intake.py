@@ -21,7 +21,6 @@ served layout the API server never compiles what the engine core compiles again.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -47,6 +46,8 @@ from trio_llm.actors.messages import (
     SamplingOptions,
     SamplingParams,
     Submit,
+    check_sampling_params,
+    rejection_from,
 )
 from trio_llm.actors.pooling import PoolingConfig
 from trio_llm.actors.streams import RequestStreams
@@ -66,8 +67,6 @@ MAX_TEMPERATURE = 3.4028234663852886e38
 # OpenAI documents no bound on logit_bias entries; this one is ours, so a request
 # cannot make every step scatter a vocabulary's worth of biases.
 MAX_LOGIT_BIAS_ENTRIES = 1024
-MAX_SEED = 2**63 - 1
-MIN_SEED = -(2**63)
 _MASK_64 = 2**64 - 1
 _GOLDEN_GAMMA = 0x9E3779B97F4A7C15
 
@@ -103,6 +102,9 @@ class Intake:
         self.num_kv_tokens = num_kv_tokens
         self.vocab_size = vocab_size
         self.num_admitted = 0
+        # A text longer than this holds more than max_model_len tokens whatever it says:
+        # refused without tokenizing it (a 7 MB prompt took 1.6 GB to tokenize).
+        self.max_prompt_chars = max_model_len * longest_token_chars(tokenizer)
 
     def admit(self, submit: Submit) -> Request:
         """Validate and tokenize one request. Raises RequestRejected(message, param=...)."""
@@ -185,7 +187,7 @@ class Intake:
         try:
             return msgspec.convert(fields, PoolingParams)
         except msgspec.ValidationError as error:
-            raise _rejection_from(error, fields) from None
+            raise rejection_from(error, fields) from None
 
     # -- sampling parameters --------------------------------------------------
 
@@ -195,15 +197,11 @@ class Intake:
         if not isinstance(params, SamplingParams):
             raise RequestRejected(f"sampling parameters must be a SamplingParams, not "
                                   f"{type(params).__name__}")
-        fields = msgspec.structs.asdict(params)
-        if isinstance(fields["stop"], str):
-            fields["stop"] = [fields["stop"]]  # vLLM accepts a single stop string
-        try:
-            checked = msgspec.convert(fields, SamplingParams)
-        except msgspec.ValidationError as error:
-            raise _rejection_from(error, fields) from None
-        self._check_sampling_rules(checked)
-        return self._normalized(checked)
+        # Checked at construction already, unless built around the constructor
+        # (msgspec.structs.replace, a decoder): again, by the same definition.
+        check_sampling_params(params)
+        self._check_sampling_rules(params)
+        return self._normalized(params)
 
     def _normalized(self, params: SamplingParams) -> SamplingParams:
         """Values the device could not hold, mapped to ones that sample the same."""
@@ -221,17 +219,8 @@ class Intake:
         return msgspec.structs.replace(params, **changes) if changes else params
 
     def _check_sampling_rules(self, params: SamplingParams) -> None:
-        if params.max_tokens is not None and params.min_tokens > params.max_tokens:
-            raise RequestRejected(
-                f"min_tokens ({params.min_tokens}) must not exceed max_tokens "
-                f"({params.max_tokens})", param="min_tokens")
-        if params.seed is not None and not MIN_SEED <= params.seed <= MAX_SEED:
-            raise RequestRejected(f"seed {params.seed} does not fit in a signed 64-bit integer",
-                                  param="seed")
+        """The rules that need the engine (check_sampling_params has the rest)."""
         self._check_stop_strings(params.stop)
-        for name in ("temperature", "top_p", "min_p"):
-            if not math.isfinite(getattr(params, name)):
-                raise RequestRejected(f"{name} must be a finite number", param=name)
         self._check_structured_outputs(params)
         self._check_logprobs(params.logprobs)
         self._check_in_vocabulary(params.stop_token_ids, "stop_token_ids")
@@ -245,9 +234,6 @@ class Intake:
                 f"(ids 0 to {self.vocab_size - 1})", param=param)
 
     def _check_penalties(self, params: SamplingParams) -> None:
-        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
-            if not math.isfinite(getattr(params, name)):
-                raise RequestRejected(f"{name} must be a finite number", param=name)
         if params.logit_bias is not None:
             if len(params.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
                 raise RequestRejected(f"logit_bias may have at most {MAX_LOGIT_BIAS_ENTRIES} "
@@ -407,6 +393,12 @@ class Intake:
                  keep_last: int | None = None) -> list[int]:
         """The text's token ids (only the last ``keep_last`` if set); else a prompt
         over the context is refused from its count, without building its list of ids."""
+        if keep_last is None and len(text) > self.max_prompt_chars:
+            raise RequestRejected(
+                f"This model's maximum context length is {self.max_model_len} tokens, but the "
+                f"prompt has {len(text)} characters: more tokens than that whatever they are "
+                "(no token of this tokenizer spans more than "
+                f"{self.max_prompt_chars // self.max_model_len} characters)", param=param)
         if keep_last is not None:
             token_ids = _scoped_to_request("tokenizer", param, self.tokenizer.encode, text,
                                            add_special_tokens=add_special_tokens)
@@ -501,6 +493,19 @@ class Intake:
         )
 
 
+# A word-level unknown token may stand for a whole word (WordPiece's [UNK] for up
+# to 100 characters): no token is taken to span fewer characters than this.
+MIN_TOKEN_SPAN_CHARS = 128
+
+
+def longest_token_chars(tokenizer: Tokenizer) -> int:
+    """The most characters one token can stand for: its vocabulary's longest entry
+    (byte-level vocabularies spell each byte as one character), at least
+    MIN_TOKEN_SPAN_CHARS."""
+    vocab = tokenizer.backend.get_vocab(with_added_tokens=True)
+    return max(MIN_TOKEN_SPAN_CHARS, max((len(token) for token in vocab), default=0))
+
+
 def _check_allowed_after_bans(params: SamplingParams, stop_token_ids: list[int]) -> None:
     """Below min_tokens the stop token ids are banned: some allowed id must remain."""
     allowed = params.allowed_token_ids
@@ -555,17 +560,6 @@ def _prompt_param(submit: Submit) -> str:
 def _is_chat_message(message: object) -> bool:
     return (isinstance(message, dict) and isinstance(message.get("role"), str)
             and isinstance(message.get("content"), str))
-
-
-def _rejection_from(error: msgspec.ValidationError, fields: dict[str, object]) -> RequestRejected:
-    """'Expected `int` >= 1 - at `$.max_tokens`' -> a rejection naming max_tokens and its value."""
-    message = str(error)
-    expected, _, location = message.rpartition(" - at ")
-    field = location.strip("`").removeprefix("$.").split("[")[0].split(".")[0]
-    if not expected or field not in fields:
-        return RequestRejected(f"invalid sampling parameters: {message}")
-    expected = expected.replace("`", "")
-    return RequestRejected(f"invalid {field}={fields[field]!r}: {expected}", param=field)
 
 
 async def run_intake(

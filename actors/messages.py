@@ -13,10 +13,14 @@ Flow (see docs/architecture.md):
 from __future__ import annotations
 
 import array
+import math
 import sys
+import threading
 from typing import Annotated, Any, Literal
 
 import msgspec
+
+from trio_llm.actors.errors import RequestRejected
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -91,6 +95,62 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     prompt_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
     truncate_prompt_tokens: Annotated[int, msgspec.Meta(ge=-1)] | None = None
     add_special_tokens: bool | None = None
+
+    def __post_init__(self) -> None:
+        check_sampling_params(self)
+
+
+# A seed is a signed 64-bit integer.
+MAX_SEED = 2**63 - 1
+MIN_SEED = -(2**63)
+_checking = threading.local()
+
+
+def check_sampling_params(params: SamplingParams) -> None:
+    """The one definition of what makes sampling parameters valid on their own,
+    applied at construction and again at intake: each field within its range,
+    then the rules across fields. Raises RequestRejected naming the field (a 400
+    over HTTP). What needs the engine (the vocabulary, --max-logprobs, stop
+    string limits) intake checks. A single stop string becomes a list (vLLM's)."""
+    if getattr(_checking, "active", False):
+        return  # the conversion below constructs the struct again
+    if isinstance(params.stop, str):
+        msgspec.structs.force_setattr(params, "stop", [params.stop])
+    fields = msgspec.structs.asdict(params)
+    _checking.active = True
+    try:
+        msgspec.convert(fields, SamplingParams)
+    except msgspec.ValidationError as error:
+        raise rejection_from(error, fields) from None
+    finally:
+        _checking.active = False
+    _check_sampling_rules(params)
+
+
+def _check_sampling_rules(params: SamplingParams) -> None:
+    if params.max_tokens is not None and params.min_tokens > params.max_tokens:
+        raise RequestRejected(
+            f"min_tokens ({params.min_tokens}) must not exceed max_tokens "
+            f"({params.max_tokens})", param="min_tokens")
+    if params.seed is not None and not MIN_SEED <= params.seed <= MAX_SEED:
+        raise RequestRejected(f"seed {params.seed} does not fit in a signed 64-bit integer",
+                              param="seed")
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty"):
+        if not math.isfinite(getattr(params, name)):
+            raise RequestRejected(f"{name} must be a finite number", param=name)
+
+
+def rejection_from(error: msgspec.ValidationError, fields: dict[str, object]
+                   ) -> RequestRejected:
+    """'Expected `int` >= 1 - at `$.max_tokens`' -> a rejection naming max_tokens and its value."""
+    message = str(error)
+    expected, _, location = message.rpartition(" - at ")
+    field = location.strip("`").removeprefix("$.").split("[")[0].split(".")[0]
+    if not expected or field not in fields:
+        return RequestRejected(f"invalid sampling parameters: {message}")
+    expected = expected.replace("`", "")
+    return RequestRejected(f"invalid {field}={fields[field]!r}: {expected}", param=field)
 
 
 class PoolingParams(msgspec.Struct, frozen=True, kw_only=True):

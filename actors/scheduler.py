@@ -28,6 +28,11 @@ preempted): the decode hot path never hashes. A step that reads a cached block
 always runs after (or is) the step that writes it: the runner executes steps
 in order and every layer writes its KV before attending.
 
+An embedding request (``Request.pooling``, the pooling runner) is a prefill like any
+other whose last chunk pools (``pool``) instead of sampling; it finishes, and frees its
+blocks, when that chunk's vector arrives in the StepResult. Mean pooling needs every
+position's hidden state, so a mean-pooled request never starts from cached blocks.
+
 Depth 2: the next batch is planned while the previous one runs. A decoding
 request whose last token was sampled in the batch in flight takes it as input
 straight from the runner (``input_from_previous_step``); the scheduler counts

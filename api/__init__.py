@@ -12,6 +12,8 @@ _EXPORTS = {
     "Engine": "trio_llm.api.engine",
     "EngineStatistics": "trio_llm.api.engine",
     "RequestOutputStream": "trio_llm.api.engine",
+    "EmbeddingOutput": "trio_llm.api.engine",
+    "PoolingParams": "trio_llm.actors.messages",
     "ChatTemplateOptions": "trio_llm.actors.messages",
     "EngineConfig": "trio_llm.actors.config",
     "SamplingParams": "trio_llm.actors.messages",

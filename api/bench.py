@@ -102,14 +102,17 @@ async def run_engine_throughput(config: EngineConfig, model: Any, workload: list
                                 *, temperature: float, executor_kind: str,
                                 progress: bool,
                                 constraints: dict[int, StructuredOutputsParams] | None = None,
+                                timeline: list[tuple[float, int]] | None = None,
                                 ) -> dict[str, Any]:
     """Submit the whole workload at once to an engine over ``model`` (a
     ModelExecutor); return measured figures. ``constraints`` maps a request's index
     to its structured-outputs constraint (those requests end at EOS too: a grammar
-    decides where its output ends)."""
+    decides where its output ends). ``timeline`` collects (seconds from the start,
+    output tokens) of every output as it comes (``--plot``)."""
     import trio
 
     from trio_llm.api.engine import Engine
+    from trio_llm.api.warm_up import WarmUpPlan
 
     executor = NullExecutor(model) if executor_kind == "null" else TimedExecutor(model)
     num_output_tokens = 0
@@ -125,15 +128,22 @@ async def run_engine_throughput(config: EngineConfig, model: Any, workload: list
         async for output in engine.generate(item.prompt_token_ids, params):
             num_output_tokens += len(output.token_ids)
             bar.update(len(output.token_ids))
+            if timeline is not None:
+                timeline.append((time.perf_counter() - start, len(output.token_ids)))
 
     with bar:  # closed however the run ends (a Ctrl-C too), before anything is printed
-        async with Engine.open(config, executor=executor) as engine:
+        async with Engine.open(config, executor=executor, warm_up=WarmUpPlan()) as engine:
+            # timed from a warm engine, as a server's traffic is (api/warm_up.py)
+            await engine.wait_ready()
+            warm = engine.statistics()
+            executor.execute_seconds = 0.0
             start = time.perf_counter()
             async with trio.open_nursery() as nursery:
                 for index, item in enumerate(workload):
                     nursery.start_soon(one, engine, index, item)
             elapsed = time.perf_counter() - start
             stats = engine.statistics()
+    num_steps = stats.num_steps - warm.num_steps
     return {
         "executor": executor_kind,
         "num_requests": len(workload),
@@ -141,10 +151,10 @@ async def run_engine_throughput(config: EngineConfig, model: Any, workload: list
         "num_output_tokens": num_output_tokens,
         "elapsed_seconds": elapsed,
         "output_tokens_per_second": num_output_tokens / elapsed,
-        "num_steps": stats.num_steps,
-        "num_preemptions": stats.num_preemptions,
-        "milliseconds_per_step": 1000 * elapsed / max(stats.num_steps, 1),
-        "executor_milliseconds_per_step": 1000 * executor.execute_seconds / max(stats.num_steps, 1),
+        "num_steps": num_steps,
+        "num_preemptions": stats.num_preemptions - warm.num_preemptions,
+        "milliseconds_per_step": 1000 * elapsed / max(num_steps, 1),
+        "executor_milliseconds_per_step": 1000 * executor.execute_seconds / max(num_steps, 1),
     }
 
 
@@ -158,6 +168,7 @@ def run_throughput(args: argparse.Namespace, config: EngineConfig) -> int:
                                output_len=(args.min_output_len, args.max_output_len),
                                max_token_id=max_token_id)
 
+    timeline: list[tuple[float, int]] | None = [] if args.plot is not None else None
     if args.backend == "transformers":
         from trio_llm.gpu.cuda_hf_baseline import run_transformers_throughput
 
@@ -171,7 +182,8 @@ def run_throughput(args: argparse.Namespace, config: EngineConfig) -> int:
             items = workload(min(args.max_token_id, model.vocab_size))
             result = trio.run(lambda: run_engine_throughput(
                 config, model, items, temperature=args.temperature,
-                executor_kind=args.executor, progress=not args.no_progress))
+                executor_kind=args.executor, progress=not args.no_progress,
+                timeline=timeline))
         finally:
             close = getattr(model, "close", None)  # a tensor-parallel executor's workers
             if close is not None:
@@ -183,7 +195,48 @@ def run_throughput(args: argparse.Namespace, config: EngineConfig) -> int:
         print(summary_table(result))
     if args.json not in (None, "-"):
         Path(args.json).write_text(json.dumps(result, indent=2))
+    if args.plot is not None and timeline is not None:
+        plot_throughput(args.plot, timeline, title=throughput_title(args, config, result))
     return 0
+
+
+def throughput_title(args: argparse.Namespace, config: EngineConfig,
+                     result: dict[str, Any]) -> str:
+    return (f"trio-llm bench throughput: {config.model}, {args.num_prompts} requests, "
+            f"{args.min_prompt_len}-{args.max_prompt_len} in, {args.min_output_len}-"
+            f"{args.max_output_len} out, all at once, "
+            f"{result['output_tokens_per_second']:,.0f} tok/s, {time.strftime('%Y-%m-%d')}")
+
+
+# Bins of the throughput plot.
+NUM_PLOT_BINS = 60
+
+
+def plot_throughput(path: Path, timeline: list[tuple[float, int]], *, title: str) -> None:
+    """One PNG: output tokens/s over the timed run."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("trio-llm bench throughput: --plot needs matplotlib, which is not "
+                         "installed (pip install matplotlib)") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as pyplot
+
+    end = max((moment for moment, _ in timeline), default=0.0)
+    width = max(end / NUM_PLOT_BINS, 1e-3)
+    tokens = [0] * NUM_PLOT_BINS
+    for moment, count in timeline:
+        tokens[min(int(moment / width), NUM_PLOT_BINS - 1)] += count
+    figure, axis = pyplot.subplots(figsize=(11, 5))
+    axis.plot([index * width for index in range(NUM_PLOT_BINS)],
+              [count / width for count in tokens])
+    axis.set_xlabel("seconds from the start (after the warm-up)")
+    axis.set_ylabel("output tokens/s")
+    axis.set_ylim(bottom=0)
+    figure.suptitle(title, fontsize="medium")
+    figure.tight_layout()
+    figure.savefig(path)
+    pyplot.close(figure)
 
 
 def summary_table(result: dict[str, Any]) -> str:

@@ -48,7 +48,7 @@ import httpx
 import msgspec
 import trio
 
-from trio_llm.api.client import CompletionClient, CompletionError
+from trio_llm.api.client import COMPLETIONS_PATH, CompletionClient, CompletionError
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,13 @@ class BenchServeOptions(msgspec.Struct, frozen=True, kw_only=True):
     vocab_size: int | None = None
     tokenizer: str | None = None
     show_progress: bool = True
-    dataset_name: Literal["random", "prefix_repetition"] = "random"
+    dataset_name: Literal["random", "prefix_repetition", "sharegpt"] = "random"
+    # ShareGPT JSON (a list of {"conversations": [{"from", "value"}, ...]}): the first
+    # turn is the prompt, the second's length the output's, unless sharegpt_output_len
+    dataset_path: str | None = None
+    sharegpt_output_len: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    # openai: /v1/completions with token ids; openai-chat: /v1/chat/completions with text
+    backend: Literal["openai", "openai-chat"] = "openai"
     prefix_repetition_prefix_len: Annotated[int, msgspec.Meta(ge=0)] = 256
     prefix_repetition_suffix_len: Annotated[int, msgspec.Meta(ge=0)] = 256
     prefix_repetition_num_prefixes: Annotated[int, msgspec.Meta(ge=1)] = 10
@@ -87,6 +93,7 @@ class BenchServeOptions(msgspec.Struct, frozen=True, kw_only=True):
 class BenchRequest(msgspec.Struct, frozen=True):
     prompt_token_ids: list[int]
     max_tokens: int
+    prompt_text: str | None = None  # what a chat message carries (openai-chat)
 
 
 class TokenPool(msgspec.Struct, frozen=True, kw_only=True):
@@ -230,21 +237,31 @@ def arrival_offsets(*, seed: int, num_requests: int, request_rate: float) -> lis
 # -- measuring -------------------------------------------------------------------------
 
 
+CHAT_PATH = "/v1/chat/completions"
+
+
 async def timed_request(client: CompletionClient, request: BenchRequest, *,
                         model: str | None, ignore_eos: bool,
-                        clock_start: float = 0.0) -> RequestResult:
+                        clock_start: float = 0.0, backend: str = "openai") -> RequestResult:
     """Stream one request; never raises for a failed request (the result says so).
-    ``start`` is when it was sent, from ``clock_start``."""
-    body: dict[str, Any] = {"prompt": request.prompt_token_ids, "max_tokens": request.max_tokens,
+    ``start`` is when it was sent, from ``clock_start``. ``backend`` openai-chat
+    sends the prompt's text as one user message."""
+    body: dict[str, Any] = {"max_tokens": request.max_tokens,
                             "ignore_eos": ignore_eos, "temperature": 0.0,
                             "stream_options": {"include_usage": True}}
+    if backend == "openai-chat":
+        body["messages"] = [{"role": "user", "content": request.prompt_text or ""}]
+        path = CHAT_PATH
+    else:
+        body["prompt"] = request.prompt_token_ids
+        path = COMPLETIONS_PATH
     if model is not None:
         body["model"] = model
     start = trio.current_time()
     arrivals: list[float] = []
     num_output_tokens = None
     try:
-        async with client.stream(body) as chunks:
+        async with client.stream(body, path=path) as chunks:
             async for chunk in chunks:
                 if chunk.text:
                     arrivals.append(chunk.arrival_time)
@@ -321,12 +338,72 @@ async def prefix_cache_counters(options: BenchServeOptions) -> tuple[float, floa
     return (totals["queries"], totals["hits"]) if len(found) == 2 else None
 
 
+# ShareGPT conversations vLLM's benchmark leaves out: too short to measure, or too long.
+MIN_SHAREGPT_TOKENS = 4
+MAX_SHAREGPT_PROMPT_TOKENS = 1024
+MAX_SHAREGPT_TOTAL_TOKENS = 2048
+
+
+def sharegpt_conversations(path: str, seed: int) -> list[tuple[str, str]]:
+    """(prompt, reply) of every conversation of a ShareGPT JSON file with two turns
+    or more, shuffled by ``seed`` as vLLM's benchmark does."""
+    try:
+        entries = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"trio-llm bench serve: --dataset-path {path}: {error}") from None
+    pairs = [(entry["conversations"][0]["value"], entry["conversations"][1]["value"])
+             for entry in entries
+             if isinstance(entry, dict) and len(entry.get("conversations") or []) >= 2]
+    random.Random(seed).shuffle(pairs)
+    return pairs
+
+
+async def sharegpt_requests(client: CompletionClient, options: BenchServeOptions,
+                            model: str | None) -> list[BenchRequest]:
+    """``num_prompts`` requests from the ShareGPT file, tokenized by the server: the
+    prompt's ids and the reply's length as max_tokens (or --sharegpt-output-len)."""
+    assert options.dataset_path is not None
+    requests: list[BenchRequest] = []
+    for prompt, reply in sharegpt_conversations(options.dataset_path, options.seed):
+        if len(requests) == options.num_prompts:
+            break
+        prompt_ids = (await client.tokenize({"prompt": prompt, "model": model}))["tokens"]
+        output_len = options.sharegpt_output_len or (
+            await client.tokenize({"prompt": reply, "model": model}))["count"]
+        if len(prompt_ids) < MIN_SHAREGPT_TOKENS or output_len < MIN_SHAREGPT_TOKENS:
+            continue
+        if (len(prompt_ids) > MAX_SHAREGPT_PROMPT_TOKENS
+                or len(prompt_ids) + output_len > MAX_SHAREGPT_TOTAL_TOKENS):
+            continue
+        requests.append(BenchRequest(prompt_token_ids=prompt_ids, max_tokens=output_len,
+                                     prompt_text=prompt))
+    if len(requests) < options.num_prompts:
+        raise SystemExit(f"trio-llm bench serve: {options.dataset_path} has "
+                         f"{len(requests)} usable conversations, fewer than --num-prompts "
+                         f"{options.num_prompts}")
+    return requests
+
+
+async def prepared_requests(client: CompletionClient, options: BenchServeOptions,
+                            model: str | None, pool: TokenPool) -> list[BenchRequest]:
+    """The workload's requests; for the chat backend, with their prompts as text
+    (random ids decoded by the server)."""
+    if options.dataset_name == "sharegpt":
+        return await sharegpt_requests(client, options, model)
+    requests = workload_requests(options, pool)
+    if options.backend == "openai-chat":
+        requests = [msgspec.structs.replace(request, prompt_text=(await client.detokenize(
+            {"tokens": request.prompt_token_ids, "model": model}))["prompt"])
+            for request in requests]
+    return requests
+
+
 async def _run_requests(client: CompletionClient, options: BenchServeOptions,
                         model: str | None, pool: TokenPool, indices: list[int],
                         max_concurrency: int | None, progress: Any) -> list[RequestResult]:
     """The workload's requests ``indices``, at their arrival times, at most
     ``max_concurrency`` at once; their results in the same order."""
-    requests = workload_requests(options, pool)
+    requests = await prepared_requests(client, options, model, pool)
     offsets = arrival_offsets(seed=options.seed, num_requests=len(requests),
                               request_rate=options.request_rate)
     results: list[RequestResult] = [RequestResult(success=False)] * len(indices)
@@ -338,7 +415,8 @@ async def _run_requests(client: CompletionClient, options: BenchServeOptions,
         async with seats:
             results[position] = await timed_request(client, requests[index], model=model,
                                                     ignore_eos=options.ignore_eos,
-                                                    clock_start=start)
+                                                    clock_start=start,
+                                                    backend=options.backend)
         if progress is not None:
             progress.update(1)
 
@@ -653,10 +731,10 @@ def _matplotlib() -> Any:
 PLOT_PERCENTILES = (50, 90, 99)
 
 
-def plot_latencies(path: Path, results: list[RequestResult]) -> None:
+def plot_latencies(path: Path, results: list[RequestResult], *, title: str = "") -> None:
     """One PNG: histograms of TTFT, TPOT, ITL and end-to-end latency with their
-    p50/p90/p99 lines, and below them output throughput and requests running
-    over the run."""
+    p50/p90/p99 lines (each axis clipped at p99.9, the values beyond marked), and
+    below them output throughput and requests running over the run."""
     _matplotlib().use("Agg")
     import matplotlib.pyplot as pyplot
 
@@ -673,16 +751,38 @@ def plot_latencies(path: Path, results: list[RequestResult]) -> None:
         axis = figure.add_subplot(grid[position // 2, position % 2])
         _histogram_with_percentiles(axis, values, title)
     _plot_over_time(figure.add_subplot(grid[2, :]), done)
-    figure.suptitle(f"trio-llm bench serve: {len(done)} requests")
+    figure.suptitle(title or f"trio-llm bench serve: {len(done)} requests")
     figure.tight_layout()
     figure.savefig(path)
     pyplot.close(figure)
 
 
+# Histogram axes end at this percentile: one outlier must not squash the rest.
+CLIP_PERCENTILE = 99.9
+
+
+def clipped(values: list[float]) -> tuple[list[float], list[float]]:
+    """``values`` up to their p99.9, and the outliers beyond it."""
+    if not values:
+        return [], []
+    limit = percentile(sorted(values), CLIP_PERCENTILE)
+    return [v for v in values if v <= limit], [v for v in values if v > limit]
+
+
 def _histogram_with_percentiles(axis: Any, values: list[float], title: str) -> None:
-    axis.hist(values or [0.0], bins=40)
+    from matplotlib.ticker import MaxNLocator
+
+    inliers, outliers = clipped(values)
+    axis.hist(inliers or [0.0], bins=40)
     axis.set_title(title)
     axis.set_ylabel("requests" if "ITL" not in title else "chunks")
+    axis.yaxis.set_major_locator(MaxNLocator(integer=True))  # counts are whole
+    if outliers:
+        right = max(inliers or [0.0])
+        axis.plot([right], [0], marker=">", color="red", clip_on=False)
+        axis.annotate(f"{len(outliers)} beyond p{CLIP_PERCENTILE:g} (max {max(outliers):.1f})",
+                      xy=(1.0, 0.97), xycoords="axes fraction", ha="right", va="top",
+                      color="red", fontsize="small")
     ordered = sorted(values)
     for percent, style in zip(PLOT_PERCENTILES, ("--", "-.", ":"), strict=True):
         if ordered:
@@ -722,6 +822,9 @@ def _plot_over_time(axis: Any, results: list[RequestResult]) -> None:
     running_axis = axis.twinx()
     running_axis.step(times, running, where="post", color="tab:orange", label="running")
     running_axis.set_ylabel("requests running", color="tab:orange")
+    from matplotlib.ticker import MaxNLocator
+
+    running_axis.yaxis.set_major_locator(MaxNLocator(integer=True))
     axis.set_title("Throughput and requests running over time")
 
 
@@ -737,9 +840,17 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
     target.add_argument("--port", type=int, default=8000)
     target.add_argument("--model", default=None, help="model name (default: the served one)")
     target.add_argument("--api-key", default=None)
+    target.add_argument("--backend", choices=["openai", "openai-chat"], default="openai",
+                        help="openai: /v1/completions with token ids; openai-chat: "
+                             "/v1/chat/completions with the prompt as text")
     workload = parser.add_argument_group("workload")
-    workload.add_argument("--dataset-name", choices=["random", "prefix_repetition"],
+    workload.add_argument("--dataset-name", choices=["random", "prefix_repetition", "sharegpt"],
                           default="random")
+    workload.add_argument("--dataset-path", default=None,
+                          help="the ShareGPT JSON file (--dataset-name sharegpt)")
+    workload.add_argument("--sharegpt-output-len", type=int, default=None,
+                          help="output tokens of every ShareGPT request (default: its "
+                               "reply's length)")
     workload.add_argument("--num-prompts", type=int, default=100)
     workload.add_argument("--random-input-len", type=int, default=1024)
     workload.add_argument("--random-output-len", type=int, default=128)
@@ -765,7 +876,15 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
                           help="spread the load over this many client processes "
                                "(one report)")
     output = parser.add_argument_group("output")
-    output.add_argument("--json", type=Path, default=None, metavar="PATH")
+    output.add_argument("--save-result", action="store_true",
+                        help="write the results as JSON into --result-dir (vLLM's flags)")
+    output.add_argument("--result-dir", type=Path, default=Path("."),
+                        help="where --save-result writes")
+    output.add_argument("--result-filename", default=None,
+                        help="the file --save-result writes (default: "
+                             "trio-llm-BACKEND-RATEqps-MODEL-DATE.json)")
+    output.add_argument("--json", type=Path, default=None, metavar="PATH",
+                        help="write the results as JSON to this path")
     output.add_argument("--plot", type=Path, default=None, metavar="PATH.png")
     output.add_argument("--disable-tqdm", action="store_true")
 
@@ -787,6 +906,8 @@ def options_from_args(args: argparse.Namespace) -> BenchServeOptions:
             "prefix_repetition_num_prefixes": args.prefix_repetition_num_prefixes,
             "prefix_repetition_output_len": args.prefix_repetition_output_len,
             "num_client_processes": args.num_client_processes,
+            "dataset_path": args.dataset_path, "sharegpt_output_len": args.sharegpt_output_len,
+            "backend": args.backend,
         }, BenchServeOptions)
     except msgspec.ValidationError as error:
         raise SystemExit(f"trio-llm bench serve: {error}") from None
@@ -807,6 +928,9 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     from trio_llm.api.bench import progress_bar
 
     options = options_from_args(args)
+    if options.dataset_name == "sharegpt" and options.dataset_path is None:
+        raise SystemExit("trio-llm bench serve: --dataset-name sharegpt needs --dataset-path "
+                         "FILE (ShareGPT JSON)")
     if args.plot is not None:
         try:
             _matplotlib()
@@ -826,14 +950,59 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         print(f"trio-llm bench serve: {failure_message(options.base_url, error)}",
               file=sys.stderr)
         return 1
+    report_failures(results)
     print(format_report(report))
     ideal_hit_rate = ideal_prefix_cache_hit_rate(options)
     if ideal_hit_rate is not None:
         print(f"{'Ideal prefix cache hit rate (%)':<44}{100 * ideal_hit_rate:>16.2f}")
-    if args.json is not None:
-        write_json(args.json, options, report, results)
+    for path in result_paths(args, options, options.model or "served-model"):
+        write_json(path, options, report, results)
     if args.plot is not None:
-        plot_latencies(args.plot, results)
-    for failed in [r for r in results if not r.success][:5]:
-        logger.warning("a request failed: %s", failed.error)
+        plot_latencies(args.plot, results, title=plot_title(options, report))
     return 0 if report.num_failed == 0 else 1
+
+
+# Failed requests whose error is shown before the table (the rest are counted).
+NUM_FAILURES_SHOWN = 5
+
+
+def report_failures(results: list[RequestResult]) -> None:
+    """Failures first, on stderr, before the table: its figures leave them out."""
+    failed = [result for result in results if not result.success]
+    if not failed:
+        return
+    print(f"trio-llm bench serve: {len(failed)} of {len(results)} requests failed:",
+          file=sys.stderr)
+    for result in failed[:NUM_FAILURES_SHOWN]:
+        print(f"  {result.error}", file=sys.stderr)
+
+
+def result_paths(args: argparse.Namespace, options: BenchServeOptions, model: str) -> list[Path]:
+    """Where the JSON goes: --json, and --save-result's file in --result-dir."""
+    paths = [] if args.json is None else [args.json]
+    if args.save_result:
+        rate = "inf" if math.isinf(options.request_rate) else f"{options.request_rate:g}"
+        name = args.result_filename or (
+            f"trio-llm-{options.backend}-{rate}qps-{model.replace('/', '_')}-"
+            f"{time.strftime('%Y%m%d-%H%M%S')}.json")
+        args.result_dir.mkdir(parents=True, exist_ok=True)
+        paths.append(args.result_dir / name)
+    return paths
+
+
+def plot_title(options: BenchServeOptions, report: BenchServeReport) -> str:
+    """Model, dataset and lengths, concurrency or rate, and date: a plot read alone
+    says what it measured."""
+    if options.dataset_name == "sharegpt":
+        lengths = f"sharegpt ({Path(options.dataset_path or '').name})"
+    elif options.dataset_name == "prefix_repetition":
+        lengths = (f"prefix_repetition {options.prefix_repetition_prefix_len}+"
+                   f"{options.prefix_repetition_suffix_len} in, "
+                   f"{options.prefix_repetition_output_len} out")
+    else:
+        lengths = f"random {options.random_input_len} in, {options.random_output_len} out"
+    load = (f"concurrency {options.max_concurrency}" if options.max_concurrency
+            else "all at once" if math.isinf(options.request_rate)
+            else f"{options.request_rate:g} req/s")
+    return (f"trio-llm bench serve: {options.model or 'served model'}, {lengths}, "
+            f"{report.num_completed} requests, {load}, {time.strftime('%Y-%m-%d')}")

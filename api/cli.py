@@ -58,7 +58,8 @@ _ENGINE_FLAGS: list[tuple[str, type, str]] = [
                                             "grammar, choices)"),
     ("--structured-outputs-max-depth", int, "deepest nesting of a JSON schema"),
     ("--structured-outputs-max-nodes", int, "most subschemas in a JSON schema"),
-    ("--structured-outputs-max-properties", int, "most properties of one object"),
+    ("--structured-outputs-max-properties", int, "most optional object properties in a "
+                                                 "JSON schema"),
     ("--structured-outputs-max-alternatives", int, "most enum, const and choice values"),
     ("--structured-outputs-max-repeat", int, "largest bounded repetition"),
     ("--structured-outputs-compile-timeout", float, "seconds a constraint may take to compile"),
@@ -449,11 +450,23 @@ def _run_generate(args: argparse.Namespace) -> int:
 # -- `trio-llm bench` ------------------------------------------------------------------
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """--help with every flag's default, as vLLM's shows them (None and off left out)."""
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if (action.option_strings and action.default not in (None, False, argparse.SUPPRESS)
+                and "%(default)" not in (action.help or "")
+                and action.help is not argparse.SUPPRESS):
+            action.help = f"{action.help or ''} (default: %(default)s)".lstrip()
+        return super()._format_action(action)
+
+
 def add_bench_commands(commands: Any) -> None:
     """Add `bench throughput` and `bench serve` to the `trio-llm bench` parser."""
     from trio_llm.api import bench_serve
 
-    throughput = commands.add_parser("throughput", help="in-process engine throughput")
+    throughput = commands.add_parser("throughput", help="in-process engine throughput",
+                                     formatter_class=DefaultsHelpFormatter)
     add_engine_arguments(throughput)
     throughput.add_argument("--backend", choices=["trio-llm", "transformers"], default="trio-llm")
     throughput.add_argument("--executor", choices=["model", "null"], default="model",
@@ -470,9 +483,12 @@ def add_bench_commands(commands: Any) -> None:
     throughput.add_argument("--json", metavar="PATH",
                             help="write the results as JSON here ('-': to stdout, no table)")
     throughput.add_argument("--no-progress", action="store_true")
+    throughput.add_argument("--plot", type=Path, default=None, metavar="PATH.png",
+                            help="plot output tokens/s over the run (needs matplotlib)")
     throughput.set_defaults(run=_run_bench_throughput)
 
-    serve = commands.add_parser("serve", help="benchmark a running server over HTTP")
+    serve = commands.add_parser("serve", help="benchmark a running server over HTTP",
+                                formatter_class=DefaultsHelpFormatter)
     bench_serve.add_bench_serve_arguments(serve)
     serve.set_defaults(run=bench_serve.run_bench_serve)
 
@@ -492,7 +508,7 @@ class _OneLineParser(argparse.ArgumentParser):
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = _OneLineParser(prog="trio-llm", description=__doc__,
-                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                            formatter_class=DefaultsHelpFormatter)
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--version", action="version", version=f"trio-llm {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)

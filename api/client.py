@@ -136,6 +136,12 @@ class CompletionClient:
         _raise_for_error(response)
         return dict(response.json())
 
+    async def detokenize(self, request: dict[str, Any]) -> dict[str, Any]:
+        """POST /detokenize (vLLM's and trio-llm's): the decoded response body."""
+        response = await self._http.post("/detokenize", json=request)
+        _raise_for_error(response)
+        return dict(response.json())
+
     async def complete(self, request: dict[str, Any], *,
                        path: str = COMPLETIONS_PATH) -> dict[str, Any]:
         """One non-streamed request; the decoded response body."""

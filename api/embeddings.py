@@ -16,7 +16,7 @@ from __future__ import annotations
 import base64
 import time
 import uuid
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Protocol, TypeVar
 
 import msgspec
 import trio
@@ -26,11 +26,34 @@ from trio_llm.actors.errors import RequestRejected
 from trio_llm.actors.messages import PoolingParams, embedding_values
 from trio_llm.api.engine import EmbeddingOutput
 from trio_llm.api.request_fields import Refusal
+from trio_llm.api.stats_log import log_request
 
 if TYPE_CHECKING:
     from quart_trio import QuartTrio
 
-    from trio_llm.api.server import OpenAIServer
+    from trio_llm.api.engine import Engine
+    from trio_llm.api.server import ServerConfig
+
+BodyT = TypeVar("BodyT", bound=msgspec.Struct)
+
+
+class Handlers(Protocol):
+    """What this module uses of the app's handlers (api/server.py's OpenAIServer,
+    which registers these routes: a Protocol, so that this module does not
+    import it back)."""
+
+    engine: Engine
+    config: ServerConfig
+    model_name: str
+    _conversion_threads: trio.CapacityLimiter
+
+    async def _decoded_body(self, kind: type[BodyT],
+                            refused: dict[str, Refusal] | None = None) -> BodyT: ...
+
+    def _check_model(self, model: str | None) -> None: ...
+
+    def _json(self, body: msgspec.Struct, *, status: int = 200) -> Response: ...
+
 
 EMBEDDINGS_PATH = "/v1/embeddings"
 # OpenAI's bound on the inputs of one request; each is a request of the engine.
@@ -90,7 +113,7 @@ class EmbeddingResponse(msgspec.Struct, kw_only=True):
     object: str = "list"
 
 
-def register_routes(app: QuartTrio, api: OpenAIServer) -> None:
+def register_routes(app: QuartTrio, api: Handlers) -> None:
     """Serve POST /v1/embeddings from ``app``, with ``api``'s engine and settings."""
     async def create_embeddings() -> Response:
         return await respond(api)
@@ -99,7 +122,7 @@ def register_routes(app: QuartTrio, api: OpenAIServer) -> None:
                      endpoint=f"POST {EMBEDDINGS_PATH}")
 
 
-async def respond(api: OpenAIServer) -> Response:
+async def respond(api: Handlers) -> Response:
     """Decode, check, embed every input (aborted if the client leaves), answer."""
     body = await api._decoded_body(EmbeddingRequest, REFUSED_EMBEDDING_FIELDS)
     api._check_model(body.model)
@@ -115,6 +138,10 @@ async def respond(api: OpenAIServer) -> Response:
     response_id = f"embd-{uuid.uuid4().hex}"
     outputs = await engine.embed_many(inputs, pooling, priority=body.priority,
                                       request_id=response_id)
+    if not api.config.disable_log_requests:
+        num_prompt_tokens = sum(output.num_prompt_tokens for output in outputs)
+        log_request(f"POST {EMBEDDINGS_PATH}", 200, response_id,
+                    f"{len(outputs)} inputs, {num_prompt_tokens} prompt tokens")
     build = response_builder(body, outputs, response_id, api.model_name)
     num_values = sum(len(output.data) for output in outputs) // 4
     if num_values <= MAX_INLINE_VALUES:

@@ -28,13 +28,13 @@ from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 import trio
 
 from trio_llm.actors.config import EngineConfig
-from trio_llm.actors.errors import EngineDead, EngineError, RequestFailed
+from trio_llm.actors.errors import EngineDead, EngineError, RequestFailed, RequestRejected
 from trio_llm.actors.fronts import CoreReady, CoreToFront
 from trio_llm.actors.generation_defaults import GenerationDefaults, read_generation_defaults
 from trio_llm.actors.messages import (
@@ -59,6 +59,8 @@ from trio_llm.actors.tokenizer import Tokenizer
 from trio_llm.actors.wire import WireError, open_wire_channel
 
 if TYPE_CHECKING:
+    from trio_llm.api.warm_up import WarmUpPlan
+    from trio_llm.gpu.cuda_executor import CudaModelExecutor
     from trio_llm.gpu.executor import ModelExecutor
     from trio_llm.gpu.tp_executor import TensorParallelExecutor
 
@@ -111,14 +113,22 @@ class Engine:
         self._aborted: set[str] = set()
         self._draining = False
         self._is_drain_started = False
+        self._ready = trio.Event()
+        # A drain ends the warm-up at once: its requests are nobody's.
+        self._warm_up_scope = trio.CancelScope()
         self._drained = trio.Event()
         self._trio_token = trio.lowlevel.current_trio_token()
 
     @classmethod
     @asynccontextmanager
     async def open(cls, config: EngineConfig | None = None, *,
-                   executor: LoadedExecutor | None = None) -> AsyncIterator[Engine]:
+                   executor: LoadedExecutor | None = None,
+                   warm_up: WarmUpPlan | None = None) -> AsyncIterator[Engine]:
         """Load the model, start the actors, and shut them down on exit.
+
+        ``warm_up``: run the warm-up requests (api/warm_up.py) in the background
+        first; the engine is not healthy (``is_healthy``, /health) until they
+        have run (``wait_ready``). Without it, it is ready at once.
 
         On exit: stop taking requests, let in-flight ones finish for up to
         ``config.shutdown_grace_seconds``, then cancel. Raises EngineDead at
@@ -141,6 +151,7 @@ class Engine:
                 engine = cls(config, tokenizer, actors, streams,
                              max_model_len=executor.max_model_len,
                              generation_defaults=defaults, pooling=pooling)
+                engine._start_warm_up(nursery, warm_up)
                 async with engine._running(nursery.cancel_scope):
                     yield engine
         if actors.error is not None:
@@ -148,8 +159,8 @@ class Engine:
 
     @classmethod
     @asynccontextmanager
-    async def open_front(cls, config: EngineConfig,
-                         core_stream: trio.SocketStream) -> AsyncIterator[Engine]:
+    async def open_front(cls, config: EngineConfig, core_stream: trio.SocketStream, *,
+                         warm_up: WarmUpPlan | None = None) -> AsyncIterator[Engine]:
         """The facade of one API server: intake and detokenizer here, in front of
         the engine core at the other end of ``core_stream`` (served layout).
 
@@ -175,10 +186,27 @@ class Engine:
                              max_model_len=ready.max_model_len,
                              request_id_prefix=f"req-{ready.front_index}-",
                              generation_defaults=defaults, pooling=pooling)
+                engine._start_warm_up(nursery, warm_up)
                 async with engine._running(nursery.cancel_scope):
                     yield engine
         if actors.error is not None:
             raise actors.error
+
+    def _start_warm_up(self, nursery: trio.Nursery, plan: WarmUpPlan | None) -> None:
+        if plan is None:
+            self._ready.set()
+            return
+
+        async def warm_up_then_ready() -> None:
+            from trio_llm.api.warm_up import warm_up
+
+            with self._warm_up_scope:
+                seconds = await warm_up(self, plan)
+                if not self._draining:
+                    logger.info("warmed up in %.1f s: ready", seconds)
+                    self._ready.set()
+
+        nursery.start_soon(warm_up_then_ready)
 
     @asynccontextmanager
     async def _running(self, actors_scope: trio.CancelScope) -> AsyncIterator[None]:
@@ -203,7 +231,7 @@ class Engine:
         """Stream the output of one request, as deltas; the last has ``finished``.
         Only requests with the same ``cache_salt`` share prefix-cache blocks.
         ``params`` None: ``default_sampling_params()``."""
-        text, token_ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
+        text, token_ids = _prompt_fields(prompt)
         submit = Submit(request_id=request_id or self._new_request_id(), prompt=text,
                         prompt_token_ids=token_ids,
                         params=params or self.default_sampling_params(),
@@ -242,7 +270,7 @@ class Engine:
         base_id = request_id or self._new_request_id()
         submits = []
         for index, (prompt, params) in enumerate(prompts):
-            text, token_ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
+            text, token_ids = _prompt_fields(prompt)
             submits.append(Submit(request_id=f"{base_id}-{index}", group_id=base_id, prompt=text,
                                   prompt_token_ids=token_ids, params=params, priority=priority,
                                   arrival_time=trio.current_time(), cache_salt=cache_salt))
@@ -296,7 +324,9 @@ class Engine:
                                           cache_salt)
                    for index, prompt in enumerate(prompts)]
         results: list[EmbeddingOutput | None] = [None] * len(submits)
-        async with contextlib.aclosing(self._run_many(submits)) as outputs:
+        # (an async generator: closed here if a result raises, which aborts the rest)
+        many = cast(AsyncGenerator[tuple[int, RequestOutput], None], self._run_many(submits))
+        async with contextlib.aclosing(many) as outputs:
             async for index, output in outputs:
                 if output.finished:
                     results[index] = _embedding_output(output)
@@ -305,7 +335,7 @@ class Engine:
 
     def _embedding_submit(self, prompt: str | list[int], pooling: PoolingParams | None,
                           request_id: str, priority: int, cache_salt: str | None) -> Submit:
-        text, token_ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
+        text, token_ids = _prompt_fields(prompt)
         return Submit(request_id=request_id, prompt=text, prompt_token_ids=token_ids,
                       params=SamplingParams(), pooling=pooling or PoolingParams(),
                       priority=priority, arrival_time=trio.current_time(),
@@ -415,8 +445,13 @@ class Engine:
 
     @property
     def is_healthy(self) -> bool:
-        """False once the engine is dead or draining."""
-        return not self._draining and self._actors.error is None
+        """False until warmed up (``Engine.open``'s ``warm_up``), and once the engine
+        is dead or draining."""
+        return self._ready.is_set() and not self._draining and self._actors.error is None
+
+    async def wait_ready(self) -> None:
+        """Return once the warm-up has run (at once without one)."""
+        await self._ready.wait()
 
     @property
     def num_open_requests(self) -> int:
@@ -424,8 +459,9 @@ class Engine:
         return len(self._streams)
 
     def begin_drain(self) -> None:
-        """Take no new requests; those in flight go on."""
+        """Take no new requests; those in flight go on (a warm-up's end now)."""
         self._draining = True
+        self._warm_up_scope.cancel()
 
     async def wait_dead(self) -> None:
         """Return once an actor failed and the engine stopped."""
@@ -565,6 +601,16 @@ class _StreamLoop:
         self._stream._abandon()
 
 
+def _prompt_fields(prompt: str | Sequence[int]) -> tuple[str | None, list[int] | None]:
+    """A prompt as Submit's (text, token ids); anything else refused, naming it."""
+    if isinstance(prompt, str):
+        return prompt, None
+    if isinstance(prompt, list | tuple) and all(isinstance(token_id, int) for token_id in prompt):
+        return None, list(prompt)
+    raise RequestRejected(f"the prompt must be a string or a list of token ids, not "
+                          f"{type(prompt).__name__}", param="prompt")
+
+
 def _embedding_output(output: RequestOutput) -> EmbeddingOutput:
     if output.embedding is None:
         raise RequestFailed(f"request {output.request_id!r} ended ({output.finish_reason}) "
@@ -610,7 +656,8 @@ async def created_executor(config: EngineConfig, executor: LoadedExecutor | None
                 await trio.to_thread.run_sync(close)
 
 
-def create_executor(config: EngineConfig) -> ModelExecutor | TensorParallelExecutor:
+def create_executor(config: EngineConfig
+                    ) -> ModelExecutor | CudaModelExecutor | TensorParallelExecutor:
     """The model executor for ``config`` (trio_llm.gpu.factory). Imported on
     use: an API server of the served layout never loads a model, and so never
     imports torch."""

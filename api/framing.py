@@ -10,16 +10,19 @@ it while a proxy in front may see no Transfer-Encoding at all.
 
 Two checks close both, whatever Hypercorn does by default:
 
-- ``StrictFraming`` (ASGI): a request with both headers gets a 400 carrying
-  ``Connection: close``, and its body is never read; Hypercorn then closes the
-  connection (h11 cannot start a next request on a connection whose request body
-  was left unread), so nothing after it on the connection is parsed.
-- ``refuse_obsolete_line_folding``: obs-fold is refused where h11 unfolds it,
-  before any header reaches the app (the unfolded value no longer shows the
-  fold). h11 turns the error into a 400 with ``Connection: close``, as it does for
-  any malformed header. RFC 9112 (5.2) allows a server to refuse obs-fold with 400.
-  It applies to every h11 connection of the process: a server has no use for
-  obs-fold, and this module is imported only by the server.
+- ``refuse_obsolete_line_folding``: where h11 unfolds header lines, before any
+  header reaches the app (the unfolded value no longer shows the fold), a
+  continuation line is refused, and so is a header block with both lengths.
+  Hypercorn answers h11's error with a 400 carrying ``Connection: close`` and
+  closes the connection, as it does for any malformed header, so nothing after it
+  on the connection is parsed. RFC 9112 (5.2) allows a server to refuse obs-fold
+  with 400. It applies to every h11 connection of the process: a server has no use
+  for obs-fold, and this module is imported only by the server.
+- ``StrictFraming`` (ASGI), the second line should h11's reader change: a request
+  with both headers gets a 400 carrying ``Connection: close`` and its body is
+  never read; Hypercorn then closes the connection (h11 cannot start a next request
+  on a connection whose request body was left unread). Alone it raced Hypercorn
+  under load (the probe saw a BusyResourceError and no answer once).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, Scope
 
 # What a folded line starts with (h11's own test for a continuation line).
 _FOLD_START = (b" ", b"\t")
+_LENGTH_HEADERS = frozenset({b"content-length", b"transfer-encoding"})
 
 
 class StrictFraming:
@@ -68,11 +72,19 @@ async def _refuse(send: ASGISendCallable, message: str) -> None:
 
 
 def _unfolded_lines(lines: Iterable[bytes]) -> Iterator[bytes]:
-    """h11's header lines, refusing a continuation line instead of unfolding it."""
+    """h11's header lines, refusing a continuation line instead of unfolding it, and
+    a message with both Content-Length and Transfer-Encoding."""
+    seen: set[bytes] = set()
     for line in lines:
         if line.startswith(_FOLD_START):
             raise h11.LocalProtocolError("obsolete line folding (obs-fold) in a header is "
                                          "refused (RFC 9112, 5.2)")
+        name = bytes(line.split(b":", 1)[0]).strip().lower()
+        if name in _LENGTH_HEADERS:
+            seen.add(name)
+            if len(seen) == len(_LENGTH_HEADERS):
+                raise h11.LocalProtocolError("both Content-Length and Transfer-Encoding "
+                                             "(RFC 9112, 6.3)")
         yield line
 
 

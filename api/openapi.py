@@ -8,7 +8,7 @@ from typing import Any
 
 import msgspec
 
-from trio_llm.api import protocol
+from trio_llm.api import embeddings, protocol
 
 REF_TEMPLATE = "#/components/schemas/{name}"
 JSON = "application/json"
@@ -69,7 +69,8 @@ def openapi_document(title: str) -> dict[str, Any]:
                          protocol.CompletionResponse, protocol.ChatCompletionResponse,
                          protocol.ChatCompletionChunk, protocol.ModelList,
                          protocol.TokenizeResponse, protocol.DetokenizeResponse,
-                         protocol.ErrorResponse, protocol.VersionResponse]
+                         protocol.ErrorResponse, protocol.VersionResponse,
+                         embeddings.EmbeddingRequest, embeddings.EmbeddingResponse]
     _, components = msgspec.json.schema_components(kinds, ref_template=REF_TEMPLATE)
     paths = {
         "/v1/completions": _post("Create a completion", protocol.CompletionRequest,
@@ -77,6 +78,9 @@ def openapi_document(title: str) -> dict[str, Any]:
         "/v1/chat/completions": _post("Create a chat completion",
                                       protocol.ChatCompletionRequest,
                                       protocol.ChatCompletionResponse, streams=True),
+        embeddings.EMBEDDINGS_PATH: _post("Create embeddings (a model served with --runner "
+                                          "pooling)", embeddings.EmbeddingRequest,
+                                          embeddings.EmbeddingResponse),
         "/tokenize": _post("Tokenize a prompt or a conversation", protocol.TokenizeRequest,
                            protocol.TokenizeResponse),
         "/detokenize": _post("Decode token ids", protocol.DetokenizeRequest,

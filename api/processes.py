@@ -61,6 +61,7 @@ from trio_llm.api.engine import Engine, created_executor
 from trio_llm.api.metrics import MULTIPROCESS_DIR_VARIABLE
 from trio_llm.api.server import ServerConfig
 from trio_llm.api.serving import receiving_stop_signals, serve, stop_on_signals
+from trio_llm.api.warm_up import WarmUpPlan
 
 logger = logging.getLogger(__name__)
 
@@ -294,9 +295,11 @@ async def _run_core(engine_config: EngineConfig, fds: list[int]) -> int:
     return 0
 
 
-async def _run_api_server(engine_config: EngineConfig, server_config: ServerConfig,
+async def _run_api_server(engine_config: EngineConfig, server_config: ServerConfig, index: int,
                           core_fd: int, listen_fd: int, lifeline_fd: int) -> int:
-    open_engine = partial(Engine.open_front, engine_config, _stream_of(core_fd))
+    # API server 0 warms the engine core up; each of the others its own process.
+    open_engine = partial(Engine.open_front, engine_config, _stream_of(core_fd),
+                          warm_up=WarmUpPlan(front_only=index > 0))
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_stop_when_orphaned, lifeline_fd)
         try:
@@ -338,8 +341,8 @@ def main(argv: list[str] | None = None) -> int:
         fds = [int(fd) for fd in args.fds.split(",") if fd]
         return trio.run(_run_core, engine_config, fds)
     server_config = msgspec.json.decode(args.server_config, type=ServerConfig)
-    return trio.run(_run_api_server, engine_config, server_config, args.core_fd, args.listen_fd,
-                    args.lifeline_fd)
+    return trio.run(_run_api_server, engine_config, server_config, args.index, args.core_fd,
+                    args.listen_fd, args.lifeline_fd)
 
 
 if __name__ == "__main__":

@@ -21,8 +21,10 @@ import msgspec
 
 from trio_llm.actors.errors import RequestRejected
 from trio_llm.actors.generation_defaults import GenerationDefaults
-from trio_llm.actors.intake import MAX_SEED, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MIN_SEED
+from trio_llm.actors.intake import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 from trio_llm.actors.messages import (
+    MAX_SEED,
+    MIN_SEED,
     ChatTemplateOptions,
     PositiveInt,
     RequestOutput,

@@ -51,7 +51,7 @@ from trio_llm.actors.errors import (
 )
 from trio_llm.actors.generation_defaults import GenerationDefaults
 from trio_llm.actors.messages import RequestOutput, SamplingParams, StructuredOutputsParams
-from trio_llm.api import protocol, request_fields
+from trio_llm.api import embeddings, protocol, request_fields, responses
 from trio_llm.api.choices import ChoiceOutputs, ChoicePlan, combined_chat, combined_completion
 from trio_llm.api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from trio_llm.api.metrics import RequestTimer, ServerMetrics
@@ -142,9 +142,7 @@ def create_app(engine: Engine, config: ServerConfig) -> QuartTrio:
     app.extensions["trio_llm"] = api
     # Each endpoint module registers its routes on the app.
     register_routes(app, api)
-    from trio_llm.api.responses import register_routes as register_responses  # it imports us
-    register_responses(app, api)
-    from trio_llm.api import embeddings  # it imports us
+    responses.register_routes(app, api)
     embeddings.register_routes(app, api)
     app.before_request(api.check_api_key)
     if config.allowed_origins:

@@ -251,14 +251,16 @@ async def serve(engine_config: EngineConfig, config: ServerConfig, *,
                 task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
     """Open the engine and serve it until SIGINT/SIGTERM (graceful) or the engine dies.
 
-    ``open_engine`` opens the facade (default: ``Engine.open(engine_config)``,
-    the in-process layout; an API server passes its ``Engine.open_front``, and
-    ``takes_sigint`` False). Raises EngineDead if the engine died.
+    ``open_engine`` opens the facade (default: ``Engine.open(engine_config)``
+    warming up before it is ready, the in-process layout; an API server passes
+    its ``Engine.open_front``, and ``takes_sigint`` False). Raises EngineDead if
+    the engine died.
     """
     from trio_llm.api.engine import Engine
+    from trio_llm.api.warm_up import WarmUpPlan
 
     if open_engine is None:
-        open_engine = partial(Engine.open, engine_config)
+        open_engine = partial(Engine.open, engine_config, warm_up=WarmUpPlan())
     with receiving_stop_signals(takes_sigint=takes_sigint) as signals:
         async with open_engine() as engine:
             stop = trio.Event()

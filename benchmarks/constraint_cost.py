@@ -24,7 +24,7 @@ from typing import Any
 
 import msgspec
 
-from trio_llm.actors.constraint_cost import ConstraintLimits, ConstraintTooCostly, check_constraint
+from trio_llm.actors.constraint_cost import DEFAULT_LIMITS, ConstraintTooCostly, check_constraint
 from trio_llm.actors.messages import StructuredOutputsParams
 
 VOCAB_SIZE = 2048  # the tiny model's
@@ -108,12 +108,47 @@ def grammar_rules(num_rules: int) -> StructuredOutputsParams:
     return StructuredOutputsParams(grammar="root ::= r0\n" + "\n".join(rules))
 
 
+def nested_repeat(count: int) -> StructuredOutputsParams:
+    return StructuredOutputsParams(regex=f"([a-z]{{{count}}}){{{count}}}")
+
+
+def _at_limits() -> list[StructuredOutputsParams]:
+    """The costliest constraints the default limits admit, one per limit (and mixes)."""
+    limits = DEFAULT_LIMITS
+    long_string = {"type": "string", "maxLength": limits.max_repeat}
+    return [
+        nested_schema(limits.max_depth - 1),
+        StructuredOutputsParams(json=json.dumps({"anyOf": [
+            {"type": "object", "properties": {"k": {"const": i}, "v": {"type": "integer"}},
+             "required": ["k", "v"]} for i in range(limits.max_nodes // 4)]})),
+        optional_properties(limits.max_properties),
+        wide_schema(limits.max_properties),
+        StructuredOutputsParams(json=json.dumps({"type": "object", "properties": {
+            f"o{j}": {"type": "object", "properties": {f"p{i}": {"type": "integer"}
+                                                       for i in range(254)}}
+            for j in range(2)}})),
+        enum_schema(limits.max_alternatives),
+        choice_list(limits.max_alternatives),
+        tools(128),
+        StructuredOutputsParams(json=json.dumps({"type": "array", "maxItems": limits.max_repeat,
+                                                 "items": long_string})),
+        nested_repeat(32),
+        regex_length(limits.max_bytes - 1000),
+    ]
+
+
+def at_limits(index: int) -> StructuredOutputsParams:
+    return _at_limits()[index]
+
+
 SHAPES: dict[str, tuple[Callable[[int], StructuredOutputsParams], list[int]]] = {
+    "at_limits": (at_limits, list(range(11))),
+    "nested_repeat": (nested_repeat, [16, 32, 64]),
     "enum": (enum_schema, [1000, 2000, 4000, 8000, 16000]),
     "choice": (choice_list, [1000, 2000, 4000, 8000]),
     "depth": (nested_schema, [16, 32, 64, 128, 256]),
     "properties": (wide_schema, [100, 500, 1000, 2000]),
-    "optional": (optional_properties, [16, 32, 64, 128]),
+    "optional": (optional_properties, [128, 256, 384, 512]),
     "refs": (ref_fan_out, [8, 16, 32, 64]),
     "anyof": (any_of, [100, 500, 1000, 2000]),
     "tools": (tools, [64, 128, 256, 512, 1024]),
@@ -160,7 +195,7 @@ def measure(shape: str, size: int) -> tuple[float, str, float]:
 
 def pre_check(shape: str, size: int) -> str:
     try:
-        check_constraint(SHAPES[shape][0](size), ConstraintLimits())
+        check_constraint(SHAPES[shape][0](size), DEFAULT_LIMITS)
         return "admitted"
     except ConstraintTooCostly as error:
         return f"refused ({error.limit_name})"

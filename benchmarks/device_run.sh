@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One device call: set up, then run the named parts, each bounded, logs under $OUT.
 #   bash benchmarks/device_run.sh tests decode-0.6b decode-8b throughput-0.6b transformers-0.6b
+#   bash benchmarks/device_run.sh gpu-tests decode-30b-a3b throughput-30b-a3b serve-30b-a3b  # MoE
+#   bash benchmarks/device_run.sh serve-twice-8b cli-throughput-0.6b throughput-0.6b  # first request
 # Tensor parallelism 2 (kind nvidia-h200-x2), one part per call (each fits the 10 minutes):
 #   bash benchmarks/device_run.sh tp2-tests tp2-match-0.6b
 #   bash benchmarks/device_run.sh tp2-decode-8b
@@ -34,6 +36,19 @@ serve_bench() {  # (d): the server in the background, `trio-llm bench serve` aga
     --json "$OUT/serve-$model.json" --disable-tqdm
   kill $pid; wait $pid
 }
+serve_twice_bench() {  # issue 24: the first run after start against the same run repeated
+  local model=$1 port=8013 round
+  python3 -m trio_llm.api.cli serve --model "$model" --load-format dummy --port $port --api-server-count 0 \
+    > "$OUT/server-twice-$model.log" 2>&1 &
+  local pid=$!
+  wait_healthy $port
+  for round in first repeated; do
+    run "serve-$round-$model" 300 python3 -m trio_llm.api.cli bench serve --port $port \
+      --num-prompts 512 --random-input-len 1024 --random-output-len 128 --max-concurrency 64 \
+      --json "$OUT/serve-$round-$model.json" --disable-tqdm
+  done
+  kill $pid; wait $pid
+}
 prefix_serve_bench() {  # shared prefixes (vLLM's prefix_repetition), caching on then off
   local model=$1 port=8012 caching
   for caching in enable no-enable; do
@@ -64,6 +79,11 @@ for part in "$@"; do
     transformers-*) run "$part" 240 python3 benchmarks/gpu_bench.py transformers --model "qwen3-${part#transformers-}" --time-limit 120 ;;
     kernels) run kernels 300 python3 benchmarks/kernel_bench.py ;;
     gemv) run gemv 240 python3 benchmarks/gemv_bench.py ;;
+    serve-twice-*) serve_twice_bench "qwen3-${part#serve-twice-}" ;;
+    cli-throughput-*) run "$part" 300 python3 -m trio_llm.api.cli bench throughput \
+             --model "qwen3-${part#cli-throughput-}" --load-format dummy ;;
+    gpu-tests) run gpu-tests 300 python3 -m pytest -q -p no:cacheprovider -rs -m gpu \
+             --ignore tests/test_http_schema.py tests/ ;;
     serve-*) serve_bench "qwen3-${part#serve-}" ;;
     prefix-serve-*) prefix_serve_bench "qwen3-${part#prefix-serve-}" ;;
     # tensor parallelism 2: needs the nvidia-h200-x2 kind (NCCL; NVLS multicast off)

@@ -1,8 +1,11 @@
-"""Replays issue 9's hostile requests against the tiny model and prints what each cost.
+"""Replays issue 9's and issue 22's hostile requests against the tiny model and prints
+what each cost.
 
-    python benchmarks/hostile_probe.py
+    python benchmarks/hostile_probe.py            # the engine in this process
+    python benchmarks/hostile_probe.py --served   # an engine core and one API server
 
-One server on a loopback port (the real engine, in this process). For each
+One server on a loopback port (the real engine, in this process; with --served, the
+served layout's core and front joined by a socket pair, as api/processes.py wires them). For each
 attack: its answer, how long it took, the longest /health round trip and the
 longest stall of the event loop while it ran, and the largest gap between
 chunks of a stream running beside it. A figure, not a test: docs/reliability.md
@@ -13,8 +16,10 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
@@ -26,6 +31,7 @@ from trio_llm.actors.config import EngineConfig  # noqa: E402
 from trio_llm.actors.detokenizer import StopStrings  # noqa: E402
 from trio_llm.actors.intake import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS  # noqa: E402
 from trio_llm.api.engine import Engine  # noqa: E402
+from trio_llm.api.processes import open_served_layout  # noqa: E402
 from trio_llm.api.server import ServerConfig  # noqa: E402
 from trio_llm.api.serving import serve_app  # noqa: E402
 
@@ -133,6 +139,92 @@ async def oversized_then_next(url: str) -> str:
     return f"{status}; next request on the connection: {outcome}"
 
 
+async def post_chat(client: httpx.AsyncClient, body: Any) -> str:
+    return status_of(await client.post("/v1/chat/completions", json=body))
+
+
+async def smuggled(url: str, framing: bytes) -> str:
+    """A request with ambiguous framing and a second request hidden behind its body."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    stream = await trio.open_tcp_stream(host, int(port))
+    body = b'{"prompt": "hi", "max_tokens": 1}'
+    await stream.send_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                          b"Content-Type: application/json\r\n" + framing + b"\r\n"
+                          + f"{len(body):x}\r\n".encode() + body + b"\r\n0\r\n\r\n"
+                          + b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+    received = b""
+    with trio.move_on_after(10):
+        while data := await stream.receive_some(65536):
+            received += data
+    await stream.aclose()
+    status = received.split(b"\r\n", 1)[0].decode()
+    return (f"{status}; responses: {received.count(b'HTTP/1.1 ')}; "
+            f"{'closed' if b'connection: close' in received.lower() else 'kept open'}")
+
+
+def tools(count: int) -> list[dict[str, Any]]:
+    return [{"type": "function", "function": {
+        "name": f"function_{i}", "parameters": {
+            "type": "object", "properties": {"city": {"type": "string"},
+                                             "days": {"type": "integer"}},
+            "required": ["city"]}}} for i in range(count)]
+
+
+def nested_schema(depth: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+def issue_22_attacks(client: httpx.AsyncClient, url: str
+                     ) -> dict[str, Callable[[], Awaitable[str]]]:
+    """Costs not proportional to a body's size: constraints, choices, framing."""
+    chat = {"messages": [{"role": "user", "content": "call one"}], "max_tokens": 30}
+    optional = {"type": "object", "properties": {f"p{i}": {"type": "string", "maxLength": 4}
+                                                 for i in range(384)}}
+
+    def constrained(constraint: dict[str, Any], max_tokens: int = 8) -> Callable[[], Any]:
+        return lambda: post(client, {"prompt": "x", "max_tokens": max_tokens,
+                                     "structured_outputs": constraint})
+
+    async def bodies_of_7_mb() -> str:
+        body = b'{"prompt": "' + b"x" * (7 * 2**20) + b'", "max_tokens": 4}'
+        outcomes: list[str] = []
+        async with trio.open_nursery() as nursery:
+            for _ in range(8):
+                async def one() -> None:
+                    outcomes.append(await post(client, body))
+                nursery.start_soon(one)
+        return f"8 x {outcomes[0][:60]}"
+
+    return {
+        "tool_choice required, 10,000 tools (2.4 MB)": lambda: post_chat(
+            client, {**chat, "tools": tools(10_000), "tool_choice": "required"}),
+        "tool_choice required, 128 tools (at the bound)": lambda: post_chat(
+            client, {**chat, "tools": tools(128), "tool_choice": "required"}),
+        "enum of 20,000 strings": constrained(
+            {"json": {"enum": [f"value-{i}-of-the-enum" for i in range(20_000)]}}),
+        "enum of 1,024 strings (at the limit)": constrained(
+            {"json": {"enum": [f"value-{i}-of-the-enum" for i in range(1024)]}}),
+        "schema nested 400 deep": constrained({"json": nested_schema(400)}),
+        "schema nested 31 deep (at the limit)": constrained({"json": nested_schema(31)}),
+        "384 optional properties (at the limit)": constrained({"json": optional}),
+        "regex [a-z]{8}": constrained({"regex": "[a-z]{8}"}),
+        "n 64 x 2 prompts, 200 tokens each": lambda: post(
+            client, {"prompt": ["a", "b"], "n": 64, "max_tokens": 200, "ignore_eos": True}),
+        "n 128 x 2 prompts, 200 tokens each (at --max-request-choices)": lambda: post(
+            client, {"prompt": ["a", "b"], "n": 128, "max_tokens": 200, "ignore_eos": True}),
+        "n 100 x 3 prompts (over --max-request-choices)": lambda: post(
+            client, {"prompt": ["a", "b", "c"], "n": 100, "max_tokens": 200}),
+        "8 concurrent 7 MB bodies (refused)": bodies_of_7_mb,
+        "Content-Length and Transfer-Encoding, a request behind": lambda: smuggled(
+            url, b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n"),
+        "obs-folded Transfer-Encoding, a request behind": lambda: smuggled(
+            url, b"Transfer-Encoding:\r\n chunked\r\n"),
+    }
+
+
 def attacks(client: httpx.AsyncClient, url: str) -> dict[str, Callable[[], Awaitable[str]]]:
     nested = b'{"prompt": "x", "junk": ' + b"[" * 1000 + b"]" * 1000 + b"}"
     async def nothing() -> str:
@@ -160,6 +252,7 @@ def attacks(client: httpx.AsyncClient, url: str) -> dict[str, Callable[[], Await
         "Content-Type: text/plain": lambda: post(
             client, {"prompt": "hi", "max_tokens": 2}, headers={"Content-Type": "text/plain"}),
         "9 MB body, then a second request on the connection": lambda: oversized_then_next(url),
+        **issue_22_attacks(client, url),
     }
 
 
@@ -186,8 +279,19 @@ def print_stop_string_costs() -> None:
           f"search {microseconds_per_call(lambda: common.find(short_text, 10), 20000):.2f} us")
 
 
+@asynccontextmanager
+async def open_engine(served: bool) -> AsyncIterator[Engine]:
+    if not served:
+        async with Engine.open(CONFIG) as engine:
+            yield engine
+        return
+    async with open_served_layout(CONFIG, 1) as (front,):
+        yield front
+
+
 async def main() -> None:
-    async with Engine.open(CONFIG) as engine, trio.open_nursery() as nursery:
+    served = "--served" in sys.argv[1:]
+    async with open_engine(served) as engine, trio.open_nursery() as nursery:
         url = await nursery.start(serve_app, engine, ServerConfig(port=0))
         async with httpx.AsyncClient(base_url=url, timeout=120) as client:
             print("| attack | answer | time | longest /health | longest loop stall "

@@ -76,13 +76,13 @@ from trio_llm.gpu.cuda_streams import DoneEvent, Event, Lane
 from trio_llm.gpu.executor import (
     GIB,
     MIN_VECTORIZED_SLOTS,
-    ModelExecutor,
-    RequestState,
     kv_slot_array,
     kv_slots,
+    load_executor_model,
 )
 from trio_llm.gpu.models.base import AttentionMetadata, CausalLM
-from trio_llm.gpu.pooling import new_mean_pool, pooled_output, pooled_vectors, pooling_chunk
+from trio_llm.gpu.pooling import pooled_output, pooled_vectors, pooling_chunk
+from trio_llm.gpu.request_table import RequestState, RequestTable
 from trio_llm.gpu.sampler import (
     PromptLogprobRows,
     SamplingRow,
@@ -212,8 +212,9 @@ class PendingStep:
         self.done.synchronize()
 
 
-class CudaModelExecutor(ModelExecutor):
-    """ModelExecutor with pipelined launch/collect, CUDA graphs and fused Triton kernels.
+class CudaModelExecutor:
+    """ModelExecutor's contract with pipelined launch/collect, CUDA graphs and fused
+    Triton kernels; the per-request table is the same RequestTable (by composition).
 
     Build it with ``create(config)``; ``start(options)`` allocates its buffers and
     captures graphs (``create`` calls it).
@@ -221,8 +222,19 @@ class CudaModelExecutor(ModelExecutor):
 
     def __init__(self, model: CausalLM, *, model_path: Path, num_kv_blocks: int,
                  block_size: int, max_model_len: int) -> None:
-        super().__init__(model, model_path=model_path, num_kv_blocks=num_kv_blocks,
-                         block_size=block_size, max_model_len=max_model_len)
+        self.model = model
+        self.model_path = model_path
+        self.device = model.device
+        self.dtype = model.dtype
+        self.vocab_size = model.config.vocab_size
+        self.num_kv_blocks = num_kv_blocks
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.kv_caches = model.allocate_kv_caches(num_kv_blocks, block_size)
+        self.table = RequestTable(vocab_size=self.vocab_size, device=self.device,
+                                  block_size=block_size,
+                                  max_positions=model.rotary.max_positions)
+        self.penalty_counts = self.table.penalty_counts
         self.options = CudaExecutorOptions()
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self._max_positions = model.rotary.max_positions
@@ -233,10 +245,16 @@ class CudaModelExecutor(ModelExecutor):
     @classmethod
     def create(cls, config: EngineConfig, *, parallel: TensorParallel | None = None,
                device: torch.device | None = None) -> CudaModelExecutor:
-        executor = super().create(config, parallel=parallel, device=device)
-        assert isinstance(executor, CudaModelExecutor)
+        loaded = load_executor_model(config, parallel=parallel, device=device)
+        executor = cls(loaded.model, model_path=loaded.model_path,
+                       num_kv_blocks=loaded.num_kv_blocks, block_size=loaded.block_size,
+                       max_model_len=loaded.max_model_len)
         executor.start(CudaExecutorOptions.from_config(config, executor.device))
         return executor
+
+    @property
+    def requests(self) -> dict[str, RequestState]:
+        return self.table.states
 
     def start(self, options: CudaExecutorOptions) -> None:
         """Allocate streams, slots and the block table; fuse kernels; capture graphs."""
@@ -430,9 +448,7 @@ class CudaModelExecutor(ModelExecutor):
             self._forget(request_id)
         for new_request in batch.new_requests:
             self._forget(new_request.request_id)
-            self.requests[new_request.request_id] = RequestState(
-                sampling=new_request.sampling, pooling=new_request.pooling,
-                mean_pool=new_mean_pool(new_request.pooling))
+            self.table.add(new_request)
             self._table_rows[new_request.request_id] = self._take_table_row()
             self._row_values[new_request.request_id] = plain_row_values(new_request.sampling,
                                                                         self.vocab_size)
@@ -440,7 +456,7 @@ class CudaModelExecutor(ModelExecutor):
                 self._special_requests.add(new_request.request_id)
             if new_request.sampling.has_penalties:
                 with self.compute.context():  # ordered after the steps that used the row
-                    self._register_penalties(new_request)
+                    self.table.register_penalties(new_request, self._token_ids_on_device)
 
     def _token_ids_on_device(self, token_ids: list[int]) -> torch.Tensor:
         if not token_ids:
@@ -448,8 +464,7 @@ class CudaModelExecutor(ModelExecutor):
         return self._to_device(torch.tensor(token_ids, dtype=torch.int64))
 
     def _forget(self, request_id: str) -> None:
-        self.requests.pop(request_id, None)
-        self.penalty_counts.release(request_id)
+        self.table.remove(request_id)
         self._sampled_on_device.pop(request_id, None)
         self._row_values.pop(request_id, None)
         self._special_requests.discard(request_id)
@@ -499,7 +514,7 @@ class CudaModelExecutor(ModelExecutor):
         query_start_loc.append(0)
         for scheduled in batch.requests:
             request_id = scheduled.request_id
-            state = requests.get(request_id) or self._state(request_id)
+            state = requests.get(request_id) or self.table.state(request_id)
             row = rows_by_id[request_id]
             if scheduled.new_block_ids:
                 self._add_blocks(step, request_id, state, row, scheduled.new_block_ids)
@@ -533,7 +548,7 @@ class CudaModelExecutor(ModelExecutor):
                 num_single_token_rows += len(scheduled.token_ids) == 1
             blocks = state.block_ids
             if context_len > len(blocks) * block_size or context_len > max_positions:
-                self._check_capacity(request_id, state, context_len)  # raises
+                self.table.check_capacity(request_id, state, context_len)  # raises
             if context_len == start + 1:  # a decode row: its one slot, without a call
                 slot_mapping.append(blocks[start // block_size] * block_size
                                     + start % block_size)

@@ -27,9 +27,6 @@ import torch
 
 from trio_llm.actors.config import EngineConfig
 from trio_llm.actors.messages import (
-    NewRequestData,
-    PoolingOptions,
-    SamplingOptions,
     ScheduledBatch,
     ScheduledRequest,
     StepResult,
@@ -38,8 +35,8 @@ from trio_llm.gpu.builtin import is_dummy_only, resolve_model
 from trio_llm.gpu.loader import load_model, resolve_device, resolve_dtype
 from trio_llm.gpu.models import ModelConfig, ModelLoadError, read_model_config
 from trio_llm.gpu.models.base import AttentionMetadata, CausalLM
-from trio_llm.gpu.penalties import PenaltyCounts
-from trio_llm.gpu.pooling import MeanPool, PoolingChunk, new_mean_pool, pool, pooling_chunk
+from trio_llm.gpu.pooling import PoolingChunk, pool, pooling_chunk
+from trio_llm.gpu.request_table import RequestState, RequestTable
 from trio_llm.gpu.sampler import (
     PromptLogprobRows,
     SamplingRow,
@@ -89,18 +86,6 @@ class ModelDescription:
 
 
 @dataclass(slots=True)
-class RequestState:
-    """What the executor remembers of one running request between steps."""
-
-    sampling: SamplingOptions
-    block_ids: list[int] = field(default_factory=list)
-    last_sampled_token_id: int | None = None
-    # an embedding request: how it pools, and (mean pooling) its sum so far
-    pooling: PoolingOptions | None = None
-    mean_pool: MeanPool | None = None
-
-
-@dataclass(slots=True)
 class StepInputs:
     """One step's flattened inputs, on the host."""
 
@@ -132,10 +117,14 @@ class ModelExecutor:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.kv_caches = model.allocate_kv_caches(num_kv_blocks, block_size)
-        self.requests: dict[str, RequestState] = {}
-        self.penalty_counts = PenaltyCounts(self.vocab_size, self.device)
-        # Read once: a submodule's attribute costs a Module.__getattr__ on every request.
-        self._max_positions = model.rotary.max_positions
+        self.table = RequestTable(vocab_size=self.vocab_size, device=self.device,
+                                  block_size=block_size,
+                                  max_positions=model.rotary.max_positions)
+        self.penalty_counts = self.table.penalty_counts
+
+    @property
+    def requests(self) -> dict[str, RequestState]:
+        return self.table.states
 
     @classmethod
     def describe(cls, config: EngineConfig) -> ModelDescription:
@@ -149,26 +138,12 @@ class ModelExecutor:
     @classmethod
     def create(cls, config: EngineConfig, *, parallel: TensorParallel | None = None,
                device: torch.device | None = None) -> ModelExecutor:
-        """Resolve and load the model, then size and allocate the KV cache. With
-        ``parallel`` (a tensor-parallel worker, gpu/tp_worker.py): this rank's shard on
-        ``device``, and as many KV blocks as every rank can hold."""
-        description = cls.describe(config)
-        device = device or resolve_device(config.device)
-        dtype = resolve_dtype(config.dtype, device)
-        torch.manual_seed(config.seed)
-        model = load_model(description.model_path, dtype=dtype, device=device,
-                           load_format=_load_format(config),
-                           max_positions=max(description.max_model_len,
-                                             description.model_config.max_position_embeddings),
-                           parallel=parallel, quantization=config.quantization)
-        num_kv_blocks = config.num_kv_blocks or _num_kv_blocks_for_memory(model, config)
-        num_kv_blocks = model.parallel.min_over_ranks(num_kv_blocks, device)
-        if device.type == "cpu":
-            configure_cpu_threads()
-            model.attention_backend.warm_up()
-            _fuse_cpu_model(model)
-        return cls(model, model_path=description.model_path, num_kv_blocks=num_kv_blocks,
-                   block_size=config.block_size, max_model_len=description.max_model_len)
+        """Resolve and load the model, then size and allocate the KV cache (see
+        ``load_executor_model``)."""
+        loaded = load_executor_model(config, parallel=parallel, device=device)
+        return cls(loaded.model, model_path=loaded.model_path,
+                   num_kv_blocks=loaded.num_kv_blocks, block_size=loaded.block_size,
+                   max_model_len=loaded.max_model_len)
 
     # -- one step ----------------------------------------------------------------------
 
@@ -202,35 +177,17 @@ class ModelExecutor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
 
     def _update_states(self, batch: ScheduledBatch) -> None:
+        table = self.table
         for request_id in batch.finished_request_ids:
-            self.requests.pop(request_id, None)
-            self.penalty_counts.release(request_id)
+            table.remove(request_id)
         for new_request in batch.new_requests:
-            self.requests[new_request.request_id] = RequestState(
-                sampling=new_request.sampling, pooling=new_request.pooling,
-                mean_pool=new_mean_pool(new_request.pooling))
-            self._register_penalties(new_request)
+            table.add(new_request)
+            table.register_penalties(new_request, self._token_ids_on_device)
         for scheduled in batch.requests:
-            self._state(scheduled.request_id).block_ids.extend(scheduled.new_block_ids)
-
-    def _register_penalties(self, new_request: NewRequestData) -> None:
-        """Give a request with penalties its counts (``release`` on a restart)."""
-        self.penalty_counts.release(new_request.request_id)
-        if new_request.sampling.has_penalties:
-            self.penalty_counts.register(
-                new_request.request_id,
-                self._token_ids_on_device(new_request.prompt_token_ids),
-                self._token_ids_on_device(new_request.output_token_ids))
+            table.state(scheduled.request_id).block_ids.extend(scheduled.new_block_ids)
 
     def _token_ids_on_device(self, token_ids: list[int]) -> torch.Tensor:
         return torch.tensor(token_ids, dtype=torch.int64).to(self.device)
-
-    def _state(self, request_id: str) -> RequestState:
-        state = self.requests.get(request_id)
-        if state is None:
-            raise ValueError(f"request {request_id!r} was scheduled but never registered "
-                             f"in new_requests (or already finished)")
-        return state
 
     def _build_inputs(self, requests: Sequence[ScheduledRequest]) -> StepInputs:
         inputs = StepInputs()
@@ -239,11 +196,11 @@ class ModelExecutor:
         return inputs
 
     def _add_request(self, inputs: StepInputs, scheduled: ScheduledRequest) -> None:
-        state = self._state(scheduled.request_id)
+        state = self.table.state(scheduled.request_id)
         token_ids = self._input_token_ids(scheduled, state)
         start = scheduled.num_computed_tokens
         context_len = start + len(token_ids)
-        self._check_capacity(scheduled.request_id, state, context_len)
+        self.table.check_capacity(scheduled.request_id, state, context_len)
         positions = range(start, context_len)
         if scheduled.prompt_logprob_token_ids:  # the chunk's first positions
             inputs.prompt_logprob_rows.add(scheduled.request_id, len(inputs.token_ids),
@@ -276,14 +233,6 @@ class ModelExecutor:
                              f"previous step, but nothing was sampled for it")
         return [state.last_sampled_token_id]
 
-    def _check_capacity(self, request_id: str, state: RequestState, context_len: int) -> None:
-        if context_len > len(state.block_ids) * self.block_size:
-            raise ValueError(f"request {request_id!r} needs {context_len} slots but has "
-                             f"{len(state.block_ids)} blocks of {self.block_size}")
-        if context_len > self._max_positions:
-            raise ValueError(f"request {request_id!r} reaches position {context_len - 1}, "
-                             f"beyond the model's {self._max_positions} positions")
-
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         device = self.device
 
@@ -301,6 +250,42 @@ class ModelExecutor:
         )
         return self.model(tensor(inputs.token_ids), tensor(inputs.positions),
                           self.kv_caches, metadata)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    """A loaded model and the sizes of the KV cache an executor allocates for it."""
+
+    model: CausalLM
+    model_path: Path
+    num_kv_blocks: int
+    block_size: int
+    max_model_len: int
+
+
+def load_executor_model(config: EngineConfig, *, parallel: TensorParallel | None = None,
+                    device: torch.device | None = None) -> LoadedModel:
+    """Resolve and load the model, and size its KV cache (an executor's start, the CPU's
+    and CUDA's alike). With ``parallel`` (a tensor-parallel worker, gpu/tp_worker.py):
+    this rank's shard on ``device``, and as many KV blocks as every rank can hold."""
+    description = ModelExecutor.describe(config)
+    device = device or resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    torch.manual_seed(config.seed)
+    model = load_model(description.model_path, dtype=dtype, device=device,
+                       load_format=_load_format(config),
+                       max_positions=max(description.max_model_len,
+                                         description.model_config.max_position_embeddings),
+                       parallel=parallel, quantization=config.quantization)
+    num_kv_blocks = config.num_kv_blocks or _num_kv_blocks_for_memory(model, config)
+    num_kv_blocks = model.parallel.min_over_ranks(num_kv_blocks, device)
+    if device.type == "cpu":
+        configure_cpu_threads()
+        model.attention_backend.warm_up()
+        _fuse_cpu_model(model)
+    return LoadedModel(model=model, model_path=description.model_path,
+                       num_kv_blocks=num_kv_blocks, block_size=config.block_size,
+                       max_model_len=description.max_model_len)
 
 
 def configure_cpu_threads() -> int:

@@ -1,5 +1,5 @@
 """The api/ modules import one another without a circle, lazy imports included
-(docs/architecture.md, "Where each part lives")."""
+(docs/architecture.md, "Where serving lives")."""
 
 from __future__ import annotations
 
@@ -9,10 +9,25 @@ from pathlib import Path
 API_DIR = Path(__file__).resolve().parent.parent / "api"
 
 
+def runtime_nodes(tree: ast.AST) -> list[ast.AST]:
+    """Every node of ``tree`` but those under ``if TYPE_CHECKING:`` (types only)."""
+    nodes: list[ast.AST] = []
+    pending = [tree]
+    while pending:
+        node = pending.pop()
+        nodes.append(node)
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
+            pending.extend(node.orelse)
+            continue
+        pending.extend(ast.iter_child_nodes(node))
+    return nodes
+
+
 def api_imports(path: Path) -> set[str]:
-    """The api/ modules that ``path`` imports, anywhere in it."""
+    """The api/ modules that ``path`` imports when it runs, anywhere in it (lazy
+    imports in functions included; imports for type checking left out)."""
     imported: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in runtime_nodes(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module is not None:
             if node.module == "trio_llm.api":
                 imported |= {alias.name for alias in node.names}

@@ -296,3 +296,87 @@ def test_plot_has_percentile_lines_and_a_panel_over_time(tmp_path: Path) -> None
     assert running == [1, 2, 2, 1]
     plot_latencies(tmp_path / "plot.png", results)
     assert (tmp_path / "plot.png").read_bytes().startswith(b"\x89PNG")
+
+
+# -- vLLM's habits: ShareGPT, --backend, --save-result, failures first, the plot ----------
+
+SHAREGPT_SAMPLE = Path(__file__).parent / "data" / "sharegpt_sample.json"
+
+
+def test_sharegpt_conversations_are_read_in_a_seeded_order() -> None:
+    from trio_llm.api.bench_serve import sharegpt_conversations
+
+    pairs = sharegpt_conversations(str(SHAREGPT_SAMPLE), seed=0)
+    assert len(pairs) == 9  # the one-turn conversation is left out
+    assert pairs == sharegpt_conversations(str(SHAREGPT_SAMPLE), seed=0)
+    assert pairs != sharegpt_conversations(str(SHAREGPT_SAMPLE), seed=1)
+
+
+@pytest.mark.parametrize("backend", ["openai", "openai-chat"])
+async def test_a_sharegpt_run_sends_its_prompts_and_reply_lengths(backend: str) -> None:
+    from trio_llm.api.bench_serve import sharegpt_conversations
+
+    engine = FakeEngine(max_model_len=256)
+    with trio.fail_after(TIMEOUT):
+        async with running_server(engine) as url:
+            options = BenchServeOptions(base_url=url, num_prompts=4, dataset_name="sharegpt",
+                                        dataset_path=str(SHAREGPT_SAMPLE), backend=backend)
+            report, _ = await run_benchmark(options)
+    assert (report.num_completed, report.num_failed) == (4, 0)
+    # the fake tokenizer: one token per character; "hi" (too short) is skipped
+    expected = [(prompt, len(reply)) for prompt, reply in
+                sharegpt_conversations(str(SHAREGPT_SAMPLE), seed=0) if len(prompt) >= 4][:4]
+    sent = sorted((submitted["prompt"], submitted["params"].max_tokens)
+                  for submitted in engine.submitted)
+    if backend == "openai":  # token ids: the fake tokenizer's code points
+        expected = [([ord(c) % 256 for c in prompt], n) for prompt, n in expected]
+        assert sent == sorted(expected)
+    else:  # chat: the prompt in one user turn
+        assert sorted(n for _, n in sent) == sorted(n for _, n in expected)
+        assert all("<user>" in prompt for prompt, _ in sent)
+
+
+def test_save_result_writes_into_the_result_dir_and_failures_come_first(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with ServerInAThread(FakeEngine(max_model_len=8)) as url:
+        args = _parse(["--base-url", url, "--num-prompts", "3", "--random-input-len", "20",
+                       "--random-output-len", "2", "--save-result", "--result-dir",
+                       str(tmp_path / "results"), "--result-filename", "run.json",
+                       "--disable-tqdm"])
+        assert run_bench_serve(args) == 1
+    captured = capsys.readouterr()
+    assert "3 of 3 requests failed" in captured.err and "400" in captured.err
+    document = json.loads((tmp_path / "results" / "run.json").read_text())
+    assert document["report"]["num_failed"] == 3
+    default_name = _parse(["--save-result"])
+    assert default_name.result_dir == Path(".")
+
+
+def test_help_shows_the_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    from trio_llm.api.cli import _build_parser
+
+    with pytest.raises(SystemExit):
+        _build_parser().parse_args(["bench", "serve", "--help"])
+    help_text = capsys.readouterr().out
+    assert "(default: 8000)" in help_text and "(default: random)" in help_text
+
+
+def test_the_plot_title_says_what_was_measured_and_axes_clip_at_p99_9() -> None:
+    from trio_llm.api.bench_serve import clipped, plot_title, summarize
+
+    options = BenchServeOptions(base_url="http://x", model="qwen3-8b", random_input_len=1024,
+                                random_output_len=128, max_concurrency=64)
+    report = summarize([], 1.0, options)
+    title = plot_title(options, report)
+    for part in ("qwen3-8b", "random 1024 in, 128 out", "concurrency 64", "20"):
+        assert part in title
+    inliers, outliers = clipped([1.0] * 2000 + [500.0])
+    assert outliers == [500.0] and max(inliers) == 1.0
+
+
+def test_bench_throughput_plots_tokens_over_time(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from trio_llm.api.bench import plot_throughput
+
+    plot_throughput(tmp_path / "t.png", [(0.1, 3), (0.5, 2), (1.0, 4)], title="t")
+    assert (tmp_path / "t.png").read_bytes().startswith(b"\x89PNG")

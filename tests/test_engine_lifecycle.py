@@ -263,23 +263,27 @@ async def test_runner_failure_reaches_every_request_and_closes_the_engine() -> N
 @pytest.mark.parametrize(
     ("prompt", "params", "param", "words"),
     [
-        ("", SamplingParams(), "prompt", "empty"),
-        ([], SamplingParams(), "prompt", "empty"),
-        ("hello", SamplingParams(max_tokens=0), "max_tokens", ">= 1"),
-        ("hello", SamplingParams(temperature=-1.0), "temperature", ">= 0"),
-        ("hello", SamplingParams(top_p=1.5), "top_p", "<= 1"),
-        ([1, 2, 10**9], SamplingParams(), "prompt", "vocabulary"),
-        ("hello", SamplingParams(stop_token_ids=[-4]), "stop_token_ids", ""),
-        ([1] * 5000, SamplingParams(), "prompt", "maximum context length"),
-        ("hello", SamplingParams(max_tokens=10**6), "max_tokens", "maximum context length"),
+        ("", {}, "prompt", "empty"),
+        ([], {}, "prompt", "empty"),
+        ("hello", {"max_tokens": 0}, "max_tokens", ">= 1"),
+        ("hello", {"temperature": -1.0}, "temperature", ">= 0"),
+        ("hello", {"top_p": 1.5}, "top_p", "<= 1"),
+        ([1, 2, 10**9], {}, "prompt", "vocabulary"),
+        ("hello", {"stop_token_ids": [-4]}, "stop_token_ids", ""),
+        (None, {}, "prompt", "a string or a list of token ids, not NoneType"),
+        ("hello", {"min_tokens": 5, "max_tokens": 2}, "min_tokens", "must not exceed"),
+        ([1] * 5000, {}, "prompt", "maximum context length"),
+        ("hello", {"max_tokens": 10**6}, "max_tokens", "maximum context length"),
     ],
 )
-async def test_bad_input_is_rejected_clearly(prompt: object, params: SamplingParams, param: str,
-                                             words: str) -> None:
+async def test_bad_input_is_rejected_clearly(prompt: object, params: dict[str, object],
+                                             param: str, words: str) -> None:
+    """Refused with the same error whether SamplingParams refuses it as it is built
+    (one definition of valid parameters) or the engine does."""
     with trio.fail_after(60):
         async with Engine.open(CONFIG) as engine:
             with pytest.raises(RequestRejected) as caught:
-                await collect(engine, prompt, params)  # type: ignore[arg-type]
+                await collect(engine, prompt, SamplingParams(**params))  # type: ignore
             assert caught.value.param == param
             assert words in str(caught.value)
             assert await collect(engine, "hello", greedy(3)), "the engine still serves"

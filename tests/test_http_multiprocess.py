@@ -34,6 +34,7 @@ PROMPTS = ["Once upon a time", "The little dog", "In the morning", "She said"]
 SAMPLINGS = [{"temperature": 0.0}, {"temperature": 1.0, "seed": 11},
              {"temperature": 0.8, "top_p": 0.9, "seed": 3}]
 NUM_TOKENS = 10
+CONNECTIONS_AT_ONCE = 4
 
 
 def workload() -> list[dict[str, object]]:
@@ -86,14 +87,36 @@ async def wait_metric(url: str, name: str, value: float) -> None:
 
 async def open_stream_on(server: ServeProcess, api_server: str,
                          request: dict[str, object]) -> trio.SocketStream:
-    """A streamed request whose connection the kernel gave to ``api_server``."""
-    for _ in range(64):
-        connection = await open_raw_request(server.url, "/v1/completions",
-                                            {**request, "stream": True})
-        await receive_until(connection, b'"text"')  # accepted: its server is known
-        if api_server_of(connection, server) == api_server:
-            return connection
-        await connection.aclose()
+    """A streamed request on a connection ``api_server`` accepted. The API servers
+    accept on one shared socket, whichever is free first: connections opened
+    several at a time (each asking GET /version, which counts as no request)
+    reach each of them; the request goes on the one that reached ``api_server``."""
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+
+    async def open_one(connections: list[trio.SocketStream]) -> None:
+        connection = await trio.open_tcp_stream(host, int(port))
+        await connection.send_all(f"GET /version HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+        await receive_until(connection, b'"}')  # answered: its server is known
+        connections.append(connection)
+
+    for _ in range(32):
+        connections: list[trio.SocketStream] = []
+        async with trio.open_nursery() as nursery:
+            for _ in range(CONNECTIONS_AT_ONCE):
+                nursery.start_soon(open_one, connections)
+        chosen = next((connection for connection in connections
+                       if api_server_of(connection, server) == api_server), None)
+        for connection in connections:
+            if connection is not chosen:
+                await connection.aclose()
+        if chosen is not None:
+            payload = json.dumps({**request, "stream": True}).encode()
+            await chosen.send_all(
+                f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: "
+                f"application/json\r\nContent-Length: {len(payload)}\r\n\r\n".encode()
+                + payload)
+            await receive_until(chosen, b'"text"')
+            return chosen
     raise AssertionError(f"no connection landed on {api_server}")
 
 
@@ -199,3 +222,29 @@ async def test_a_killed_supervisor_leaves_no_process_and_open_streams_finish() -
             still_running = [name for name, pid in server.pids.items() if is_running(pid)]
     assert all(b'"error"' not in rest for rest in rests)
     assert still_running == []
+
+
+async def test_a_second_server_on_a_busy_port_fails_at_once_and_takes_no_connections() -> None:
+    """One port, one server: the API servers share one listening socket (no
+    SO_REUSEPORT), so a second `trio-llm serve` on the port exits non-zero with one
+    line naming it, in either layout, and every answer comes from the first."""
+    import sys
+
+    with trio.fail_after(TIMEOUT):
+        async with serve_process(num_api_servers=2) as server:
+            port = server.url.rsplit(":", 1)[1]
+            results = []
+            for num_api_servers in (0, 2):
+                command = [sys.executable, "-m", "trio_llm.api.cli", "serve", "--model", "tiny",
+                           "--port", port, "--served-model-name", "impostor",
+                           "--api-server-count", str(num_api_servers)]
+                results.append(await trio.run_process(command, capture_stderr=True,
+                                                      check=False))
+            async with httpx.AsyncClient(base_url=server.url) as client:
+                names = [(await client.get("/v1/models")).json()["data"][0]["id"]
+                         for _ in range(12)]
+    for result in results:
+        lines = result.stderr.decode().strip().splitlines()
+        assert result.returncode != 0
+        assert len(lines) == 1 and f"port {port}" in lines[0], lines
+    assert set(names) == {"tiny"}

@@ -77,32 +77,38 @@ def rejection(intake: Intake, request: Submit) -> RequestRejected:
         ({"prompt": [1, 2, 300]}, "prompt", "outside the vocabulary"),
         ({"prompt": [1, -1]}, "prompt", "outside the vocabulary"),
         ({"prompt": [1] * (MAX_MODEL_LEN + 1)}, "prompt", "maximum context length is 64"),
-        ({"prompt": [1] * 50, "params": SamplingParams(max_tokens=20)}, "max_tokens",
+        ({"prompt": [1] * 50, "params": dict(max_tokens=20)}, "max_tokens",
          "70 were requested (50 in the prompt, max_tokens 20)"),
-        ({"prompt": [1] * 40, "params": SamplingParams(max_tokens=10)}, "max_tokens",
+        ({"prompt": [1] * 40, "params": dict(max_tokens=10)}, "max_tokens",
          "could never be scheduled"),
-        ({"params": SamplingParams(max_tokens=0)}, "max_tokens", ">= 1"),
-        ({"params": SamplingParams(min_tokens=5, max_tokens=4)}, "min_tokens",
+        ({"params": dict(max_tokens=0)}, "max_tokens", ">= 1"),
+        ({"params": dict(min_tokens=5, max_tokens=4)}, "min_tokens",
          "min_tokens (5) must not exceed max_tokens (4)"),
-        ({"params": SamplingParams(logprobs=21)}, "logprobs", "greater than max allowed: 20"),
-        ({"params": SamplingParams(temperature=-0.5)}, "temperature", ">= 0"),
-        ({"params": SamplingParams(top_p=0.0)}, "top_p", "> 0"),
-        ({"params": SamplingParams(top_k=-2)}, "top_k", ">= -1"),
-        ({"params": SamplingParams(min_p=1.5)}, "min_p", "<= 1"),
-        ({"params": SamplingParams(stop_token_ids=[-4])}, "stop_token_ids",
+        ({"params": dict(logprobs=21)}, "logprobs", "greater than max allowed: 20"),
+        ({"params": dict(temperature=-0.5)}, "temperature", ">= 0"),
+        ({"params": dict(top_p=0.0)}, "top_p", "> 0"),
+        ({"params": dict(top_k=-2)}, "top_k", ">= -1"),
+        ({"params": dict(min_p=1.5)}, "min_p", "<= 1"),
+        ({"params": dict(stop_token_ids=[-4])}, "stop_token_ids",
          "outside the vocabulary"),
-        ({"params": SamplingParams(stop_token_ids=[3, 300])}, "stop_token_ids", "[300]"),
-        ({"params": SamplingParams(stop=[""])}, "stop", "must not be empty"),
-        ({"params": SamplingParams(stop=[3])}, "stop", "str"),  # type: ignore[list-item]
-        ({"params": SamplingParams(seed=2**64)}, "seed", "64-bit"),
-        ({"params": SamplingParams(max_tokens="8")}, "max_tokens", "int"),  # type: ignore[arg-type]
+        ({"params": dict(stop_token_ids=[3, 300])}, "stop_token_ids", "[300]"),
+        ({"params": dict(stop=[""])}, "stop", "must not be empty"),
+        ({"params": dict(stop=[3])}, "stop", "str"),
+        ({"params": dict(seed=2**64)}, "seed", "64-bit"),
+        ({"params": dict(max_tokens="8")}, "max_tokens", "int"),
     ],
 )
 def test_bad_input_is_rejected_naming_the_problem(request_fields: dict[str, Any], param: str,
                                                   words: str) -> None:
-    error = rejection(make_intake(), submit(**request_fields))
-    assert error.param == param
-    assert words in error.message
+    """Sampling parameters are refused as they are built (SamplingParams checks
+    itself), the rest at intake: the same way either way."""
+    with pytest.raises(RequestRejected) as caught:
+        if "params" in request_fields:
+            request_fields = {**request_fields,
+                              "params": SamplingParams(**request_fields["params"])}
+        make_intake().admit(submit(**request_fields))
+    assert caught.value.param == param
+    assert words in caught.value.message
 
 
 def test_a_prompt_over_the_whole_kv_cache_points_at_the_prompt() -> None:
@@ -337,8 +343,11 @@ def test_truncate_prompt_tokens_cuts_the_rendered_conversation() -> None:
 
 @pytest.mark.parametrize("keep", [0, -2, MAX_MODEL_LEN + 1])
 def test_a_truncation_of_no_tokens_or_over_the_context_is_rejected(keep: int) -> None:
-    error = rejection(make_intake(), submit([5, 6, 7], params=truncated(keep)))
-    assert error.param == "truncate_prompt_tokens"
+    """Below -1 as the parameters are built (SamplingParams checks itself), the
+    rest at intake."""
+    with pytest.raises(RequestRejected) as caught:
+        make_intake().admit(submit([5, 6, 7], params=truncated(keep)))
+    assert caught.value.param == "truncate_prompt_tokens"
 
 
 # -- add_special_tokens ---------------------------------------------------------------

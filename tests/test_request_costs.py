@@ -12,7 +12,7 @@ import pytest
 
 from trio_llm.actors.config import EngineConfig
 from trio_llm.actors.constraint_cost import (
-    ConstraintLimits,
+    DEFAULT_LIMITS,
     ConstraintTooCostly,
     check_constraint,
     regex_repeat,
@@ -33,7 +33,7 @@ from trio_llm.actors.queue import WaitingQueue
 from trio_llm.actors.tokenizer import Tokenizer
 from trio_llm.gpu.builtin import resolve_model
 
-LIMITS = ConstraintLimits()
+LIMITS = DEFAULT_LIMITS
 
 
 def nested(depth: int) -> dict[str, Any]:
@@ -55,6 +55,9 @@ PAST_EACH_LIMIT: dict[str, tuple[StructuredOutputsParams, str]] = {
               "max-nodes"),
     "properties": (json_constraint({"type": "object", "properties": {
         f"p{i}": {} for i in range(LIMITS.max_properties + 1)}}), "max-properties"),
+    "properties in all": (json_constraint({"type": "object", "properties": {
+        f"o{j}": {"type": "object", "properties": {f"p{i}": {} for i in range(
+            LIMITS.max_properties // 2)}} for j in range(3)}}), "max-properties"),
     "enum": (json_constraint({"enum": list(range(LIMITS.max_alternatives + 1))}),
              "max-alternatives"),
     "choices": (StructuredOutputsParams(choice=[str(i) for i in range(
@@ -214,3 +217,26 @@ def test_the_grammar_cache_keeps_its_bound_in_bytes_least_recently_used_first() 
     assert 2 <= grammars.num_cached <= 3  # (sizes differ by a few bytes)
     assert grammars.is_compiled(constraints[0]) and grammars.is_compiled(constraints[-1])
     assert not grammars.is_compiled(constraints[1])
+
+
+def test_a_prompt_too_long_for_any_tokenization_is_refused_without_tokenizing_it() -> None:
+    intake = make_intake()
+    encoded: list[int] = []
+    encode = intake.tokenizer.encode
+
+    def counting_encode(text: str, **kwargs: Any) -> list[int]:
+        encoded.append(len(text))
+        return encode(text, **kwargs)
+
+    intake.tokenizer.encode = counting_encode  # type: ignore[method-assign]
+    params = SamplingParams(max_tokens=4)
+    for text in ("x" * (intake.max_prompt_chars + 1), "x" * 7_000_000):
+        with pytest.raises(RequestRejected) as refused:
+            intake.admit(Submit(request_id="r", prompt=text, params=params, arrival_time=0.0))
+        assert refused.value.param == "prompt" and "maximum context length" in str(
+            refused.value)
+    assert encoded == []
+    with pytest.raises(RequestRejected):  # just under: tokenized, then refused by its count
+        intake.admit(Submit(request_id="r", prompt="ab " * 2000, params=params,
+                            arrival_time=0.0))
+    assert encoded == [6000]

@@ -544,8 +544,8 @@ class BlockedCompiles:
 
 async def test_a_request_behind_a_compiling_constraint_is_not_held_back(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Intake compiles a new constraint in its own worker thread: the requests
-    submitted after it are admitted and run meanwhile; it runs once compiled."""
+    """The queue compiles a new constraint in a worker thread: the requests
+    submitted after it are pulled and run meanwhile; it runs once compiled."""
     compiles = BlockedCompiles(monkeypatch)
     schema = {"type": "object", "properties": {"held": {"type": "boolean"}},
               "required": ["held"]}
@@ -573,9 +573,9 @@ async def test_a_request_behind_a_compiling_constraint_is_not_held_back(
 
 async def test_an_abort_while_its_constraint_compiles_is_not_lost(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Intake holds an Abort for a request still compiling and sends it after the
-    request's Admit: the request ends within a step or two of starting (a long
-    regex would keep it running for hundreds of tokens), nothing is left behind."""
+    """An Abort for a request whose constraint still compiles removes it from the
+    queue: it never runs (a long regex would keep it running for hundreds of
+    tokens), nothing is left behind."""
     compiles = BlockedCompiles(monkeypatch)
     long_output = constrained(0, max_tokens=400, regex="[a-z]{300}")
     try:
@@ -591,7 +591,7 @@ async def test_an_abort_while_its_constraint_compiles_is_not_lost(
                         await generate(engine, long_output)
                 assert scope.cancelled_caught and compiles.num_started == 1
                 compiles.release()
-                # compiled after the first (one compile at a time)
+                # compiled after the first (one compile at a time in a lane)
                 text, _, _ = await generate(engine, constrained(1, choice=["ok"]))
                 stats = engine.statistics()
     finally:

@@ -1,0 +1,79 @@
+"""What an executor remembers of each running request between steps.
+
+Both executors (the CPU's, gpu/executor.py, and the pipelined CUDA one,
+gpu/cuda_executor.py) hold one RequestTable: each request's sampling options,
+its KV blocks and the token it sampled last, and the token counts of the
+requests with penalties (gpu/penalties.py). The CUDA executor keeps what only
+it needs (block-table rows, where a request's last token sits on the device)
+beside it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from trio_llm.actors.messages import NewRequestData, PoolingOptions, SamplingOptions
+from trio_llm.gpu.penalties import PenaltyCounts
+from trio_llm.gpu.pooling import MeanPool, new_mean_pool
+
+
+@dataclass(slots=True)
+class RequestState:
+    """What the executor remembers of one running request between steps."""
+
+    sampling: SamplingOptions
+    block_ids: list[int] = field(default_factory=list)
+    last_sampled_token_id: int | None = None
+    # an embedding request: how it pools, and (mean pooling) its sum so far
+    pooling: PoolingOptions | None = None
+    mean_pool: MeanPool | None = None
+
+
+class RequestTable:
+    """The running requests' states and penalty counts, by request id."""
+
+    def __init__(self, *, vocab_size: int, device: torch.device, block_size: int,
+                 max_positions: int) -> None:
+        self.states: dict[str, RequestState] = {}
+        self.penalty_counts = PenaltyCounts(vocab_size, device)
+        self.block_size = block_size
+        self.max_positions = max_positions
+
+    def add(self, new_request: NewRequestData) -> RequestState:
+        """A new request's state (replacing what a restarted one had)."""
+        state = self.states[new_request.request_id] = RequestState(
+            sampling=new_request.sampling, pooling=new_request.pooling,
+            mean_pool=new_mean_pool(new_request.pooling))
+        return state
+
+    def register_penalties(self, new_request: NewRequestData,
+                           to_device: Callable[[list[int]], torch.Tensor]) -> None:
+        """Give a request with penalties its counts (``release`` on a restart)."""
+        self.penalty_counts.release(new_request.request_id)
+        if new_request.sampling.has_penalties:
+            self.penalty_counts.register(new_request.request_id,
+                                         to_device(new_request.prompt_token_ids),
+                                         to_device(new_request.output_token_ids))
+
+    def remove(self, request_id: str) -> None:
+        self.states.pop(request_id, None)
+        self.penalty_counts.release(request_id)
+
+    def state(self, request_id: str) -> RequestState:
+        state = self.states.get(request_id)
+        if state is None:
+            raise ValueError(f"request {request_id!r} was scheduled but never registered "
+                             f"in new_requests (or already finished)")
+        return state
+
+    def check_capacity(self, request_id: str, state: RequestState, context_len: int) -> None:
+        """Refuse a step that would write past a request's blocks or its positions."""
+        if context_len > len(state.block_ids) * self.block_size:
+            raise ValueError(f"request {request_id!r} needs {context_len} slots but has "
+                             f"{len(state.block_ids)} blocks of {self.block_size}")
+        if context_len > self.max_positions:
+            raise ValueError(f"request {request_id!r} reaches position {context_len - 1}, "
+                             f"beyond the model's {self.max_positions} positions")
