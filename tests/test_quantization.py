@@ -424,3 +424,23 @@ def test_online_fp8_scales_a_row_over_its_whole_length_on_every_rank(float_check
     assert len(row_parallel) >= 5
     for name in row_parallel:
         assert torch.equal(torch.cat([rank[name] for rank in ranks], dim=-1), whole[name]), name
+
+
+def test_online_fp8_dummy_weights_are_e4m3_values_times_row_scales(tmp_path):
+    """``--load-format dummy --quantization fp8`` (the benchmarks' FP8 dummy weights): every
+    linear weight row is e4m3 values times one scale; the rest as without the flag."""
+    write_fp8_checkpoint(_tiny_model("qwen3"), tmp_path / "fp8", tmp_path / "plain", "channel")
+    cpu = torch.device("cpu")
+    plain = dict(load_model(tmp_path / "plain", dtype=torch.float32, device=cpu,
+                            load_format="dummy").named_parameters())
+    rounded = dict(load_model(tmp_path / "plain", dtype=torch.float32, device=cpu,
+                              load_format="dummy", quantization="fp8").named_parameters())
+    for name, weight in rounded.items():
+        if not is_quantizable(name):
+            assert torch.equal(weight, plain[name]), name
+            continue
+        scale = plain[name].abs().amax(dim=1, keepdim=True) / E4M3_MAX
+        values = weight / scale
+        torch.testing.assert_close(values.to(E4M3).to(torch.float32), values, rtol=2**-20,
+                                   atol=0)
+        assert not torch.equal(weight, plain[name]), name
