@@ -200,7 +200,10 @@ def make_request(request_id: str, prompt_token_ids: list[int], *, max_tokens: in
     sampling = SamplingOptions(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, seed=seed,
                                num_logprobs=None, min_tokens=min_tokens, banned_token_ids=[])
     return Request(request_id=request_id, prompt_token_ids=prompt_token_ids,
-                   params=SamplingParams(max_tokens=max_tokens, min_tokens=min_tokens),
+                   # SamplingParams refuses min_tokens over max_tokens; the scheduler
+                   # reads min_tokens from ``sampling``, which keeps the value given
+                   params=SamplingParams(max_tokens=max_tokens,
+                                         min_tokens=min(min_tokens, max_tokens)),
                    sampling=sampling, stop_token_ids=stop_token_ids or [], max_tokens=max_tokens,
                    priority=priority, arrival_index=arrival_index, arrival_time=0.0,
                    cache_salt=cache_salt)

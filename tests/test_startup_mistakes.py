@@ -64,8 +64,9 @@ async def test_a_start_up_mistake_is_one_line_and_a_non_zero_exit(
     holder, port = busy_port()
     values = {"not_a_model": str(not_a_model), "unsupported": str(unsupported),
               "busy_port": port}
+    # --port 0 unless the mistake names a port: 8000 may be busy on this machine
     command = [sys.executable, "-m", "trio_llm.api.cli", "serve", "--model", "tiny",
-               "--api-server-count", str(num_api_servers),
+               "--api-server-count", str(num_api_servers), "--port", "0",
                *[flag.format(**values) for flag in flags]]
     env = {key: value for key, value in os.environ.items()
            if key not in ("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "TRIO_LLM_ALLOW_LONG_MAX_MODEL_LEN")}
