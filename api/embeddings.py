@@ -32,7 +32,6 @@ if TYPE_CHECKING:
     from quart_trio import QuartTrio
 
     from trio_llm.api.engine import Engine
-    from trio_llm.api.server import ServerConfig
 
 BodyT = TypeVar("BodyT", bound=msgspec.Struct)
 
@@ -43,7 +42,6 @@ class Handlers(Protocol):
     import it back)."""
 
     engine: Engine
-    config: ServerConfig
     model_name: str
     _conversion_threads: trio.CapacityLimiter
 
@@ -53,6 +51,16 @@ class Handlers(Protocol):
     def _check_model(self, model: str | None) -> None: ...
 
     def _json(self, body: msgspec.Struct, *, status: int = 200) -> Response: ...
+
+    @property
+    def config(self) -> LogSettings: ...
+
+
+class LogSettings(Protocol):
+    """The server settings this module reads (api/server.py's ServerConfig)."""
+
+    @property
+    def disable_log_requests(self) -> bool: ...
 
 
 EMBEDDINGS_PATH = "/v1/embeddings"

@@ -90,14 +90,14 @@ def run_engine(config: EngineConfig, items: list[WorkloadItem],
     import trio
 
     from trio_llm.actors.messages import SamplingParams
-    from trio_llm.api.bench import TimedExecutor
+    from trio_llm.api.bench import timed
     from trio_llm.api.engine import Engine
     from trio_llm.gpu.factory import create_executor
 
     model_executor = create_executor(config)
     if prepare is not None:
         prepare(model_executor)
-    executor = TimedExecutor(model_executor)
+    executor = timed(model_executor)
     outputs: list[list[int]] = [[] for _ in items]
 
     async def one(engine: Engine, index: int) -> None:

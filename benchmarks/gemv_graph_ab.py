@@ -17,6 +17,7 @@ from pathlib import Path
 import gpu_bench  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 import torch
 
+from trio_llm.gpu import cuda_startup
 from trio_llm.gpu.kernels import triton_gemv
 from trio_llm.gpu.layers.linear import Linear
 from trio_llm.gpu.models import cuda_fused
@@ -50,7 +51,7 @@ def main() -> None:
         for rule in ("cublas", "direct", "direct_512", "pipelined", "one_output", "small"):
             cuda_fused.GemvLinear.forward = rule_forward(rule)
             executor.graphs.clear()
-            executor._capture_graphs()
+            cuda_startup.capture_graphs(executor)
             for batch in (1, 2, 4, 8):
                 ms = gpu_bench.graph_replay_ms(executor, batch)
                 results[f"{model} {rule} batch {batch}"] = ms

@@ -24,7 +24,9 @@ One step, on the device:
 Events order the slots' reuse: a slot's device inputs are rewritten only after
 the compute that read them, its pinned inputs only after their upload
 (gpu/cuda_streams.py). The upload's layout and a graph step's padding are in
-gpu/step_packing.py.
+gpu/step_packing.py. This module launches and collects; a step's planning on the
+host (each request's block-table row, where its last token is) is
+gpu/cuda_plan.py's, the start-up (warm-up, graph capture) gpu/cuda_startup.py's.
 
 A step with constrained rows whose grammar bitmasks follow (``bitmask_follows``:
 they depend on the token the previous step is still sampling) is launched up to
@@ -44,48 +46,36 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import numpy as np
 import torch
 
-from trio_llm.actors.config import MAX_PIPELINE_DEPTH, EngineConfig
+from trio_llm.actors.config import EngineConfig
 from trio_llm.actors.messages import (
-    NewRequestData,
-    SamplingOptions,
     ScheduledBatch,
-    ScheduledRequest,
     StepResult,
 )
+from trio_llm.gpu import cuda_startup
 from trio_llm.gpu.cuda_graphs import (
-    DECODE_BATCH_SIZES,
-    VARLEN_GRAPH_TOKENS,
     DecodeGraphs,
     VarlenGraphs,
-    no_garbage_collection,
     with_previous_tokens,
 )
+from trio_llm.gpu.cuda_plan import NUM_SLOTS, StepPlanner
 from trio_llm.gpu.cuda_sampler import (
     DeviceSamplingInputs,
     SamplingPlan,
-    is_plain,
-    plain_row_values,
     record_on_device,
     sample_on_device,
 )
 from trio_llm.gpu.cuda_streams import DoneEvent, Event, Lane
 from trio_llm.gpu.executor import (
-    GIB,
-    MIN_VECTORIZED_SLOTS,
-    kv_slot_array,
-    kv_slots,
     load_executor_model,
 )
 from trio_llm.gpu.models.base import AttentionMetadata, CausalLM
-from trio_llm.gpu.pooling import pooled_output, pooled_vectors, pooling_chunk
+from trio_llm.gpu.pooling import pooled_output, pooled_vectors
 from trio_llm.gpu.request_table import RequestState, RequestTable
 from trio_llm.gpu.sampler import (
     PromptLogprobRows,
-    SamplingRow,
     prompt_logprobs,
     raw_logprobs,
 )
@@ -106,12 +96,6 @@ from trio_llm.gpu.tensor_parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
 
-# One input slot per step in flight.
-NUM_SLOTS = MAX_PIPELINE_DEPTH
-# Where a request's latest sampled token is, as one int (no tuple per row and step):
-# the launch number above this many bits, its row in the flat [slot, row] buffer below.
-LAUNCH_SHIFT = 32
-ROW_MASK = (1 << LAUNCH_SHIFT) - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,6 +240,9 @@ class CudaModelExecutor:
     def requests(self) -> dict[str, RequestState]:
         return self.table.states
 
+    def reset_statistics(self) -> None:
+        self.stats = ExecutorStatistics()
+
     def start(self, options: CudaExecutorOptions) -> None:
         """Allocate streams, slots and the block table; fuse kernels; capture graphs."""
         self.options = options
@@ -278,17 +265,9 @@ class CudaModelExecutor:
         num_table_rows = 2 * options.max_num_seqs + 8
         self.block_table = torch.zeros((num_table_rows, self.max_blocks_per_seq),
                                        dtype=torch.int32, device=self.device)
-        self._free_table_rows = list(range(num_table_rows - 1, -1, -1))
-        self._table_rows: dict[str, int] = {}
-        # request id -> its latest sampled token's launch number and flat row
-        # (LAUNCH_SHIFT) in device_sampled
-        self._sampled_on_device: dict[str, int] = {}
-        # request id -> the values its sampling rows upload (cuda_sampler.plain_row_values);
-        # and the requests whose rows need the full sampling plan (penalties, logit bias,
-        # allowed or banned ids, logprobs: cuda_sampler.is_plain)
-        self._row_values: dict[str, tuple[float, float, float, int, int]] = {}
-        self._special_requests: set[str] = set()
-        self._num_launches = 0
+        self.planner = StepPlanner(self.table, vocab_size=self.vocab_size,
+                                   max_blocks_per_seq=self.max_blocks_per_seq,
+                                   num_table_rows=num_table_rows)
         self._outstanding: list[PendingStep] = []
         self.stats = ExecutorStatistics()
         self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, options.max_num_seqs,
@@ -297,11 +276,11 @@ class CudaModelExecutor:
                                           options.max_num_batched_tokens, options.max_num_seqs,
                                           self.max_blocks_per_seq, self.device_sampled)
         self._started = True
-        self._report_kv_cache()
+        cuda_startup.report_kv_cache(self)
         if options.use_fused_kernels:
-            self._warm_up()
+            cuda_startup.warm_up(self)
         if options.use_cuda_graphs:
-            self._capture_graphs()
+            cuda_startup.capture_graphs(self)
 
     # -- the split API ---------------------------------------------------------------------
 
@@ -331,7 +310,7 @@ class CudaModelExecutor:
             return PendingStep(step_id=batch.step_id, request_ids=[], done=DoneEvent()), None
         kind = step.kind
         self._pad_for_graph(step)
-        slot = self.slots[self._num_launches % NUM_SLOTS]
+        slot = self.slots[self.planner.num_launches % NUM_SLOTS]
         stats = self.stats
         stats.plan_seconds_by_kind[kind] += time.perf_counter() - started
         if slot.upload_done is not None:
@@ -344,8 +323,7 @@ class CudaModelExecutor:
         if step.graph_key is not None:
             stats.num_graph_steps += 1
             stats.num_graph_steps_by_kind[kind] += 1
-        self._remember_sampled(step, slot)
-        self._num_launches += 1
+        self.planner.remember_sampled(step, slot.index * self.device_sampled.shape[1])
         self._outstanding.append(pending)
         return pending, kind
 
@@ -444,16 +422,13 @@ class CudaModelExecutor:
 
     def _update_states(self, batch: ScheduledBatch) -> None:
         """Apply the batch's finishes and registrations."""
+        planner = self.planner
         for request_id in batch.finished_request_ids:
-            self._forget(request_id)
+            planner.forget(request_id)
         for new_request in batch.new_requests:
-            self._forget(new_request.request_id)
-            self.table.add(new_request)
-            self._table_rows[new_request.request_id] = self._take_table_row()
-            self._row_values[new_request.request_id] = plain_row_values(new_request.sampling,
-                                                                        self.vocab_size)
-            if not is_plain(new_request.sampling):
-                self._special_requests.add(new_request.request_id)
+            planner.register(new_request)
+            if planner.num_table_rows > self.block_table.shape[0]:
+                self._grow_block_table()
             if new_request.sampling.has_penalties:
                 with self.compute.context():  # ordered after the steps that used the row
                     self.table.register_penalties(new_request, self._token_ids_on_device)
@@ -463,162 +438,17 @@ class CudaModelExecutor:
             return torch.empty(0, dtype=torch.int64, device=self.device)
         return self._to_device(torch.tensor(token_ids, dtype=torch.int64))
 
-    def _forget(self, request_id: str) -> None:
-        self.table.remove(request_id)
-        self._sampled_on_device.pop(request_id, None)
-        self._row_values.pop(request_id, None)
-        self._special_requests.discard(request_id)
-        row = self._table_rows.pop(request_id, None)
-        if row is not None:
-            self._free_table_rows.append(row)
-
-    def _take_table_row(self) -> int:
-        if not self._free_table_rows:
-            self._grow_block_table()
-        return self._free_table_rows.pop()
-
     def _grow_block_table(self) -> None:
         old = self.block_table
         with self.compute.context():
-            self.block_table = torch.zeros((2 * old.shape[0], old.shape[1]), dtype=old.dtype,
-                                           device=self.device)
+            self.block_table = torch.zeros((self.planner.num_table_rows, old.shape[1]),
+                                           dtype=old.dtype, device=self.device)
             self.block_table[:old.shape[0]].copy_(old)
-        self._free_table_rows = list(range(self.block_table.shape[0] - 1, old.shape[0] - 1, -1))
 
     def _plan(self, batch: ScheduledBatch) -> HostStep:
-        """The step's inputs, in one pass over its requests: new blocks (block-table
-        updates), tokens, positions, slots, per-sequence layout and sampling rows.
+        """The step's host-side inputs (gpu/cuda_plan.py)."""
+        return self.planner.plan(batch)
 
-        A decode row takes the token sampled for it last step: from device memory
-        (its id then names the row there, step_packing) while that step may still be
-        running, from the host once it was collected.
-
-        This is the hot loop of a step (hundreds of requests, every step): one function
-        with its lists bound to locals, since a call or a lookup per request and list
-        adds up to a good share of the host's time per step. A sampled row costs two
-        appends and a lookup of its request's upload values; SamplingRows are built
-        only for a step that has a row needing the full plan (``_sampling_rows``)."""
-        step = HostStep(step_id=batch.step_id)
-        ints = step.ints
-        token_ids, positions = ints["token_ids"], ints["positions"]
-        slot_mapping, context_lens = ints["slot_mapping"], ints["context_lens"]
-        query_start_loc, table_rows = ints["query_start_loc"], ints["table_rows"]
-        logits_indices, row_values = ints["logits_indices"], step.row_values
-        output_indices, sampled_request_ids = ints["output_indices"], step.sampled_request_ids
-        requests, rows_by_id, block_size = self.requests, self._table_rows, self.block_size
-        values_by_id, special = self._row_values, self._special_requests
-        on_device = self._sampled_on_device
-        oldest_readable = (self._num_launches - NUM_SLOTS) << LAUNCH_SHIFT
-        max_positions, num_single_token_rows, num_from_device = self._max_positions, 0, 0
-        num_special = 0
-        query_start_loc.append(0)
-        for scheduled in batch.requests:
-            request_id = scheduled.request_id
-            state = requests.get(request_id) or self.table.state(request_id)
-            row = rows_by_id[request_id]
-            if scheduled.new_block_ids:
-                self._add_blocks(step, request_id, state, row, scheduled.new_block_ids)
-            start = scheduled.num_computed_tokens
-            if scheduled.input_from_previous_step:
-                location = on_device.get(request_id)
-                if location is not None and location >= oldest_readable:
-                    # sampled by a step that may still run: read on the device
-                    token_ids.append(-1 - (location & ROW_MASK))
-                    num_from_device += 1
-                else:
-                    token_ids.append(self._last_sampled(request_id, state))
-                num_single_token_rows += 1
-                context_len = start + 1
-                positions.append(start)
-            else:
-                if scheduled.prompt_logprob_token_ids:  # the chunk's first positions
-                    step.prompt_logprob_rows.add(request_id, len(token_ids),
-                                                 scheduled.prompt_logprob_token_ids,
-                                                 state.sampling.num_prompt_logprobs or 0)
-                if state.pooling is not None:  # an embedding request
-                    chunk = pooling_chunk(scheduled, state.pooling, state.mean_pool,
-                                          len(token_ids))
-                    if chunk is not None:
-                        step.pooling_chunks.append(chunk)
-                token_ids += scheduled.token_ids
-                context_len = start + len(scheduled.token_ids)
-                if context_len - start < MIN_VECTORIZED_SLOTS:
-                    positions += range(start, context_len)
-                # at depth 1 a decode row's token comes from the host, as a 1-token chunk
-                num_single_token_rows += len(scheduled.token_ids) == 1
-            blocks = state.block_ids
-            if context_len > len(blocks) * block_size or context_len > max_positions:
-                self.table.check_capacity(request_id, state, context_len)  # raises
-            if context_len == start + 1:  # a decode row: its one slot, without a call
-                slot_mapping.append(blocks[start // block_size] * block_size
-                                    + start % block_size)
-            elif context_len - start < MIN_VECTORIZED_SLOTS:
-                slot_mapping += kv_slots(blocks, block_size, start, context_len)
-            else:  # its positions too
-                self._insert_long_chunk(step, blocks, start, context_len)
-            context_lens.append(context_len)
-            query_start_loc.append(len(token_ids))
-            table_rows.append(row)
-            if scheduled.sample:
-                logits_indices.append(len(token_ids) - 1)
-                if scheduled.bitmask_follows:
-                    step.rows_awaiting_bitmasks.append(len(sampled_request_ids))
-                    num_special += 1
-                elif scheduled.token_bitmask is not None or request_id in special:
-                    num_special += 1
-                row_values.append(values_by_id[request_id])
-                output_indices.append(scheduled.output_index)
-                sampled_request_ids.append(request_id)
-        step.num_seqs = len(batch.requests)
-        step.num_tokens = len(token_ids)
-        step.num_single_token_rows = num_single_token_rows
-        step.num_tokens_from_device = num_from_device
-        if num_special:
-            step.sampling_rows = self._sampling_rows(batch)
-        return step
-
-    def _sampling_rows(self, batch: ScheduledBatch) -> list[SamplingRow]:
-        """Every sampled row's SamplingRow, for the full sampling plan."""
-        requests, penalty_counts = self.requests, self.penalty_counts
-        return [SamplingRow(requests[scheduled.request_id].sampling, scheduled.output_index,
-                            scheduled.token_bitmask, penalty_counts.slot(scheduled.request_id))
-                for scheduled in batch.requests if scheduled.sample]
-
-    def _insert_long_chunk(self, step: HostStep, block_ids: list[int], start: int,
-                           end: int) -> None:
-        """A long chunk's positions and slots, as arrays inserted where they belong."""
-        inserts = step.inserts
-        inserts["positions"].append((len(step.ints["positions"]),
-                                     np.arange(start, end, dtype=np.int64)))
-        inserts["slot_mapping"].append((len(step.ints["slot_mapping"]),
-                                        kv_slot_array(block_ids, self.block_size, start, end)))
-
-    def _add_blocks(self, step: HostStep, request_id: str, state: RequestState, row: int,
-                    block_ids: list[int]) -> None:
-        """Extend a request's blocks; the device's block table gets them with the step."""
-        first_column = len(state.block_ids)
-        if first_column + len(block_ids) > self.max_blocks_per_seq:
-            raise ValueError(f"request {request_id!r} needs more than "
-                             f"{self.max_blocks_per_seq} blocks (max_model_len)")
-        ints = step.ints
-        first_index = row * self.max_blocks_per_seq + first_column  # in the flat table
-        ints["update_indices"] += range(first_index, first_index + len(block_ids))
-        ints["update_block_ids"] += block_ids
-        state.block_ids.extend(block_ids)
-
-    @staticmethod
-    def _last_sampled(request_id: str, state: RequestState) -> int:
-        """The token sampled for a request by a step already collected."""
-        if state.last_sampled_token_id is None:
-            raise ValueError(f"request {request_id!r} takes its input from the previous step, "
-                             f"but nothing was sampled for it")
-        return state.last_sampled_token_id
-
-    def _remember_sampled(self, step: HostStep, slot: InputSlot) -> None:
-        first = (self._num_launches << LAUNCH_SHIFT) + slot.index * self.device_sampled.shape[1]
-        request_ids = step.sampled_request_ids
-        self._sampled_on_device.update(zip(request_ids,
-                                           range(first, first + len(request_ids)), strict=True))
 
     def _pad_for_graph(self, step: HostStep) -> None:
         """Choose the captured graph that fits the step, if any, and pad it to its sizes.
@@ -797,113 +627,12 @@ class CudaModelExecutor:
         self.device_sampled = torch.zeros((NUM_SLOTS, num_rows), dtype=torch.int64,
                                           device=self.device)
         self.device_sampled[:, :old_width].copy_(old)
-        for request_id, location in self._sampled_on_device.items():
-            slot_index, row = divmod(location & ROW_MASK, old_width)
-            self._sampled_on_device[request_id] = (location - (location & ROW_MASK)
-                                                   + slot_index * num_rows + row)
+        self.planner.widen_sampled(old_width, num_rows)
         if self.decode_graphs.graphs or self.varlen_graphs.graphs:
             logger.warning("a step of %d sequences, more than max_num_seqs (%d): CUDA graphs "
                            "dropped, steps run eagerly from now on", num_rows, old_width)
             self.decode_graphs.graphs.clear()
             self.varlen_graphs.graphs.clear()
-
-    # -- start-up: report and graphs -----------------------------------------------------
-
-    def _report_kv_cache(self) -> None:
-        bytes_per_token = self.model.kv_cache_bytes_per_token  # this rank's KV heads
-        num_tokens = self.num_kv_blocks * self.block_size
-        logger.info("KV cache: %d blocks of %d tokens = %d tokens, %.2f GiB (%s)",
-                    self.num_kv_blocks, self.block_size, num_tokens,
-                    num_tokens * bytes_per_token / GIB, self.device)
-
-    def _warm_up(self) -> None:
-        """One eager prefill step with sampling, so that Triton compiles the eager path's
-        kernels at start-up rather than during the first request. (It writes KV cache
-        block 0, which holds nothing yet.)"""
-        started = time.perf_counter()
-        request_id = "warm-up"
-        plain = SamplingOptions(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, seed=0,
-                                num_logprobs=None, min_tokens=0, banned_token_ids=[])
-        # the second step compiles the sampling kernel's variant with penalties
-        penalized = msgspec.structs.replace(plain, repetition_penalty=1.1)
-        num_tokens = min(self.block_size, self.max_model_len)
-        for sampling in (plain, penalized):
-            new_request = NewRequestData(request_id=request_id, sampling=sampling,
-                                         prompt_token_ids=[0] * num_tokens)
-            batch = ScheduledBatch(
-                step_id=-1, new_requests=[new_request],
-                requests=[ScheduledRequest(request_id=request_id, token_ids=[0] * num_tokens,
-                                           input_from_previous_step=False,
-                                           num_computed_tokens=0, new_block_ids=[0],
-                                           sample=True, output_index=0)],
-                finished_request_ids=[], num_tokens=num_tokens)
-            self.collect(self.launch(batch))
-            self._forget(request_id)
-        self.stats = ExecutorStatistics()
-        logger.info("warmed up the eager path in %.1f s", time.perf_counter() - started)
-
-    def _capture_graphs(self) -> None:
-        """Decode graphs by batch size, then varlen graphs by token count, each family
-        largest first (the smaller reuse the larger's memory in the shared pool), within
-        the time and memory budgets; steps beyond what was captured run eagerly."""
-        options = self.options
-        decode_sizes = sorted({size for size in DECODE_BATCH_SIZES if size < options.max_num_seqs}
-                              | {options.max_num_seqs}, reverse=True)
-        varlen_sizes = sorted({size for size in VARLEN_GRAPH_TOKENS
-                               if size < options.max_num_batched_tokens}
-                              | {options.max_num_batched_tokens}, reverse=True)
-        pool = None
-        if self.device.type == "cuda":
-            pool = torch.cuda.graph_pool_handle()
-            # capture empties the allocator's cache: empty it first, or what it frees
-            # would count against the graphs' memory
-            torch.cuda.empty_cache()
-        memory_before = self._reserved_bytes()
-        started = time.perf_counter()
-        with no_garbage_collection():
-            self._capture_each(decode_sizes, varlen_sizes, started, memory_before, pool)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.graph_capture_seconds = time.perf_counter() - started
-        self.graph_memory_bytes = self._reserved_bytes() - memory_before
-        logger.info("captured %d decode CUDA graphs (batch sizes %s) and %d varlen graphs "
-                    "(token counts %s) in %.1f s, %.2f GiB",
-                    len(self.decode_graphs.graphs),
-                    ",".join(map(str, sorted(self.decode_graphs.graphs))),
-                    len(self.varlen_graphs.graphs),
-                    ",".join(map(str, sorted(self.varlen_graphs.graphs))),
-                    self.graph_capture_seconds, self.graph_memory_bytes / GIB)
-
-    def _capture_each(self, decode_sizes: list[int], varlen_sizes: list[int], started: float,
-                      memory_before: int, pool: Any) -> None:
-        for graphs, sizes in ((self.decode_graphs, decode_sizes),
-                              (self.varlen_graphs, varlen_sizes)):
-            for size in sizes:
-                # Tensor-parallel ranks must hold the same graphs: a step padded to a
-                # graph on one rank and run unpadded on another would hand their
-                # collectives tensors of different sizes. Each rank's budget can run
-                # out at a different size; the first rank out stops them all.
-                within = self._within_capture_budget(started, memory_before, size)
-                if not self.model.parallel.min_over_ranks(int(within), self.device):
-                    break
-                graphs.capture(size, self.compute, pool)
-
-    def _within_capture_budget(self, started: float, memory_before: int, size: int) -> bool:
-        options = self.options
-        if time.perf_counter() - started > options.graph_capture_budget_seconds:
-            logger.warning("CUDA graph capture stopped at its %.0f s budget; steps up to size "
-                           "%d run eagerly", options.graph_capture_budget_seconds, size)
-            return False
-        if self._reserved_bytes() - memory_before > options.graph_memory_budget_gib * GIB:
-            logger.warning("CUDA graph capture stopped at its %.1f GiB budget; steps up to "
-                           "size %d run eagerly", options.graph_memory_budget_gib, size)
-            return False
-        return True
-
-    def _reserved_bytes(self) -> int:
-        if self.device.type != "cuda":
-            return 0
-        return int(torch.cuda.memory_reserved(self.device))
 
     @property
     def graphs(self) -> dict[int, Any]:

@@ -94,7 +94,8 @@ def test_directory_is_used_as_is(tmp_path, cache):
 
 
 def test_unknown_name_lists_builtin_names(cache):
-    with pytest.raises(ValueError, match="tiny, qwen3-0.6b, qwen3-8b"):
+    with pytest.raises(ValueError, match="tiny, tiny-moe, qwen3-0.6b, qwen3-8b, qwen3-30b-a3b, "
+                                         "qwen3-moe-small"):
         resolve_model("no-such-model")
 
 
@@ -110,6 +111,18 @@ def test_qwen3_dummy_configs(cache):
     assert tokenizer.decode([151935]) == "<|filler_151935|>"
     assert builtin.QWEN3_8B_CONFIG["num_hidden_layers"] == 36
     assert builtin.QWEN3_8B_CONFIG["tie_word_embeddings"] is False
+
+
+def test_qwen3_30b_a3b_has_the_published_dimensions():
+    """Qwen3-30B-A3B's shape (issue 23): read through the Qwen3-MoE family's parser."""
+    from trio_llm.gpu.models import parse_model_config
+
+    config = parse_model_config(builtin.QWEN3_30B_A3B_CONFIG)
+    assert (config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads,
+            config.head_dim, config.vocab_size) == (48, 2048, 32, 4, 128, 151936)
+    assert (config.num_experts, config.num_experts_per_tok,
+            config.moe_intermediate_size) == (128, 8, 768)
+    assert builtin.is_dummy_only("qwen3-30b-a3b") and builtin.is_dummy_only("qwen3-moe-small")
 
 
 def _fake_hub_cache(root: Path, repo_id: str, commit: str, source: Path) -> Path:

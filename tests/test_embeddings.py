@@ -31,7 +31,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 import trio
-from test_http_support import open_raw_request, openai_clients, running_server, wait_until
+import trio.testing
+from test_http_support import open_raw_request, openai_clients, running_server
 
 from trio_llm.actors.config import EngineConfig
 from trio_llm.actors.errors import RequestRejected
@@ -614,15 +615,22 @@ async def test_a_preempted_embedding_request_pools_what_it_would_alone(checkpoin
     assert [output.data for output in found] == [output.data for output in expected]
 
 
+async def wait_for(predicate: Any) -> None:
+    """Let every task run until ``predicate`` holds: bounded by the caller's fail_after,
+    not by a count of rounds (a loaded machine may take many rounds a step)."""
+    while not predicate():
+        await trio.testing.wait_all_tasks_blocked()
+
+
 async def test_a_client_that_goes_away_aborts_its_inputs(checkpoints) -> None:
     inputs = [list(range(3 + index, 103 + index)) for index in range(64)]  # 6,400 tokens
     config = engine_config(checkpoints["last"], max_num_batched_tokens=16, max_num_seqs=2)
     with trio.fail_after(TIMEOUT):
         async with Engine.open(config) as engine, running_server(engine) as url:
             connection = await open_raw_request(url, "/v1/embeddings", {"input": inputs})
-            await wait_until(lambda: engine.statistics().num_running > 0)
+            await wait_for(lambda: engine.statistics().num_running > 0)
             await connection.aclose()
-            await wait_until(lambda: engine.num_open_requests == 0)
+            await wait_for(lambda: engine.num_open_requests == 0)
             await engine.embed([5, 6, 7])  # after the aborts (intake's inbox is FIFO)
             stats = engine.statistics()
     assert (stats.num_running, stats.num_waiting) == (0, 0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import trio
 
 from trio_llm.actors.messages import ScheduledBatch, StepResult
@@ -120,3 +121,27 @@ class HangingPipelinedExecutor(InstantPipelinedExecutor):
     def collect(self, pending: DoneStep | HungStep) -> StepResult:  # type: ignore[override]
         assert isinstance(pending, DoneStep), "a hung step is never collected"
         return pending.result
+
+
+def test_the_benchmarks_timed_executor_keeps_a_pipelined_executor_pipelined() -> None:
+    """The runner picks depth 2 by ``isinstance(executor, PipelinedExecutor)``; on
+    Python 3.12 that check is static, so a wrapper's ``__getattr__`` does not count."""
+    import inspect
+
+    from trio_llm.actors.executors import PipelinedExecutor
+    from trio_llm.api.bench import timed
+
+    class Plain:
+        model_path, num_kv_blocks, max_model_len, vocab_size = None, 1, 1, 1
+
+        def execute(self, batch: ScheduledBatch) -> StepResult:
+            raise AssertionError("not run")
+
+    pipelined = timed(InstantPipelinedExecutor(Plain()))  # type: ignore[arg-type]
+    plain = timed(Plain())
+    assert isinstance(pipelined, PipelinedExecutor)
+    assert not isinstance(plain, PipelinedExecutor)
+    for name in ("launch", "supply_bitmasks", "collect"):  # what Python 3.12 reads
+        inspect.getattr_static(pipelined, name)
+        with pytest.raises(AttributeError):
+            inspect.getattr_static(plain, name)

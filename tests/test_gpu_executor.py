@@ -20,7 +20,7 @@ from trio_llm.actors.messages import (  # noqa: E402
     ScheduledBatch,
     ScheduledRequest,
 )
-from trio_llm.gpu import step_packing  # noqa: E402
+from trio_llm.gpu import cuda_startup, step_packing  # noqa: E402
 from trio_llm.gpu.builtin import resolve_model  # noqa: E402
 from trio_llm.gpu.cuda_executor import CudaExecutorOptions, CudaModelExecutor  # noqa: E402
 from trio_llm.gpu.executor import ModelExecutor, kv_slots  # noqa: E402
@@ -216,7 +216,7 @@ def test_the_start_up_warm_up_leaves_no_trace():
     cpu = torch.device("cpu")
     expected = run_depth_1(build(ModelExecutor, cpu), scripted_batches())
     pipelined = build(CudaModelExecutor, cpu, use_cuda_graphs=False, use_fused_kernels=False)
-    pipelined._warm_up()
+    cuda_startup.warm_up(pipelined)
     assert not pipelined.requests and pipelined.stats.num_steps == 0
     assert_same_results(run_depth_2(pipelined, scripted_batches()), expected)
 

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_model import NUM_NEW_TOKENS, _family_config, _randomise, _run_executor
+from test_model import NUM_NEW_TOKENS, _family_config, _randomise, _reference, _run_executor
 from test_moe_models import moe_config, randomise
 
 from trio_llm.actors.config import EngineConfig
@@ -22,6 +22,7 @@ from trio_llm.gpu.executor import ModelExecutor
 from trio_llm.gpu.loader import load_model
 from trio_llm.gpu.models import ModelLoadError, parse_model_config
 from trio_llm.gpu.quantization import E4M3, E4M3_MAX, is_quantizable
+from trio_llm.gpu.tensor_parallel import TensorParallel
 from trio_llm.gpu.testing import DriverRequest, ExecutorDriver, record_logits
 
 transformers = pytest.importorskip("transformers")
@@ -196,7 +197,8 @@ def _tiny_model(family: str):
 
 def _prompts():
     generator = torch.Generator().manual_seed(3)
-    return [torch.randint(0, 384, (length,), generator=generator).tolist()
+    # no token 0: transformers' generate masks it as padding (pad_token_id=0)
+    return [torch.randint(1, 384, (length,), generator=generator).tolist()
             for length in (5, 23, 1)]
 
 
@@ -235,6 +237,26 @@ def test_an_fp8_checkpoint_generates_what_its_dequantized_weights_do(
                                      block, keep)
     assert sum(tensor.dtype == E4M3 for tensor in quantized.values()) > 8
     _assert_same_generation(tmp_path / "fp8", tmp_path / "plain")
+
+
+@pytest.mark.parametrize(("family", "block"), [("qwen3", (32, 32)), ("qwen3_moe", (16, 32))])
+def test_transformers_loading_the_fp8_checkpoint_generates_what_trio_llm_does(
+        tmp_path, family, block):
+    """transformers dequantizes a block-wise FP8 checkpoint on the CPU (it needs
+    accelerate, not one of trio-llm's dependencies; whole blocks only)."""
+    pytest.importorskip("accelerate")
+    write_fp8_checkpoint(_tiny_model(family), tmp_path / "fp8", tmp_path / "plain", "block",
+                         block)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "fp8", dtype=torch.float32).eval()
+    prompts = _prompts()
+    requests, recorded = _run_executor(tmp_path / "fp8", prompts, block_size=16)
+    for request, prompt in zip(requests, prompts, strict=True):
+        expected_tokens, expected_logits = _reference(theirs, prompt)
+        assert request.output_token_ids == expected_tokens
+        ours = torch.stack([recorded[(request.request_id, index)]
+                            for index in range(NUM_NEW_TOKENS)])
+        torch.testing.assert_close(ours, expected_logits, rtol=0, atol=1e-4)
 
 
 def test_the_dequantized_weights_are_not_the_float_ones(tmp_path):
@@ -371,3 +393,54 @@ def test_the_cli_refuses_online_fp8_for_a_quantized_checkpoint_in_one_line(tmp_p
     message = str(raised.value)
     assert "\n" not in message
     assert message.startswith("trio-llm: ") and "leave --quantization out" in message
+
+
+def _parameters(directory, rank: int, world_size: int, **options) -> dict[str, torch.Tensor]:
+    model = load_model(directory, dtype=torch.float32, device=torch.device("cpu"),
+                       parallel=TensorParallel(rank=rank, world_size=world_size), **options)
+    return dict(model.named_parameters())
+
+
+def test_each_rank_dequantizes_the_whole_weight_then_takes_its_shard(tmp_path):
+    """Under tensor parallelism 2 each rank holds exactly its shard of the dequantized
+    weights (a block's scale spans both ranks' columns of down_proj)."""
+    write_fp8_checkpoint(_tiny_model("qwen3_moe"), tmp_path / "fp8", tmp_path / "plain",
+                         "block", (16, 32))
+    for rank in range(2):
+        fp8, plain = _parameters(tmp_path / "fp8", rank, 2), _parameters(tmp_path / "plain",
+                                                                         rank, 2)
+        assert fp8.keys() == plain.keys()
+        for name, tensor in plain.items():
+            assert torch.equal(fp8[name], tensor), name
+
+
+def test_online_fp8_scales_a_row_over_its_whole_length_on_every_rank(float_checkpoint):
+    """The per-row scale comes from the whole row, not a rank's columns of it: the shards
+    of the row-parallel weights put together are the single rank's weights."""
+    whole = _parameters(float_checkpoint, 0, 1, quantization="fp8")
+    ranks = [_parameters(float_checkpoint, rank, 2, quantization="fp8") for rank in range(2)]
+    row_parallel = [name for name in whole if name.endswith(("o_proj.weight", "down_proj.weight",
+                                                              "experts_down"))]
+    assert len(row_parallel) >= 5
+    for name in row_parallel:
+        assert torch.equal(torch.cat([rank[name] for rank in ranks], dim=-1), whole[name]), name
+
+
+def test_online_fp8_dummy_weights_are_e4m3_values_times_row_scales(tmp_path):
+    """``--load-format dummy --quantization fp8`` (the benchmarks' FP8 dummy weights): every
+    linear weight row is e4m3 values times one scale; the rest as without the flag."""
+    write_fp8_checkpoint(_tiny_model("qwen3"), tmp_path / "fp8", tmp_path / "plain", "channel")
+    cpu = torch.device("cpu")
+    plain = dict(load_model(tmp_path / "plain", dtype=torch.float32, device=cpu,
+                            load_format="dummy").named_parameters())
+    rounded = dict(load_model(tmp_path / "plain", dtype=torch.float32, device=cpu,
+                              load_format="dummy", quantization="fp8").named_parameters())
+    for name, weight in rounded.items():
+        if not is_quantizable(name):
+            assert torch.equal(weight, plain[name]), name
+            continue
+        scale = plain[name].abs().amax(dim=1, keepdim=True) / E4M3_MAX
+        values = weight / scale
+        torch.testing.assert_close(values.to(E4M3).to(torch.float32), values, rtol=2**-20,
+                                   atol=0)
+        assert not torch.equal(weight, plain[name]), name

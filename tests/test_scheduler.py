@@ -200,8 +200,8 @@ def make_request(request_id: str, prompt_token_ids: list[int], *, max_tokens: in
     sampling = SamplingOptions(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, seed=seed,
                                num_logprobs=None, min_tokens=min_tokens, banned_token_ids=[])
     return Request(request_id=request_id, prompt_token_ids=prompt_token_ids,
-                   # SamplingParams refuses min_tokens over max_tokens; the scheduler
-                   # reads min_tokens from ``sampling``, which keeps the value given
+                   # (the scheduler reads min_tokens from sampling; SamplingParams
+                   # refuses it over max_tokens)
                    params=SamplingParams(max_tokens=max_tokens,
                                          min_tokens=min(min_tokens, max_tokens)),
                    sampling=sampling, stop_token_ids=stop_token_ids or [], max_tokens=max_tokens,
