@@ -266,7 +266,8 @@ def test_the_fused_gpu_forward_matches_the_plain_one(checkpoint, monkeypatch):
 @pytest.mark.gpu
 def test_cuda_greedy_generation_matches_transformers(checkpoint, prompts):
     """On CUDA, float32: the plain forward's logits (Triton attention, whose float32
-    dots run in TF32) within the dense test's TF32 tolerance of transformers'; the CUDA executor's (fused MoE kernel, CUDA graphs) greedy tokens
+    dots run in TF32) within the dense test's TF32 tolerance of transformers'; the CUDA
+    executor's (fused MoE kernel, CUDA graphs) greedy tokens
     equal to transformers'."""
     from trio_llm.gpu.rank_executor import create_rank_executor
 
