@@ -61,7 +61,7 @@ from trio_llm.api.responses_protocol import (
     chat_translation,
     wants_logprobs,
 )
-from trio_llm.api.streaming import closing, event_stream, observe
+from trio_llm.api.streaming import build_whole, closing, event_stream, observe
 from trio_llm.api.tool_calls import (
     ChatOutputParser,
     ParsedOutput,
@@ -178,11 +178,7 @@ async def respond(api: Handlers) -> Response:
     timer = api.metrics.timer(trio.current_time())
     log_line = partial(api._logged, timer, f"POST {request.path}", response_id)
     if not body.stream:
-        with log_line():
-            async with closing(outputs):
-                async for output in outputs:
-                    observe(timer, output)
-                    builder.add(output)
+        await build_whole(outputs, builder, timer, log_line)
         return api._json(builder.response())
     return await event_stream(_events(outputs, builder, timer, log_line))
 

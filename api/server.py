@@ -57,7 +57,7 @@ from trio_llm.api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from trio_llm.api.metrics import RequestTimer, ServerMetrics
 from trio_llm.api.openapi import openapi_document
 from trio_llm.api.stats_log import DEFAULT_STATS_INTERVAL_SECONDS, log_request
-from trio_llm.api.streaming import closing, event_stream, observe
+from trio_llm.api.streaming import build_whole, closing, event_stream, observe
 from trio_llm.api.tool_calls import (
     ChatOutputParser,
     ToolServingOptions,
@@ -341,11 +341,7 @@ class OpenAIServer:
         route = f"{request.method} {request.path}" if has_request_context() else "-"
         log_line = partial(self._logged, timer, route, builder.response_id)
         if not body.stream:
-            with log_line():
-                async with closing(outputs):
-                    async for output in outputs:
-                        observe(timer, output)
-                        builder.add(output)
+            await build_whole(outputs, builder, timer, log_line)
             return self._json(builder.response())
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         events = self._events(outputs, builder, timer, log_line, include_usage=include_usage)

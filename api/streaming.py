@@ -5,9 +5,9 @@ import it; it imports none of them."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator
-from contextlib import aclosing, asynccontextmanager
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from contextlib import AbstractContextManager, aclosing, asynccontextmanager
+from typing import Any, Protocol
 
 import trio
 from quart_trio.wrappers.response import TrioResponse as Response
@@ -58,3 +58,22 @@ async def closing(outputs: AsyncIterator[Any]) -> AsyncIterator[None]:
         if aclose is not None:
             with trio.move_on_after(CLOSE_TIMEOUT_SECONDS, shield=True):
                 await aclose()
+
+
+class OutputBuilder(Protocol):
+    """A whole response, built from a request's outputs (protocol.py's builders,
+    responses.py's)."""
+
+    def add(self, output: RequestOutput) -> None: ...
+
+
+async def build_whole(outputs: AsyncIterator[RequestOutput], builder: OutputBuilder,
+                      timer: RequestTimer, log_line: Callable[[], AbstractContextManager[None]]
+                      ) -> None:
+    """Feed every output of a non-streamed request to ``builder``, timed and logged;
+    the stream is closed however it ends."""
+    with log_line():
+        async with closing(outputs):
+            async for output in outputs:
+                observe(timer, output)
+                builder.add(output)
