@@ -493,14 +493,6 @@ def completion_prompts(request: CompletionRequest) -> list[str | list[int]]:
     return prompts
 
 
-def completion_prompt(request: CompletionRequest) -> str | list[int]:
-    """The one prompt of a completion request, as text or token ids."""
-    prompts = completion_prompts(request)
-    if len(prompts) != 1:
-        raise RequestRejected("expected one prompt", param="prompt")
-    return prompts[0]
-
-
 def chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
     """Messages as the chat template takes them: text parts joined, one string each
     (with an assistant's tool calls and a tool answer's call id when they have them)."""
