@@ -401,13 +401,20 @@ class NewRequestData(msgspec.Struct, frozen=True, kw_only=True, array_like=True)
     prompt_token_ids: list[int] = []
     output_token_ids: list[int] = []
     pooling: PoolingOptions | None = None
+    # A model with linear-attention layers (the hybrid family): the request's slot
+    # in the state cache, given at admission, its until the request leaves.
+    state_slot: int | None = None
 
 
 class ScheduledBatch(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     """One engine step for the runner to execute exactly.
 
     ``finished_request_ids``: the runner drops their state before this step
-    (finished, aborted, preempted since the previous batch).
+    (finished, aborted, preempted since the previous batch). ``state_copies``
+    (hybrid models): (source slot, destination slot) pairs of the state cache the
+    runner copies, in order, before the step's forward: a running request's state
+    saved for the prefix cache, or a cached prefix's state restored into a newly
+    admitted request's slot.
     """
 
     step_id: int
@@ -415,6 +422,7 @@ class ScheduledBatch(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     requests: list[ScheduledRequest]
     finished_request_ids: list[str]
     num_tokens: int
+    state_copies: list[tuple[int, int]] = []
 
 
 class StepBitmasks(msgspec.Struct, frozen=True, kw_only=True, tag=True):
