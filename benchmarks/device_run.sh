@@ -37,15 +37,18 @@ serve_bench() {  # (d): the server in the background, `trio-llm bench serve` aga
   kill $pid; wait $pid
 }
 serve_twice_bench() {  # issue 24: the first run after start against the same run repeated
-  local model=$1 port=8013 round
+  # The repeat draws other prompts (--seed 1): with the same ones every prompt would be
+  # a prefix-cache hit, and the repeat would measure the cache, not a warm engine.
+  local model=$1 port=8013 round seed
   python3 -m trio_llm.api.cli serve --model "$model" --load-format dummy --port $port --api-server-count 0 \
     > "$OUT/server-twice-$model.log" 2>&1 &
   local pid=$!
   wait_healthy $port
   for round in first repeated; do
+    seed=0; [ $round = repeated ] && seed=1
     run "serve-$round-$model" 300 python3 -m trio_llm.api.cli bench serve --port $port \
       --num-prompts 512 --random-input-len 1024 --random-output-len 128 --max-concurrency 64 \
-      --json "$OUT/serve-$round-$model.json" --disable-tqdm
+      --seed $seed --json "$OUT/serve-$round-$model.json" --disable-tqdm
   done
   kill $pid; wait $pid
 }
@@ -70,6 +73,7 @@ for part in "$@"; do
              tests/test_triton_attention.py tests/test_triton_layers.py tests/test_triton_sampling.py tests/test_triton_gemv.py \
              tests/test_gpu_executor.py tests/test_token_bitmask.py \
              tests/test_prefix_caching.py::test_gpu_executor_continues_after_a_cached_prefix ;;
+    graph-profile-*) run "$part" 300 python3 benchmarks/graph_profile.py --model "qwen3-${part#graph-profile-}" ;;
     profile-*) run "$part" 200 python3 benchmarks/step_profile.py --model "qwen3-${part#profile-}" ;;
     decode-*) run "$part" 240 python3 benchmarks/gpu_bench.py decode --model "qwen3-${part#decode-}" ;;
     mixed-*) run "$part" 300 python3 benchmarks/gpu_bench.py mixed --model "qwen3-${part#mixed-}" ;;
