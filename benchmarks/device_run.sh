@@ -52,6 +52,17 @@ serve_twice_bench() {  # issue 24: the first run after start against the same ru
   done
   kill $pid; wait $pid
 }
+ready_time() {  # issue 24: seconds from `trio-llm serve` to /health 200 (warmed up, ready)
+  local model=$1 port=8014 start
+  start=$(date +%s.%N)
+  python3 -m trio_llm.api.cli serve --model "$model" --load-format dummy --port $port --api-server-count 0 \
+    > "$OUT/server-ready-$model.log" 2>&1 &
+  local pid=$!
+  wait_healthy $port
+  echo "=== ready-$model: $(python3 -c "print(round($(date +%s.%N) - $start, 1))") s to ready" | tee -a "$log"
+  grep -E "KV cache|warmed|captured" "$OUT/server-ready-$model.log" | tee -a "$log"
+  kill $pid; wait $pid
+}
 prefix_serve_bench() {  # shared prefixes (vLLM's prefix_repetition), caching on then off
   local model=$1 port=8012 caching
   for caching in enable no-enable; do
@@ -83,6 +94,7 @@ for part in "$@"; do
     transformers-*) run "$part" 240 python3 benchmarks/gpu_bench.py transformers --model "qwen3-${part#transformers-}" --time-limit 120 ;;
     kernels) run kernels 300 python3 benchmarks/kernel_bench.py ;;
     gemv) run gemv 240 python3 benchmarks/gemv_bench.py ;;
+    ready-*) ready_time "qwen3-${part#ready-}" ;;
     serve-twice-*) serve_twice_bench "qwen3-${part#serve-twice-}" ;;
     cli-throughput-*) run "$part" 300 python3 -m trio_llm.api.cli bench throughput \
              --model "qwen3-${part#cli-throughput-}" --load-format dummy ;;
