@@ -191,7 +191,10 @@ class ChatOutputParser:
 
 
 def visible_content(parsed: ParsedOutput) -> str | None:
-    """The message's content: None where only tool calls (or nothing) came."""
+    """The message's content: None where only tool calls (blank text before them is
+    none) or only reasoning came (output cut off while thinking), as vLLM sends it."""
     if parsed.calls and not parsed.content.strip():
+        return None
+    if parsed.reasoning and not parsed.content:
         return None
     return parsed.content

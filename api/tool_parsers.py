@@ -294,11 +294,10 @@ def _value_end(text: str, start: int, *, is_final: bool) -> int | None:
         after = _skip_whitespace(text, close + len(PARAMETER_END))
         if text.startswith(_AFTER_PARAMETER, after):
             return close
-        if after == len(text):
-            return close if is_final else None
         tail = text[after:]
-        if not is_final and any(tag.startswith(tail) for tag in _AFTER_PARAMETER):
-            return None  # a tag may be arriving
+        if any(tag.startswith(tail) for tag in _AFTER_PARAMETER):
+            # a tag may be arriving; where the output ended there, it is the end
+            return close if is_final else None
         search = close + len(PARAMETER_END)
     return None
 
