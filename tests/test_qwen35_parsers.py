@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from trio_llm.actors.messages import RequestOutput
+from trio_llm.actors.tokenizer import Tokenizer
 from trio_llm.api.cli import add_serve_arguments, server_config_from_args
-from trio_llm.api.protocol import ChatBuilder, decode_request
+from trio_llm.api.protocol import ChatBuilder, chat_messages, decode_request
 from trio_llm.api.protocol import ChatCompletionRequest as Chat
 from trio_llm.api.reasoning_parsers import Qwen3ReasoningParser
 from trio_llm.api.tool_calls import (
@@ -24,6 +26,9 @@ from trio_llm.api.tool_calls import (
     plan_tool_calls,
 )
 from trio_llm.api.tool_parsers import Qwen3CoderToolParser
+from trio_llm.gpu.builtin import resolve_model
+
+TEMPLATE = Path(__file__).parent / "data" / "qwen35_chat_template.jinja"
 
 SCHEMAS: dict[str, Any] = {
     "get_weather": {"type": "object", "properties": {
@@ -350,3 +355,25 @@ def test_the_qwen3_coder_flag_and_plan() -> None:
     calls = ChatOutputParser(tools=plan.parser, max_calls=1).parse(TWO_CALLS, is_final=True)
     # the plan gave the parser the schemas: days is an integer
     assert [json.loads(call.arguments)["days"] for call in calls.calls] == [3]
+
+
+@pytest.mark.parametrize("field", ["reasoning", "reasoning_content"])
+def test_an_assistant_s_reasoning_reaches_the_template(field: str) -> None:
+    body = decode_request(json.dumps({"messages": [
+        {"role": "user", "content": "What time is it?", field: "not an assistant's"},
+        {"role": "assistant", "content": "", field: "I need the clock.", "tool_calls": [
+            {"id": "c1", "type": "function",
+             "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}]},
+        {"role": "tool", "content": "noon", "tool_call_id": "c1"}]}).encode(), Chat)
+    messages = chat_messages(body.messages)
+    assert "reasoning" not in messages[0]
+    assert messages[1]["reasoning"] == messages[1]["reasoning_content"] == "I need the clock."
+    tokenizer = Tokenizer.from_dir(resolve_model("tiny"), chat_template=str(TEMPLATE))
+    prompt = tokenizer.apply_chat_template(messages)
+    # the turn after the last query keeps its reasoning; its call is written back in
+    # the format the model writes (arguments decoded to an object first)
+    assert ("<|im_start|>assistant\n<think>\nI need the clock.\n</think>\n\n<tool_call>\n"
+            "<function=get_time>\n<parameter=zone>\nUTC\n</parameter>\n</function>\n"
+            "</tool_call><|im_end|>\n") in prompt
+    assert prompt.endswith("<|im_start|>user\n<tool_response>\nnoon\n</tool_response>"
+                           "<|im_end|>\n<|im_start|>assistant\n<think>\n")
