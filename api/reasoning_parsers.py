@@ -98,10 +98,11 @@ def _opens_function(text: str, index: int, *, is_final: bool) -> bool | None:
 
 
 def _without_partial(text: str, *tags: str) -> str:
-    """``text`` less a tail that could be the start of one of ``tags``."""
-    for length in range(min(max(map(len, tags)) - 1, len(text)), 0, -1):
-        if any(tag.startswith(text[-length:]) for tag in tags):
-            return text[:-length]
+    """``text`` less a tail that could be the start of one of ``tags`` (each has its
+    only "<" first, so such a tail starts at the last "<")."""
+    cut = text.rfind("<", max(0, len(text) - max(map(len, tags)) + 1))
+    if cut >= 0 and any(tag.startswith(text[cut:]) for tag in tags):
+        return text[:cut]
     return text
 
 

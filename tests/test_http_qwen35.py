@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 import trio
-from test_http_support import openai_clients, running_server
+from test_http_support import openai_clients, running_server, serve_process
 
 from trio_llm.actors.config import EngineConfig
 from trio_llm.api.engine import Engine
@@ -172,6 +172,25 @@ async def test_responses_split_reasoning_and_a_call(tmp_path: Path) -> None:
     assert usage is not None
     reasoning_tokens = usage.output_tokens_details.reasoning_tokens
     assert 0 < reasoning_tokens < usage.output_tokens, "counted up to </think> only"
+
+
+async def test_the_served_layout_splits_reasoning_as_one_process_does() -> None:
+    # the API servers learn where the prompt left the think block from the prompt's
+    # token ids, which cross from the engine core with the first output
+    fields: dict[str, Any] = {
+        "model": "tiny", "messages": MESSAGES, "max_tokens": 60, "temperature": 1.0,
+        "seed": 5, "extra_body": {"structured_outputs": {
+            "grammar": r'root ::= [a-z ]{3,20} "\n</think>\n\n" [a-z]{1,8}'}}}
+    flags = ("--chat-template", str(TEMPLATE), "--reasoning-parser", "qwen3")
+    with trio.fail_after(TIMEOUT):
+        async with (serve_process(*flags, num_api_servers=2) as server,
+                    openai_clients(server.url) as (client, sync_client)):
+            response = await client.chat.completions.create(**fields)
+            chunks = await stream_chat(sync_client, **fields)
+    message = whole(response)
+    assert message["reasoning"].endswith("\n") and "</think>" not in message["reasoning"]
+    assert message["content"].startswith("\n\n") and message["content"].strip().isalpha()
+    assert reassembled(chunks) == message
 
 
 IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}

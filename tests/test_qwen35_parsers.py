@@ -228,6 +228,7 @@ def test_reasoning_is_held_back_while_a_tag_may_be_arriving() -> None:
     assert parser.split("step one <tool_call> x", is_final=False).reasoning == (
         "step one <tool_call> x")
     assert parser.split("<thi", is_final=False).reasoning == ""
+    assert parser.split("a <</thi", is_final=False).reasoning == "a <"
     end = parser.split("ab</think>c", is_final=True).end
     assert end == len("ab</think>")
 
