@@ -160,9 +160,18 @@ async def test_responses_split_reasoning_and_a_call(tmp_path: Path) -> None:
         "model": "tiny-qwen35", "input": MESSAGES, "tools": tools, "max_output_tokens": 200,
         "temperature": 1.0, "extra_body": {"structured_outputs": {"grammar": THINK_THEN_CALL},
                                            "seed": 7}}
+    thinking_off: dict[str, Any] = {
+        "model": "tiny-qwen35", "input": MESSAGES, "max_output_tokens": 40,
+        "temperature": 1.0, "extra_body": {
+            "structured_outputs": {"grammar": PLAIN_ANSWER}, "seed": 7,
+            "chat_template_kwargs": {"enable_thinking": False}}}
     with trio.fail_after(TIMEOUT):
         async with qwen35_clients(tmp_path) as (client, _, _):
             response = await client.responses.create(**fields)
+            answer = await client.responses.create(**thinking_off)
+    (message,) = answer.output
+    assert message.type == "message" and len(answer.output_text.split(" ")) == 2
+    assert answer.usage is not None and answer.usage.output_tokens_details.reasoning_tokens == 0
     reasoning, call = response.output
     assert reasoning.type == "reasoning" and call.type == "function_call"
     assert reasoning.content and reasoning.content[0].text.endswith("\n")
