@@ -103,6 +103,20 @@ def test_rules_give_power_of_two_blocks_and_enough_programs(candidate):
         assert num_programs >= triton_gemv.MIN_PROGRAMS or config.block_n == 1
 
 
+def test_few_outputs_take_all_of_k_in_one_step():
+    """An MoE router (128 or 256 experts) under the default rule: one K step a program,
+    a warp per 1024 inputs; it still matches float32 and stays batch invariant."""
+    for num_outputs, num_inputs in [(128, 2048), (256, 2048), (128, 4096), (60, 2048)]:
+        config = triton_gemv.gemv_config(num_outputs, num_inputs)
+        assert config.block_k == num_inputs and config.num_warps == num_inputs // 1024
+    config = triton_gemv.gemv_config(8, 1000)
+    assert (config.block_k, config.num_warps) == (1024, 1)
+    x, weight = random(2, 1000, seed=13), random(8, 1000, seed=14)
+    out = gemv(x, weight, config=config)
+    assert relative_error(out, float32_linear(x, weight)) < 1e-2
+    assert torch.equal(gemv(x[:1], weight, config=config), out[:1])
+
+
 @pytest.fixture
 def large_blocks_on_cpu(monkeypatch):
     """A few large programs per launch: the interpreter runs each one in Python."""

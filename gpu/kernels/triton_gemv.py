@@ -154,7 +154,16 @@ def _pipelined(num_outputs: int, num_inputs: int) -> GemvConfig:
 
 def _one_output(num_outputs: int, num_inputs: int) -> GemvConfig:
     """One output per program, plain loads of a 1024-wide K tile: the most programs,
-    so the most loads in flight across the SMs."""
+    so the most loads in flight across the SMs.
+
+    With fewer outputs than MIN_PROGRAMS (an MoE router: 128 experts over 2048 inputs)
+    every program runs at once and the launch lasts as long as one program's chain of
+    K steps: a program takes all of K (up to 4096) in one step, a warp per 1024 inputs,
+    so that its loads are issued together (one round trip to memory, not K / 1024).
+    """
+    if num_outputs < MIN_PROGRAMS:
+        block_k = _block_k(num_inputs, 4096)
+        return GemvConfig(1, block_k, num_warps=max(1, block_k // 1024), num_stages=1)
     return GemvConfig(1, _block_k(num_inputs, 1024), num_warps=1, num_stages=1)
 
 
