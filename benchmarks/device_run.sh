@@ -109,6 +109,7 @@ for part in "$@"; do
     transformers-*) run "$part" 240 python3 benchmarks/gpu_bench.py transformers --model "qwen3-${part#transformers-}" --time-limit 120 ;;
     kernels) run kernels 300 python3 benchmarks/kernel_bench.py ;;
     gemv) run gemv 240 python3 benchmarks/gemv_bench.py ;;
+    gemv-sweep-*) run "$part" 540 python3 benchmarks/gemv_sweep.py --model "qwen3-${part#gemv-sweep-}" ;;
     ready-*) ready_time "qwen3-${part#ready-}" ;;
     serve-twice-*) serve_twice_bench "qwen3-${part#serve-twice-}" ;;
     cli-throughput-*) run "$part" 300 python3 -m trio_llm.api.cli bench throughput \
