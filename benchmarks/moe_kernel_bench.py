@@ -260,12 +260,19 @@ def group_m_candidates(num_tokens: int, shape: MoeShape) -> tuple[int, ...]:
     return (1,) if num_tokens * shape.top_k <= shape.num_experts else (1, 8)
 
 
-def tile_candidates(gemm: str, block_m: int) -> list[moe.GemmConfig]:
+# The grouped path where a block holds a row or two (fewer rows than experts): it
+# competes with the row-wise path there, and a short list leaves the budget to both.
+FEW_ROWS_TILES = [moe.GemmConfig(n, k, 4, stages) for n, k, stages in
+                  itertools.product((32, 64), (128, 256), (3, 4))]
+
+
+def tile_candidates(gemm: str, block_m: int, few_rows: bool = False) -> list[moe.GemmConfig]:
     """The grouped tiles worth compiling: their pipelined operands fit in shared memory
     and their float32 accumulators (two for gate/up) in the registers of their warps."""
     num_weight_tiles = 2 if gemm == "gate_up" else 1
     fitting = []
-    for tile in DECODE_TILES if block_m <= 32 else PREFILL_TILES:
+    tiles = FEW_ROWS_TILES if few_rows else DECODE_TILES if block_m <= 32 else PREFILL_TILES
+    for tile in tiles:
         operand_bytes = 2 * tile.block_k * (block_m + num_weight_tiles * tile.block_n)
         accumulators = num_weight_tiles * block_m * tile.block_n
         if (operand_bytes * tile.num_stages <= SHARED_MEMORY
@@ -355,8 +362,10 @@ class Tuning:
             return [functools.partial(moe.launch_down, self.activation, w2, self.per_slot,
                                       layer.topk_weights, plan, config) for w2 in layer.w2]
 
-        gate_up_us, gate_up_tile = self.fastest(gate_up, tile_candidates("gate_up", block_m))
-        down_us, down_tile = self.fastest(down, tile_candidates("down", block_m))
+        few_rows = self.layer.topk_ids.numel() <= self.shape.num_experts
+        gate_up_us, gate_up_tile = self.fastest(
+            gate_up, tile_candidates("gate_up", block_m, few_rows))
+        down_us, down_tile = self.fastest(down, tile_candidates("down", block_m, few_rows))
         overhead_us = time_launches([self.align_and_sum_for(block_m)], self.repeats)
         print(f"  block_m {block_m} group_m {group_m}: gate/up {gate_up_us:.1f} us, down "
               f"{down_us:.1f} us, alignment and sum {overhead_us:.1f} us", flush=True)
