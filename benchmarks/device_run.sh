@@ -12,6 +12,7 @@
 # $OUT/moe_configs/ to gpu/kernels/moe_configs/):
 #   bash benchmarks/device_run.sh moe-tests moe-tune decode-30b-a3b graph-profile-30b-a3b
 #   bash benchmarks/device_run.sh moe-tune-batched moe-kernel  # 64-8192 tokens, then the table
+#   bash benchmarks/device_run.sh gpu-tests decode-30b-a3b decode-pdl-30b-a3b  # PDL on, A/B
 # Carry .whl (see benchmarks/device_setup.sh).
 . benchmarks/device_setup.sh >/dev/null 2>&1 || { echo "setup failed"; exit 1; }
 export TOKENIZERS_PARALLELISM=false
@@ -101,6 +102,8 @@ for part in "$@"; do
     moe-kernel) run moe-kernel 300 python3 benchmarks/moe_kernel_bench.py --graph ;;
     graph-profile-*) run "$part" 300 python3 benchmarks/graph_profile.py --model "qwen3-${part#graph-profile-}" ;;
     profile-*) run "$part" 200 python3 benchmarks/step_profile.py --model "qwen3-${part#profile-}" ;;
+    # programmatic dependent launch on (gpu/kernels/pdl.py, an experiment): beside decode-*
+    decode-pdl-*) TRIO_LLM_PDL=1 run "$part" 240 python3 benchmarks/gpu_bench.py decode --model "qwen3-${part#decode-pdl-}" ;;
     decode-*) run "$part" 240 python3 benchmarks/gpu_bench.py decode --model "qwen3-${part#decode-}" ;;
     mixed-*) run "$part" 300 python3 benchmarks/gpu_bench.py mixed --model "qwen3-${part#mixed-}" ;;
     long-*) run "$part" 200 python3 benchmarks/gpu_bench.py long --model "qwen3-${part#long-}" ;;

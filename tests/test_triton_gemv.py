@@ -193,3 +193,39 @@ def test_fused_model_with_gemv_matches_the_plain_model_on_a_decode_batch(
     assert relative_error(out, expected) < tolerance
     assert relative_error(logits, expected_logits) < tolerance
     assert torch.equal(logits.argmax(-1), expected_logits.argmax(-1))
+
+
+@pytest.mark.gpu
+def test_a_pdl_launch_gives_the_same_bits_inside_a_graph(monkeypatch):
+    """TRIO_LLM_PDL=1 (gpu/kernels/pdl.py): a norm that lets the next kernel launch early,
+    then a gemv launched with PDL, captured in a CUDA graph and replayed on new inputs:
+    the same bits as the plain launches."""
+    from trio_llm.gpu.kernels import pdl, triton_layers
+
+    x, residual = random(1, 2048, seed=15), random(1, 2048, seed=16)
+    norm_weight, weight = random(2048, seed=17), random(5120, 2048, seed=18)
+    inputs = [random(1, 2048, seed=seed) for seed in (19, 20)]
+
+    def step() -> torch.Tensor:
+        normed, _ = triton_layers.add_rms_norm(x, residual, norm_weight, 1e-6)
+        return gemv(normed, weight)
+
+    expected = []
+    for values in inputs:
+        x.copy_(values)
+        expected.append(step())
+    monkeypatch.setenv("TRIO_LLM_PDL", "1")
+    pdl.pdl_enabled.cache_clear()
+    try:
+        if not pdl.pdl_enabled(DEVICE):
+            pytest.skip("PDL needs SM 9.0 or later and Triton's grid dependency control")
+        step()  # compiles the PDL variants outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step()
+        for values, bits in zip(inputs, expected, strict=True):
+            x.copy_(values)
+            graph.replay()
+            assert torch.equal(out, bits)
+    finally:
+        pdl.pdl_enabled.cache_clear()
