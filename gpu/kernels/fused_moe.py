@@ -101,7 +101,7 @@ MoeConfig = GroupedConfig | RowwiseConfig
 
 # (largest token count, configuration), in increasing order; the last entry covers
 # every larger count. Guesses from the shapes of qwen3-30b-a3b (H=2048, E=128,
-# top-8, I=768) until benchmarks/moe_kernel_bench.py --tune replaces them.
+# top-8, I=768), for layers without a tuned table (``tuned_table``).
 CONFIGS: tuple[tuple[int, MoeConfig], ...] = (
     (2, RowwiseConfig(GemmConfig(16, 256, 4, 3), GemmConfig(8, 256, 4, 4))),
     (32, GroupedConfig(16, 1, GemmConfig(32, 128, 4, 4), GemmConfig(64, 128, 4, 4))),
