@@ -7,10 +7,18 @@
 #   bash benchmarks/device_run.sh tp2-tests tp2-match-0.6b
 #   bash benchmarks/device_run.sh tp2-decode-8b
 #   bash benchmarks/device_run.sh tp2-throughput-8b
+# The MoE single stream, tuned then measured in one call (moe-tune's table is read by
+# every later part of the call through TRIO_LLM_MOE_CONFIGS; commit it from
+# $OUT/moe_configs/ to gpu/kernels/moe_configs/):
+#   bash benchmarks/device_run.sh moe-tests moe-tune decode-30b-a3b graph-profile-30b-a3b
+#   bash benchmarks/device_run.sh moe-tune-batched moe-kernel  # 64-8192 tokens, then the table
+#   bash benchmarks/device_run.sh gpu-tests decode-30b-a3b decode-pdl-30b-a3b  # PDL on, A/B
 # Carry .whl (see benchmarks/device_setup.sh).
 . benchmarks/device_setup.sh >/dev/null 2>&1 || { echo "setup failed"; exit 1; }
 export TOKENIZERS_PARALLELISM=false
 log="$OUT/device.log"
+# Tuned MoE tables written by moe-tune* in this call are read by the parts after it.
+export TRIO_LLM_MOE_CONFIGS="$OUT/moe_configs"
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv | tee -a "$log"
 run() {  # run NAME SECONDS COMMAND...
   local name=$1 seconds=$2; shift 2
@@ -84,8 +92,18 @@ for part in "$@"; do
              tests/test_triton_attention.py tests/test_triton_layers.py tests/test_triton_sampling.py tests/test_triton_gemv.py \
              tests/test_gpu_executor.py tests/test_token_bitmask.py \
              tests/test_prefix_caching.py::test_gpu_executor_continues_after_a_cached_prefix ;;
+    moe-tests) run moe-tests 300 python3 -m pytest -q -p no:cacheprovider -rs \
+             tests/test_moe_routing.py tests/test_fused_moe.py ;;
+    # qwen3-30b-a3b's layer at 1-8 tokens (row-wise and grouped), bounded to 5 minutes
+    moe-tune) run moe-tune 300 python3 benchmarks/moe_kernel_bench.py --tune \
+             --tokens 1 2 4 8 --budget-s 210 --repeats 10 ;;
+    moe-tune-batched) run moe-tune-batched 560 python3 benchmarks/moe_kernel_bench.py --tune \
+             --tokens 64 256 1024 8192 --budget-s 480 --repeats 10 ;;
+    moe-kernel) run moe-kernel 300 python3 benchmarks/moe_kernel_bench.py --graph ;;
     graph-profile-*) run "$part" 300 python3 benchmarks/graph_profile.py --model "qwen3-${part#graph-profile-}" ;;
     profile-*) run "$part" 200 python3 benchmarks/step_profile.py --model "qwen3-${part#profile-}" ;;
+    # programmatic dependent launch on (gpu/kernels/pdl.py, an experiment): beside decode-*
+    decode-pdl-*) TRIO_LLM_PDL=1 run "$part" 240 python3 benchmarks/gpu_bench.py decode --model "qwen3-${part#decode-pdl-}" ;;
     decode-*) run "$part" 240 python3 benchmarks/gpu_bench.py decode --model "qwen3-${part#decode-}" ;;
     mixed-*) run "$part" 300 python3 benchmarks/gpu_bench.py mixed --model "qwen3-${part#mixed-}" ;;
     long-*) run "$part" 200 python3 benchmarks/gpu_bench.py long --model "qwen3-${part#long-}" ;;
@@ -94,6 +112,7 @@ for part in "$@"; do
     transformers-*) run "$part" 240 python3 benchmarks/gpu_bench.py transformers --model "qwen3-${part#transformers-}" --time-limit 120 ;;
     kernels) run kernels 300 python3 benchmarks/kernel_bench.py ;;
     gemv) run gemv 240 python3 benchmarks/gemv_bench.py ;;
+    gemv-sweep-*) run "$part" 540 python3 benchmarks/gemv_sweep.py --model "qwen3-${part#gemv-sweep-}" ;;
     ready-*) ready_time "qwen3-${part#ready-}" ;;
     serve-twice-*) serve_twice_bench "qwen3-${part#serve-twice-}" ;;
     cli-throughput-*) run "$part" 300 python3 -m trio_llm.api.cli bench throughput \

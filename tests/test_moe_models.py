@@ -222,18 +222,21 @@ def test_two_ranks_over_gloo_generate_what_one_does(checkpoint, prompts):
 
 
 def test_the_fused_gpu_forward_matches_the_plain_one(checkpoint, monkeypatch):
-    """The CUDA path's forward (gpu/models/cuda_fused.py: Triton's layers, attention and
-    fused MoE kernel; here in Triton's interpreter) against the torch forward, on a
-    mixed batch: a 5-token prompt beside a decode token with 3 positions cached."""
+    """The CUDA path's forward (gpu/models/cuda_fused.py: Triton's layers, attention,
+    routing and fused MoE kernels; here in Triton's interpreter) against the torch
+    forward, on a mixed batch: a 5-token prompt beside a decode token with 3 positions
+    cached."""
     from trio_llm.gpu.kernels import fused_moe
     from trio_llm.gpu.models import cuda_fused
     from trio_llm.gpu.models.base import AttentionMetadata
 
     directory, _ = checkpoint
-    calls = []
-    kernel = fused_moe.fused_moe
+    calls, routings = [], []
+    kernel, route = fused_moe.fused_moe, cuda_fused.route_topk
     monkeypatch.setattr(fused_moe, "fused_moe",
                         lambda *args, **kwargs: calls.append(1) or kernel(*args, **kwargs))
+    monkeypatch.setattr(cuda_fused, "route_topk",
+                        lambda *args, **kwargs: routings.append(1) or route(*args, **kwargs))
 
     def load():
         model = load_model(directory, dtype=torch.float32, device=torch.device("cpu"))
@@ -258,7 +261,8 @@ def test_the_fused_gpu_forward_matches_the_plain_one(checkpoint, monkeypatch):
         expected = plain(token_ids, positions, caches[0], metadata)
         out = fused(token_ids, positions, caches[1], metadata)
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-4)
-    assert len(calls) == sum(isinstance(module, SparseMoeBlock) for module in fused.modules())
+    num_moe_blocks = sum(isinstance(module, SparseMoeBlock) for module in fused.modules())
+    assert len(calls) == len(routings) == num_moe_blocks  # the routing kernel, not torch's
     assert torch.equal(plain.compute_logits(expected).argmax(-1),
                        fused.compute_logits(out).argmax(-1))
 

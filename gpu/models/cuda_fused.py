@@ -18,9 +18,11 @@ from torch import nn
 
 from trio_llm.gpu.attention import AttentionBackend
 from trio_llm.gpu.kernels import triton_attention, triton_layers
+from trio_llm.gpu.kernels.moe_routing import route_topk
 from trio_llm.gpu.kernels.triton_gemv import gemv
 from trio_llm.gpu.layers.attention import AttentionMetadata, KVCache
 from trio_llm.gpu.layers.linear import Linear
+from trio_llm.gpu.layers.moe import MoeShape
 from trio_llm.gpu.models.base import CausalLM
 
 
@@ -39,6 +41,13 @@ class TritonOps:
                scale: float, backend: Any) -> torch.Tensor:
         return backend.paged_attention(query, k_cache, v_cache, step.block_tables,
                                        step.context_lens, step.query_start_loc, scale)
+
+    @staticmethod
+    def moe_route(logits: torch.Tensor, shape: MoeShape) -> tuple[torch.Tensor, torch.Tensor]:
+        """The routing kernel (gpu/kernels/moe_routing.py): one launch, float32 weights and
+        int32 ids, the dtypes the fused MoE kernel reads (no casts between them)."""
+        return route_topk(logits, shape.top_k, normalize=shape.normalize,
+                          round_to_input=not shape.weights_in_float32)
 
     @staticmethod
     def moe_experts(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
