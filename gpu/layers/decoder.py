@@ -40,6 +40,9 @@ class DecoderLayer(nn.Module):
     residual. ``linear_attn``: the layer's Gated DeltaNet, if it mixes by linear
     attention (its ``cache`` is then a StateCache, not a KVCache)."""
 
+    # an attention layer's token mixer (absent from a linear-attention layer)
+    self_attn: Attention
+
     def __init__(self, config: ModelConfig, feed_forward: nn.Module, *, dtype: torch.dtype,
                  device: torch.device, parallel: TensorParallel,
                  linear_attn: GatedDeltaNet | None = None) -> None:
@@ -48,17 +51,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = norm(config.hidden_size, eps=config.rms_norm_eps,
                                     dtype=dtype, device=device)
         self.linear_attn = linear_attn
-        self.self_attn = (Attention(config, dtype=dtype, device=device, parallel=parallel)
-                          if linear_attn is None else None)
+        if linear_attn is None:
+            self.self_attn = Attention(config, dtype=dtype, device=device, parallel=parallel)
         self.post_attention_layernorm = norm(config.hidden_size, eps=config.rms_norm_eps,
                                              dtype=dtype, device=device)
         self.mlp = feed_forward
 
     @property
     def token_mixer(self) -> nn.Module:
-        mixer = self.linear_attn if self.linear_attn is not None else self.self_attn
-        assert mixer is not None
-        return mixer
+        return self.linear_attn if self.linear_attn is not None else self.self_attn
 
     @property
     def feed_forward(self) -> FeedForward:
@@ -83,7 +84,7 @@ class DecoderLayer(nn.Module):
             normed = ops.rms_norm(hidden, norm.weight, norm.eps)
         else:
             normed, residual = ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
-        assert self.self_attn is not None, "a linear-attention layer has no fused form yet"
+        assert self.linear_attn is None, "a linear-attention layer has no fused form yet"
         hidden = self.self_attn.fused(normed, positions, rotary, kv_cache, step, backend, ops)
         norm = self.post_attention_layernorm
         normed, residual = ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)

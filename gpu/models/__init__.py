@@ -18,8 +18,8 @@ from trio_llm.gpu.models.config import ModelConfig, ModelLoadError, read_config_
 from trio_llm.gpu.quantization import parse_quantization
 
 __all__ = ["FAMILIES", "CausalLM", "ModelConfig", "ModelLoadError", "architecture_of",
-           "dense", "mixtral", "parse_model_config", "qwen2_moe", "qwen3_5", "qwen3_moe", "qwen3_next",
-           "read_model_config"]
+           "dense", "mixtral", "parse_model_config", "qwen2_moe", "qwen3_5", "qwen3_moe",
+           "qwen3_next", "read_model_config"]
 
 
 def architecture_of(data: dict[str, Any], source: str) -> tuple[str, ModelFamily]:

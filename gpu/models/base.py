@@ -161,9 +161,10 @@ class CausalLM(nn.Module):
                 module.num_rows_per_chunk = INVARIANT_ROWS_PER_CHUNK if enabled else 0
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[LayerCache], metadata: AttentionMetadata) -> torch.Tensor:
+                kv_caches: list[Any], metadata: AttentionMetadata) -> torch.Tensor:
         """Hidden states after the final norm, one row per input token; ``kv_caches``
-        one per layer (``allocate_kv_caches``)."""
+        one LayerCache per layer (``allocate_caches``; every one a KVCache, from
+        ``allocate_kv_caches``, in a model without linear attention)."""
         hidden = self.embed(token_ids)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, positions, self.rotary, kv_cache, metadata,
@@ -266,24 +267,27 @@ class CausalLM(nn.Module):
         shape = local_shape(self.config, self.parallel)  # type: ignore[arg-type]
         return self.num_linear_attention_layers * shape.slot_bytes(self.dtype)
 
-    def allocate_kv_caches(self, num_blocks: int, block_size: int,
-                           num_state_slots: int = 0) -> list[LayerCache]:
-        """One cache per layer: an attention layer's (key, value) pair, each
-        [num_blocks, block_size, kv_heads (this rank's), head_dim]; a linear-attention
-        layer's StateCache of ``num_state_slots`` slots."""
+    def allocate_kv_caches(self, num_blocks: int, block_size: int) -> list[KVCache]:
+        """One (key, value) cache pair per attention layer, each
+        [num_blocks, block_size, kv_heads (this rank's), head_dim]."""
         shape = (num_blocks, block_size, self.num_local_kv_heads, self.config.head_dim)
         # Slots are always written before they are read, so the CPU skips zeroing
         # (and committing) memory it may never touch.
         allocate = torch.zeros if self.device.type != "cpu" else torch.empty
-        caches: list[LayerCache] = []
-        for layer in self.decoder_layers:
-            if layer.linear_attn is not None:
-                caches.append(layer.linear_attn.shape.allocate(
-                    num_state_slots, dtype=self.dtype, device=self.device))
-            else:
-                caches.append((allocate(shape, dtype=self.dtype, device=self.device),
-                               allocate(shape, dtype=self.dtype, device=self.device)))
-        return caches
+        return [(allocate(shape, dtype=self.dtype, device=self.device),
+                 allocate(shape, dtype=self.dtype, device=self.device))
+                for _ in range(self.num_attention_layers)]
+
+    def allocate_caches(self, num_blocks: int, block_size: int,
+                        num_state_slots: int) -> list[LayerCache]:
+        """Every layer's cache, in layer order: ``allocate_kv_caches``' pair for an
+        attention layer, a StateCache of ``num_state_slots`` slots for a linear-attention
+        one (``num_state_slots`` unused by a model without them)."""
+        kv_caches = iter(self.allocate_kv_caches(num_blocks, block_size))
+        return [layer.linear_attn.shape.allocate(num_state_slots, dtype=self.dtype,
+                                                 device=self.device)
+                if layer.linear_attn is not None else next(kv_caches)
+                for layer in self.decoder_layers]
 
 
 HEADS, KV_HEADS = "the number of attention heads", "the number of KV heads"

@@ -17,8 +17,8 @@ from trio_llm.gpu.errors import ModelLoadError
 from trio_llm.gpu.layers.rotary import SUPPORTED_ROPE_TYPES, RopeConfig
 from trio_llm.gpu.quantization import CheckpointQuantization
 
-__all__ = ["HybridConfig", "ModelConfig", "ModelLoadError", "MoeConfig", "RopeConfig", "common_fields",
-           "moe_fields", "parse_rope", "read_config_json"]
+__all__ = ["HybridConfig", "ModelConfig", "ModelLoadError", "MoeConfig", "RopeConfig",
+           "common_fields", "moe_fields", "parse_rope", "read_config_json"]
 
 
 @dataclass(frozen=True, slots=True)
