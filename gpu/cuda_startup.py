@@ -47,8 +47,11 @@ def warm_up(executor: CudaModelExecutor) -> None:
     penalized = msgspec.structs.replace(plain, repetition_penalty=1.1)
     num_tokens = min(executor.block_size, executor.max_model_len)
     for sampling in (plain, penalized):
+        # a model with state slots: slot 0, which (like block 0) holds nothing yet, and
+        # which a request starting from scratch never reads
         new_request = NewRequestData(request_id=request_id, sampling=sampling,
-                                     prompt_token_ids=[0] * num_tokens)
+                                     prompt_token_ids=[0] * num_tokens,
+                                     state_slot=0 if executor.state_caches else None)
         batch = ScheduledBatch(
             step_id=-1, new_requests=[new_request],
             requests=[ScheduledRequest(request_id=request_id, token_ids=[0] * num_tokens,
@@ -68,9 +71,13 @@ def capture_graphs(executor: CudaModelExecutor) -> None:
     options = executor.options
     decode_sizes = sorted({size for size in DECODE_BATCH_SIZES if size < options.max_num_seqs}
                           | {options.max_num_seqs}, reverse=True)
-    varlen_sizes = sorted({size for size in VARLEN_GRAPH_TOKENS
-                           if size < options.max_num_batched_tokens}
-                          | {options.max_num_batched_tokens}, reverse=True)
+    # A varlen graph of max_num_seqs + 1 tokens would have as many sequence slots as
+    # tokens, and the attention would take it for a decode step (one token a sequence):
+    # that size is left to the next larger graph.
+    varlen_sizes = sorted(({size for size in VARLEN_GRAPH_TOKENS
+                            if size < options.max_num_batched_tokens}
+                           | {options.max_num_batched_tokens}) - {options.max_num_seqs + 1},
+                          reverse=True)
     pool = None
     if executor.device.type == "cuda":
         pool = torch.cuda.graph_pool_handle()

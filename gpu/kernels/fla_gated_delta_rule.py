@@ -63,6 +63,9 @@ def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     l2-normalised in the kernel, each sequence continuing its slot of
     ``recurrent_state`` [slots, value heads, K, V] float32 (zeros where it computed
     nothing yet) and leaving its final state there. -> [tokens, value heads, V]."""
+    if q.device.type != "cuda":
+        return _recurrent_on_the_cpu(q, k, v, g, beta, recurrent_state, query_start_loc,
+                                     context_lens, slots)
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     num_tokens, num_seqs = q.shape[0], slots.shape[0]
@@ -74,3 +77,26 @@ def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         chunk_indices=chunk_index(cu_seqlens, max_num_chunks(num_tokens, num_seqs)))
     scatter_states(final, recurrent_state, slots)
     return out[0]
+
+
+def _recurrent_on_the_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                          beta: torch.Tensor, recurrent_state: torch.Tensor,
+                          query_start_loc: torch.Tensor, context_lens: torch.Tensor,
+                          slots: torch.Tensor) -> torch.Tensor:
+    """The same function without fla (which needs CUDA: Triton's interpreter cannot run
+    its kernels), so that the CUDA executor's hybrid path runs on the CPU in the tests:
+    the torch layer's recurrence, sequence by sequence, reading the layout on the host
+    (the scale is the recurrence's own, 1/sqrt(key dim))."""
+    from trio_llm.gpu.layers.linear_attention import gated_delta_rule
+
+    out = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+    starts = query_start_loc.tolist()
+    for index, (slot, context_len) in enumerate(zip(slots.tolist(), context_lens.tolist(),
+                                                    strict=True)):
+        rows = slice(starts[index], starts[index + 1])
+        if slot < 0 or rows.start == rows.stop:
+            continue
+        continues = context_len > rows.stop - rows.start
+        out[rows] = gated_delta_rule(q[rows], k[rows], v[rows], g[rows], beta[rows],
+                                     recurrent_state[slot], continues)
+    return out
