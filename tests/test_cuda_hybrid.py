@@ -79,14 +79,26 @@ def randomise(model, seed: int) -> None:
                 parameter.copy_(noise * parameter.shape[-1] ** -0.5)
 
 
-@pytest.fixture(scope="module", params=ARCHITECTURES)
-def checkpoint(request, tmp_path_factory):
-    directory = tmp_path_factory.mktemp(request.param)
+def write_checkpoint(architecture: str, tmp_path_factory):
+    directory = tmp_path_factory.mktemp(architecture)
     torch.manual_seed(0)
-    model = hybrid_model(request.param)
-    randomise(model, seed=len(request.param))
+    model = hybrid_model(architecture)
+    randomise(model, seed=len(architecture))
     model.save_pretrained(directory)
     return directory
+
+
+@pytest.fixture(scope="module", params=ARCHITECTURES)
+def checkpoint(request, tmp_path_factory):
+    """A random checkpoint of each architecture."""
+    return write_checkpoint(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def dense_checkpoint(tmp_path_factory):
+    """Qwen3.5 dense alone, for what the architectures do not change (Triton's
+    interpreter makes each run slow)."""
+    return write_checkpoint("Qwen3_5ForCausalLM", tmp_path_factory)
 
 
 def engine_config(directory, *, device="cpu", dtype="float32") -> EngineConfig:
@@ -139,10 +151,10 @@ def test_the_cuda_path_gives_the_cpu_executors_tokens(checkpoint):
     assert stats.num_steps_by_kind["decode"] and stats.num_steps_by_kind["mixed"]
 
 
-def test_eager_steps_give_the_graph_steps_tokens(checkpoint):
+def test_eager_steps_give_the_cpu_executors_tokens(dense_checkpoint):
     """Without graphs (unpadded steps, decode steps by the is_decode of the step itself)."""
-    expected = generate(ModelExecutor.create(engine_config(checkpoint)))
-    executor = cuda_executor(checkpoint, use_cuda_graphs=False)
+    expected = generate(ModelExecutor.create(engine_config(dense_checkpoint)))
+    executor = cuda_executor(dense_checkpoint, use_cuda_graphs=False)
     assert generate(executor) == expected
     assert executor.stats.num_graph_steps == 0
 
@@ -160,10 +172,12 @@ def _scheduled(request_id, token_ids, start, block_ids):
                             new_block_ids=block_ids, sample=True, output_index=0)
 
 
-def test_state_copies_restore_a_prefix_before_the_forward(checkpoint):
+def test_state_copies_restore_a_prefix_before_the_forward(dense_checkpoint):
     """A request's state after 16 tokens saved into a free slot by state_copies, then
     copied into a second request's slot in the batch that runs it on the same KV
-    blocks: the second request samples what the first did after the same chunk."""
+    blocks: the second request samples what the first did after the same chunk.
+    Admitted with computed tokens but no copy into its slot, it is refused."""
+    checkpoint = dense_checkpoint
     prompt = [(7 * index + 3) % VOCAB_SIZE for index in range(30)]
     executor = cuda_executor(checkpoint)
     first = NewRequestData(request_id="a", sampling=GREEDY, state_slot=0)
@@ -171,13 +185,16 @@ def test_state_copies_restore_a_prefix_before_the_forward(checkpoint):
     continued = executor.execute(_step(1, [_scheduled("a", prompt[16:], 16, [1])],
                                        copies=[(0, 3)]))
     second = NewRequestData(request_id="b", sampling=GREEDY, state_slot=1)
-    restored = executor.execute(_step(2, [_scheduled("b", prompt[16:], 16, [0, 2])],
-                                      new=[second], copies=[(3, 1)]))
+    with pytest.raises(ValueError, match="no state was restored into its state slot 1"):
+        executor.execute(_step(2, [_scheduled("b", prompt[16:], 16, [0, 2])], new=[second]))
+    restored = executor.execute(_step(3, [_scheduled("b", prompt[16:], 16, [0, 2])],
+                                      new=[second], copies=[(3, 1)], finished=["b"]))
     assert restored.sampled_token_ids == continued.sampled_token_ids
-    unrestored = cuda_executor(checkpoint)  # the same step from a zero state differs
-    unrestored.execute(_step(0, [_scheduled("b", prompt[:16], 0, [0])], new=[
+    # the snapshot (slot 3) is the state of the first 16 tokens, computed afresh
+    fresh = cuda_executor(checkpoint)
+    fresh.execute(_step(0, [_scheduled("b", prompt[:16], 0, [0])], new=[
         NewRequestData(request_id="b", sampling=GREEDY, state_slot=2)]))
-    for cache, twin in zip(executor.state_caches, unrestored.state_caches, strict=True):
+    for cache, twin in zip(executor.state_caches, fresh.state_caches, strict=True):
         assert torch.equal(cache.recurrent[3], twin.recurrent[2])
         assert torch.equal(cache.conv[3], twin.conv[2])
 
@@ -253,6 +270,8 @@ def test_gpu_float32_tokens_equal_the_cpu_executors(checkpoint):
 
 @pytest.mark.gpu
 def test_gpu_graphs_give_the_eager_steps_tokens(checkpoint):
+    """Graph replays against the same kernels eagerly (fla's chunk index built on the
+    device, state slots in the static inputs)."""
     eager = generate(cuda_executor(checkpoint, device="cuda", use_cuda_graphs=False))
     assert generate(cuda_executor(checkpoint, device="cuda")) == eager
 
