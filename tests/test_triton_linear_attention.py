@@ -51,8 +51,7 @@ def reference_gated_delta_rule(q, k, v, g, beta, state):
     heads, K], v [tokens, value heads, V], g, beta [tokens, value heads], state
     [value heads, K, V] -> (out, final state), float32."""
     repeat = v.shape[1] // q.shape[1]
-    q = F.normalize(q.float(), dim=-1, eps=0) if False else q.float()
-    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+    q = q.float() * torch.rsqrt((q.float() ** 2).sum(-1, keepdim=True) + 1e-6)
     k = k.float() * torch.rsqrt((k.float() ** 2).sum(-1, keepdim=True) + 1e-6)
     q, k = q.repeat_interleave(repeat, dim=1), k.repeat_interleave(repeat, dim=1)
     q = q / q.shape[-1] ** 0.5

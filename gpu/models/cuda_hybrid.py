@@ -147,8 +147,8 @@ def gated_attention(attention: Attention, hidden: torch.Tensor, positions: torch
                     backend: Any, ops: FusedOps) -> torch.Tensor:
     """Attention.forward of the hybrid family (output gate, ``(1 + weight)`` q/k norms,
     partial rotary) through the kernels."""
-    assert attention.has_output_gate and attention.q_norm is not None \
-        and attention.k_norm is not None, "the hybrid family's attention"
+    assert attention.has_output_gate and isinstance(attention.q_norm, OffsetRMSNorm) \
+        and isinstance(attention.k_norm, OffsetRMSNorm), "the hybrid family's attention"
     k_cache, v_cache = kv_cache
     qkv = attention.qkv_proj(hidden)
     query = triton_gated_attention.gated_qk_norm_rope_write_kv(
