@@ -18,6 +18,11 @@ DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 DTYPE = torch.bfloat16 if HAS_CUDA else torch.float32
 
 
+# float32 results (states, gates) against torch's: other sum orders and, on CUDA, the
+# GPU's exp and rsqrt
+FLOAT32_TOLERANCE = 1e-4 if HAS_CUDA else 1e-5
+
+
 def close(out, expected, tolerance=None):
     """Relative error under one bf16 rounding on CUDA, float32 sums otherwise."""
     tolerance = tolerance or (1e-2 if HAS_CUDA else 1e-5)
@@ -146,7 +151,7 @@ def test_gates_match_the_layer():
     dt_bias = random(6, seed=15, dtype=torch.float32)
     g, beta = kernels.gdn_gates(a, b, a_log, dt_bias)
     expected_g, expected_beta = reference_gates(a, b, a_log, dt_bias)
-    assert close(g, expected_g, 1e-5) and close(beta, expected_beta)
+    assert close(g, expected_g, FLOAT32_TOLERANCE) and close(beta, expected_beta)
 
 
 KEY_HEADS, VALUE_HEADS, KEY_DIM, VALUE_DIM = 2, 4, 16, 24
@@ -180,7 +185,7 @@ def test_decode_gated_delta_rule_updates_each_slot_in_place():
                                                      v[row:row + 1], g[row:row + 1],
                                                      beta[row:row + 1], initial)
         assert close(out[row:row + 1], expected)
-        assert close(state[slot], final, 1e-5)
+        assert close(state[slot], final, FLOAT32_TOLERANCE)
     for slot in (1, 3, 5):
         assert torch.equal(state[slot], before[slot])
 
