@@ -1058,3 +1058,7 @@ class StateSlots:
 
     def give_back(self, request_id: str) -> None:
         self._free.append(self._held.pop(request_id))
+
+    @property
+    def free_slots(self) -> list[int]:
+        return sorted(self._free)
