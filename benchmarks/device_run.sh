@@ -4,11 +4,12 @@
 #   bash benchmarks/device_run.sh gpu-tests decode-30b-a3b throughput-30b-a3b serve-30b-a3b  # MoE
 #   bash benchmarks/device_run.sh serve-twice-8b cli-throughput-0.6b throughput-0.6b  # first request
 # The hybrid family (issue 26; a part's model is qwen3-<suffix>, or the suffix itself when
-# it names a qwen model):
-#   bash benchmarks/device_run.sh hybrid-tests decode-qwen3.5-35b-a3b decode-qwen3.5-27b \
-#     context-qwen3.5-35b-a3b context-qwen3.5-27b long-qwen3.5-27b
-#   bash benchmarks/device_run.sh throughput-qwen3.5-35b-a3b throughput-qwen3.5-27b \
-#     serve-qwen3.5-35b-a3b serve-qwen3.5-27b
+# it names a qwen model), a call each (docs/performance.md):
+#   bash benchmarks/device_run.sh hybrid-tests hybrid-kernels decode-qwen3.5-35b-a3b
+#   bash benchmarks/device_run.sh decode-qwen3.5-27b context-qwen3.5-35b-a3b
+#   bash benchmarks/device_run.sh context-qwen3.5-27b long-qwen3.5-27b
+#   bash benchmarks/device_run.sh throughput-qwen3.5-35b-a3b serve-qwen3.5-35b-a3b
+#   bash benchmarks/device_run.sh throughput-qwen3.5-27b serve-qwen3.5-27b
 # Tensor parallelism 2 (kind nvidia-h200-x2), one part per call (each fits the 10 minutes):
 #   bash benchmarks/device_run.sh tp2-tests tp2-match-0.6b
 #   bash benchmarks/device_run.sh tp2-decode-8b
@@ -84,6 +85,9 @@ for part in "$@"; do
     decode-*) run "$part" 240 python3 benchmarks/gpu_bench.py decode --model "$(model_of "${part#decode-}")" ;;
     mixed-*) run "$part" 300 python3 benchmarks/gpu_bench.py mixed --model "$(model_of "${part#mixed-}")" ;;
     long-*) run "$part" 200 python3 benchmarks/gpu_bench.py long --model "$(model_of "${part#long-}")" ;;
+    # the hybrid family's large models: depth 2 only (the call's ten minutes)
+    throughput-qwen3.5-*) run "$part" 300 python3 benchmarks/gpu_bench.py throughput \
+             --model "${part#throughput-}" --depths 2 ;;
     throughput-*) run "$part" 300 python3 benchmarks/gpu_bench.py throughput --model "$(model_of "${part#throughput-}")" ;;
     structured-*) run "$part" 420 python3 benchmarks/gpu_bench.py structured --model "$(model_of "${part#structured-}")" ;;
     transformers-*) run "$part" 240 python3 benchmarks/gpu_bench.py transformers --model "$(model_of "${part#transformers-}")" --time-limit 120 ;;
