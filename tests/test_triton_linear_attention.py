@@ -330,3 +330,30 @@ def test_chunked_gated_delta_rule_replays_from_a_cuda_graph():
         state.copy_(saved)
         eager = step()
         assert torch.equal(replayed, eager) and torch.equal(replayed_state, state)
+
+
+@pytest.mark.gpu
+def test_decode_kernel_agrees_with_fla_fused_recurrent():
+    """The in-place decode kernel and fla-core's fused recurrent kernel (states gathered
+    by slot and scattered back) compute the same step: outputs and states."""
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+
+    heads, value_heads, dim, num_seqs = 4, 8, 128, 6
+    q = random(num_seqs, heads, dim, seed=90)
+    k = random(num_seqs, heads, dim, seed=91)
+    v = random(num_seqs, value_heads, dim, seed=92)
+    a, b = random(num_seqs, value_heads, seed=93), random(num_seqs, value_heads, seed=94)
+    a_log = random(value_heads, seed=95, dtype=torch.float32)
+    dt_bias = random(value_heads, seed=96, dtype=torch.float32)
+    states = random(9, value_heads, dim, dim, seed=97, dtype=torch.float32) * 0.1
+    slots = ints([7, 0, 3, 5, 1, 8])
+    theirs_states = states.clone()
+    out = kernels.gated_delta_rule_decode(q, k, v, a, b, a_log, dt_bias, states,
+                                          ints([9] * num_seqs), slots, dim ** -0.5)
+    g, beta = kernels.gdn_gates(a, b, a_log, dt_bias)
+    expected, final = fused_recurrent_gated_delta_rule(
+        q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], scale=dim ** -0.5,
+        initial_state=theirs_states.index_select(0, slots), output_final_state=True,
+        use_qk_l2norm_in_kernel=True)
+    theirs_states.index_copy_(0, slots, final)
+    assert close(out, expected[:, 0]) and close(states, theirs_states, FLOAT32_TOLERANCE)
