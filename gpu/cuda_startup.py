@@ -33,6 +33,12 @@ def report_kv_cache(executor: CudaModelExecutor) -> None:
     logger.info("KV cache: %d blocks of %d tokens = %d tokens, %.2f GiB (%s)",
                 executor.num_kv_blocks, executor.block_size, num_tokens,
                 num_tokens * bytes_per_token / GIB, executor.device)
+    if executor.state_caches:  # a model with linear-attention layers
+        slot_bytes = executor.model.state_bytes_per_slot
+        logger.info("state cache: %d slots of %.1f MiB over %d linear-attention layers, "
+                    "%.2f GiB (%s)", executor.num_state_slots, slot_bytes / 2**20,
+                    len(executor.state_caches), executor.num_state_slots * slot_bytes / GIB,
+                    executor.device)
 
 
 def warm_up(executor: CudaModelExecutor) -> None:

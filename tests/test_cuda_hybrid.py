@@ -154,10 +154,13 @@ def test_the_cuda_path_gives_the_cpu_executors_tokens(checkpoint):
     assert stats.num_steps_by_kind["decode"] and stats.num_steps_by_kind["mixed"]
 
 
-def test_eager_steps_give_the_cpu_executors_tokens(dense_checkpoint):
-    """Without graphs (unpadded steps, decode steps by the is_decode of the step itself)."""
+def test_eager_steps_give_the_cpu_executors_tokens(dense_checkpoint, caplog):
+    """Without graphs (unpadded steps, decode steps by the is_decode of the step itself).
+    The start-up log says how many state slots, and their size."""
     expected = generate(ModelExecutor.create(engine_config(dense_checkpoint)))
-    executor = cuda_executor(dense_checkpoint, use_cuda_graphs=False)
+    with caplog.at_level("INFO", logger="trio_llm.gpu.cuda_executor"):
+        executor = cuda_executor(dense_checkpoint, use_cuda_graphs=False)
+    assert "state cache: 4 slots of 0.0 MiB over 4 linear-attention layers" in caplog.text
     assert generate(executor) == expected
     assert executor.stats.num_graph_steps == 0
 
