@@ -368,6 +368,7 @@ class Scheduler:
         self.num_generation_tokens = 0
         self.num_prefix_cache_queries = 0
         self.num_prefix_cache_hits = 0
+        self.state_slots = StateSlots(config.max_num_seqs)
 
     def statistics(self) -> SchedulerStatistics:
         return SchedulerStatistics(
@@ -662,7 +663,8 @@ class Scheduler:
         group_id = running.request.group_id
         if group_id is not None:
             self._num_running_by_group[group_id] = self._num_running_by_group.get(group_id, 0) + 1
-        step.new_requests.append(_new_request_data(running))
+        step.new_requests.append(_new_request_data(
+            running, self.state_slots.take(running.request_id)))
         if waiting.num_preemptions == 0:
             step.tracks.append(Track(request=running.request))
             if self._caches_prefixes:
@@ -773,6 +775,7 @@ class Scheduler:
         if self._caches_prefixes:
             self._cache_full_blocks(running)  # what its decodes filled, for later requests
         self.block_manager.free(running.block_ids)
+        self.state_slots.give_back(running.request_id)
         index = bisect.bisect_left(self._running, running.sort_key, key=_sort_key_of)
         assert self._running[index] is running
         del self._running[index]
@@ -1019,15 +1022,43 @@ async def _handle(message: SchedulerInbox, scheduler: Scheduler, outboxes: _Outb
             raise AssertionError("Pulled without an outstanding Pull")
 
 
-def _new_request_data(running: RunningRequest) -> NewRequestData:
+def _new_request_data(running: RunningRequest, state_slot: int) -> NewRequestData:
     """What the runner learns of a request that starts (or restarts): its sampling
-    options and, with penalties, the tokens they count so far."""
+    options, its state slot and, with penalties, the tokens they count so far."""
     request = running.request
     sampling = request.sampling
     if not sampling.has_penalties:
         return NewRequestData(request_id=running.request_id, sampling=sampling,
-                              pooling=request.pooling)
+                              pooling=request.pooling, state_slot=state_slot)
     prompt_token_ids = request.prompt_token_ids if sampling.repetition_penalty != 1.0 else []
     return NewRequestData(request_id=running.request_id, sampling=sampling,
                           prompt_token_ids=prompt_token_ids,
-                          output_token_ids=list(running.output_token_ids))
+                          output_token_ids=list(running.output_token_ids),
+                          state_slot=state_slot)
+
+
+class StateSlots:
+    """MINIMAL state-slot assignment (hybrid-model's stand-in until the hybrid-engine
+    scheduler's fuller version lands): each running request holds one of the slots
+    0..max_num_seqs-1, taken at admission (a re-admitted request takes one again) and
+    given back when it leaves the running set. The running set never exceeds
+    max_num_seqs, and the executor has at least that many slots. No snapshots: prefix
+    caching must be off for a model with linear-attention layers (the executor refuses
+    a hit without a restored state). A model without them ignores the slot."""
+
+    def __init__(self, num_slots: int) -> None:
+        # pop() hands out the lowest free slot first
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._held: dict[str, int] = {}
+
+    def take(self, request_id: str) -> int:
+        assert request_id not in self._held, f"{request_id} holds a state slot already"
+        slot = self._held[request_id] = self._free.pop()
+        return slot
+
+    def give_back(self, request_id: str) -> None:
+        self._free.append(self._held.pop(request_id))
+
+    @property
+    def free_slots(self) -> list[int]:
+        return sorted(self._free)

@@ -3,6 +3,13 @@
 #   bash benchmarks/device_run.sh tests decode-0.6b decode-8b throughput-0.6b transformers-0.6b
 #   bash benchmarks/device_run.sh gpu-tests decode-30b-a3b throughput-30b-a3b serve-30b-a3b  # MoE
 #   bash benchmarks/device_run.sh serve-twice-8b cli-throughput-0.6b throughput-0.6b  # first request
+# The hybrid family (issue 26; a part's model is qwen3-<suffix>, or the suffix itself when
+# it names a qwen model), a call each (docs/performance.md):
+#   bash benchmarks/device_run.sh hybrid-tests hybrid-kernels decode-qwen3.5-35b-a3b
+#   bash benchmarks/device_run.sh decode-qwen3.5-27b context-qwen3.5-35b-a3b
+#   bash benchmarks/device_run.sh context-qwen3.5-27b long-qwen3.5-27b
+#   bash benchmarks/device_run.sh throughput-qwen3.5-35b-a3b serve-qwen3.5-35b-a3b
+#   bash benchmarks/device_run.sh throughput-qwen3.5-27b serve-qwen3.5-27b
 # Tensor parallelism 2 (kind nvidia-h200-x2), one part per call (each fits the 10 minutes):
 #   bash benchmarks/device_run.sh tp2-tests tp2-match-0.6b
 #   bash benchmarks/device_run.sh tp2-decode-8b
@@ -20,14 +27,18 @@ log="$OUT/device.log"
 # Tuned MoE tables written by moe-tune* in this call are read by the parts after it.
 export TRIO_LLM_MOE_CONFIGS="$OUT/moe_configs"
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv | tee -a "$log"
-run() {  # run NAME SECONDS COMMAND...
+run() {  # run NAME SECONDS COMMAND... (the hybrid family's large models get twice the time)
   local name=$1 seconds=$2; shift 2
+  case $name in *qwen3.5*) seconds=$((2 * seconds)) ;; esac
   echo "=== $name: $* ($(date -u +%FT%TZ))" | tee -a "$log"
   timeout "$seconds" "$@" 2>&1 | tee -a "$log" | grep -vE '^(INFO|DEBUG)' | tail -n 40
   echo "=== $name: exit ${PIPESTATUS[0]}" | tee -a "$log"
 }
-wait_healthy() {  # wait_healthy PORT: until the server there answers /health (180 s at most)
-  for _ in $(seq 1 180); do
+model_of() {  # model_of SUFFIX: a part's model (qwen3-SUFFIX, or SUFFIX if it names one)
+  case $1 in qwen*) echo "$1" ;; *) echo "qwen3-$1" ;; esac
+}
+wait_healthy() {  # wait_healthy PORT: until the server there answers /health (420 s at most)
+  for _ in $(seq 1 420); do
     python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$1/health')" \
       2>/dev/null && return
     sleep 1
@@ -100,37 +111,45 @@ for part in "$@"; do
     moe-tune-batched) run moe-tune-batched 560 python3 benchmarks/moe_kernel_bench.py --tune \
              --tokens 64 256 1024 8192 --budget-s 480 --repeats 10 ;;
     moe-kernel) run moe-kernel 300 python3 benchmarks/moe_kernel_bench.py --graph ;;
-    graph-profile-*) run "$part" 300 python3 benchmarks/graph_profile.py --model "qwen3-${part#graph-profile-}" ;;
-    profile-*) run "$part" 200 python3 benchmarks/step_profile.py --model "qwen3-${part#profile-}" ;;
+    graph-profile-*) run "$part" 300 python3 benchmarks/graph_profile.py --model "$(model_of "${part#graph-profile-}")" ;;
+    profile-*) run "$part" 200 python3 benchmarks/step_profile.py --model "$(model_of "${part#profile-}")" ;;
     # programmatic dependent launch on (gpu/kernels/pdl.py, an experiment): beside decode-*
-    decode-pdl-*) TRIO_LLM_PDL=1 run "$part" 240 python3 benchmarks/gpu_bench.py decode --model "qwen3-${part#decode-pdl-}" ;;
-    decode-*) run "$part" 240 python3 benchmarks/gpu_bench.py decode --model "qwen3-${part#decode-}" ;;
-    mixed-*) run "$part" 300 python3 benchmarks/gpu_bench.py mixed --model "qwen3-${part#mixed-}" ;;
-    long-*) run "$part" 200 python3 benchmarks/gpu_bench.py long --model "qwen3-${part#long-}" ;;
-    throughput-*) run "$part" 300 python3 benchmarks/gpu_bench.py throughput --model "qwen3-${part#throughput-}" ;;
-    structured-*) run "$part" 420 python3 benchmarks/gpu_bench.py structured --model "qwen3-${part#structured-}" ;;
-    transformers-*) run "$part" 240 python3 benchmarks/gpu_bench.py transformers --model "qwen3-${part#transformers-}" --time-limit 120 ;;
+    decode-pdl-*) TRIO_LLM_PDL=1 run "$part" 240 python3 benchmarks/gpu_bench.py decode --model "$(model_of "${part#decode-pdl-}")" ;;
+    decode-*) run "$part" 240 python3 benchmarks/gpu_bench.py decode --model "$(model_of "${part#decode-}")" ;;
+    mixed-*) run "$part" 300 python3 benchmarks/gpu_bench.py mixed --model "$(model_of "${part#mixed-}")" ;;
+    long-*) run "$part" 200 python3 benchmarks/gpu_bench.py long --model "$(model_of "${part#long-}")" ;;
+    # the hybrid family's large models: depth 2 only (the call's ten minutes)
+    throughput-qwen3.5-*) run "$part" 300 python3 benchmarks/gpu_bench.py throughput \
+             --model "${part#throughput-}" --depths 2 ;;
+    throughput-*) run "$part" 300 python3 benchmarks/gpu_bench.py throughput --model "$(model_of "${part#throughput-}")" ;;
+    structured-*) run "$part" 420 python3 benchmarks/gpu_bench.py structured --model "$(model_of "${part#structured-}")" ;;
+    transformers-*) run "$part" 240 python3 benchmarks/gpu_bench.py transformers --model "$(model_of "${part#transformers-}")" --time-limit 120 ;;
     kernels) run kernels 300 python3 benchmarks/kernel_bench.py ;;
+    # the hybrid family: kernels against references, the model on CUDA against the CPU
+    hybrid-tests) run hybrid-tests 420 python3 -m pytest -q -s -p no:cacheprovider -rs \
+             tests/test_triton_linear_attention.py tests/test_cuda_hybrid.py ;;
+    hybrid-kernels) run hybrid-kernels 240 python3 benchmarks/hybrid_kernel_bench.py ;;
+    context-*) run "$part" 270 python3 benchmarks/gpu_bench.py context --model "$(model_of "${part#context-}")" ;;
     gemv) run gemv 240 python3 benchmarks/gemv_bench.py ;;
-    gemv-sweep-*) run "$part" 540 python3 benchmarks/gemv_sweep.py --model "qwen3-${part#gemv-sweep-}" ;;
-    ready-*) ready_time "qwen3-${part#ready-}" ;;
-    serve-twice-*) serve_twice_bench "qwen3-${part#serve-twice-}" ;;
+    gemv-sweep-*) run "$part" 540 python3 benchmarks/gemv_sweep.py --model "$(model_of "${part#gemv-sweep-}")" ;;
+    ready-*) ready_time "$(model_of "${part#ready-}")" ;;
+    serve-twice-*) serve_twice_bench "$(model_of "${part#serve-twice-}")" ;;
     cli-throughput-*) run "$part" 300 python3 -m trio_llm.api.cli bench throughput \
-             --model "qwen3-${part#cli-throughput-}" --load-format dummy ;;
+             --model "$(model_of "${part#cli-throughput-}")" --load-format dummy ;;
     gpu-tests) run gpu-tests 300 python3 -m pytest -q -p no:cacheprovider -rs -m gpu \
              --ignore tests/test_http_schema.py tests/ ;;
-    serve-*) serve_bench "qwen3-${part#serve-}" ;;
-    prefix-serve-*) prefix_serve_bench "qwen3-${part#prefix-serve-}" ;;
+    serve-*) serve_bench "$(model_of "${part#serve-}")" ;;
+    prefix-serve-*) prefix_serve_bench "$(model_of "${part#prefix-serve-}")" ;;
     # tensor parallelism 2: needs the nvidia-h200-x2 kind (NCCL; NVLS multicast off)
     tp2-tests) NCCL_NVLS_ENABLE=0 run tp2-tests 400 python3 -m pytest -q -s -p no:cacheprovider -rs \
              tests/test_tensor_parallel.py ;;
     tp2-match-*) NCCL_NVLS_ENABLE=0 run "$part" 400 python3 benchmarks/tp_match.py \
-             --model "qwen3-${part#tp2-match-}" --load-format dummy --device cuda ;;
+             --model "$(model_of "${part#tp2-match-}")" --load-format dummy --device cuda ;;
     tp2-decode-*) NCCL_NVLS_ENABLE=0 run "$part" 480 python3 benchmarks/gpu_bench.py decode \
-             --model "qwen3-${part#tp2-decode-}" --tensor-parallel-size 2 ;;
+             --model "$(model_of "${part#tp2-decode-}")" --tensor-parallel-size 2 ;;
     tp2-throughput-*) NCCL_NVLS_ENABLE=0 run "$part" 540 python3 benchmarks/gpu_bench.py \
-             throughput --model "qwen3-${part#tp2-throughput-}" --tensor-parallel-size 2 --depths 2 ;;
-    prefix-match-*) run "$part" 300 python3 benchmarks/prefix_match.py --model "qwen3-${part#prefix-match-}" --load-format dummy ;;
+             throughput --model "$(model_of "${part#tp2-throughput-}")" --tensor-parallel-size 2 --depths 2 ;;
+    prefix-match-*) run "$part" 300 python3 benchmarks/prefix_match.py --model "$(model_of "${part#prefix-match-}")" --load-format dummy ;;
     *) echo "unknown part $part" ;;
   esac
 done
