@@ -64,7 +64,8 @@ DEFAULT_FULL_ATTENTION_INTERVAL = 4
 
 def parse_config(data: dict[str, Any], source: str, architecture: str) -> ModelConfig:
     has_vision_tower = architecture.endswith("ForConditionalGeneration")
-    text = data.get("text_config") or data if has_vision_tower else data
+    # a ConditionalGeneration config nests the text model's fields in text_config
+    text = (data.get("text_config") or data) if has_vision_tower else data
     fields = hybrid_fields(text, source, architecture=architecture,
                            family=ARCHITECTURE_FAMILIES[architecture])
     if has_vision_tower:
