@@ -23,6 +23,7 @@ from msgspec.structs import replace
 from trio_llm.actors.config import EngineConfig
 from trio_llm.actors.messages import SamplingParams, ScheduledBatch, StepResult
 from trio_llm.api.engine import Engine, create_executor
+from trio_llm.api.processes import open_served_layout
 
 VOCAB_LIMIT = 1000  # the tiny model's tokenizer decodes these; clear of special ids
 MODULUS = 2**61 - 1
@@ -216,3 +217,22 @@ async def test_leaving_a_stream_early_frees_its_slot(tiny_executor) -> None:
             # Channels are FIFO: once one more request finished, the aborts were handled.
             assert await collect(engine, [5, 6, 7], 2) == reference_output([5, 6, 7], 2)
             assert_slots_free(engine)
+
+
+async def test_two_api_servers_give_the_in_process_tokens(tiny_executor) -> None:
+    """The served layout: the core's scheduler gets the executor's slots too."""
+    workload = shared_prefix_workload()
+    reference = [reference_output(prompt, max_tokens) for prompt, max_tokens in workload]
+    executor = StateHashExecutor(tiny_executor, AMPLE)
+    results: list[list[int]] = [[] for _ in workload]
+    with trio.fail_after(120):
+        async with open_served_layout(AMPLE, 2, executor=executor) as fronts:
+
+            async def one(index: int) -> None:
+                results[index] = await collect(fronts[index % 2], *workload[index])
+
+            async with trio.open_nursery() as nursery:
+                for index in range(len(workload)):
+                    nursery.start_soon(one, index)
+    assert results == reference
+    assert executor.num_restored_tokens > 0
