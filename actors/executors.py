@@ -36,6 +36,12 @@ class LoadedExecutor(Executor, Protocol):
     def num_kv_blocks(self) -> int: ...
 
     @property
+    def num_state_slots(self) -> int:
+        """Slots of the state caches of a model with linear-attention layers (0 for
+        others): max_num_seqs for running requests, the rest for prefix-cache snapshots."""
+        ...
+
+    @property
     def vocab_size(self) -> int: ...
 
 

@@ -57,6 +57,7 @@ class NullExecutor:
     def __init__(self, model: Any) -> None:
         self.model_path = model.model_path
         self.num_kv_blocks = model.num_kv_blocks
+        self.num_state_slots = model.num_state_slots
         self.max_model_len = model.max_model_len
         self.vocab_size = model.vocab_size
         self.execute_seconds = 0.0
@@ -74,6 +75,7 @@ class TimedExecutor:
         self.inner = inner
         self.model_path = inner.model_path
         self.num_kv_blocks = inner.num_kv_blocks
+        self.num_state_slots = inner.num_state_slots
         self.max_model_len = inner.max_model_len
         self.vocab_size = inner.vocab_size
         self.execute_seconds = 0.0

@@ -205,7 +205,7 @@ class CudaModelExecutor:
     """
 
     def __init__(self, model: CausalLM, *, model_path: Path, num_kv_blocks: int,
-                 block_size: int, max_model_len: int) -> None:
+                 block_size: int, max_model_len: int, num_state_slots: int = 0) -> None:
         self.model = model
         self.model_path = model_path
         self.device = model.device
@@ -214,6 +214,7 @@ class CudaModelExecutor:
         self.num_kv_blocks = num_kv_blocks
         self.block_size = block_size
         self.max_model_len = max_model_len
+        self.num_state_slots = num_state_slots
         self.kv_caches = model.allocate_kv_caches(num_kv_blocks, block_size)
         self.table = RequestTable(vocab_size=self.vocab_size, device=self.device,
                                   block_size=block_size,
@@ -232,7 +233,8 @@ class CudaModelExecutor:
         loaded = load_executor_model(config, parallel=parallel, device=device)
         executor = cls(loaded.model, model_path=loaded.model_path,
                        num_kv_blocks=loaded.num_kv_blocks, block_size=loaded.block_size,
-                       max_model_len=loaded.max_model_len)
+                       max_model_len=loaded.max_model_len,
+                       num_state_slots=loaded.num_state_slots)
         executor.start(CudaExecutorOptions.from_config(config, executor.device))
         return executor
 

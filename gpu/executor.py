@@ -4,8 +4,10 @@ It owns the model, the paged KV cache and the state each running request needs
 between steps (its block table, its sampling options, the token it sampled
 last). ``execute`` runs one ScheduledBatch exactly as the scheduler built it:
 
-1. forget ``finished_request_ids``; register ``new_requests``;
-2. extend each request's block table with its ``new_block_ids``;
+1. forget ``finished_request_ids``; register ``new_requests`` (with the state slot
+   the scheduler gave each, for a model with linear-attention layers);
+2. extend each request's block table with its ``new_block_ids``; make the batch's
+   ``state_copies`` between state slots;
 3. flatten every request's input tokens into one varlen forward (a request with
    ``input_from_previous_step`` takes the token sampled for it last step);
 4. sample the rows that have ``sample`` set, keyed by their ``output_index``,
@@ -34,7 +36,7 @@ from trio_llm.actors.messages import (
 from trio_llm.gpu.builtin import is_dummy_only, resolve_model
 from trio_llm.gpu.loader import load_model, resolve_device, resolve_dtype
 from trio_llm.gpu.models import ModelConfig, ModelLoadError, read_model_config
-from trio_llm.gpu.models.base import AttentionMetadata, CausalLM
+from trio_llm.gpu.models.base import AttentionMetadata, CausalLM, StateCache
 from trio_llm.gpu.pooling import PoolingChunk, pool, pooling_chunk
 from trio_llm.gpu.request_table import RequestState, RequestTable
 from trio_llm.gpu.sampler import (
@@ -53,6 +55,9 @@ GIB = 2**30
 # loop past about a hundred tokens (an 8,192-token chunk: 1.0 -> 0.16 ms on a 2-core
 # development machine).
 MIN_VECTORIZED_SLOTS = 128
+# The share of the cache budget that prefix-cache state snapshots take, unless
+# max_state_snapshots says how many (docs/architecture.md, hybrid models).
+SNAPSHOT_SHARE = 0.25
 
 
 def kv_slots(block_ids: list[int], block_size: int, start: int, end: int) -> list[int]:
@@ -101,13 +106,16 @@ class StepInputs:
     prompt_logprob_rows: PromptLogprobRows = field(
         default_factory=lambda: PromptLogprobRows([], [], []))
     pooling_chunks: list[PoolingChunk] = field(default_factory=list)
+    # linear-attention layers: each sequence's state slot, and whether it continues
+    state_slots: list[int] = field(default_factory=list)
+    continues_state: list[bool] = field(default_factory=list)
 
 
 class ModelExecutor:
     """Runs ScheduledBatches on one model and its paged KV cache."""
 
     def __init__(self, model: CausalLM, *, model_path: Path, num_kv_blocks: int,
-                 block_size: int, max_model_len: int) -> None:
+                 block_size: int, max_model_len: int, num_state_slots: int = 0) -> None:
         self.model = model
         self.model_path = model_path
         self.device = model.device
@@ -116,7 +124,9 @@ class ModelExecutor:
         self.num_kv_blocks = num_kv_blocks
         self.block_size = block_size
         self.max_model_len = max_model_len
-        self.kv_caches = model.allocate_kv_caches(num_kv_blocks, block_size)
+        self.num_state_slots = num_state_slots
+        self.kv_caches = model.allocate_caches(num_kv_blocks, block_size, num_state_slots)
+        self.state_caches = [cache for cache in self.kv_caches if isinstance(cache, StateCache)]
         self.table = RequestTable(vocab_size=self.vocab_size, device=self.device,
                                   block_size=block_size,
                                   max_positions=model.rotary.max_positions)
@@ -143,7 +153,7 @@ class ModelExecutor:
         loaded = load_executor_model(config, parallel=parallel, device=device)
         return cls(loaded.model, model_path=loaded.model_path,
                    num_kv_blocks=loaded.num_kv_blocks, block_size=loaded.block_size,
-                   max_model_len=loaded.max_model_len)
+                   max_model_len=loaded.max_model_len, num_state_slots=loaded.num_state_slots)
 
     # -- one step ----------------------------------------------------------------------
 
@@ -185,6 +195,26 @@ class ModelExecutor:
             table.register_penalties(new_request, self._token_ids_on_device)
         for scheduled in batch.requests:
             table.state(scheduled.request_id).block_ids.extend(scheduled.new_block_ids)
+        if self.state_caches:
+            copy_state_slots(self.state_caches, batch.state_copies, self.num_state_slots)
+            self._check_restored_states(batch)
+
+    def _check_restored_states(self, batch: ScheduledBatch) -> None:
+        """A request admitted after some computed tokens (a prefix-cache hit) continues
+        from its slot's state: the batch must have restored one into it, or its output
+        would follow another request's state."""
+        new_ids = {new_request.request_id for new_request in batch.new_requests}
+        restored = {destination for _, destination in batch.state_copies}
+        for scheduled in batch.requests:
+            if scheduled.request_id not in new_ids or not scheduled.num_computed_tokens:
+                continue
+            slot = self.table.state(scheduled.request_id).state_slot
+            if slot not in restored:
+                raise ValueError(
+                    f"request {scheduled.request_id!r} is admitted with "
+                    f"{scheduled.num_computed_tokens} computed tokens, but no state was "
+                    f"restored into its state slot {slot} (ScheduledBatch.state_copies): a "
+                    f"model with linear-attention layers cannot reuse cached KV blocks alone")
 
     def _token_ids_on_device(self, token_ids: list[int]) -> torch.Tensor:
         return torch.tensor(token_ids, dtype=torch.int64).to(self.device)
@@ -215,6 +245,10 @@ class ModelExecutor:
         inputs.positions += positions
         inputs.slot_mapping += kv_slots(state.block_ids, self.block_size, start, context_len)
         inputs.block_tables.append(state.block_ids)
+        if self.state_caches:
+            inputs.state_slots.append(self.table.state_slot(scheduled.request_id, state,
+                                                            self.num_state_slots))
+            inputs.continues_state.append(start > 0)
         inputs.context_lens.append(context_len)
         inputs.query_start_loc.append(len(inputs.token_ids))
         if scheduled.sample:
@@ -247,20 +281,36 @@ class ModelExecutor:
             block_tables=tensor(padded_tables, torch.int32),
             context_lens=tensor(inputs.context_lens, torch.int32),
             query_start_loc=tensor(inputs.query_start_loc, torch.int32),
+            state_slots=inputs.state_slots if self.state_caches else None,
+            continues_state=inputs.continues_state if self.state_caches else None,
         )
         return self.model(tensor(inputs.token_ids), tensor(inputs.positions),
                           self.kv_caches, metadata)
 
 
+def copy_state_slots(state_caches: list[StateCache], copies: Sequence[tuple[int, int]],
+                     num_state_slots: int) -> None:
+    """Make a batch's ``state_copies`` (source slot, destination slot), in order, in every
+    linear-attention layer's states."""
+    for source, destination in copies:
+        if not (0 <= source < num_state_slots and 0 <= destination < num_state_slots):
+            raise ValueError(f"state copy {source} -> {destination} names a slot outside "
+                             f"0..{num_state_slots - 1}")
+        for cache in state_caches:
+            cache.copy_slot(source, destination)
+
+
 @dataclass(frozen=True, slots=True)
 class LoadedModel:
-    """A loaded model and the sizes of the KV cache an executor allocates for it."""
+    """A loaded model and the sizes of the caches an executor allocates for it: the KV
+    blocks, and (a model with linear-attention layers) the state slots."""
 
     model: CausalLM
     model_path: Path
     num_kv_blocks: int
     block_size: int
     max_model_len: int
+    num_state_slots: int = 0
 
 
 def load_executor_model(config: EngineConfig, *, parallel: TensorParallel | None = None,
@@ -277,15 +327,25 @@ def load_executor_model(config: EngineConfig, *, parallel: TensorParallel | None
                        max_positions=max(description.max_model_len,
                                          description.model_config.max_position_embeddings),
                        parallel=parallel, quantization=config.quantization)
-    num_kv_blocks = config.num_kv_blocks or _num_kv_blocks_for_memory(model, config)
+    num_state_slots = model.parallel.min_over_ranks(_num_state_slots(model, config), device)
+    state_bytes = num_state_slots * model.state_bytes_per_slot
+    num_kv_blocks = config.num_kv_blocks or _num_kv_blocks_for_memory(model, config,
+                                                                      state_bytes)
     num_kv_blocks = model.parallel.min_over_ranks(num_kv_blocks, device)
+    if num_state_slots:
+        logger.info("%d state slots of %.1f MiB (%d for running requests, %d for prefix-cache "
+                    "snapshots; %.2f GiB), %d KV tokens for the %d full-attention layers",
+                    num_state_slots, model.state_bytes_per_slot / 2**20, config.max_num_seqs,
+                    num_state_slots - config.max_num_seqs, state_bytes / GIB,
+                    num_kv_blocks * config.block_size, model.num_attention_layers)
     if device.type == "cpu":
         configure_cpu_threads()
         model.attention_backend.warm_up()
         _fuse_cpu_model(model)
     return LoadedModel(model=model, model_path=description.model_path,
                        num_kv_blocks=num_kv_blocks, block_size=config.block_size,
-                       max_model_len=description.max_model_len)
+                       max_model_len=description.max_model_len,
+                       num_state_slots=num_state_slots)
 
 
 def configure_cpu_threads() -> int:
@@ -345,17 +405,39 @@ def _load_format(config: EngineConfig) -> str:
     return "dummy"
 
 
-def _num_kv_blocks_for_memory(model: CausalLM, config: EngineConfig) -> int:
-    """As many blocks as the memory budget holds: ``cpu_kv_cache_gib`` on the CPU, the
-    free share of ``gpu_memory_utilization`` on CUDA."""
-    bytes_per_block = config.block_size * model.kv_cache_bytes_per_token
+def _cache_budget_bytes(model: CausalLM, config: EngineConfig) -> float:
+    """The memory the caches may take: ``cpu_kv_cache_gib`` on the CPU, the free share of
+    ``gpu_memory_utilization`` on CUDA."""
     if model.device.type == "cuda":
         free_bytes, total_bytes = torch.cuda.mem_get_info(model.device)
-        budget = free_bytes - (1.0 - config.gpu_memory_utilization) * total_bytes
-    else:
-        budget = config.cpu_kv_cache_gib * GIB
+        return free_bytes - (1.0 - config.gpu_memory_utilization) * total_bytes
+    return config.cpu_kv_cache_gib * GIB
+
+
+def _num_state_slots(model: CausalLM, config: EngineConfig) -> int:
+    """A model with linear-attention layers: a state slot for each running sequence
+    (``max_num_seqs``), and with prefix caching on, slots for prefix-cache snapshots:
+    ``max_state_snapshots`` where set, else as many as a quarter of the cache budget
+    holds (at least one). 0 for other models."""
+    slot_bytes = model.state_bytes_per_slot
+    if not slot_bytes:
+        return 0
+    num_snapshot_slots = 0
+    if config.enable_prefix_caching:
+        num_snapshot_slots = getattr(config, "max_state_snapshots", None) or max(
+            1, int(_cache_budget_bytes(model, config) * SNAPSHOT_SHARE // slot_bytes))
+    return config.max_num_seqs + num_snapshot_slots
+
+
+def _num_kv_blocks_for_memory(model: CausalLM, config: EngineConfig,
+                              state_bytes: int = 0) -> int:
+    """As many blocks as the memory budget holds once the state slots (``state_bytes``)
+    have theirs."""
+    bytes_per_block = config.block_size * model.kv_cache_bytes_per_token
+    budget = _cache_budget_bytes(model, config) - state_bytes
     num_blocks = int(budget // bytes_per_block)
     if num_blocks < 1:
-        raise ModelLoadError(f"no memory left for the KV cache ({budget / GIB:.2f} GiB budget, "
+        raise ModelLoadError(f"no memory left for the KV cache ({budget / GIB:.2f} GiB budget "
+                             f"after {state_bytes / GIB:.2f} GiB of state slots, "
                              f"{bytes_per_block} bytes per block)")
     return num_blocks

@@ -30,6 +30,8 @@ class RequestState:
     # an embedding request: how it pools, and (mean pooling) its sum so far
     pooling: PoolingOptions | None = None
     mean_pool: MeanPool | None = None
+    # a model with linear-attention layers: the request's slot in the state caches
+    state_slot: int | None = None
 
 
 class RequestTable:
@@ -46,7 +48,7 @@ class RequestTable:
         """A new request's state (replacing what a restarted one had)."""
         state = self.states[new_request.request_id] = RequestState(
             sampling=new_request.sampling, pooling=new_request.pooling,
-            mean_pool=new_mean_pool(new_request.pooling))
+            mean_pool=new_mean_pool(new_request.pooling), state_slot=new_request.state_slot)
         return state
 
     def register_penalties(self, new_request: NewRequestData,
@@ -68,6 +70,17 @@ class RequestTable:
             raise ValueError(f"request {request_id!r} was scheduled but never registered "
                              f"in new_requests (or already finished)")
         return state
+
+    @staticmethod
+    def state_slot(request_id: str, state: RequestState, num_state_slots: int) -> int:
+        """The request's state slot; a model with linear-attention layers runs no request
+        without one."""
+        slot = state.state_slot
+        if slot is None or not 0 <= slot < num_state_slots:
+            raise ValueError(f"request {request_id!r} has state slot {slot}: a model with "
+                             f"linear-attention layers needs one in 0..{num_state_slots - 1} "
+                             f"(NewRequestData.state_slot)")
+        return slot
 
     def check_capacity(self, request_id: str, state: RequestState, context_len: int) -> None:
         """Refuse a step that would write past a request's blocks or its positions."""

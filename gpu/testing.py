@@ -3,8 +3,9 @@
 It builds ScheduledBatch messages by hand: every running request takes part in
 every step (prefill chunks and decodes mixed), prompts are split into chunks by
 a per-request plan, block ids come from a shuffled free list, and requests can
-arrive late or be preempted and recomputed. Nothing here is the engine's real
-scheduling policy.
+arrive late or be preempted and recomputed; a model with linear-attention layers
+gets each registered request a state slot from a free list (given back when it
+finishes or is preempted). Nothing here is the engine's real scheduling policy.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class DriverRequest:
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
+    state_slot: int | None = None
     num_chunks: int = 0
     is_registered: bool = False
     sampled_last_step: bool = False
@@ -72,6 +74,9 @@ class ExecutorDriver:
         self.decode_input = decode_input
         self.free_block_ids = list(range(executor.num_kv_blocks))
         random.Random(seed).shuffle(self.free_block_ids)
+        # every state slot serves running requests: the driver keeps no snapshots
+        self.free_state_slots = list(range(getattr(executor, "num_state_slots", 0)))
+        random.Random(seed).shuffle(self.free_state_slots)
         self.step_id = 0
         self.finished_request_ids: list[str] = []
         self.results: list[StepResult] = []
@@ -87,7 +92,8 @@ class ExecutorDriver:
         self._preempt_due(requests)
         active = [request for request in requests
                   if request.arrival_step <= self.step_id and not request.is_finished]
-        new_requests = [NewRequestData(request_id=request.request_id, sampling=request.sampling)
+        new_requests = [NewRequestData(request_id=request.request_id, sampling=request.sampling,
+                                       state_slot=self._take_state_slot(request))
                         for request in active if not request.is_registered]
         scheduled = [self._schedule(request) for request in active]
         batch = ScheduledBatch(step_id=self.step_id, new_requests=new_requests,
@@ -127,6 +133,11 @@ class ExecutorDriver:
             output_index=len(request.output_token_ids),
         )
 
+    def _take_state_slot(self, request: DriverRequest) -> int | None:
+        if self.free_state_slots:
+            request.state_slot = self.free_state_slots.pop()
+        return request.state_slot
+
     @staticmethod
     def _next_chunk_size(request: DriverRequest) -> int:
         plan = request.chunk_sizes
@@ -144,6 +155,9 @@ class ExecutorDriver:
     def _release(self, request: DriverRequest) -> None:
         self.free_block_ids += request.block_ids
         request.block_ids = []
+        if request.state_slot is not None:
+            self.free_state_slots.append(request.state_slot)
+            request.state_slot = None
         request.is_registered = False
         request.num_chunks = 0
         self.finished_request_ids.append(request.request_id)

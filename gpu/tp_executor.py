@@ -91,6 +91,7 @@ class TensorParallelExecutor:
         self._closed = False
         self.model_path = Path()
         self.max_model_len = self.num_kv_blocks = self.vocab_size = 0
+        self.num_state_slots = 0
         self.block_size = 0
 
     @classmethod
@@ -127,6 +128,7 @@ class TensorParallelExecutor:
         self.model_path = Path(message.model_path)
         self.max_model_len = message.max_model_len
         self.num_kv_blocks = message.num_kv_blocks
+        self.num_state_slots = message.num_state_slots
         self.vocab_size = message.vocab_size
 
     # -- the runner's interface ------------------------------------------------------

@@ -58,6 +58,7 @@ class WorkerReady(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     max_model_len: int
     num_kv_blocks: int
     vocab_size: int
+    num_state_slots: int = 0
 
 
 class WorkerFailed(msgspec.Struct, frozen=True, kw_only=True, tag=True):
@@ -127,6 +128,7 @@ def run_worker(rank: int, spec: WorkerSpec, commands: Connection, lifeline: Conn
             pipe.report(WorkerReady(model_path=str(executor.model_path),
                                     max_model_len=executor.max_model_len,
                                     num_kv_blocks=executor.num_kv_blocks,
+                                    num_state_slots=executor.num_state_slots,
                                     vocab_size=executor.vocab_size))
         if isinstance(executor, PipelinedExecutor):
             serve_pipelined(executor, pipe, is_reporter=rank == 0)

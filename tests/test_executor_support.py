@@ -132,7 +132,7 @@ def test_the_benchmarks_timed_executor_keeps_a_pipelined_executor_pipelined() ->
     from trio_llm.api.bench import timed
 
     class Plain:
-        model_path, num_kv_blocks, max_model_len, vocab_size = None, 1, 1, 1
+        model_path, num_kv_blocks, max_model_len, vocab_size, num_state_slots = None, 1, 1, 1, 0
 
         def execute(self, batch: ScheduledBatch) -> StepResult:
             raise AssertionError("not run")

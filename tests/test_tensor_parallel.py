@@ -213,6 +213,7 @@ class PipeExecutor:
         self.connection = connection
         self.model_path, self.max_model_len = sizes.model_path, sizes.max_model_len
         self.num_kv_blocks, self.vocab_size = sizes.num_kv_blocks, sizes.vocab_size
+        self.num_state_slots = getattr(sizes, "num_state_slots", 0)
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(WorkerReport)
 

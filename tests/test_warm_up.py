@@ -38,6 +38,7 @@ class RecordedExecutor:
         self.inner = inner
         self.model_path = inner.model_path
         self.num_kv_blocks = inner.num_kv_blocks
+        self.num_state_slots = inner.num_state_slots
         self.max_model_len = inner.max_model_len
         self.vocab_size = inner.vocab_size
         self.durations: list[float] = []

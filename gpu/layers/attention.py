@@ -17,7 +17,7 @@ from torch import nn
 from trio_llm.gpu.attention import AttentionBackend
 from trio_llm.gpu.layers.fused_ops import FusedOps
 from trio_llm.gpu.layers.linear import Linear
-from trio_llm.gpu.layers.norm import RMSNorm
+from trio_llm.gpu.layers.norm import OffsetRMSNorm, RMSNorm
 from trio_llm.gpu.layers.rotary import RotaryEmbedding
 from trio_llm.gpu.tensor_parallel import TensorParallel
 
@@ -40,10 +40,18 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     context_lens: torch.Tensor
     query_start_loc: torch.Tensor
+    # Models with linear-attention layers (gpu/layers/linear_attention.py): each
+    # sequence's slot in the state caches, and whether it continues from the state
+    # there (False: it starts from zeros). None for other models.
+    state_slots: list[int] | None = None
+    continues_state: list[bool] | None = None
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention with fused QKV, optional q/k norms (Qwen3) and biases."""
+    """Grouped-query self-attention with fused QKV, optional q/k norms (Qwen3) and biases,
+    and optionally (Qwen3.5, Qwen3-Next) a sigmoid output gate: q_proj then gives each
+    head its queries followed by as many gate values, and the attention output is
+    multiplied by the gate's sigmoid before o_proj."""
 
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype, device: torch.device,
                  parallel: TensorParallel) -> None:
@@ -55,23 +63,31 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * config.head_dim
         self.kv_size = self.num_kv_heads * config.head_dim
         self.scale = config.head_dim**-0.5
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
+        self.has_output_gate = config.attention_output_gate
+        self.q_rows = 2 * self.q_size if self.has_output_gate else self.q_size
+        self.qkv_proj = Linear(config.hidden_size, self.q_rows + 2 * self.kv_size,
                                bias=config.qkv_bias, dtype=dtype, device=device)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias,
                              dtype=dtype, device=device)
         self.q_norm = self.k_norm = None
         if config.qk_norm:
-            self.q_norm = RMSNorm(config.head_dim, eps=config.rms_norm_eps, dtype=dtype,
-                                  device=device)
-            self.k_norm = RMSNorm(config.head_dim, eps=config.rms_norm_eps, dtype=dtype,
-                                  device=device)
+            norm = OffsetRMSNorm if config.offset_norms else RMSNorm
+            self.q_norm = norm(config.head_dim, eps=config.rms_norm_eps, dtype=dtype,
+                               device=device)
+            self.k_norm = norm(config.head_dim, eps=config.rms_norm_eps, dtype=dtype,
+                               device=device)
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
                 kv_cache: KVCache, metadata: AttentionMetadata,
                 backend: AttentionBackend) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         query, key, value = self.qkv_proj(hidden).split(
-            [self.q_size, self.kv_size, self.kv_size], dim=-1)
+            [self.q_rows, self.kv_size, self.kv_size], dim=-1)
+        gate = None
+        if self.has_output_gate:
+            query, gate = query.reshape(num_tokens, self.num_heads, 2 * self.head_dim).split(
+                self.head_dim, dim=-1)
+            gate = gate.reshape(num_tokens, self.q_size)
         query = query.reshape(num_tokens, self.num_heads, self.head_dim)
         key = key.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         value = value.reshape(num_tokens, self.num_kv_heads, self.head_dim)
@@ -83,7 +99,10 @@ class Attention(nn.Module):
         attended = backend.paged_attention(query, k_cache, v_cache, metadata.block_tables,
                                            metadata.context_lens, metadata.query_start_loc,
                                            self.scale)
-        return self.parallel.reduce(self.o_proj(attended.reshape(num_tokens, self.q_size)))
+        attended = attended.reshape(num_tokens, self.q_size)
+        if gate is not None:
+            attended = attended * torch.sigmoid(gate)
+        return self.parallel.reduce(self.o_proj(attended))
 
     def fused(self, hidden: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
               kv_cache: KVCache, step: Any, backend: AttentionBackend,

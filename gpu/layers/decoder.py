@@ -1,8 +1,11 @@
-"""One decoder layer: pre-norm attention, then a pre-norm feed-forward block.
+"""One decoder layer: a pre-norm token mixer, then a pre-norm feed-forward block.
 
-The feed-forward block is the family's: a dense MLP (layers/mlp.py) or a
-Mixture-of-Experts block (layers/moe.py); anything with ``forward(hidden)`` and
-``fused(hidden, ops)``.
+The token mixer is attention over the KV cache (layers/attention.py, ``self_attn``)
+unless the family gives the layer another one: Gated DeltaNet linear attention
+(layers/linear_attention.py, ``linear_attn``), which reads and writes a state
+cache instead of the KV cache. The feed-forward block is the family's: a dense
+MLP (layers/mlp.py) or a Mixture-of-Experts block (layers/moe.py); anything with
+``forward(hidden)`` and ``fused(hidden, ops)``.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ from torch import nn
 from trio_llm.gpu.attention import AttentionBackend
 from trio_llm.gpu.layers.attention import Attention, AttentionMetadata, KVCache
 from trio_llm.gpu.layers.fused_ops import FusedOps
-from trio_llm.gpu.layers.norm import RMSNorm
+from trio_llm.gpu.layers.linear_attention import GatedDeltaNet, StateCache
+from trio_llm.gpu.layers.norm import OffsetRMSNorm, RMSNorm
 from trio_llm.gpu.layers.rotary import RotaryEmbedding
 from trio_llm.gpu.tensor_parallel import TensorParallel
 
@@ -32,27 +36,40 @@ class FeedForward(Protocol):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention then the pre-norm feed-forward, each added to the residual."""
+    """The pre-norm token mixer then the pre-norm feed-forward, each added to the
+    residual. ``linear_attn``: the layer's Gated DeltaNet, if it mixes by linear
+    attention (its ``cache`` is then a StateCache, not a KVCache)."""
+
+    # an attention layer's token mixer (absent from a linear-attention layer)
+    self_attn: Attention
 
     def __init__(self, config: ModelConfig, feed_forward: nn.Module, *, dtype: torch.dtype,
-                 device: torch.device, parallel: TensorParallel) -> None:
+                 device: torch.device, parallel: TensorParallel,
+                 linear_attn: GatedDeltaNet | None = None) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps,
-                                       dtype=dtype, device=device)
-        self.self_attn = Attention(config, dtype=dtype, device=device, parallel=parallel)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps,
-                                                dtype=dtype, device=device)
+        norm = OffsetRMSNorm if config.offset_norms else RMSNorm
+        self.input_layernorm = norm(config.hidden_size, eps=config.rms_norm_eps,
+                                    dtype=dtype, device=device)
+        self.linear_attn = linear_attn
+        if linear_attn is None:
+            self.self_attn = Attention(config, dtype=dtype, device=device, parallel=parallel)
+        self.post_attention_layernorm = norm(config.hidden_size, eps=config.rms_norm_eps,
+                                             dtype=dtype, device=device)
         self.mlp = feed_forward
+
+    @property
+    def token_mixer(self) -> nn.Module:
+        return self.linear_attn if self.linear_attn is not None else self.self_attn
 
     @property
     def feed_forward(self) -> FeedForward:
         return self.mlp  # type: ignore[return-value]  # a Module with fused()
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
-                kv_cache: KVCache, metadata: AttentionMetadata,
+                kv_cache: KVCache | StateCache, metadata: AttentionMetadata,
                 backend: AttentionBackend) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, rotary,
-                                         kv_cache, metadata, backend)
+        hidden = hidden + self.token_mixer(self.input_layernorm(hidden), positions, rotary,
+                                           kv_cache, metadata, backend)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
     def fused(self, hidden: torch.Tensor, residual: torch.Tensor | None,
@@ -67,6 +84,7 @@ class DecoderLayer(nn.Module):
             normed = ops.rms_norm(hidden, norm.weight, norm.eps)
         else:
             normed, residual = ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
+        assert self.linear_attn is None, "a linear-attention layer has no fused form yet"
         hidden = self.self_attn.fused(normed, positions, rotary, kv_cache, step, backend, ops)
         norm = self.post_attention_layernorm
         normed, residual = ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)

@@ -21,3 +21,25 @@ class RMSNorm(nn.Module):
         variance = x32.pow(2).mean(-1, keepdim=True)
         normed = x32 * torch.rsqrt(variance + self.eps)
         return self.weight * normed.to(input_dtype)
+
+
+class OffsetRMSNorm(RMSNorm):
+    """RMSNorm of the ``(1 + weight)`` form (Qwen3.5, Qwen3-Next): the checkpoint stores
+    the weight's offset from one. As transformers computes it, the scale is applied in
+    float32 and rounded once at the end."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.to(torch.float32)
+        variance = x32.pow(2).mean(-1, keepdim=True)
+        normed = x32 * torch.rsqrt(variance + self.eps)
+        return (normed * (1.0 + self.weight.to(torch.float32))).to(x.dtype)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
+                   eps: float) -> torch.Tensor:
+    """RMSNorm of ``x`` over its last dimension, then multiplied by ``silu(gate)``: the
+    output norm of a Gated DeltaNet layer (norm before gate, as transformers computes)."""
+    x32 = x.to(torch.float32)
+    variance = x32.pow(2).mean(-1, keepdim=True)
+    normed = weight * (x32 * torch.rsqrt(variance + eps)).to(x.dtype)
+    return (normed * torch.nn.functional.silu(gate.to(torch.float32))).to(x.dtype)

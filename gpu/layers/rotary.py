@@ -24,12 +24,18 @@ class RopeConfig:
 
 
 class RotaryEmbedding(nn.Module):
-    """RoPE in the rotate-half layout, with a cos/sin table for every position."""
+    """RoPE in the rotate-half layout, with a cos/sin table for every position.
+
+    ``rotary_dim`` < head_dim (partial rotary, Qwen3.5 and Qwen3-Next): only each head's
+    first ``rotary_dim`` entries rotate, at the frequencies of a ``rotary_dim``-wide head;
+    the rest pass through."""
 
     def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig, *,
-                 device: torch.device) -> None:
+                 device: torch.device, rotary_dim: int | None = None) -> None:
         super().__init__()
-        inv_freq = rope_inverse_frequencies(head_dim, rope).to(device)
+        self.rotary_dim = rotary_dim or head_dim
+        self.is_partial = self.rotary_dim != head_dim
+        inv_freq = rope_inverse_frequencies(self.rotary_dim, rope).to(device)
         positions = torch.arange(max_positions, dtype=torch.float32, device=device)
         angles = torch.outer(positions, inv_freq)
         angles = torch.cat([angles, angles], dim=-1)
@@ -47,6 +53,8 @@ class RotaryEmbedding(nn.Module):
         """Rotate ``query``/``key`` [num_tokens, num_heads, head_dim] to their positions."""
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
+        if self.is_partial:
+            return _rotate_part(query, cos, sin), _rotate_part(key, cos, sin)
         return _rotate(query, cos, sin), _rotate(key, cos, sin)
 
 
@@ -55,6 +63,12 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     first, second = x.chunk(2, dim=-1)
     rotated_half = torch.cat([-second, first], dim=-1)
     return x * cos + rotated_half * sin
+
+
+def _rotate_part(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first ``cos.shape[-1]`` entries of each head; the rest pass through."""
+    rotary_dim = cos.shape[-1]
+    return torch.cat([_rotate(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]], dim=-1)
 
 
 def rope_inverse_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:

@@ -12,13 +12,14 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from trio_llm.gpu.models import dense, mixtral, qwen2_moe, qwen3_moe
+from trio_llm.gpu.models import dense, mixtral, qwen2_moe, qwen3_5, qwen3_moe, qwen3_next
 from trio_llm.gpu.models.base import FAMILIES, CausalLM, ModelFamily
 from trio_llm.gpu.models.config import ModelConfig, ModelLoadError, read_config_json
 from trio_llm.gpu.quantization import parse_quantization
 
 __all__ = ["FAMILIES", "CausalLM", "ModelConfig", "ModelLoadError", "architecture_of",
-           "dense", "mixtral", "parse_model_config", "qwen2_moe", "qwen3_moe", "read_model_config"]
+           "dense", "mixtral", "parse_model_config", "qwen2_moe", "qwen3_5", "qwen3_moe",
+           "qwen3_next", "read_model_config"]
 
 
 def architecture_of(data: dict[str, Any], source: str) -> tuple[str, ModelFamily]:

@@ -40,15 +40,20 @@ from trio_llm.gpu.layers.attention import AttentionMetadata, KVCache
 from trio_llm.gpu.layers.decoder import DecoderLayer
 from trio_llm.gpu.layers.fused_ops import FusedOps
 from trio_llm.gpu.layers.linear import INVARIANT_ROWS_PER_CHUNK, Linear
+from trio_llm.gpu.layers.linear_attention import GatedDeltaNet, StateCache, local_shape
 from trio_llm.gpu.layers.moe import SparseMoeBlock
-from trio_llm.gpu.layers.norm import RMSNorm
+from trio_llm.gpu.layers.norm import OffsetRMSNorm, RMSNorm
 from trio_llm.gpu.layers.rotary import RotaryEmbedding
 from trio_llm.gpu.models.config import ModelConfig, ModelLoadError
 from trio_llm.gpu.models.weights import Target, TargetMap, bias_suffixes
 from trio_llm.gpu.tensor_parallel import TensorParallel
 
-__all__ = ["AttentionMetadata", "CausalLM", "DecoderLayer", "KVCache", "ModelFamily",
-           "register_family"]
+__all__ = ["AttentionMetadata", "CausalLM", "DecoderLayer", "KVCache", "LayerCache",
+           "ModelFamily", "StateCache", "register_family"]
+
+# What a layer reads and writes besides its weights: the paged KV cache of an attention
+# layer, the state slots of a linear-attention one.
+LayerCache = KVCache | StateCache
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +75,14 @@ class ModelFamily:
     feed_forward_targets: Callable[[TargetMap, ModelConfig, int, str, str], None]
     # config.json's model_type -> architecture, for configs without "architectures"
     model_types: dict[str, str] = field(default_factory=dict)
+    # A family whose layers mix tokens otherwise than by attention (the hybrid family):
+    # ``linear_attention(config, layer_index, dtype=, device=, parallel=)`` layer
+    # ``layer_index``'s linear-attention module (for the layers config.is_linear_attention_
+    # layer names), and ``linear_attention_targets(targets, config, layer_index, ours,
+    # theirs)`` its checkpoint tensors.
+    linear_attention: Callable[..., GatedDeltaNet] | None = None
+    linear_attention_targets: Callable[[TargetMap, ModelConfig, int, str, str], None] | None \
+        = None
 
 
 # architecture name -> its family; filled by the family modules (gpu/models/__init__.py)
@@ -115,19 +128,31 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(config, family.feed_forward(config, index, dtype=dtype, device=device,
                                                      parallel=parallel),
-                         dtype=dtype, device=device, parallel=parallel)
+                         dtype=dtype, device=device, parallel=parallel,
+                         linear_attn=self._linear_attention(index))
             for index in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype,
-                            device=device)
+        norm = OffsetRMSNorm if config.offset_norms else RMSNorm
+        self.norm = norm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype,
+                         device=device)
         self.lm_head = Linear(config.hidden_size, self.num_vocab_rows, bias=False, dtype=dtype,
                               device=device)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens
         self.rotary = RotaryEmbedding(config.head_dim,
                                       max_positions or config.max_position_embeddings,
-                                      config.rope, device=device)
+                                      config.rope, device=device, rotary_dim=config.rotary_dim)
         self.attention_backend = default_attention_backend(device)
         self.set_batch_invariant(device.type == "cpu")
+
+    def _linear_attention(self, layer_index: int) -> GatedDeltaNet | None:
+        """Layer ``layer_index``'s linear-attention module, if the family makes it one."""
+        if not self.config.is_linear_attention_layer(layer_index):
+            return None
+        if self.family.linear_attention is None:
+            raise ModelLoadError(f"{self.config.architecture}: layer {layer_index} is a "
+                                 f"linear-attention layer, which the family cannot build")
+        return self.family.linear_attention(self.config, layer_index, dtype=self.dtype,
+                                            device=self.device, parallel=self.parallel)
 
     def set_batch_invariant(self, enabled: bool) -> None:
         """Make every row's result independent of the batch it shares (the CPU default)."""
@@ -136,8 +161,10 @@ class CausalLM(nn.Module):
                 module.num_rows_per_chunk = INVARIANT_ROWS_PER_CHUNK if enabled else 0
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[KVCache], metadata: AttentionMetadata) -> torch.Tensor:
-        """Hidden states after the final norm, one row per input token."""
+                kv_caches: list[Any], metadata: AttentionMetadata) -> torch.Tensor:
+        """Hidden states after the final norm, one row per input token; ``kv_caches``
+        one LayerCache per layer (``allocate_caches``; every one a KVCache, from
+        ``allocate_kv_caches``, in a model without linear attention)."""
         hidden = self.embed(token_ids)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, positions, self.rotary, kv_cache, metadata,
@@ -171,12 +198,20 @@ class CausalLM(nn.Module):
                             self.parallel)
         vocabulary = {"vocab_size": config.vocab_size, "vocab_start": self.vocab_start,
                       "num_vocab_rows": self.num_vocab_rows}
-        targets.vocabulary("model.embed_tokens.weight", "embed_tokens", **vocabulary)
-        targets.whole("model.norm.weight", "norm.weight")
+        prefix = config.weight_prefix
+        targets.vocabulary(f"{prefix}embed_tokens.weight", "embed_tokens", **vocabulary)
+        targets.whole(f"{prefix}norm.weight", "norm.weight")
         if not config.tie_word_embeddings:
             targets.vocabulary("lm_head.weight", "lm_head.weight", **vocabulary)
         for index in range(config.num_layers):
-            ours, theirs = f"layers.{index}.", f"model.layers.{index}."
+            ours, theirs = f"layers.{index}.", f"{config.weight_prefix}layers.{index}."
+            linear_targets = self.family.linear_attention_targets
+            if config.is_linear_attention_layer(index) and linear_targets is not None:
+                linear_targets(targets, config, index, ours + "linear_attn.",
+                               theirs + "linear_attn.")
+                self.family.feed_forward_targets(targets, config, index, ours, theirs)
+                layer_norm_targets(targets, ours, theirs)
+                continue
             # in the order the dense model always drew its dummy weights
             qkv_targets(targets, config, ours, theirs)
             self.family.feed_forward_targets(targets, config, index, ours, theirs)
@@ -206,15 +241,34 @@ class CausalLM(nn.Module):
         return self.config.num_kv_heads // self.parallel.world_size
 
     @property
+    def num_attention_layers(self) -> int:
+        """The layers that attend over the KV cache (all, but in the hybrid family)."""
+        return sum(not self.config.is_linear_attention_layer(index)
+                   for index in range(self.config.num_layers))
+
+    @property
+    def num_linear_attention_layers(self) -> int:
+        return self.config.num_layers - self.num_attention_layers
+
+    @property
     def kv_cache_bytes_per_token(self) -> int:
-        """Bytes one token's keys and values take in the caches of all layers (on this
-        rank: its KV heads only)."""
+        """Bytes one token's keys and values take in the caches of the attention layers
+        (on this rank: its KV heads only)."""
         config = self.config
-        return 2 * config.num_layers * self.num_local_kv_heads * config.head_dim \
+        return 2 * self.num_attention_layers * self.num_local_kv_heads * config.head_dim \
             * self.dtype.itemsize
 
+    @property
+    def state_bytes_per_slot(self) -> int:
+        """Bytes one state slot takes over every linear-attention layer (this rank's
+        heads): 0 for a model without them."""
+        if not self.num_linear_attention_layers:
+            return 0
+        shape = local_shape(self.config, self.parallel)  # type: ignore[arg-type]
+        return self.num_linear_attention_layers * shape.slot_bytes(self.dtype)
+
     def allocate_kv_caches(self, num_blocks: int, block_size: int) -> list[KVCache]:
-        """One (key, value) cache pair per layer, each
+        """One (key, value) cache pair per attention layer, each
         [num_blocks, block_size, kv_heads (this rank's), head_dim]."""
         shape = (num_blocks, block_size, self.num_local_kv_heads, self.config.head_dim)
         # Slots are always written before they are read, so the CPU skips zeroing
@@ -222,7 +276,18 @@ class CausalLM(nn.Module):
         allocate = torch.zeros if self.device.type != "cpu" else torch.empty
         return [(allocate(shape, dtype=self.dtype, device=self.device),
                  allocate(shape, dtype=self.dtype, device=self.device))
-                for _ in range(self.config.num_layers)]
+                for _ in range(self.num_attention_layers)]
+
+    def allocate_caches(self, num_blocks: int, block_size: int,
+                        num_state_slots: int) -> list[LayerCache]:
+        """Every layer's cache, in layer order: ``allocate_kv_caches``' pair for an
+        attention layer, a StateCache of ``num_state_slots`` slots for a linear-attention
+        one (``num_state_slots`` unused by a model without them)."""
+        kv_caches = iter(self.allocate_kv_caches(num_blocks, block_size))
+        return [layer.linear_attn.shape.allocate(num_state_slots, dtype=self.dtype,
+                                                 device=self.device)
+                if layer.linear_attn is not None else next(kv_caches)
+                for layer in self.decoder_layers]
 
 
 HEADS, KV_HEADS = "the number of attention heads", "the number of KV heads"
@@ -230,7 +295,9 @@ HEADS, KV_HEADS = "the number of attention heads", "the number of KV heads"
 
 def qkv_targets(targets: TargetMap, config: ModelConfig, ours: str, theirs: str) -> None:
     """A layer's q/k/v, fused into qkv_proj, each split by whole heads."""
-    qkv_parts = [("q_proj", config.q_size, HEADS), ("k_proj", config.kv_size, KV_HEADS),
+    # with an output gate, q_proj holds each head's queries then its gate values
+    q_rows = 2 * config.q_size if config.attention_output_gate else config.q_size
+    qkv_parts = [("q_proj", q_rows, HEADS), ("k_proj", config.kv_size, KV_HEADS),
                  ("v_proj", config.kv_size, KV_HEADS)]
     for suffix in bias_suffixes(config.qkv_bias):
         targets.column_parallel(theirs + "self_attn.", ours + f"self_attn.qkv_proj.{suffix}",
@@ -243,7 +310,13 @@ def o_proj_and_norm_targets(targets: TargetMap, config: ModelConfig, ours: str,
     for suffix in bias_suffixes(config.o_proj_bias):
         targets.row_parallel(theirs + f"self_attn.o_proj.{suffix}",
                              ours + f"self_attn.o_proj.{suffix}", config.q_size, HEADS)
-    norms = ["input_layernorm.weight", "post_attention_layernorm.weight"]
-    norms += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"] if config.qk_norm else []
-    for name in norms:
+    layer_norm_targets(targets, ours, theirs)
+    if config.qk_norm:
+        for name in ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]:
+            targets.whole(theirs + name, ours + name)
+
+
+def layer_norm_targets(targets: TargetMap, ours: str, theirs: str) -> None:
+    """A layer's two pre-norms, whole on every rank."""
+    for name in ["input_layernorm.weight", "post_attention_layernorm.weight"]:
         targets.whole(theirs + name, ours + name)

@@ -17,8 +17,8 @@ from trio_llm.gpu.errors import ModelLoadError
 from trio_llm.gpu.layers.rotary import SUPPORTED_ROPE_TYPES, RopeConfig
 from trio_llm.gpu.quantization import CheckpointQuantization
 
-__all__ = ["ModelConfig", "ModelLoadError", "MoeConfig", "RopeConfig", "common_fields",
-           "moe_fields", "parse_rope", "read_config_json"]
+__all__ = ["HybridConfig", "ModelConfig", "ModelLoadError", "MoeConfig", "RopeConfig",
+           "common_fields", "moe_fields", "parse_rope", "read_config_json"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +45,18 @@ class ModelConfig:
     checkpoint_dtype: str | None = None
     # how the checkpoint stores FP8 weights (gpu/quantization.py); None: unquantized
     quantization: CheckpointQuantization | None = None
+    # What the hybrid family (Qwen3.5, Qwen3-Next) changes in the shared layers; the
+    # defaults are every other family's. The share of each head's dimensions rotated:
+    partial_rotary_factor: float = 1.0
+    # a sigmoid gate on the attention output (q_proj's rows twice the heads' size)
+    attention_output_gate: bool = False
+    # every RMSNorm of the (1 + weight) form (gpu/layers/norm.py's OffsetRMSNorm)
+    offset_norms: bool = False
+    # the checkpoint names' prefix of the decoder (embed_tokens, layers, norm)
+    weight_prefix: str = "model."
+    # the checkpoint has a vision tower (a ...ForConditionalGeneration): its weights are
+    # skipped, the text model is served, and image inputs are refused
+    has_vision_tower: bool = False
 
     @property
     def q_size(self) -> int:
@@ -53,6 +65,15 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def is_linear_attention_layer(self, layer_index: int) -> bool:
+        """Layer ``layer_index`` mixes tokens by linear attention (a state per request),
+        not by attention over the KV cache: never, but in the hybrid family."""
+        return False
 
     def tensor_parallel_sizes(self) -> list[tuple[int, str]]:
         """The sizes a tensor-parallel split divides, each named for the error message."""
@@ -85,6 +106,40 @@ class MoeConfig(ModelConfig):
         sizes = [(self.num_heads, "the number of attention heads"),
                  (self.num_kv_heads, "the number of KV heads"),
                  (self.moe_intermediate_size, "the experts' intermediate size")]
+        if not all(self.is_moe_layer(index) for index in range(self.num_layers)):
+            sizes.append((self.intermediate_size, "the intermediate size"))
+        if self.shared_expert_intermediate_size:
+            sizes.append((self.shared_expert_intermediate_size,
+                          "the shared expert's intermediate size"))
+        return sizes
+
+
+@dataclass(frozen=True, slots=True)
+class HybridConfig(MoeConfig):
+    """The hybrid family's config (Qwen3.5, Qwen3.5-MoE, Qwen3-Next): full-attention
+    layers among Gated DeltaNet linear-attention layers (``layer_types``), each linear
+    layer with ``linear_num_key_heads`` query/key heads of ``linear_key_head_dim`` and
+    ``linear_num_value_heads`` value heads of ``linear_value_head_dim``, a causal
+    depthwise conv1d of ``linear_conv_kernel_dim`` over its q/k/v. ``num_experts`` 0: a
+    dense MLP in every layer."""
+
+    layer_types: tuple[str, ...] = ()
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 4
+
+    def is_linear_attention_layer(self, layer_index: int) -> bool:
+        return self.layer_types[layer_index] == "linear_attention"
+
+    def tensor_parallel_sizes(self) -> list[tuple[int, str]]:
+        sizes = [(self.num_heads, "the number of attention heads"),
+                 (self.num_kv_heads, "the number of KV heads"),
+                 (self.linear_num_key_heads, "the number of linear-attention key heads"),
+                 (self.linear_num_value_heads, "the number of linear-attention value heads")]
+        if self.num_experts:
+            sizes.append((self.moe_intermediate_size, "the experts' intermediate size"))
         if not all(self.is_moe_layer(index) for index in range(self.num_layers)):
             sizes.append((self.intermediate_size, "the intermediate size"))
         if self.shared_expert_intermediate_size:

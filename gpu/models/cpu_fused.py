@@ -75,6 +75,10 @@ def can_fuse(model: CausalLM) -> bool:
     config = model.config
     return (model.device.type == "cpu" and model.dtype == torch.float32
             and not model.parallel.is_parallel
+            # the hybrid family's layers (linear attention, gated attention, partial
+            # rotary, (1 + weight) norms) have no compiled kernels: they run in torch
+            and model.num_linear_attention_layers == 0 and not config.attention_output_gate
+            and not config.offset_norms and config.rotary_dim == config.head_dim
             and config.hidden_size % LANES == 0 and config.head_dim % LANES == 0
             and model.attention_backend.name == "cpu")
 

@@ -39,9 +39,14 @@ class Target:
     shard_length: int = 0
     is_zero: bool = False
     expert: int | None = None
+    # (start, length) ranges of rows this rank reads, stacked in this order (a tensor
+    # that fuses several head-split parts, each split on its own); () : see shard_dim
+    pieces: tuple[tuple[int, int], ...] = ()
 
     def take(self, tensor: Any) -> Any:
         """This rank's part of ``tensor`` (a torch tensor or a safetensors slice)."""
+        if self.pieces:
+            return torch.cat([tensor[start:start + length] for start, length in self.pieces])
         if self.shard_dim is None:
             return tensor[:]
         end = min(self.shard_start + self.shard_length, self.shape[self.shard_dim])
@@ -121,6 +126,19 @@ class TargetMap:
         self.targets[checkpoint_name] = Target(
             parameter_name, 0, parameter_shape[0], (parameter_shape[0], num_inputs),
             shard_dim=1, shard_start=shard_start, shard_length=shard_length, expert=expert)
+
+
+def gathered(targets: TargetMap, checkpoint_name: str, parameter_name: str, row_start: int,
+             num_checkpoint_rows: int, pieces: list[tuple[int, int]]) -> int:
+    """Rows ``pieces`` ((start, length) each) of checkpoint tensor ``checkpoint_name``
+    (``num_checkpoint_rows`` rows, the parameter's other dimensions), stacked in that
+    order into the parameter from row ``row_start``; returns the rows taken."""
+    parameter_shape = tuple(targets.parameters[parameter_name].shape)
+    num_rows = sum(length for _, length in pieces)
+    targets.targets[checkpoint_name] = Target(
+        parameter_name, row_start, num_rows, (num_checkpoint_rows, *parameter_shape[1:]),
+        shard_dim=0, shard_length=num_rows, pieces=tuple(pieces))
+    return num_rows
 
 
 def bias_suffixes(has_bias: bool) -> tuple[str, ...]:
