@@ -28,6 +28,16 @@ preempted): the decode hot path never hashes. A step that reads a cached block
 always runs after (or is) the step that writes it: the runner executes steps
 in order and every layer writes its KV before attending.
 
+A model with linear-attention layers (``num_state_slots`` > 0; the hybrid family)
+also needs a state per running sequence: a slot (actors/state_slots.py), taken at
+admission and given back wherever its KV blocks are. Its prefix cache needs the
+state at a cached prefix's end as well: a hit is the longest run of cached blocks
+whose end has a state snapshot (``_with_snapshot``), restored by a copy in the
+admitting batch (``ScheduledBatch.state_copies``). Prefill chunks end where a
+snapshot is wanted (``snapshot_cuts``: the branch point past the best snapshot, the
+prompt's last full block), and the next batch saves the state there
+(``_save_snapshots``). docs/architecture.md, "Models with linear-attention layers".
+
 An embedding request (``Request.pooling``, the pooling runner) is a prefill like any
 other whose last chunk pools (``pool``) instead of sampling; it finishes, and frees its
 blocks, when that chunk's vector arrives in the StepResult. Mean pooling needs every

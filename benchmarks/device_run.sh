@@ -3,6 +3,9 @@
 #   bash benchmarks/device_run.sh tests decode-0.6b decode-8b throughput-0.6b transformers-0.6b
 #   bash benchmarks/device_run.sh gpu-tests decode-30b-a3b throughput-30b-a3b serve-30b-a3b  # MoE
 #   bash benchmarks/device_run.sh serve-twice-8b cli-throughput-0.6b throughput-0.6b  # first request
+# Hybrid prefix caching (issue 26: state snapshots), caching on then off, beside the dense
+# model's from the same call (the built-in qwen3.5-* dummy models):
+#   bash benchmarks/device_run.sh hybrid-prefix-serve-35b-a3b hybrid-prefix-serve-27b prefix-serve-8b
 # Tensor parallelism 2 (kind nvidia-h200-x2), one part per call (each fits the 10 minutes):
 #   bash benchmarks/device_run.sh tp2-tests tp2-match-0.6b
 #   bash benchmarks/device_run.sh tp2-decode-8b
@@ -86,6 +89,7 @@ for part in "$@"; do
              --ignore tests/test_http_schema.py tests/ ;;
     serve-*) serve_bench "qwen3-${part#serve-}" ;;
     prefix-serve-*) prefix_serve_bench "qwen3-${part#prefix-serve-}" ;;
+    hybrid-prefix-serve-*) prefix_serve_bench "qwen3.5-${part#hybrid-prefix-serve-}" ;;
     # tensor parallelism 2: needs the nvidia-h200-x2 kind (NCCL; NVLS multicast off)
     tp2-tests) NCCL_NVLS_ENABLE=0 run tp2-tests 400 python3 -m pytest -q -s -p no:cacheprovider -rs \
              tests/test_tensor_parallel.py ;;
