@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from trio_llm.gpu.attention import AttentionBackend
+from trio_llm.gpu.layers.exact import batch_invariant
 from trio_llm.gpu.layers.fused_ops import FusedOps
 from trio_llm.gpu.layers.linear import Linear
 from trio_llm.gpu.layers.norm import OffsetRMSNorm, RMSNorm
@@ -101,7 +102,7 @@ class Attention(nn.Module):
                                            self.scale)
         attended = attended.reshape(num_tokens, self.q_size)
         if gate is not None:
-            attended = attended * torch.sigmoid(gate)
+            attended = attended * batch_invariant(torch.sigmoid, gate)
         return self.parallel.reduce(self.o_proj(attended))
 
     def fused(self, hidden: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,

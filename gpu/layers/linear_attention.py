@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trio_llm.gpu.layers.attention import AttentionMetadata
+from trio_llm.gpu.layers.exact import batch_invariant, sum_of_squares
 from trio_llm.gpu.layers.linear import Linear
 from trio_llm.gpu.layers.norm import RMSNorm, gated_rms_norm
 from trio_llm.gpu.tensor_parallel import TensorParallel
@@ -147,6 +148,11 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = Linear(shape.value_size, config.hidden_size, bias=False, dtype=dtype,
                                device=device)
 
+    def _log_decay(self, a: torch.Tensor) -> torch.Tensor:
+        """The state's decay (log space) per token and value head: -exp(A_log) *
+        softplus(a + dt_bias), in a's dtype."""
+        return -self.A_log.to(a.dtype).exp() * F.softplus(a + self.dt_bias.to(a.dtype))
+
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, rotary: Any,
                 cache: StateCache, metadata: AttentionMetadata, backend: Any) -> torch.Tensor:
         """The layer's output for every token of the step (``positions``, ``rotary`` and
@@ -157,9 +163,9 @@ class GatedDeltaNet(nn.Module):
         mixed, z, b, a = self.in_proj(hidden).split(
             [shape.conv_channels, shape.value_size, shape.num_value_heads,
              shape.num_value_heads], dim=-1)
-        beta = b.sigmoid()
-        # float32 first: in half precision the decay could round to -inf
-        decay = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        beta = batch_invariant(torch.sigmoid, b)
+        # in float32 at least: in half precision the decay could round to -inf
+        decay = batch_invariant(self._log_decay, a.float())
         if metadata.state_slots is None or metadata.continues_state is None:
             raise ValueError("a linear-attention layer needs the step's state slots")
         starts = metadata.query_start_loc.tolist()
@@ -200,11 +206,11 @@ def causal_conv1d(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tenso
     for tap in range(1, kernel_size):
         out = out + weight[:, tap:tap + 1] * window[:, tap:tap + num_tokens]
     conv_state.copy_(window[:, window.shape[1] - (kernel_size - 1):])
-    return F.silu(out).t().to(x.dtype)
+    return batch_invariant(F.silu, out).t().to(x.dtype)
 
 
 def l2norm(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + L2NORM_EPS)
+    return x * torch.rsqrt(sum_of_squares(x) + L2NORM_EPS)
 
 
 def gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -225,7 +231,8 @@ def gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     query = l2norm(query.float()).repeat_interleave(group_size, dim=1)
     key = l2norm(key.float()).repeat_interleave(group_size, dim=1)
     query = query / (query.shape[-1] ** 0.5)
-    value, beta, decay = value.float(), beta.float(), decay.float().exp()
+    value, beta = value.float(), beta.float()
+    decay = batch_invariant(torch.exp, decay.float())
     current = state.clone() if continues else torch.zeros_like(state)
     out = torch.empty_like(value)
     for token in range(value.shape[0]):
