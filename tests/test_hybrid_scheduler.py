@@ -300,6 +300,27 @@ def test_the_least_recently_used_snapshot_goes_first():
             for index in range(3)] == [0, 8, 8]
 
 
+def test_a_restore_reads_its_snapshot_before_a_save_of_the_same_batch_overwrites_it():
+    """One snapshot slot: a batch restores it into a new request and also saves
+    another state, evicting it. Restores come first in the copies."""
+    driver = run_hybrid([make_request("a", PREFIX[:8] + [50], max_tokens=1)], num_snapshots=1,
+                        pipeline_depth=1)
+    driver.submit(make_request("c", [60] * 8 + [61], max_tokens=2, arrival_index=1))
+    driver.plan()  # c's first chunk ends at its prompt's last full block
+    driver.complete()
+    driver.submit(make_request("b", PREFIX[:8] + [51], max_tokens=2, arrival_index=2))
+    batch = driver.plan()
+    assert batch is not None
+    (restored_from, b_slot), (c_slot, saved_into) = batch.state_copies
+    assert saved_into == restored_from  # the save evicted the snapshot b restores
+    assert [new.state_slot for new in batch.new_requests] == [b_slot]
+    assert c_slot == slot_of(driver, "c")
+    driver.run()
+    assert driver.model.num_restored_tokens == 8
+    assert_reference_outputs(driver, [make_request("b", PREFIX[:8] + [51], max_tokens=2),
+                                      make_request("c", [60] * 8 + [61], max_tokens=2)])
+
+
 def test_a_snapshot_whose_blocks_were_evicted_is_no_hit():
     first = make_request("first", PREFIX + [50], max_tokens=1)
     # 4 KV blocks: the next request needs all of them, so first's cached blocks go.
