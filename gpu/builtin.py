@@ -6,7 +6,9 @@ fixed seed: small enough that the whole engine runs fast on a CPU, real enough
 that text goes in and text comes out. ``tiny-moe`` is the same with Qwen3-MoE
 layers (8 experts, top 2): the Mixture-of-Experts path end to end on a CPU.
 ``qwen3-0.6b``, ``qwen3-8b``, ``qwen3-30b-a3b`` (Qwen3-MoE: 128 experts, top 8)
-and ``qwen3-moe-small`` (a Qwen3-MoE shape for CPU benchmarks) carry
+and ``qwen3-moe-small`` (a Qwen3-MoE shape for CPU benchmarks), and the hybrid
+family's ``qwen3.5-27b``, ``qwen3.5-35b-a3b`` (Qwen3.5's published dimensions) and
+``qwen3.5-small`` (its shape, small, for CPU benchmarks and tests) carry
 configurations for ``load_format="dummy"`` (random weights, no safetensors
 written): they measure speed, not quality.
 
@@ -433,12 +435,94 @@ def _dummy_builder(config: dict[str, Any]) -> Callable[[Path], None]:
     return build
 
 
+def every_fourth_layer_full(num_layers: int) -> list[str]:
+    """The hybrid family's layer_types: three linear-attention layers, then one of
+    full attention (Qwen3.5's full_attention_interval 4)."""
+    return ["full_attention" if (index + 1) % 4 == 0 else "linear_attention"
+            for index in range(num_layers)]
+
+
+QWEN3_5_COMMON: dict[str, Any] = {
+    "architectures": ["Qwen3_5ForCausalLM"],
+    "model_type": "qwen3_5_text",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": None,
+    "eos_token_id": 248044,
+    "head_dim": 256,
+    "hidden_act": "silu",
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "max_position_embeddings": 262144,
+    "rms_norm_eps": 1e-06,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000,
+                        "partial_rotary_factor": 0.25},
+    "tie_word_embeddings": False,
+    "dtype": "bfloat16",
+    "vocab_size": 248320,
+}
+
+# Qwen3.5-27B's published text model (Qwen3.6-27B has the same dimensions).
+QWEN3_5_27B_CONFIG: dict[str, Any] = QWEN3_5_COMMON | {
+    "hidden_size": 5120,
+    "intermediate_size": 17408,
+    "num_hidden_layers": 64,
+    "layer_types": every_fourth_layer_full(64),
+    "num_attention_heads": 24,
+    "num_key_value_heads": 4,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 48,
+}
+
+# Qwen3.5-35B-A3B's published text model (Qwen3.6-35B-A3B's too): 256 experts, top 8,
+# each expert and the gated shared expert of intermediate size 512.
+QWEN3_5_35B_A3B_CONFIG: dict[str, Any] = QWEN3_5_COMMON | {
+    "architectures": ["Qwen3_5MoeForCausalLM"],
+    "model_type": "qwen3_5_moe_text",
+    "hidden_size": 2048,
+    "num_hidden_layers": 40,
+    "layer_types": every_fourth_layer_full(40),
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "num_experts": 256,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512,
+}
+
+# The hybrid family's shape, small, for CPU benchmarks and tests: 8 layers (two of
+# full attention), linear attention of 4 key and 8 value heads.
+QWEN3_5_SMALL_CONFIG: dict[str, Any] = QWEN3_5_COMMON | {
+    "hidden_size": 256,
+    "intermediate_size": 768,
+    "num_hidden_layers": 8,
+    "layer_types": every_fourth_layer_full(8),
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "linear_num_key_heads": 4,
+    "linear_num_value_heads": 8,
+    "linear_key_head_dim": 32,
+    "linear_value_head_dim": 32,
+    "vocab_size": 32768,
+    "eos_token_id": 2,
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": True,
+}
+
+
 # Built-in names that carry a configuration and a tokenizer but no weights.
 DUMMY_ONLY_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen3-0.6b": QWEN3_0_6B_CONFIG,
     "qwen3-8b": QWEN3_8B_CONFIG,
     "qwen3-30b-a3b": QWEN3_30B_A3B_CONFIG,
     "qwen3-moe-small": QWEN3_MOE_SMALL_CONFIG,
+    "qwen3.5-27b": QWEN3_5_27B_CONFIG,
+    "qwen3.5-35b-a3b": QWEN3_5_35B_A3B_CONFIG,
+    "qwen3.5-small": QWEN3_5_SMALL_CONFIG,
 }
 
 BUILTIN_MODELS: dict[str, Callable[[Path], None]] = {

@@ -158,7 +158,9 @@ def test_unsupported_architecture(model_dir):
     with pytest.raises(ModelLoadError, match=r"config\.json: unsupported architecture "
                        r"GPTNeoXForCausalLM; supported: LlamaForCausalLM, Qwen2ForCausalLM, "
                        r"Qwen3ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, "
-                       r"Qwen3MoeForCausalLM"):
+                       r"Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, "
+                       r"Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration, "
+                       r"Qwen3MoeForCausalLM, Qwen3NextForCausalLM"):
         _load(model_dir)
 
 
