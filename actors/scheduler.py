@@ -36,7 +36,8 @@ whose end has a state snapshot (``_with_snapshot``), restored by a copy in the
 admitting batch (``ScheduledBatch.state_copies``). Prefill chunks end where a
 snapshot is wanted (``snapshot_cuts``: the branch point past the best snapshot, the
 prompt's last full block), and the next batch saves the state there
-(``_save_snapshots``). docs/architecture.md, "Models with linear-attention layers".
+(``_save_snapshots``: first among its copies, so admissions of that batch can
+restore it). docs/architecture.md, "Models with linear-attention layers".
 
 An embedding request (``Request.pooling``, the pooling runner) is a prefill like any
 other whose last chunk pools (``pool``) instead of sampling; it finishes, and frees its
@@ -113,6 +114,7 @@ from trio_llm.actors.state_slots import StateSlots
 # and one shared list spares the garbage collector two objects per request and
 # step (at batch 256, most of the collections the engine would otherwise run).
 _NO_IDS: list[int] = []
+_NO_HASHES: list[bytes] = []
 
 
 class SchedulerStatistics(msgspec.Struct, frozen=True, kw_only=True):
@@ -329,7 +331,8 @@ class _StepBuilder:
         self.num_prompt_tokens = 0
         # constrained requests whose mask follows in StepBitmasks, in batch order
         self.bitmasks_follow: list[RunningRequest] = []
-        # (source slot, destination slot): the snapshots restored into admitted requests
+        # (source slot, destination slot): states saved as snapshots, then snapshots
+        # restored into admitted requests
         self.state_copies: list[tuple[int, int]] = []
         # (request, block hash): chunks of this step that end where a snapshot is wanted
         self.snapshots_wanted: list[tuple[RunningRequest, bytes]] = []
@@ -468,6 +471,7 @@ class Scheduler:
         """Plan the next step from the running requests and the ``pulled`` ones."""
         assert self.can_plan_step()
         step = _StepBuilder(self._next_step_id, self.config.max_num_batched_tokens)
+        saved = self._save_snapshots(step) if self._snapshots_wanted else _NO_HASHES
         waiting = deque(w for w in pulled if not self._was_stopped_while_waiting(w))
         not_compiled = self._hold_compiled_grammars(waiting)
         if self._preemption_threshold is not None:
@@ -478,6 +482,10 @@ class Scheduler:
         self._preempted = []
         self._compiled_grammars.clear()
         batch = self._finish_batch(step) if step.requests else None
+        if batch is None and saved:  # their copies never go: the next batch saves them
+            assert self.state_slots is not None
+            for block_hash in saved:
+                self.state_slots.forget_snapshot(block_hash)
         assert batch is not None or self._in_flight_step_ids or not self._running, \
             "running requests but nothing to run"
         requeue = Requeue(requests=requeued) if requeued else None
@@ -859,16 +867,11 @@ class Scheduler:
         self._stopped_request_ids.append(running.request_id)
 
     def _finish_batch(self, step: _StepBuilder) -> ScheduledBatch:
-        # Restores first: a save may overwrite the least recently used snapshot,
-        # which a restore of this batch may read.
-        state_copies = step.state_copies
-        if self._snapshots_wanted:
-            state_copies = state_copies + self._save_snapshots()
         self._snapshots_wanted = step.snapshots_wanted
         batch = ScheduledBatch(step_id=step.step_id, new_requests=step.new_requests,
                                requests=step.requests,
                                finished_request_ids=self._stopped_request_ids,
-                               num_tokens=step.num_tokens, state_copies=state_copies)
+                               num_tokens=step.num_tokens, state_copies=step.state_copies)
         self._stopped_request_ids = []
         if step.bitmasks_follow:
             self._bitmasks_follow[step.step_id] = step.bitmasks_follow
@@ -915,18 +918,20 @@ class Scheduler:
         prefix = CachedPrefix(root_hash, block_ids, block_hashes)
         return prefix if self.state_slots is None else self._with_snapshot(prefix)
 
-    def _save_snapshots(self) -> list[tuple[int, int]]:
-        """The copies that save the states wanted by chunks of the previous batch.
+    def _save_snapshots(self, step: _StepBuilder) -> list[bytes]:
+        """Save the states wanted by chunks of the previous batch: a copy each into a
+        snapshot slot, first in this batch's copies; the hashes newly registered.
 
         This batch is the first after that chunk's, so its copies, which run before
         its forward, see the state exactly at the chunk's end, even at depth 2 (the
         copies wait for the step in flight). A request that left meanwhile is
-        passed over: its slot may be another's now. A snapshot is registered here,
-        at the end of planning, so no admission of this batch restores a snapshot
-        this batch saves or overwrites before the save's copy."""
+        passed over: its slot may be another's now. Registered before admissions,
+        a snapshot serves requests admitted in this very batch: their restore
+        copies come after the save's. One that this save evicts is gone before
+        any lookup, so no copy of this batch reads a slot a save overwrites."""
         state_slots = self.state_slots
         assert state_slots is not None
-        copies = []
+        saved = []
         running_by_id = self._running_by_id
         for running, block_hash in self._snapshots_wanted:
             if running_by_id.get(running.request_id) is not running:
@@ -934,8 +939,9 @@ class Scheduler:
             snapshot_slot = state_slots.save_snapshot(block_hash)
             if snapshot_slot is not None:
                 assert running.state_slot is not None
-                copies.append((running.state_slot, snapshot_slot))
-        return copies
+                step.state_copies.append((running.state_slot, snapshot_slot))
+                saved.append(block_hash)
+        return saved
 
     def _snapshot_cuts(self, waiting: WaitingRequest, prefix: CachedPrefix) -> list[int]:
         """Where its prefill should end a chunk so that the state there is saved:

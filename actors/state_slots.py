@@ -25,8 +25,8 @@ from collections import OrderedDict
 class StateSlots:
     """Allocates running slots and keeps the prefix cache's state snapshots.
 
-    ``allocate``/``free`` for running sequences; ``save_snapshot`` and
-    ``snapshot_slot`` for the snapshots. Every operation
+    ``allocate``/``free`` for running sequences; ``save_snapshot``,
+    ``snapshot_slot`` and ``forget_snapshot`` for the snapshots. Every operation
     is O(1).
     """
 
@@ -100,3 +100,7 @@ class StateSlots:
             self.num_snapshot_evictions += 1
         self._snapshots[block_hash] = slot
         return slot
+
+    def forget_snapshot(self, block_hash: bytes) -> None:
+        """Drop a snapshot whose save copy was never sent (no batch carried it)."""
+        self._free_slots.append(self._snapshots.pop(block_hash))

@@ -276,3 +276,21 @@ async def test_leaving_streams_early_frees_their_slots(dense_checkpoint) -> None
             # Channels are FIFO: once one more request finished, the aborts were handled.
             assert await collect(engine, [5, 6, 7], 2)
             assert_all_free(engine)
+
+
+async def test_the_builtin_small_hybrid_caches_prefixes_exactly() -> None:
+    """qwen3.5-small (dummy weights, its real shape but small), as the benchmarks
+    serve it: prefix caching on gives the tokens of caching off, with hits."""
+    config = EngineConfig(model="qwen3.5-small", load_format="dummy", device="cpu",
+                          num_kv_blocks=512, block_size=16, max_num_seqs=8,
+                          max_num_batched_tokens=128, max_state_snapshots=16)
+    rng = random.Random(23)
+    prefix = [rng.randrange(3, VOCAB_LIMIT) for _ in range(40)]
+    workload = [(prefix + [rng.randrange(3, VOCAB_LIMIT) for _ in range(rng.randint(1, 9))],
+                 rng.randint(1, 6)) for _ in range(8)]
+    with trio.fail_after(TIMEOUT):
+        expected, _ = await run_together(replace(config, enable_prefix_caching=False),
+                                         workload)
+        results, statistics = await run_together(config, workload)
+    assert results == expected
+    assert statistics.num_prefix_cache_hits > 0  # type: ignore[attr-defined]

@@ -1,4 +1,4 @@
-"""The whole engine (intake, queue, scheduler, runner, detokenizer) over an executor
+"""The whole engine (intake, queue, scheduler, runner, detokenizer) over a fake executor
 with a state cache, as a model with linear-attention layers has: state slots and
 prefix-cache snapshots end to end, until a real hybrid model checks the same.
 

@@ -84,17 +84,19 @@ class HybridFakeModel(FakeModel):
 
     def _copy_states(self, batch: ScheduledBatch, finished: set[str],
                      new_slots: dict[str, int | None]) -> None:
-        """Copies in order, before the forward. A save reads a running request's slot
-        and writes a slot nobody runs in; a restore writes a new request's slot."""
-        running_slots = {slot for request_id, slot in self.request_slots.items()
-                         if request_id not in finished}
+        """Copies in order, before the forward. A save reads the slot of a request
+        that ran before this batch (one that leaves in it too: its slot is only reset
+        by its next owner's forward) and writes a slot nobody runs in; a restore
+        writes a new request's slot."""
+        held_slots = set(self.request_slots.values())
+        surviving_slots = {slot for request_id, slot in self.request_slots.items()
+                           if request_id not in finished}
         for source, destination in batch.state_copies:
             assert source in self.slot_states, f"slot {source} copied before it was written"
-            assert destination not in running_slots, f"a copy overwrites running slot {destination}"
-            if source in running_slots:
+            assert destination not in surviving_slots, f"a copy overwrites running {destination}"
+            if destination not in new_slots.values():  # a save
+                assert source in held_slots, f"a save from slot {source}, which nobody ran in"
                 self.num_saves += 1
-            else:
-                assert destination in new_slots.values(), "a restore into no new request's slot"
             self.slot_states[destination] = self.slot_states[source]
 
     def _start_from_cache(self, sequence: Any, num_cached_tokens: int) -> None:
@@ -300,9 +302,27 @@ def test_the_least_recently_used_snapshot_goes_first():
             for index in range(3)] == [0, 8, 8]
 
 
-def test_a_restore_reads_its_snapshot_before_a_save_of_the_same_batch_overwrites_it():
-    """One snapshot slot: a batch restores it into a new request and also saves
-    another state, evicting it. Restores come first in the copies."""
+def test_a_snapshot_serves_a_request_admitted_in_the_batch_that_saves_it():
+    driver = HybridDriver(config(pipeline_depth=1), 64, 8 + 4)
+    first = make_request("a", PREFIX[:8] + [50], max_tokens=3)
+    driver.submit(first)
+    driver.plan()  # a's first chunk ends at its prompt's last full block
+    driver.complete()
+    second = make_request("b", PREFIX[:8] + [51], max_tokens=2, arrival_index=1)
+    driver.submit(second)
+    batch = driver.plan()
+    assert batch is not None
+    (a_slot, saved_into), (restored_from, b_slot) = batch.state_copies
+    assert a_slot == slot_of(driver, "a") and restored_from == saved_into
+    assert [new.state_slot for new in batch.new_requests] == [b_slot]
+    driver.run()
+    assert driver.model.num_restored_tokens == 8
+    assert_reference_outputs(driver, [first, second])
+
+
+def test_a_snapshot_a_save_evicts_is_no_hit_in_that_batch():
+    """One snapshot slot: the batch's save evicts the snapshot a request admitted
+    in the same batch would have restored; it computes its prefix instead."""
     driver = run_hybrid([make_request("a", PREFIX[:8] + [50], max_tokens=1)], num_snapshots=1,
                         pipeline_depth=1)
     driver.submit(make_request("c", [60] * 8 + [61], max_tokens=2, arrival_index=1))
@@ -311,14 +331,27 @@ def test_a_restore_reads_its_snapshot_before_a_save_of_the_same_batch_overwrites
     driver.submit(make_request("b", PREFIX[:8] + [51], max_tokens=2, arrival_index=2))
     batch = driver.plan()
     assert batch is not None
-    (restored_from, b_slot), (c_slot, saved_into) = batch.state_copies
-    assert saved_into == restored_from  # the save evicted the snapshot b restores
-    assert [new.state_slot for new in batch.new_requests] == [b_slot]
+    (c_slot, _), = batch.state_copies  # c's save, no restore
     assert c_slot == slot_of(driver, "c")
+    b_chunk, = [scheduled for scheduled in batch.requests if scheduled.request_id == "b"]
+    assert b_chunk.num_computed_tokens == 0
     driver.run()
-    assert driver.model.num_restored_tokens == 8
     assert_reference_outputs(driver, [make_request("b", PREFIX[:8] + [51], max_tokens=2),
                                       make_request("c", [60] * 8 + [61], max_tokens=2)])
+
+
+def test_a_save_whose_batch_never_comes_is_forgotten():
+    """At depth 2 a request whose prompt ends on a block boundary and wants one token
+    has nothing to run in the next plan: no batch carries its save, so no snapshot
+    may stay registered; and it finished before a later batch could."""
+    driver = HybridDriver(config(pipeline_depth=2), 64, 8 + 4)
+    driver.submit(make_request("r", PREFIX[:8], max_tokens=1))
+    assert driver.plan() is not None
+    assert driver.plan() is None  # its token is still in flight
+    assert driver.scheduler.statistics().num_state_snapshots == 0
+    driver.run()
+    assert driver.scheduler.statistics().num_state_snapshots == 0
+    assert driver.model.num_saves == 0
 
 
 def test_a_snapshot_whose_blocks_were_evicted_is_no_hit():

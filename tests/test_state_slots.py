@@ -80,6 +80,15 @@ def test_the_least_recently_used_snapshot_is_evicted_and_its_slot_reused():
     assert slots.num_snapshot_evictions == 1
 
 
+def test_a_forgotten_snapshot_frees_its_slot():
+    slots = StateSlots(num_slots=2, num_running_slots=1)
+    slots.save_snapshot(b"a")
+    assert slots.num_free_slots == 1
+    slots.forget_snapshot(b"a")
+    assert slots.num_free_slots == 2 and not slots.has_snapshot(b"a")
+    assert slots.save_snapshot(b"a") is not None  # saved again, copied again
+
+
 class StateSlotsMachine(RuleBasedStateMachine):
     """Random allocations, frees, saves and hits against a plain model: running
     slots are distinct, never a snapshot's, and never short of the seats."""
