@@ -154,13 +154,16 @@ class ContentPart(msgspec.Struct, kw_only=True):
 
 class ChatMessage(msgspec.Struct, kw_only=True):
     """``tool_calls`` (an assistant's earlier calls) and ``tool_call_id`` (a tool's
-    answer) go to the chat template as they came."""
+    answer) go to the chat template as they came; an assistant's ``reasoning`` (or
+    ``reasoning_content``, the name responses carry) goes as both names."""
 
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 # Tools per request: OpenAI's documented bound. Each tool is a branch of the
@@ -543,6 +546,10 @@ def _template_message(message: ChatMessage, index: int) -> dict[str, Any]:
         rendered["tool_calls"] = [_template_tool_call(call) for call in message.tool_calls]
     if message.tool_call_id is not None:
         rendered["tool_call_id"] = message.tool_call_id
+    reasoning = message.reasoning if message.reasoning is not None else message.reasoning_content
+    if message.role == "assistant" and reasoning is not None:
+        # Qwen's templates read reasoning_content, newer ones reasoning (as vLLM passes both)
+        rendered["reasoning"] = rendered["reasoning_content"] = reasoning
     return rendered
 
 
@@ -563,11 +570,40 @@ def _message_text(message: ChatMessage, index: int) -> str:
     content = message.content
     if content is None or isinstance(content, str):
         return content or ""
-    for part in content:
-        if part.type != "text" or part.text is None:
-            raise RequestRejected(f"content parts of type {part.type!r} are not supported; "
-                                  "only text", param=f"messages[{index}].content")
+    for part_index, part in enumerate(content):
+        param = f"messages[{index}].content[{part_index}]"
+        if part.type != "text":
+            raise refused_content_part(part.type, ("text",), param)
+        if part.text is None:
+            raise RequestRejected("a content part of type 'text' needs text",
+                                  param=f"{param}.text")
     return "".join(part.text or "" for part in content)
+
+
+# Content parts that carry media, chat's and Responses' names, and what they carry.
+_MEDIA_PARTS = {"image_url": "image", "input_image": "image", "image": "image",
+                "video_url": "video", "video": "video", "input_video": "video",
+                "input_audio": "audio", "audio_url": "audio", "audio": "audio",
+                "file": "file", "input_file": "file"}
+
+
+def refused_content_part(part_type: str, accepted: tuple[str, ...], param: str
+                         ) -> RequestRejected:
+    """The 400 for a content part trio-llm does not take: a media part says that
+    trio-llm serves the text model (a multimodal checkpoint, such as Qwen3.5's, is
+    served without its vision encoder), another names the types it takes."""
+    media = _MEDIA_PARTS.get(part_type)
+    if media in ("image", "video"):
+        return RequestRejected(
+            f"{media} inputs are not supported: trio-llm serves the text model only (a "
+            f"multimodal checkpoint's vision encoder is not loaded); content part of type "
+            f"{part_type!r}", param=param)
+    if media is not None:
+        return RequestRejected(f"{media} inputs are not supported: trio-llm serves text "
+                               f"models only; content part of type {part_type!r}",
+                               param=param)
+    return RequestRejected(f"content parts of type {part_type!r} are not supported here; "
+                           f"trio-llm takes text ({', '.join(accepted)})", param=param)
 
 
 def completion_sampling_params(request: CompletionRequest,
@@ -776,10 +812,11 @@ class _OutputBuilder:
     """What both builders share: the response's identity, the text so far (for
     a non-streamed response) and the last output (for its finish and usage).
 
-    ``token_text`` renders a token id for logprobs; it is only called when the
-    request asked for logprobs. ``index`` is the choice's (api/choices.py builds one
-    builder per choice). ``usage_in_every_chunk``: each streamed chunk carries the
-    choice's counts so far (``continuous_usage_stats``). ``returns_token_ids``
+    ``token_text`` renders a token id: for logprobs, and for a reasoning parser the
+    prompt's last few tokens (where the template may open the think block).
+    ``index`` is the choice's (api/choices.py builds one builder per choice).
+    ``usage_in_every_chunk``: each streamed chunk carries the choice's counts so far
+    (``continuous_usage_stats``). ``returns_token_ids``
     (vLLM's ``return_token_ids``): the prompt's token ids once (a stream's first
     chunk) and the output's (each chunk's new ones). ``labels_token_ids`` (vLLM's
     ``return_tokens_as_token_ids``): logprobs name each token "token_id:{id}"; the
@@ -1000,6 +1037,8 @@ class ChatBuilder(_OutputBuilder):
     def _parsed_chunk(self, output: RequestOutput, logprobs: ChatLogprobs | None,
                       prompt_ids: TokenIds, token_ids: TokenIds) -> ChatCompletionChunk | None:
         assert self.parser is not None
+        if output.prompt_token_ids is not None:
+            self.parser.note_prompt(output.prompt_token_ids, self.token_text)
         self._text += output.text
         parsed = self.parser.parse(self._text, is_final=output.finished)
         delta = self._delta_since_last(parsed, is_final=output.finished)
@@ -1050,6 +1089,8 @@ class ChatBuilder(_OutputBuilder):
         self._last = output
         self._text_parts.append(output.text)
         self._gather_token_ids(output)
+        if self.parser is not None and output.prompt_token_ids is not None:
+            self.parser.note_prompt(output.prompt_token_ids, self.token_text)
         logprobs = self._delta_logprobs(output)
         if logprobs is not None:
             self._logprobs = self._logprobs or ChatLogprobs()

@@ -38,7 +38,6 @@ from trio_llm.actors.errors import EngineError, RequestRejected
 from trio_llm.actors.generation_defaults import GenerationDefaults
 from trio_llm.actors.messages import RequestOutput, SamplingParams, TokenLogprobs
 from trio_llm.api import protocol
-from trio_llm.api.reasoning_parsers import THINK_END
 from trio_llm.api.responses_protocol import (
     LOGPROBS_INCLUDE,
     REFUSED_RESPONSES_FIELDS,
@@ -341,6 +340,8 @@ class ResponseBuilder:
     # -- both ----------------------------------------------------------------------
 
     def _take(self, output: RequestOutput) -> None:
+        if self.parser is not None and output.prompt_token_ids is not None:
+            self.parser.note_prompt(output.prompt_token_ids, self.token_text)
         if self.parser is not None and self.parser.reasoning is not None:
             self._outputs.append((len(self._text), output.token_ids))
         self._last = output
@@ -483,10 +484,9 @@ class ResponseBuilder:
     def _num_reasoning_tokens(self) -> int:
         """The output tokens up to the end of the reasoning (``</think>`` included)."""
         reasoning = next((item for item in self._items if item.kind == "reasoning"), None)
-        if reasoning is None:
+        if reasoning is None or self.parser is None or self.parser.reasoning is None:
             return 0
-        end = self._text.find(THINK_END)
-        end = len(self._text) if end < 0 else end + len(THINK_END)
+        end = self.parser.reasoning.split(self._text, is_final=True).end
         count = 0
         for start, token_ids in self._outputs:
             if start >= end:

@@ -391,9 +391,8 @@ def _item_text(content: str | list[ContentPart], part_types: tuple[str, ...],
         return content
     for part_index, part in enumerate(content):
         if part.type not in part_types:
-            raise RequestRejected(
-                f"content parts of type {part.type!r} are not supported here; trio-llm "
-                f"takes text ({', '.join(part_types)})", param=f"{param}[{part_index}]")
+            raise protocol.refused_content_part(part.type, part_types,
+                                                f"{param}[{part_index}]")
         if part.text is None:
             raise RequestRejected(f"a content part of type {part.type!r} needs text",
                                   param=f"{param}[{part_index}].text")

@@ -24,6 +24,7 @@ successive parses into one OpenAI stream delta.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,7 +72,7 @@ def plan_tool_calls(tools: list[Any] | None, tool_choice: Any, *, parallel_tool_
     if choice == "none":
         return ToolPlan(constraint=None, parser=None)
     if choice == "auto":
-        return ToolPlan(constraint=None, parser=_auto_parser(options),
+        return ToolPlan(constraint=None, parser=_auto_parser(options, tools),
                         max_calls=None if parallel_tool_calls else 1)
     if choice == "required":
         schema = _required_schema(tools, parallel_tool_calls=parallel_tool_calls)
@@ -95,12 +96,14 @@ def _check_unique_names(tools: list[Any]) -> None:
                               param="tools")
 
 
-def _auto_parser(options: ToolServingOptions) -> ToolParser:
+def _auto_parser(options: ToolServingOptions, tools: list[Any]) -> ToolParser:
     if not options.enable_auto_tool_choice or options.tool_call_parser is None:
         raise RequestRejected('"auto" tool choice requires the server to run with '
                               "--enable-auto-tool-choice and --tool-call-parser",
                               param="tool_choice")
-    return TOOL_PARSERS[options.tool_call_parser]()
+    # the parser learns each parameter's declared type (qwen3_coder converts values)
+    schemas = {tool.function.name: _parameters(tool) for tool in tools}
+    return TOOL_PARSERS[options.tool_call_parser](schemas)
 
 
 def _parameters(tool: Any) -> dict[str, Any]:
@@ -148,6 +151,11 @@ class ParsedOutput:
     calls: list[ParsedCall]
 
 
+# Enough of the prompt's last tokens to hold "<think>\n" even where a tokenizer has no
+# token of its own for the tag (one a character at worst).
+NUM_PROMPT_TAIL_TOKENS = 16
+
+
 @dataclass(slots=True)
 class ChatOutputParser:
     """Splits one request's text into reasoning, answer and tool calls."""
@@ -156,6 +164,13 @@ class ChatOutputParser:
     tools: ToolParser | None = None
     max_calls: int | None = None
     call_ids: list[str] = field(default_factory=list)
+
+    def note_prompt(self, prompt_token_ids: list[int], token_text: Callable[[int], str]) -> None:
+        """Called with the prompt's token ids before the first parse: whether the chat
+        template opened the think block decides where the reasoning starts."""
+        if self.reasoning is not None:
+            tail = prompt_token_ids[-NUM_PROMPT_TAIL_TOKENS:]
+            self.reasoning.note_prompt_end("".join(map(token_text, tail)))
 
     def parse(self, text: str, *, is_final: bool) -> ParsedOutput:
         reasoning = None
@@ -176,7 +191,10 @@ class ChatOutputParser:
 
 
 def visible_content(parsed: ParsedOutput) -> str | None:
-    """The message's content: None where only tool calls (or nothing) came."""
+    """The message's content: None where only tool calls (blank text before them is
+    none) or only reasoning came (output cut off while thinking), as vLLM sends it."""
     if parsed.calls and not parsed.content.strip():
+        return None
+    if parsed.reasoning and not parsed.content:
         return None
     return parsed.content

@@ -3,26 +3,44 @@
 #   bash benchmarks/device_run.sh tests decode-0.6b decode-8b throughput-0.6b transformers-0.6b
 #   bash benchmarks/device_run.sh gpu-tests decode-30b-a3b throughput-30b-a3b serve-30b-a3b  # MoE
 #   bash benchmarks/device_run.sh serve-twice-8b cli-throughput-0.6b throughput-0.6b  # first request
-# Hybrid prefix caching (issue 26: state snapshots), caching on then off, beside the dense
-# model's from the same call (the built-in qwen3.5-* dummy models):
-#   bash benchmarks/device_run.sh hybrid-prefix-serve-35b-a3b hybrid-prefix-serve-27b prefix-serve-8b
+# The hybrid family (issue 26; a part's model is qwen3-<suffix>, or the suffix itself when
+# it names a qwen model), a call each (docs/performance.md):
+#   bash benchmarks/device_run.sh hybrid-tests hybrid-kernels decode-qwen3.5-35b-a3b
+#   bash benchmarks/device_run.sh decode-qwen3.5-27b context-qwen3.5-35b-a3b
+#   bash benchmarks/device_run.sh context-qwen3.5-27b long-qwen3.5-27b
+#   bash benchmarks/device_run.sh throughput-qwen3.5-35b-a3b serve-qwen3.5-35b-a3b
+#   bash benchmarks/device_run.sh throughput-qwen3.5-27b serve-qwen3.5-27b
+#   prefix caching with state snapshots (prefix_repetition, caching on then off), beside dense:
+#   bash benchmarks/device_run.sh prefix-serve-qwen3.5-35b-a3b prefix-serve-qwen3.5-27b prefix-serve-8b
 # Tensor parallelism 2 (kind nvidia-h200-x2), one part per call (each fits the 10 minutes):
 #   bash benchmarks/device_run.sh tp2-tests tp2-match-0.6b
 #   bash benchmarks/device_run.sh tp2-decode-8b
 #   bash benchmarks/device_run.sh tp2-throughput-8b
+# The MoE single stream, tuned then measured in one call (moe-tune's table is read by
+# every later part of the call through TRIO_LLM_MOE_CONFIGS; commit it from
+# $OUT/moe_configs/ to gpu/kernels/moe_configs/):
+#   bash benchmarks/device_run.sh moe-tests moe-tune decode-30b-a3b graph-profile-30b-a3b
+#   bash benchmarks/device_run.sh moe-tune-batched moe-kernel  # 64-8192 tokens, then the table
+#   bash benchmarks/device_run.sh gpu-tests decode-30b-a3b decode-pdl-30b-a3b  # PDL on, A/B
 # Carry .whl (see benchmarks/device_setup.sh).
 . benchmarks/device_setup.sh >/dev/null 2>&1 || { echo "setup failed"; exit 1; }
 export TOKENIZERS_PARALLELISM=false
 log="$OUT/device.log"
+# Tuned MoE tables written by moe-tune* in this call are read by the parts after it.
+export TRIO_LLM_MOE_CONFIGS="$OUT/moe_configs"
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv | tee -a "$log"
-run() {  # run NAME SECONDS COMMAND...
+run() {  # run NAME SECONDS COMMAND... (the hybrid family's large models get twice the time)
   local name=$1 seconds=$2; shift 2
+  case $name in *qwen3.5*) seconds=$((2 * seconds)) ;; esac
   echo "=== $name: $* ($(date -u +%FT%TZ))" | tee -a "$log"
   timeout "$seconds" "$@" 2>&1 | tee -a "$log" | grep -vE '^(INFO|DEBUG)' | tail -n 40
   echo "=== $name: exit ${PIPESTATUS[0]}" | tee -a "$log"
 }
-wait_healthy() {  # wait_healthy PORT: until the server there answers /health (180 s at most)
-  for _ in $(seq 1 180); do
+model_of() {  # model_of SUFFIX: a part's model (qwen3-SUFFIX, or SUFFIX if it names one)
+  case $1 in qwen*) echo "$1" ;; *) echo "qwen3-$1" ;; esac
+}
+wait_healthy() {  # wait_healthy PORT: until the server there answers /health (420 s at most)
+  for _ in $(seq 1 420); do
     python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$1/health')" \
       2>/dev/null && return
     sleep 1
@@ -40,16 +58,30 @@ serve_bench() {  # (d): the server in the background, `trio-llm bench serve` aga
   kill $pid; wait $pid
 }
 serve_twice_bench() {  # issue 24: the first run after start against the same run repeated
-  local model=$1 port=8013 round
+  # The repeat draws other prompts (--seed 1): with the same ones every prompt would be
+  # a prefix-cache hit, and the repeat would measure the cache, not a warm engine.
+  local model=$1 port=8013 round seed
   python3 -m trio_llm.api.cli serve --model "$model" --load-format dummy --port $port --api-server-count 0 \
     > "$OUT/server-twice-$model.log" 2>&1 &
   local pid=$!
   wait_healthy $port
   for round in first repeated; do
+    seed=0; [ $round = repeated ] && seed=1
     run "serve-$round-$model" 300 python3 -m trio_llm.api.cli bench serve --port $port \
       --num-prompts 512 --random-input-len 1024 --random-output-len 128 --max-concurrency 64 \
-      --json "$OUT/serve-$round-$model.json" --disable-tqdm
+      --seed $seed --json "$OUT/serve-$round-$model.json" --disable-tqdm
   done
+  kill $pid; wait $pid
+}
+ready_time() {  # issue 24: seconds from `trio-llm serve` to /health 200 (warmed up, ready)
+  local model=$1 port=8014 start
+  start=$(date +%s.%N)
+  python3 -m trio_llm.api.cli serve --model "$model" --load-format dummy --port $port --api-server-count 0 \
+    > "$OUT/server-ready-$model.log" 2>&1 &
+  local pid=$!
+  wait_healthy $port
+  echo "=== ready-$model: $(python3 -c "print(round($(date +%s.%N) - $start, 1))") s to ready" | tee -a "$log"
+  grep -E "KV cache|warmed|captured" "$OUT/server-ready-$model.log" | tee -a "$log"
   kill $pid; wait $pid
 }
 prefix_serve_bench() {  # shared prefixes (vLLM's prefix_repetition), caching on then off
@@ -73,33 +105,53 @@ for part in "$@"; do
              tests/test_triton_attention.py tests/test_triton_layers.py tests/test_triton_sampling.py tests/test_triton_gemv.py \
              tests/test_gpu_executor.py tests/test_token_bitmask.py \
              tests/test_prefix_caching.py::test_gpu_executor_continues_after_a_cached_prefix ;;
-    profile-*) run "$part" 200 python3 benchmarks/step_profile.py --model "qwen3-${part#profile-}" ;;
-    decode-*) run "$part" 240 python3 benchmarks/gpu_bench.py decode --model "qwen3-${part#decode-}" ;;
-    mixed-*) run "$part" 300 python3 benchmarks/gpu_bench.py mixed --model "qwen3-${part#mixed-}" ;;
-    long-*) run "$part" 200 python3 benchmarks/gpu_bench.py long --model "qwen3-${part#long-}" ;;
-    throughput-*) run "$part" 300 python3 benchmarks/gpu_bench.py throughput --model "qwen3-${part#throughput-}" ;;
-    structured-*) run "$part" 420 python3 benchmarks/gpu_bench.py structured --model "qwen3-${part#structured-}" ;;
-    transformers-*) run "$part" 240 python3 benchmarks/gpu_bench.py transformers --model "qwen3-${part#transformers-}" --time-limit 120 ;;
+    moe-tests) run moe-tests 300 python3 -m pytest -q -p no:cacheprovider -rs \
+             tests/test_moe_routing.py tests/test_fused_moe.py ;;
+    # qwen3-30b-a3b's layer at 1-8 tokens (row-wise and grouped), bounded to 5 minutes
+    moe-tune) run moe-tune 300 python3 benchmarks/moe_kernel_bench.py --tune \
+             --tokens 1 2 4 8 --budget-s 210 --repeats 10 ;;
+    moe-tune-batched) run moe-tune-batched 560 python3 benchmarks/moe_kernel_bench.py --tune \
+             --tokens 64 256 1024 8192 --budget-s 480 --repeats 10 ;;
+    moe-kernel) run moe-kernel 300 python3 benchmarks/moe_kernel_bench.py --graph ;;
+    graph-profile-*) run "$part" 300 python3 benchmarks/graph_profile.py --model "$(model_of "${part#graph-profile-}")" ;;
+    profile-*) run "$part" 200 python3 benchmarks/step_profile.py --model "$(model_of "${part#profile-}")" ;;
+    # programmatic dependent launch on (gpu/kernels/pdl.py, an experiment): beside decode-*
+    decode-pdl-*) TRIO_LLM_PDL=1 run "$part" 240 python3 benchmarks/gpu_bench.py decode --model "$(model_of "${part#decode-pdl-}")" ;;
+    decode-*) run "$part" 240 python3 benchmarks/gpu_bench.py decode --model "$(model_of "${part#decode-}")" ;;
+    mixed-*) run "$part" 300 python3 benchmarks/gpu_bench.py mixed --model "$(model_of "${part#mixed-}")" ;;
+    long-*) run "$part" 200 python3 benchmarks/gpu_bench.py long --model "$(model_of "${part#long-}")" ;;
+    # the hybrid family's large models: depth 2 only (the call's ten minutes)
+    throughput-qwen3.5-*) run "$part" 300 python3 benchmarks/gpu_bench.py throughput \
+             --model "${part#throughput-}" --depths 2 ;;
+    throughput-*) run "$part" 300 python3 benchmarks/gpu_bench.py throughput --model "$(model_of "${part#throughput-}")" ;;
+    structured-*) run "$part" 420 python3 benchmarks/gpu_bench.py structured --model "$(model_of "${part#structured-}")" ;;
+    transformers-*) run "$part" 240 python3 benchmarks/gpu_bench.py transformers --model "$(model_of "${part#transformers-}")" --time-limit 120 ;;
     kernels) run kernels 300 python3 benchmarks/kernel_bench.py ;;
+    # the hybrid family: kernels against references, the model on CUDA against the CPU
+    hybrid-tests) run hybrid-tests 420 python3 -m pytest -q -s -p no:cacheprovider -rs \
+             tests/test_triton_linear_attention.py tests/test_cuda_hybrid.py ;;
+    hybrid-kernels) run hybrid-kernels 240 python3 benchmarks/hybrid_kernel_bench.py ;;
+    context-*) run "$part" 270 python3 benchmarks/gpu_bench.py context --model "$(model_of "${part#context-}")" ;;
     gemv) run gemv 240 python3 benchmarks/gemv_bench.py ;;
-    serve-twice-*) serve_twice_bench "qwen3-${part#serve-twice-}" ;;
+    gemv-sweep-*) run "$part" 540 python3 benchmarks/gemv_sweep.py --model "$(model_of "${part#gemv-sweep-}")" ;;
+    ready-*) ready_time "$(model_of "${part#ready-}")" ;;
+    serve-twice-*) serve_twice_bench "$(model_of "${part#serve-twice-}")" ;;
     cli-throughput-*) run "$part" 300 python3 -m trio_llm.api.cli bench throughput \
-             --model "qwen3-${part#cli-throughput-}" --load-format dummy ;;
+             --model "$(model_of "${part#cli-throughput-}")" --load-format dummy ;;
     gpu-tests) run gpu-tests 300 python3 -m pytest -q -p no:cacheprovider -rs -m gpu \
              --ignore tests/test_http_schema.py tests/ ;;
-    serve-*) serve_bench "qwen3-${part#serve-}" ;;
-    prefix-serve-*) prefix_serve_bench "qwen3-${part#prefix-serve-}" ;;
-    hybrid-prefix-serve-*) prefix_serve_bench "qwen3.5-${part#hybrid-prefix-serve-}" ;;
+    serve-*) serve_bench "$(model_of "${part#serve-}")" ;;
+    prefix-serve-*) prefix_serve_bench "$(model_of "${part#prefix-serve-}")" ;;
     # tensor parallelism 2: needs the nvidia-h200-x2 kind (NCCL; NVLS multicast off)
     tp2-tests) NCCL_NVLS_ENABLE=0 run tp2-tests 400 python3 -m pytest -q -s -p no:cacheprovider -rs \
              tests/test_tensor_parallel.py ;;
     tp2-match-*) NCCL_NVLS_ENABLE=0 run "$part" 400 python3 benchmarks/tp_match.py \
-             --model "qwen3-${part#tp2-match-}" --load-format dummy --device cuda ;;
+             --model "$(model_of "${part#tp2-match-}")" --load-format dummy --device cuda ;;
     tp2-decode-*) NCCL_NVLS_ENABLE=0 run "$part" 480 python3 benchmarks/gpu_bench.py decode \
-             --model "qwen3-${part#tp2-decode-}" --tensor-parallel-size 2 ;;
+             --model "$(model_of "${part#tp2-decode-}")" --tensor-parallel-size 2 ;;
     tp2-throughput-*) NCCL_NVLS_ENABLE=0 run "$part" 540 python3 benchmarks/gpu_bench.py \
-             throughput --model "qwen3-${part#tp2-throughput-}" --tensor-parallel-size 2 --depths 2 ;;
-    prefix-match-*) run "$part" 300 python3 benchmarks/prefix_match.py --model "qwen3-${part#prefix-match-}" --load-format dummy ;;
+             throughput --model "$(model_of "${part#tp2-throughput-}")" --tensor-parallel-size 2 --depths 2 ;;
+    prefix-match-*) run "$part" 300 python3 benchmarks/prefix_match.py --model "$(model_of "${part#prefix-match-}")" --load-format dummy ;;
     *) echo "unknown part $part" ;;
   esac
 done

@@ -25,7 +25,10 @@ from trio_llm.gpu.models import cuda_fused
 
 SWEEP = [(4, 512, 1, 1), (4, 256, 1, 1), (2, 512, 1, 1), (8, 512, 1, 1), (8, 256, 1, 1),
          (4, 1024, 2, 1), (8, 512, 2, 1), (4, 512, 1, 2), (2, 1024, 1, 1), (1, 1024, 1, 1),
-         (4, 512, 1, 3), (8, 1024, 2, 1)]
+         (4, 512, 1, 3), (8, 1024, 2, 1),
+         # one output, up to 2048 or 4096 of K in one step, a warp per 1024 (rule
+         # `one_output` gives layers of few outputs, the MoE router, this shape)
+         (1, 2048, 2, 1), (1, 4096, 4, 1), (1, 2048, 1, 1)]
 
 
 def forward_with(widest: int, block_k: int, num_warps: int, num_stages: int):

@@ -13,6 +13,7 @@ step's graph replay alone (CUDA events, median), the floor of the other figures.
 
     python3 benchmarks/gpu_bench.py mixed --model qwen3-0.6b       # 2000 x (128 in, 64..192 out)
     python3 benchmarks/gpu_bench.py long --model qwen3-0.6b        # one 32,000-token prompt
+    python3 benchmarks/gpu_bench.py context --model qwen3.5-35b-a3b  # decode at 1k..128k
 
 throughput: the nano-vllm workload (256 requests, seed 0, prompt and output
 lengths uniform in [100, 1024], prompt ids in [0, 10000), ignore_eos,
@@ -36,6 +37,10 @@ output tokens/s of both and their ratio. xgrammar's view of the vocabulary and t
 grammar are built first (timed), then an untimed constrained warm-up runs.
 ``--rounds N`` runs the two arms N times, interleaved, and adds the ratio over all
 rounds (tokens over seconds).
+context: single-stream decode through the executor alone at depth 2 (128 new
+tokens) after prompts of 1k, 8k, 32k and 128k tokens (``--contexts``), prefilled in
+chunks of max_num_batched_tokens: ms per token at each, and its ratio to the first.
+
 Every phase prints its figures as it ends; a phase stuck for ``--stall-seconds``
 dumps every thread's stack.
 """
@@ -123,38 +128,85 @@ async def engine_decode_ms_per_token(config: EngineConfig, executor: CudaModelEx
 
 
 def executor_decode_ms_per_token(executor: CudaModelExecutor, *, depth: int,
-                                 request_id: str) -> float:
-    """The executor alone: a prefill, then decode steps launched ``depth`` deep."""
+                                 request_id: str, prompt_len: int = PROMPT_LEN,
+                                 num_new_tokens: int = NUM_NEW_TOKENS) -> float:
+    """The executor alone: a prefill (in chunks of max_num_batched_tokens), then decode
+    steps launched ``depth`` deep. A model with linear-attention layers runs the
+    request in state slot 0 (each run's request has finished before the next starts)."""
     block_size = executor.block_size
-    num_blocks = -(-(PROMPT_LEN + NUM_NEW_TOKENS + 1) // block_size)
-    prefill = ScheduledBatch(
-        step_id=0, new_requests=[NewRequestData(request_id=request_id, sampling=GREEDY)],
-        requests=[ScheduledRequest(request_id=request_id, token_ids=list(range(PROMPT_LEN)),
-                                   input_from_previous_step=False, num_computed_tokens=0,
-                                   new_block_ids=list(range(num_blocks)), sample=True,
-                                   output_index=0)],
-        finished_request_ids=[], num_tokens=PROMPT_LEN)
-    executor.collect(executor.launch(prefill))
+    num_blocks = -(-(prompt_len + num_new_tokens + 1) // block_size)
+    state_slot = 0 if getattr(executor, "num_state_slots", 0) else None
+    chunk_len = executor.options.max_num_batched_tokens if isinstance(
+        executor, CudaModelExecutor) else prompt_len
+    new_requests = [NewRequestData(request_id=request_id, sampling=GREEDY,
+                                   state_slot=state_slot)]
+    for start in range(0, prompt_len, chunk_len):
+        end = min(start + chunk_len, prompt_len)
+        prefill = ScheduledBatch(
+            step_id=0, new_requests=new_requests,
+            requests=[ScheduledRequest(request_id=request_id,
+                                       token_ids=[(7 * i) % 9000 + 100 for i in range(start, end)],
+                                       input_from_previous_step=False, num_computed_tokens=start,
+                                       new_block_ids=list(range(num_blocks)) if start == 0 else [],
+                                       sample=end == prompt_len, output_index=0)],
+            finished_request_ids=[], num_tokens=end - start)
+        executor.collect(executor.launch(prefill))
+        new_requests = []
 
     def decode(step: int) -> ScheduledBatch:
         return ScheduledBatch(step_id=step, new_requests=[], requests=[ScheduledRequest(
             request_id=request_id, token_ids=[], input_from_previous_step=True,
-            num_computed_tokens=PROMPT_LEN + step - 1, new_block_ids=[], sample=True,
+            num_computed_tokens=prompt_len + step - 1, new_block_ids=[], sample=True,
             output_index=step)], finished_request_ids=[], num_tokens=1)
 
     started = time.perf_counter()
     in_flight = []
-    for step in range(1, NUM_NEW_TOKENS):
+    for step in range(1, num_new_tokens):
         in_flight.append(executor.launch(decode(step)))
         if len(in_flight) == depth:
             executor.collect(in_flight.pop(0))
     for pending in in_flight:
         executor.collect(pending)
     elapsed = time.perf_counter() - started
-    finish = ScheduledBatch(step_id=NUM_NEW_TOKENS, new_requests=[], requests=[],
+    finish = ScheduledBatch(step_id=num_new_tokens, new_requests=[], requests=[],
                             finished_request_ids=[request_id], num_tokens=0)
     executor.collect(executor.launch(finish))
-    return 1000 * elapsed / (NUM_NEW_TOKENS - 1)
+    return 1000 * elapsed / (num_new_tokens - 1)
+
+
+# context: single-stream decode after prompts of these lengths (the hybrid family's
+# linear-attention layers keep a state of fixed size; only its full-attention layers
+# read the whole context)
+CONTEXT_LENGTHS = (1024, 8192, 32768, 131072)
+CONTEXT_NEW_TOKENS = 128
+
+
+def run_context(args: argparse.Namespace) -> dict[str, Any]:
+    """Decode ms per token through the executor alone at depth 2, after a prompt of each
+    of CONTEXT_LENGTHS tokens (prefilled in chunks), and the ratios to the shortest."""
+    contexts = args.contexts or list(CONTEXT_LENGTHS)
+    results: dict[str, Any] = {"model": args.model, "contexts": contexts,
+                               "num_new_tokens": CONTEXT_NEW_TOKENS}
+    max_model_len = max(contexts) + CONTEXT_NEW_TOKENS + 64
+    block_size = 16
+    config = engine_config(args.model, depth=2, max_num_seqs=8, block_size=block_size,
+                           num_kv_blocks=-(-max_model_len // block_size) + 16,
+                           max_model_len=max_model_len, enable_prefix_caching=False)
+    executor = create_executor(config)
+    executor_decode_ms_per_token(executor, depth=2, request_id="warm", prompt_len=contexts[0],
+                                 num_new_tokens=CONTEXT_NEW_TOKENS)
+    for context in contexts:
+        started = time.perf_counter()
+        results[f"context_{context}_ms_per_token"] = executor_decode_ms_per_token(
+            executor, depth=2, request_id=f"context-{context}", prompt_len=context,
+            num_new_tokens=CONTEXT_NEW_TOKENS)
+        results[f"context_{context}_run_seconds"] = time.perf_counter() - started
+        results[f"context_{context}_over_{contexts[0]}"] = (
+            results[f"context_{context}_ms_per_token"]
+            / results[f"context_{contexts[0]}_ms_per_token"])
+        print(json.dumps({key: value for key, value in results.items()
+                          if key.startswith(f"context_{context}_")}), flush=True)
+    return results
 
 
 def _drain(executor: CudaModelExecutor) -> None:
@@ -494,7 +546,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     for name, run in (("decode", run_decode), ("throughput", run_throughput),
-                      ("mixed", run_mixed), ("long", run_long),
+                      ("mixed", run_mixed), ("long", run_long), ("context", run_context),
                       ("transformers", run_transformers), ("structured", run_structured)):
         command = commands.add_parser(name)
         command.add_argument("--model", default="qwen3-0.6b")
@@ -506,6 +558,8 @@ def main() -> None:
                              help="decode, throughput: ranks (GPUs), one worker process each")
         command.add_argument("--stall-seconds", type=float, default=60.0,
                              help="structured: dump every stack after this long in one phase")
+        command.add_argument("--contexts", type=int, nargs="+", default=None,
+                             help="context: prompt lengths (default: 1k, 8k, 32k, 128k)")
         command.add_argument("--rounds", type=int, default=1,
                              help="structured: the arms this many times, interleaved")
         command.set_defaults(run=run)

@@ -24,14 +24,20 @@ row); GB/s counts the bytes of the experts actually routed to (each read
 once; for ``dense`` its own weights, ``top_k`` experts' worth) plus the hidden
 states in and out.
 
-``--tune`` replays CUDA graphs of each grouped GEMM alone for every candidate
-tile at each token count, BLOCK_M and group size (adding the alignment and the
-top-k sum, the path's other launches), and of the row-wise path up to
-``ROWWISE_MAX_TOKENS`` tokens; it prints the fastest as lines to paste into
-``CONFIGS`` in gpu/kernels/fused_moe.py. Each new tile compiles once (about a
-second), so a sweep of every size can outlast one 10-minute device call: run
-``--tune --tokens 1 64`` and ``--tune --tokens 256 8192`` separately (Triton's
-cache keeps the first call's kernels for the second).
+``--tune`` replays CUDA graphs of the row-wise path (up to ``ROWWISE_MAX_TOKENS``
+tokens; its two launches are all of it) and of each grouped GEMM alone for
+every candidate tile at each token count, BLOCK_M and group size (adding the
+alignment and the top-k sum, the path's other launches), and writes the fastest
+per count as a tuned table (gpu/kernels/fused_moe.py ``tuned_table``) to the
+folder that ``TRIO_LLM_MOE_CONFIGS`` names, else $OUT/moe_configs/, merged with
+the counts an earlier run tuned; ``fused_moe`` reads it from there at once (the
+same device call can measure the tuned kernel), and from gpu/kernels/moe_configs/
+once committed. ``--budget-s`` bounds a sweep: past it, untimed candidates are
+skipped (the best so far is kept). Each new tile compiles once (about a second),
+and Triton's cache keeps them for a later call.
+
+    python benchmarks/moe_kernel_bench.py --tune --tokens 1 2 4 8 --budget-s 270
+    python benchmarks/moe_kernel_bench.py --tune --tokens 64 256 1024 8192 --budget-s 500
 """
 
 from __future__ import annotations
@@ -167,7 +173,8 @@ def bench_size(shape: MoeShape, num_tokens: int, args) -> dict:
     common = (layer.topk_weights, layer.topk_ids)
     out = moe.fused_moe(layer.hidden, layer.w13[0], layer.w2[0], *common)
     expected = moe.fused_moe_reference(layer.hidden, layer.w13[0], layer.w2[0], *common)
-    record: dict = {"tokens": num_tokens, "config": config_literal(moe.config_for(num_tokens)),
+    config = moe.config_for(num_tokens, moe.tuned_table(layer.w13[0]))
+    record: dict = {"tokens": num_tokens, "config": config_literal(config),
                     "relative_error": relative_error(out, expected)}
     if not record["relative_error"] < TOLERANCE:
         record["error"] = f"relative error {record['relative_error']:.3g} >= {TOLERANCE}"
@@ -227,11 +234,15 @@ DECODE_TILES = [moe.GemmConfig(n, k, 4, stages) for n, k, stages in
                 itertools.product((16, 32, 64, 128), (64, 128, 256), (3, 4, 5))]
 PREFILL_TILES = [moe.GemmConfig(n, k, warps, stages) for n, k, warps, stages in
                  itertools.product((64, 128, 256), (32, 64, 128), (4, 8), (3, 4))]
+# Row-wise tiles: 16 to 64 weights a thread per step (enough loads in flight, few
+# enough registers), plain loads or three steps in flight; one-warp programs down to
+# a single output (the dense GEMV's fastest shape), wider ones from four outputs.
 ROWWISE_TILES = [moe.GemmConfig(n, k, warps, stages) for n, k, warps, stages in
-                 itertools.product((8, 16, 32), (128, 256, 512), (2, 4), (2, 3, 4))
-                 if n * k <= 8192]
+                 itertools.product((1, 2, 4, 8, 16, 32), (256, 512, 1024), (1, 2, 4, 8),
+                                   (1, 3))
+                 if 16 <= n * k // (32 * warps) <= 64 and n * k <= 8192
+                 and (warps == 1 or n >= 4)]
 ROWWISE_MAX_TOKENS = 16
-GROUP_M = (1, 8)
 SHARED_MEMORY = 227 * 1024  # an H100/H200 SM's, per block
 
 
@@ -244,12 +255,24 @@ def block_m_candidates(num_tokens: int, shape: MoeShape) -> tuple[int, ...]:
     return (64, 128)
 
 
-def tile_candidates(gemm: str, block_m: int) -> list[moe.GemmConfig]:
+def group_m_candidates(num_tokens: int, shape: MoeShape) -> tuple[int, ...]:
+    """Grouping row blocks shares weight tiles in L2 only where an expert has several."""
+    return (1,) if num_tokens * shape.top_k <= shape.num_experts else (1, 8)
+
+
+# The grouped path where a block holds a row or two (fewer rows than experts): it
+# competes with the row-wise path there, and a short list leaves the budget to both.
+FEW_ROWS_TILES = [moe.GemmConfig(n, k, 4, stages) for n, k, stages in
+                  itertools.product((32, 64), (128, 256), (3, 4))]
+
+
+def tile_candidates(gemm: str, block_m: int, few_rows: bool = False) -> list[moe.GemmConfig]:
     """The grouped tiles worth compiling: their pipelined operands fit in shared memory
     and their float32 accumulators (two for gate/up) in the registers of their warps."""
     num_weight_tiles = 2 if gemm == "gate_up" else 1
     fitting = []
-    for tile in DECODE_TILES if block_m <= 32 else PREFILL_TILES:
+    tiles = FEW_ROWS_TILES if few_rows else DECODE_TILES if block_m <= 32 else PREFILL_TILES
+    for tile in tiles:
         operand_bytes = 2 * tile.block_k * (block_m + num_weight_tiles * tile.block_n)
         accumulators = num_weight_tiles * block_m * tile.block_n
         if (operand_bytes * tile.num_stages <= SHARED_MEMORY
@@ -258,9 +281,23 @@ def tile_candidates(gemm: str, block_m: int) -> list[moe.GemmConfig]:
     return fitting
 
 
+class Budget:
+    """The sweep's deadline (``--budget-s``): past it, candidates are no longer timed."""
+
+    deadline = float("inf")
+    skipped = 0
+
+    @classmethod
+    def spent(cls) -> bool:
+        return time.monotonic() > cls.deadline
+
+
 def time_launches(launches: list[Callable[[], object]], repeats: int) -> float:
     """Microseconds per launch, replayed from a CUDA graph (eager timing of a few
     microseconds of GPU work would measure Triton's launcher instead)."""
+    if Budget.spent():
+        Budget.skipped += 1
+        return float("inf")
     try:
         return time_per_call(launches, graph=True, repeats=repeats)
     except Exception as error:  # a tile the compiler refuses (resources)
@@ -292,11 +329,16 @@ class Tuning:
             return [functools.partial(self.launch_rowwise, w13, w2, config)
                     for w13, w2 in zip(self.layer.w13, self.layer.w2, strict=True)]
 
-        fixed_down = ROWWISE_TILES[0]
+        default = moe.CONFIGS[0][1]
+        assert isinstance(default, moe.RowwiseConfig)
+        # The default's own tiles first: a budget cut short still has them to beat.
         _, gate_up_tile = self.fastest(
-            lambda tile: both(moe.RowwiseConfig(tile, fixed_down)), ROWWISE_TILES)
+            lambda tile: both(moe.RowwiseConfig(tile, default.down)),
+            [default.gate_up, *ROWWISE_TILES])
         total, down_tile = self.fastest(
-            lambda tile: both(moe.RowwiseConfig(gate_up_tile, tile)), ROWWISE_TILES)
+            lambda tile: both(moe.RowwiseConfig(gate_up_tile, tile)),
+            [default.down, *ROWWISE_TILES])
+        print(f"  row-wise: {total:.1f} us", flush=True)
         return total, moe.RowwiseConfig(gate_up_tile, down_tile)
 
     def launch_rowwise(self, w13: torch.Tensor, w2: torch.Tensor,
@@ -320,8 +362,10 @@ class Tuning:
             return [functools.partial(moe.launch_down, self.activation, w2, self.per_slot,
                                       layer.topk_weights, plan, config) for w2 in layer.w2]
 
-        gate_up_us, gate_up_tile = self.fastest(gate_up, tile_candidates("gate_up", block_m))
-        down_us, down_tile = self.fastest(down, tile_candidates("down", block_m))
+        few_rows = self.layer.topk_ids.numel() <= self.shape.num_experts
+        gate_up_us, gate_up_tile = self.fastest(
+            gate_up, tile_candidates("gate_up", block_m, few_rows))
+        down_us, down_tile = self.fastest(down, tile_candidates("down", block_m, few_rows))
         overhead_us = time_launches([self.align_and_sum_for(block_m)], self.repeats)
         print(f"  block_m {block_m} group_m {group_m}: gate/up {gate_up_us:.1f} us, down "
               f"{down_us:.1f} us, alignment and sum {overhead_us:.1f} us", flush=True)
@@ -351,16 +395,16 @@ def tune_size(shape: MoeShape, num_tokens: int, args) -> dict:
         plans={block_m: moe.align_by_expert(layer.topk_ids, shape.num_experts, block_m)
                for block_m in block_m_candidates(num_tokens, shape)},
         repeats=args.repeats)
-    candidates = [tuning.grouped(block_m, group_m)
-                  for block_m, group_m in itertools.product(tuning.plans, GROUP_M)]
-    if num_tokens <= ROWWISE_MAX_TOKENS:
-        candidates.append(tuning.rowwise())
+    # The row-wise path first where it may win: a budget cut short then has timed it.
+    candidates = [tuning.rowwise()] if num_tokens <= ROWWISE_MAX_TOKENS else []
+    candidates += [tuning.grouped(block_m, group_m) for block_m, group_m in
+                   itertools.product(tuning.plans, group_m_candidates(num_tokens, shape))]
     for total, config in candidates:
         print(f"  tokens {num_tokens}: {total:.1f} us {config_literal(config)}", flush=True)
     total, config = min(candidates, key=lambda candidate: candidate[0])
     inputs = (layer.hidden, layer.w13[0], layer.w2[0], layer.topk_weights, layer.topk_ids)
     out = moe.fused_moe(*inputs, config=config)
-    return {"tokens": num_tokens, "layer_us": total, "config": asdict(config),
+    return {"tokens": num_tokens, "layer_us": total, "config": moe.config_to_json(config),
             "relative_error": relative_error(out, moe.fused_moe_reference(*inputs)),
             "literal": config_literal(config)}
 
@@ -374,16 +418,34 @@ def config_literal(config: moe.MoeConfig) -> str:
             f"{tile(config.down)})")
 
 
+def write_tuned(shape: MoeShape, tuned: list[dict]) -> Path:
+    """Merge the counts tuned now into the shape's tuned table (the counts tuned before,
+    from the target folder or gpu/kernels/moe_configs/, stay unless re-tuned); return its
+    path. A count covers the counts above the previous tuned one (fused_moe.config_for)."""
+    name = moe.tuned_table_name(shape.num_experts, shape.hidden, shape.intermediate, DTYPE,
+                                torch.cuda.get_device_name())
+    folder = Path(os.environ.get(moe.MOE_CONFIGS_ENV)
+                  or Path(os.environ.get("OUT", ".")) / "moe_configs")
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    entries: dict[int, dict] = {}
+    for earlier in (moe.BUILTIN_CONFIGS / name, path):
+        if earlier.is_file():
+            entries |= {entry["tokens"]: entry
+                        for entry in json.loads(earlier.read_text())["configs"]}
+    for record in tuned:
+        entries[record["tokens"]] = {key: record[key] for key in
+                                     ("tokens", "layer_us", "relative_error", "config")}
+    path.write_text(json.dumps({"environment": environment(), "shape": asdict(shape),
+                                "configs": [entries[t] for t in sorted(entries)]}, indent=2))
+    moe.read_table(path)  # it must read back
+    return path
+
+
 def print_tuned(tuned: list[dict]) -> None:
-    """The table to paste: each tuned count covers up to the geometric middle of the
-    next one."""
-    print("\nCONFIGS: tuple[tuple[int, MoeConfig], ...] = (")
-    for record, following in zip(tuned, [*tuned[1:], None], strict=True):
-        bound = "1 << 62" if following is None else str(
-            int((record["tokens"] * following["tokens"]) ** 0.5))
-        print(f"    ({bound}, {record['literal']}),  # tuned at {record['tokens']} tokens: "
-              f"{record['layer_us']:.1f} us, rel.err {record['relative_error']:.1e}")
-    print(")")
+    for record in tuned:
+        print(f"  {record['tokens']:>5} tokens: {record['layer_us']:.1f} us "
+              f"{record['literal']} (rel.err {record['relative_error']:.1e})")
 
 
 def environment() -> dict:
@@ -401,6 +463,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=4,
                         help="weight copies cycled through (keeps the experts out of L2)")
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="--tune: stop timing new candidates after this many seconds")
     return parser.parse_args(argv)
 
 
@@ -416,6 +480,8 @@ def main() -> None:
     results: dict = {"environment": environment(), "args": vars(args), "models": {}}
     print(json.dumps(results["environment"]))
     models = list(SHAPES) if args.model == "all" else [args.model]
+    if args.budget_s is not None:
+        Budget.deadline = time.monotonic() + args.budget_s
     failed = 0
     for model in models:
         records = []
@@ -435,8 +501,15 @@ def main() -> None:
             results["models"][model] = records
             out_path.write_text(json.dumps(results, indent=2))  # what a timeout leaves
         if args.tune:
+            # Only counts timed within the budget and checked against the reference.
+            tuned = [r for r in records if "error" not in r and r["layer_us"] < float("inf")
+                     and r["relative_error"] < TOLERANCE]
             print(f"\n{model}:")
-            print_tuned([r for r in records if "error" not in r])
+            print_tuned(tuned)
+            if tuned:
+                print(f"tuned table: {write_tuned(SHAPES[model], tuned)} (commit it to "
+                      f"gpu/kernels/moe_configs/); {Budget.skipped} candidates skipped "
+                      "past the budget")
         else:
             print_table(model, records)
     print(f"\n{failed} sizes failed or exceeded relative error {TOLERANCE}")

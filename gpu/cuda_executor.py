@@ -69,9 +69,11 @@ from trio_llm.gpu.cuda_sampler import (
 )
 from trio_llm.gpu.cuda_streams import DoneEvent, Event, Lane
 from trio_llm.gpu.executor import (
+    copy_state_slots,
     load_executor_model,
 )
-from trio_llm.gpu.models.base import AttentionMetadata, CausalLM
+from trio_llm.gpu.models.base import CausalLM, StateCache
+from trio_llm.gpu.models.cuda_hybrid import CudaStepMetadata
 from trio_llm.gpu.pooling import pooled_output, pooled_vectors
 from trio_llm.gpu.request_table import RequestState, RequestTable
 from trio_llm.gpu.sampler import (
@@ -215,7 +217,10 @@ class CudaModelExecutor:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.num_state_slots = num_state_slots
-        self.kv_caches = model.allocate_kv_caches(num_kv_blocks, block_size)
+        # every layer's cache: KV pairs, and a linear-attention layer's state slots
+        self.kv_caches = model.allocate_caches(num_kv_blocks, block_size, num_state_slots)
+        self.state_caches = [cache for cache in self.kv_caches
+                             if isinstance(cache, StateCache)]
         self.table = RequestTable(vocab_size=self.vocab_size, device=self.device,
                                   block_size=block_size,
                                   max_positions=model.rotary.max_positions)
@@ -248,7 +253,9 @@ class CudaModelExecutor:
     def start(self, options: CudaExecutorOptions) -> None:
         """Allocate streams, slots and the block table; fuse kernels; capture graphs."""
         self.options = options
-        if options.use_fused_kernels:
+        # a model with linear-attention layers runs fused whatever the options: its
+        # torch forward reads each sequence's slot on the host, which a graph cannot
+        if options.use_fused_kernels or self.state_caches:
             from trio_llm.gpu.models.cuda_fused import fuse_model
 
             fuse_model(self.model)
@@ -269,7 +276,9 @@ class CudaModelExecutor:
                                        dtype=torch.int32, device=self.device)
         self.planner = StepPlanner(self.table, vocab_size=self.vocab_size,
                                    max_blocks_per_seq=self.max_blocks_per_seq,
-                                   num_table_rows=num_table_rows)
+                                   num_table_rows=num_table_rows,
+                                   num_state_slots=self.num_state_slots if self.state_caches
+                                   else 0)
         self._outstanding: list[PendingStep] = []
         self.stats = ExecutorStatistics()
         self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, options.max_num_seqs,
@@ -309,6 +318,7 @@ class CudaModelExecutor:
         self._update_states(batch)
         step = self._plan(batch)
         if step.num_tokens == 0:
+            self._copy_states(step)
             return PendingStep(step_id=batch.step_id, request_ids=[], done=DoneEvent()), None
         kind = step.kind
         self._pad_for_graph(step)
@@ -434,6 +444,8 @@ class CudaModelExecutor:
             if new_request.sampling.has_penalties:
                 with self.compute.context():  # ordered after the steps that used the row
                     self.table.register_penalties(new_request, self._token_ids_on_device)
+        if self.state_caches and batch.new_requests:
+            check_restored_states(batch, self.table)
 
     def _token_ids_on_device(self, token_ids: list[int]) -> torch.Tensor:
         if not token_ids:
@@ -487,6 +499,7 @@ class CudaModelExecutor:
             self.compute.wait(slot.download_done)  # device_sampled was copied out by then
             compute_started = (self.compute.record(timing=True)
                                if self.options.measure_device_time else None)
+            self._copy_states(step)
             ints = Segments(slot.device_ints, int_offsets)
             floats = Segments(slot.device_floats, float_offsets)
             logits = self._compute_logits(step, ints)
@@ -586,11 +599,13 @@ class CudaModelExecutor:
         token_ids = ints["token_ids"]
         if step.num_tokens_from_device:
             token_ids = with_previous_tokens(token_ids, self.device_sampled)
-        metadata = AttentionMetadata(
+        metadata = CudaStepMetadata(
             slot_mapping=ints["slot_mapping"],
             block_tables=self.block_table.index_select(0, ints["table_rows"]),
             context_lens=ints["context_lens"].to(torch.int32),
             query_start_loc=ints["query_start_loc"].to(torch.int32),
+            state_slot_ids=ints["state_slots"] if self.state_caches else None,
+            is_decode=step.num_tokens == step.num_seqs,  # unpadded: one token each
         )
         hidden = self.model(token_ids, ints["positions"], self.kv_caches, metadata)
         if ints.length("prompt_logprob_rows"):
@@ -598,6 +613,13 @@ class CudaModelExecutor:
         if step.pooling_chunks:
             step.pooled = pooled_vectors(hidden, step.pooling_chunks)
         return self.model.compute_logits(hidden.index_select(0, ints["logits_indices"]))
+
+    def _copy_states(self, step: HostStep) -> None:
+        """The batch's state copies, in order, on the compute stream (the current one):
+        after every step launched before, before this step's forward."""
+        if step.state_copies:
+            with self.compute.context(), torch.inference_mode():
+                copy_state_slots(self.state_caches, step.state_copies, self.num_state_slots)
 
     def _apply_table_updates(self, ints: Segments) -> None:
         if ints.length("update_indices"):
@@ -643,6 +665,24 @@ class CudaModelExecutor:
 
 
 # -- helpers -----------------------------------------------------------------------------
+
+
+def check_restored_states(batch: ScheduledBatch, table: RequestTable) -> None:
+    """A request admitted with computed tokens (a prefix-cache hit) continues from its
+    slot's state: the batch must restore one into it (ScheduledBatch.state_copies), or
+    it would continue from another request's state (the CPU executor checks the same)."""
+    restored = {destination for _, destination in batch.state_copies}
+    new_ids = {new_request.request_id for new_request in batch.new_requests}
+    for scheduled in batch.requests:
+        if scheduled.request_id not in new_ids or not scheduled.num_computed_tokens:
+            continue
+        slot = table.state(scheduled.request_id).state_slot
+        if slot not in restored:
+            raise ValueError(
+                f"request {scheduled.request_id!r} is admitted with "
+                f"{scheduled.num_computed_tokens} computed tokens, but no state was "
+                f"restored into its state slot {slot} (ScheduledBatch.state_copies): a "
+                f"model with linear-attention layers cannot reuse cached KV blocks alone")
 
 
 def stage_token_bitmasks(token_bitmasks: list[bytes], *, row_indices: list[int],

@@ -26,7 +26,8 @@ from typing import Any
 import torch
 
 from trio_llm.gpu.cuda_streams import Lane
-from trio_llm.gpu.models.base import AttentionMetadata, CausalLM, KVCache
+from trio_llm.gpu.models.base import CausalLM, LayerCache, StateCache
+from trio_llm.gpu.models.cuda_hybrid import CudaStepMetadata
 from trio_llm.gpu.step_packing import INT_SEGMENTS, Segments, end, offsets
 
 # Decode batch sizes that get a CUDA graph; a decode step runs the smallest that fits.
@@ -124,23 +125,31 @@ class StaticInputs:
         self.buffer[:num_words].copy_(ints.buffer[:num_words])
 
 
+def has_state_slots(caches: list[LayerCache]) -> bool:
+    """Whether the model has linear-attention layers (its steps carry state slots)."""
+    return any(isinstance(cache, StateCache) for cache in caches)
+
+
 class DecodeGraphs:
     """Decode steps by batch size; static inputs: token ids, positions, slots, context
-    lengths (a decode step's first four segments, all of the batch size)."""
+    lengths and, for a model with linear-attention layers, state slots (a decode step's
+    first five segments, all of the batch size; the last empty for other models)."""
 
-    def __init__(self, model: CausalLM, kv_caches: list[KVCache], max_batch: int,
+    def __init__(self, model: CausalLM, kv_caches: list[LayerCache], max_batch: int,
                  max_blocks_per_seq: int, sampled: torch.Tensor) -> None:
         device = model.device
         self._model, self._kv_caches, self._sampled = model, kv_caches, sampled
+        self.has_state_slots = has_state_slots(kv_caches)
         self.inputs = StaticInputs(self._lengths(max_batch), device)
         self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int64, device=device)
         self.block_tables = torch.zeros((max_batch, max_blocks_per_seq), dtype=torch.int32,
                                         device=device)
         self.graphs: dict[int, CapturedStep] = {}
 
-    @staticmethod
-    def _lengths(batch_size: int) -> dict[str, int]:
-        return dict.fromkeys(INT_SEGMENTS[:4], batch_size)
+    def _lengths(self, batch_size: int) -> dict[str, int]:
+        lengths = dict.fromkeys(INT_SEGMENTS[:5], batch_size)
+        lengths["state_slots"] = batch_size if self.has_state_slots else 0
+        return lengths
 
     def batch_size_for(self, num_seqs: int) -> int | None:
         return next((size for size in sorted(self.graphs) if size >= num_seqs), None)
@@ -150,14 +159,17 @@ class DecodeGraphs:
         # an empty step (what a larger size's capture left there would be read as one)
         self.inputs.buffer.zero_()
         views["slot_mapping"].fill_(-1)  # slot -1: writes nothing
+        views["state_slots"].fill_(-1)  # nor into a state slot
         self.graphs[batch_size] = CapturedStep(lambda: self._forward(batch_size, views),
                                                lane, pool)
 
     def _forward(self, batch_size: int, views: Segments) -> torch.Tensor:
-        metadata = AttentionMetadata(slot_mapping=views["slot_mapping"],
-                                     block_tables=self.block_tables[:batch_size],
-                                     context_lens=views["context_lens"],
-                                     query_start_loc=self.query_start_loc[:batch_size + 1])
+        metadata = CudaStepMetadata(
+            slot_mapping=views["slot_mapping"], block_tables=self.block_tables[:batch_size],
+            context_lens=views["context_lens"],
+            query_start_loc=self.query_start_loc[:batch_size + 1],
+            state_slot_ids=views["state_slots"] if self.has_state_slots else None,
+            is_decode=True)
         token_ids = with_previous_tokens(views["token_ids"], self._sampled)
         hidden = self._model(token_ids, views["positions"], self._kv_caches, metadata)
         return self._model.compute_logits(hidden)
@@ -171,24 +183,27 @@ class DecodeGraphs:
 
 class VarlenGraphs:
     """Steps with prefill tokens by token count; static inputs: token ids, positions,
-    slots, and per sequence slot its context length, query start, block-table row, and
-    per logits row the token it reads (a padded step's first seven segments)."""
+    slots, and per sequence slot its context length, state slot (a model with
+    linear-attention layers; empty otherwise), query start, block-table row, and per
+    logits row the token it reads (a padded step's first eight segments)."""
 
-    def __init__(self, model: CausalLM, kv_caches: list[KVCache], max_tokens: int,
+    def __init__(self, model: CausalLM, kv_caches: list[LayerCache], max_tokens: int,
                  max_num_seqs: int, max_blocks_per_seq: int, sampled: torch.Tensor) -> None:
         device = model.device
         self._model, self._kv_caches, self._sampled = model, kv_caches, sampled
+        self.has_state_slots = has_state_slots(kv_caches)
         self.max_num_seqs = max_num_seqs
         self.inputs = StaticInputs(self._lengths(max_tokens, max_num_seqs + 1), device)
         self.block_tables = torch.zeros((max_num_seqs + 1, max_blocks_per_seq),
                                         dtype=torch.int32, device=device)
         self.graphs: dict[int, CapturedStep] = {}
 
-    @staticmethod
-    def _lengths(num_tokens: int, num_slots: int) -> dict[str, int]:
+    def _lengths(self, num_tokens: int, num_slots: int) -> dict[str, int]:
         return {"token_ids": num_tokens, "positions": num_tokens, "slot_mapping": num_tokens,
-                "context_lens": num_slots, "query_start_loc": num_slots + 1,
-                "table_rows": num_slots, "logits_indices": num_slots - 1}
+                "context_lens": num_slots,
+                "state_slots": num_slots if self.has_state_slots else 0,
+                "query_start_loc": num_slots + 1, "table_rows": num_slots,
+                "logits_indices": num_slots - 1}
 
     def num_seq_slots(self, num_tokens: int) -> int:
         """Sequence slots of the graph of ``num_tokens`` tokens: one more than it can
@@ -205,16 +220,17 @@ class VarlenGraphs:
         views = self.inputs.views(num_tokens, self._lengths(num_tokens, num_slots))
         self.inputs.buffer.zero_()
         views["slot_mapping"].fill_(-1)
+        views["state_slots"].fill_(-1)
         # an empty step: every sequence slot empty, the last one owning every token
         views["query_start_loc"][num_slots] = num_tokens
         self.graphs[num_tokens] = CapturedStep(lambda: self._forward(num_slots, views),
                                                lane, pool)
 
     def _forward(self, num_slots: int, views: Segments) -> torch.Tensor:
-        metadata = AttentionMetadata(slot_mapping=views["slot_mapping"],
-                                     block_tables=self.block_tables[:num_slots],
-                                     context_lens=views["context_lens"],
-                                     query_start_loc=views["query_start_loc"])
+        metadata = CudaStepMetadata(
+            slot_mapping=views["slot_mapping"], block_tables=self.block_tables[:num_slots],
+            context_lens=views["context_lens"], query_start_loc=views["query_start_loc"],
+            state_slot_ids=views["state_slots"] if self.has_state_slots else None)
         token_ids = with_previous_tokens(views["token_ids"], self._sampled)
         hidden = self._model(token_ids, views["positions"], self._kv_caches, metadata)
         return self._model.compute_logits(hidden.index_select(0, views["logits_indices"]))

@@ -33,8 +33,10 @@ class StepPlanner:
     the planning of each step from it."""
 
     def __init__(self, table: RequestTable, *, vocab_size: int, max_blocks_per_seq: int,
-                 num_table_rows: int) -> None:
+                 num_table_rows: int, num_state_slots: int = 0) -> None:
         self.table = table
+        # a model with linear-attention layers: every request has one of these slots
+        self.num_state_slots = num_state_slots
         self.penalty_counts = table.penalty_counts
         self.vocab_size = vocab_size
         self.block_size = table.block_size
@@ -65,7 +67,9 @@ class StepPlanner:
         """A new request (or a restarted one, whose earlier state goes)."""
         request_id = new_request.request_id
         self.forget(request_id)
-        self.table.add(new_request)
+        state = self.table.add(new_request)
+        if self.num_state_slots:  # refused here, before any step uses it
+            self.table.state_slot(request_id, state, self.num_state_slots)
         if not self._free_table_rows:  # the executor grows its table to num_table_rows
             self._free_table_rows = list(range(2 * self.num_table_rows - 1,
                                                self.num_table_rows - 1, -1))
@@ -110,6 +114,8 @@ class StepPlanner:
         token_ids, positions = ints["token_ids"], ints["positions"]
         slot_mapping, context_lens = ints["slot_mapping"], ints["context_lens"]
         query_start_loc, table_rows = ints["query_start_loc"], ints["table_rows"]
+        state_slots = ints["state_slots"] if self.num_state_slots else None
+        step.state_copies = batch.state_copies
         logits_indices, row_values = ints["logits_indices"], step.row_values
         output_indices, sampled_request_ids = ints["output_indices"], step.sampled_request_ids
         requests, rows_by_id, block_size = self.requests, self._table_rows, self.block_size
@@ -164,6 +170,8 @@ class StepPlanner:
             else:  # its positions too
                 self._insert_long_chunk(step, blocks, start, context_len)
             context_lens.append(context_len)
+            if state_slots is not None:
+                state_slots.append(state.state_slot)  # type: ignore[arg-type]  # registered
             query_start_loc.append(len(token_ids))
             table_rows.append(row)
             if scheduled.sample:

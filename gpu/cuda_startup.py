@@ -33,6 +33,12 @@ def report_kv_cache(executor: CudaModelExecutor) -> None:
     logger.info("KV cache: %d blocks of %d tokens = %d tokens, %.2f GiB (%s)",
                 executor.num_kv_blocks, executor.block_size, num_tokens,
                 num_tokens * bytes_per_token / GIB, executor.device)
+    if executor.state_caches:  # a model with linear-attention layers
+        slot_bytes = executor.model.state_bytes_per_slot
+        logger.info("state cache: %d slots of %.1f MiB over %d linear-attention layers, "
+                    "%.2f GiB (%s)", executor.num_state_slots, slot_bytes / 2**20,
+                    len(executor.state_caches), executor.num_state_slots * slot_bytes / GIB,
+                    executor.device)
 
 
 def warm_up(executor: CudaModelExecutor) -> None:
@@ -47,8 +53,11 @@ def warm_up(executor: CudaModelExecutor) -> None:
     penalized = msgspec.structs.replace(plain, repetition_penalty=1.1)
     num_tokens = min(executor.block_size, executor.max_model_len)
     for sampling in (plain, penalized):
+        # a model with state slots: slot 0, which (like block 0) holds nothing yet, and
+        # which a request starting from scratch never reads
         new_request = NewRequestData(request_id=request_id, sampling=sampling,
-                                     prompt_token_ids=[0] * num_tokens)
+                                     prompt_token_ids=[0] * num_tokens,
+                                     state_slot=0 if executor.state_caches else None)
         batch = ScheduledBatch(
             step_id=-1, new_requests=[new_request],
             requests=[ScheduledRequest(request_id=request_id, token_ids=[0] * num_tokens,
@@ -68,9 +77,13 @@ def capture_graphs(executor: CudaModelExecutor) -> None:
     options = executor.options
     decode_sizes = sorted({size for size in DECODE_BATCH_SIZES if size < options.max_num_seqs}
                           | {options.max_num_seqs}, reverse=True)
-    varlen_sizes = sorted({size for size in VARLEN_GRAPH_TOKENS
-                           if size < options.max_num_batched_tokens}
-                          | {options.max_num_batched_tokens}, reverse=True)
+    # A varlen graph of max_num_seqs + 1 tokens would have as many sequence slots as
+    # tokens, and the attention would take it for a decode step (one token a sequence):
+    # that size is left to the next larger graph.
+    varlen_sizes = sorted(({size for size in VARLEN_GRAPH_TOKENS
+                            if size < options.max_num_batched_tokens}
+                           | {options.max_num_batched_tokens}) - {options.max_num_seqs + 1},
+                          reverse=True)
     pool = None
     if executor.device.type == "cuda":
         pool = torch.cuda.graph_pool_handle()

@@ -341,6 +341,10 @@ def load_executor_model(config: EngineConfig, *, parallel: TensorParallel | None
     if device.type == "cpu":
         configure_cpu_threads()
         model.attention_backend.warm_up()
+        if model.num_linear_attention_layers:
+            from trio_llm.gpu.kernels import cpu_linear_attention
+
+            cpu_linear_attention.warm_up()
         _fuse_cpu_model(model)
     return LoadedModel(model=model, model_path=description.model_path,
                        num_kv_blocks=num_kv_blocks, block_size=config.block_size,

@@ -33,8 +33,10 @@ from trio_llm.gpu.sampler import PromptLogprobRows, SamplingRow
 
 # One value per input token, in this order, at the start of the upload.
 TOKEN_SEGMENTS = ("token_ids", "positions", "slot_mapping")
-# One value per sequence (query_start_loc: one more).
-SEQUENCE_SEGMENTS = ("context_lens", "query_start_loc", "table_rows")
+# One value per sequence (query_start_loc: one more); state_slots only for a model with
+# linear-attention layers (empty otherwise), right after context_lens so that a decode
+# graph's static inputs are the first five segments.
+SEQUENCE_SEGMENTS = ("context_lens", "state_slots", "query_start_loc", "table_rows")
 # Host-side int64 segments of one step's upload, in order.
 INT_SEGMENTS = (*TOKEN_SEGMENTS, *SEQUENCE_SEGMENTS, "logits_indices",
                 "update_indices", "update_block_ids", "top_ks", "seed_keys",
@@ -85,6 +87,8 @@ class HostStep:
     # segment name -> (index into ``ints[name]`` the array goes before, the array).
     inserts: dict[str, list[tuple[int, np.ndarray]]] = field(
         default_factory=lambda: {"positions": [], "slot_mapping": []})
+    # (source, destination) state slots copied, in order, before the forward
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
 
     def segment_length(self, name: str) -> int:
         """``ints[name]``'s length with the arrays inserted in it."""
@@ -117,6 +121,7 @@ def pad_decode_sequences(step: HostStep, num_seqs: int) -> None:
     num_padding = num_seqs - step.num_seqs
     step.ints["context_lens"] += [0] * num_padding
     step.ints["table_rows"] += [0] * num_padding
+    pad_state_slots(step, num_padding)
 
 
 def pad_varlen_sequences(step: HostStep, num_tokens: int, num_seqs: int,
@@ -129,8 +134,16 @@ def pad_varlen_sequences(step: HostStep, num_tokens: int, num_seqs: int,
     ints = step.ints
     ints["context_lens"] += [0] * num_padding
     ints["table_rows"] += [0] * num_padding
+    pad_state_slots(step, num_padding)
     ints["query_start_loc"] += [step.num_tokens] * (num_padding - 1) + [num_tokens]
     ints["logits_indices"] += [0] * (num_logits_rows - len(ints["logits_indices"]))
+
+
+def pad_state_slots(step: HostStep, num_padding: int) -> None:
+    """Padding sequences' state slot -1 (their states are read as zeros and never
+    written), for a model with state slots (its steps have one per sequence)."""
+    if step.ints["state_slots"]:
+        step.ints["state_slots"] += [-1] * num_padding
 
 
 def upload_capacity(max_num_tokens: int, max_num_seqs: int, block_size: int) -> tuple[int, int]:
@@ -145,7 +158,8 @@ def upload_capacity(max_num_tokens: int, max_num_seqs: int, block_size: int) -> 
     lengths = {
         "token_ids": max_num_tokens, "positions": max_num_tokens,
         "slot_mapping": max_num_tokens, "context_lens": num_seq_slots,
-        "query_start_loc": num_seq_slots + 1, "table_rows": num_seq_slots,
+        "state_slots": num_seq_slots, "query_start_loc": num_seq_slots + 1,
+        "table_rows": num_seq_slots,
         "logits_indices": max_num_seqs, "update_indices": num_updates,
         "update_block_ids": num_updates, "top_ks": max_num_seqs, "seed_keys": max_num_seqs,
         "output_indices": max_num_seqs, "bitmask_rows": max_num_seqs}

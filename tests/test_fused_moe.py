@@ -7,11 +7,14 @@ float32 shapes, so CI checks the kernels' logic too.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()  # without it, conftest.py runs Triton's interpreter
 
+from trio_llm.gpu.kernels import fused_moe as fused_moe_module  # noqa: E402
 from trio_llm.gpu.kernels.fused_moe import (  # noqa: E402
     CONFIGS,
     GemmConfig,
@@ -142,6 +145,52 @@ def test_the_configuration_table_covers_every_token_count():
     assert config_for(1) == CONFIGS[0][1]
     assert config_for(10**9) == CONFIGS[-1][1]
     assert [bound for bound, _ in CONFIGS] == sorted(bound for bound, _ in CONFIGS)
+
+
+def write_tuned_table(folder, w13, entries) -> None:
+    num_experts, two_intermediate, hidden = w13.shape
+    name = fused_moe_module.tuned_table_name(
+        num_experts, hidden, two_intermediate // 2, w13.dtype,
+        torch.cuda.get_device_name(w13.device) if HAS_CUDA else "cpu")
+    (folder / name).write_text(json.dumps({"configs": [
+        {"tokens": tokens, "config": fused_moe_module.config_to_json(config)}
+        for tokens, config in entries]}))
+
+
+def test_a_tuned_table_is_read_before_the_default_one(tmp_path, monkeypatch):
+    """A table tuned for the layer's shape, dtype and device (benchmarks/moe_kernel_bench.py
+    --tune writes one): each tuned count serves the counts above the previous one, and
+    counts above the last fall back to the default table."""
+    monkeypatch.setenv(fused_moe_module.MOE_CONFIGS_ENV, str(tmp_path))
+    layers = {num_tokens: random_layer(num_tokens, 4, 2, seed=num_tokens)
+              for num_tokens in (2, 3, 9)}
+    write_tuned_table(tmp_path, layers[2][1], [(8, SMALL), (2, ROWWISE)])
+    table = fused_moe_module.tuned_table(layers[2][1])
+    assert table == ((2, ROWWISE), (8, SMALL))
+    assert [config_for(n, table) for n in (1, 2, 3, 8)] == [ROWWISE, ROWWISE, SMALL, SMALL]
+    assert config_for(9, table) == config_for(9)
+    paths = []
+    for kind in ("rowwise", "gate_up"):
+        launch = getattr(fused_moe_module, f"launch_{kind}")
+        monkeypatch.setattr(fused_moe_module, f"launch_{kind}",
+                            lambda *args, kind=kind, launch=launch: (paths.append(kind),
+                                                                     launch(*args)))
+    for num_tokens, layer in layers.items():
+        out = fused_moe(*layer)  # no config given: the tables choose
+        assert relative_error(out, fused_moe_reference(*layer)) < TOLERANCE, num_tokens
+    # 2 tokens row-wise (tuned), 3 on SMALL's grouped path (tuned), 9 the default's
+    assert paths[:2] == ["rowwise", "gate_up"]
+    assert paths[2] == ("rowwise" if isinstance(config_for(9), RowwiseConfig) else "gate_up")
+
+
+def test_a_broken_tuned_table_is_named(tmp_path, monkeypatch):
+    monkeypatch.setenv(fused_moe_module.MOE_CONFIGS_ENV, str(tmp_path))
+    layer = random_layer(1, 4, 2, seed=8, hidden=24)  # a shape no other test tunes
+    write_tuned_table(tmp_path, layer[1], [(4, SMALL)])
+    path = next(tmp_path.iterdir())
+    path.write_text(path.read_text().replace('"grouped"', '"sideways"'))
+    with pytest.raises(ValueError, match=f"{path.name}.*sideways"):
+        fused_moe(*layer)
 
 
 @pytest.mark.parametrize("routing,num_experts,block_m", [

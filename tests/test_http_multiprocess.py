@@ -169,8 +169,10 @@ async def test_two_api_servers_serve_the_in_process_outputs_and_survive_one_dyin
 
 async def test_a_dead_engine_core_ends_every_request_with_an_error_and_every_process() -> None:
     with trio.fail_after(TIMEOUT):
-        async with serve_process(num_api_servers=2) as server:
-            request = {"prompt": "x", "max_tokens": 200, "ignore_eos": True}
+        # streams long enough that neither can end before the kill, however busy the
+        # machine (200 tokens once did); both fit the 64 KV blocks of 16 tokens
+        async with serve_process("--max-model-len", "512", num_api_servers=2) as server:
+            request = {"prompt": "x", "max_tokens": 480, "ignore_eos": True}
             streams = [await open_stream_on(server, f"api-server-{index}", request)
                        for index in range(2)]
             os.kill(server.pids["core"], signal.SIGKILL)

@@ -317,7 +317,7 @@ BAD_REQUESTS = [
                               "response_format": {"type": "xml"}}, "response_format.type"),
     ("/v1/chat/completions", {"messages": [{"role": "user",
                                             "content": [{"type": "image_url"}]}]},
-     "messages[0].content"),
+     "messages[0].content[0]"),
     ("/tokenize", {"prompt": "x", "messages": []}, "prompt"),
     ("/detokenize", {"tokens": [-1]}, "tokens[0]"),
     ("/detokenize", {"tokens": [999]}, "tokens"),

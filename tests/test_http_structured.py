@@ -174,16 +174,20 @@ async def test_required_tool_choice_yields_valid_calls_streamed_or_not(parallel:
             response = await client.chat.completions.create(**fields)
             chunks = await stream_chat(sync_client, **fields)
     choice = response.choices[0]
-    assert choice.finish_reason == "tool_calls"
     calls = choice.message.tool_calls or []
     assert calls and (parallel or len(calls) == 1)
-    for call in calls:
+    # One call must end; parallel calls are an array the random model may go on
+    # filling until max_tokens, whose last call is then cut short.
+    assert choice.finish_reason == "tool_calls" or (parallel and choice.finish_reason == "length")
+    complete = calls if choice.finish_reason == "tool_calls" else calls[:-1]
+    for call in complete:
         jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    for call in calls:
         assert call.id.startswith("call_") and call.type == "function"
     assert choice.message.content is None
     assert reassembled_calls(chunks) == [(call.function.name, call.function.arguments)
                                          for call in calls]
-    assert finish_reasons(chunks) == ["tool_calls"]
+    assert finish_reasons(chunks) == [choice.finish_reason]
 
 
 async def test_named_tool_choice_yields_arguments_that_validate() -> None:

@@ -320,3 +320,55 @@ def test_a_request_without_a_slot_is_refused_by_name(checkpoint, prompts):
     with pytest.raises(ValueError, match="request 'a' has state slot None"):
         executor.execute(_step(0, [_scheduled("a", prompts[0], 0, [0])], new=[
             NewRequestData(request_id="a", sampling=GREEDY)]))
+
+
+def _config_data(**changes) -> dict:
+    """A Qwen3.5 text config.json's contents, with ``changes``."""
+    data = transformers.Qwen3_5TextConfig(**TEXT, intermediate_size=96).to_dict()
+    data["architectures"] = ["Qwen3_5ForCausalLM"]
+    return data | changes
+
+
+@pytest.mark.parametrize(("changes", "problem"), [
+    ({"layer_types": ["linear_attention"] * 4 + ["sliding_attention"]},
+     r"unsupported layer_types \['sliding_attention'\]"),
+    ({"layer_types": ["linear_attention", "full_attention"]},
+     "layer_types names 2 layers, num_hidden_layers is 5"),
+    ({"linear_num_value_heads": 3}, "linear_num_value_heads \\(3\\) must be a multiple"),
+    ({"hidden_act": "gelu"}, "unsupported hidden_act"),
+])
+def test_a_config_the_family_cannot_serve_is_refused_by_name(changes, problem):
+    from trio_llm.gpu.models import ModelLoadError, parse_model_config
+
+    with pytest.raises(ModelLoadError, match=problem):
+        parse_model_config(_config_data(**changes))
+
+
+def test_a_config_without_layer_types_puts_full_attention_every_fourth_layer():
+    from trio_llm.gpu.models import parse_model_config
+
+    data = _config_data(num_hidden_layers=8)
+    del data["layer_types"]
+    config = parse_model_config(data)
+    assert [config.is_linear_attention_layer(index) for index in range(8)] == [
+        True, True, True, False] * 2
+
+
+def test_a_tensor_parallel_size_that_splits_no_linear_heads_is_refused_by_name():
+    from trio_llm.gpu.models import ModelLoadError, parse_model_config
+    from trio_llm.gpu.tensor_parallel import check_divisible
+
+    config = parse_model_config(_config_data(linear_num_key_heads=3,
+                                             linear_num_value_heads=6))
+    with pytest.raises(ModelLoadError, match="linear-attention key heads"):
+        check_divisible(config, 2)
+
+
+@pytest.mark.gpu
+def test_cuda_greedy_generation_matches_transformers(checkpoint, prompts):
+    """On CUDA, float32, the family's torch forward (the plain executor: Triton attention,
+    the linear attention's recurrent form in torch): transformers' greedy tokens."""
+    directory, model = checkpoint
+    requests, _ = _run_executor(directory, prompts, block_size=16, device="cuda")
+    for request, prompt in zip(requests, prompts, strict=True):
+        assert request.output_token_ids == _reference(model, prompt)[0]

@@ -103,6 +103,20 @@ def test_rules_give_power_of_two_blocks_and_enough_programs(candidate):
         assert num_programs >= triton_gemv.MIN_PROGRAMS or config.block_n == 1
 
 
+def test_few_outputs_take_all_of_k_in_one_step():
+    """An MoE router (128 or 256 experts) under the default rule: one K step a program,
+    a warp per 1024 inputs; it still matches float32 and stays batch invariant."""
+    for num_outputs, num_inputs in [(128, 2048), (256, 2048), (128, 4096), (60, 2048)]:
+        config = triton_gemv.gemv_config(num_outputs, num_inputs)
+        assert config.block_k == num_inputs and config.num_warps == num_inputs // 1024
+    config = triton_gemv.gemv_config(8, 1000)
+    assert (config.block_k, config.num_warps) == (1024, 1)
+    x, weight = random(2, 1000, seed=13), random(8, 1000, seed=14)
+    out = gemv(x, weight, config=config)
+    assert relative_error(out, float32_linear(x, weight)) < 1e-2
+    assert torch.equal(gemv(x[:1], weight, config=config), out[:1])
+
+
 @pytest.fixture
 def large_blocks_on_cpu(monkeypatch):
     """A few large programs per launch: the interpreter runs each one in Python."""
@@ -179,3 +193,39 @@ def test_fused_model_with_gemv_matches_the_plain_model_on_a_decode_batch(
     assert relative_error(out, expected) < tolerance
     assert relative_error(logits, expected_logits) < tolerance
     assert torch.equal(logits.argmax(-1), expected_logits.argmax(-1))
+
+
+@pytest.mark.gpu
+def test_a_pdl_launch_gives_the_same_bits_inside_a_graph(monkeypatch):
+    """TRIO_LLM_PDL=1 (gpu/kernels/pdl.py): a norm that lets the next kernel launch early,
+    then a gemv launched with PDL, captured in a CUDA graph and replayed on new inputs:
+    the same bits as the plain launches."""
+    from trio_llm.gpu.kernels import pdl, triton_layers
+
+    x, residual = random(1, 2048, seed=15), random(1, 2048, seed=16)
+    norm_weight, weight = random(2048, seed=17), random(5120, 2048, seed=18)
+    inputs = [random(1, 2048, seed=seed) for seed in (19, 20)]
+
+    def step() -> torch.Tensor:
+        normed, _ = triton_layers.add_rms_norm(x, residual, norm_weight, 1e-6)
+        return gemv(normed, weight)
+
+    expected = []
+    for values in inputs:
+        x.copy_(values)
+        expected.append(step())
+    monkeypatch.setenv("TRIO_LLM_PDL", "1")
+    pdl.pdl_enabled.cache_clear()
+    try:
+        if not pdl.pdl_enabled(DEVICE):
+            pytest.skip("PDL needs SM 9.0 or later and Triton's grid dependency control")
+        step()  # compiles the PDL variants outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step()
+        for values, bits in zip(inputs, expected, strict=True):
+            x.copy_(values)
+            graph.replay()
+            assert torch.equal(out, bits)
+    finally:
+        pdl.pdl_enabled.cache_clear()

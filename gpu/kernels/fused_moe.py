@@ -29,12 +29,15 @@ and a slice of its expert's columns, a down program one token and a slice of
 the hidden columns, summing its slots in float32 registers. Both are GEMVs that
 stream each weight once per row using it: two launches per layer.
 
-Block sizes come from a small table keyed by the token count (``CONFIGS``;
-decode wants the row-wise path or short row blocks and many column blocks,
-prefill long row blocks), not from autotuning: the kernels run inside CUDA
-graphs, and the interpreter that runs them in CI is too slow to tune.
-benchmarks/moe_kernel_bench.py ``--tune`` sweeps them on the device and prints
-the table.
+Block sizes come from a table keyed by the token count, not from autotuning:
+the kernels run inside CUDA graphs, and the interpreter that runs them in CI is
+too slow to tune. A tuned table for the layer's shape, dtype and device
+(``tuned_table``: a JSON file that benchmarks/moe_kernel_bench.py ``--tune``
+writes, kept in gpu/kernels/moe_configs/ or in the folder that
+``TRIO_LLM_MOE_CONFIGS`` names) is consulted first, as vLLM consults its tuned
+configs; counts above its largest tuned one, and layers without one, use the
+default ``CONFIGS`` (decode wants the row-wise path or short row blocks and
+many column blocks, prefill long row blocks).
 
 The GPU path is not batch invariant (the path and tiles, hence the float32 sum
 order, depend on the token count); the batch-invariant path is the CPU one.
@@ -43,7 +46,11 @@ order, depend on the token count); the batch-invariant path is the CPU one.
 
 from __future__ import annotations
 
+import functools
+import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -94,7 +101,7 @@ MoeConfig = GroupedConfig | RowwiseConfig
 
 # (largest token count, configuration), in increasing order; the last entry covers
 # every larger count. Guesses from the shapes of qwen3-30b-a3b (H=2048, E=128,
-# top-8, I=768) until benchmarks/moe_kernel_bench.py --tune replaces them.
+# top-8, I=768), for layers without a tuned table (``tuned_table``).
 CONFIGS: tuple[tuple[int, MoeConfig], ...] = (
     (2, RowwiseConfig(GemmConfig(16, 256, 4, 3), GemmConfig(8, 256, 4, 4))),
     (32, GroupedConfig(16, 1, GemmConfig(32, 128, 4, 4), GemmConfig(64, 128, 4, 4))),
@@ -105,12 +112,85 @@ CONFIGS: tuple[tuple[int, MoeConfig], ...] = (
 )
 
 
-def config_for(num_tokens: int) -> MoeConfig:
-    """The table's configuration for ``num_tokens`` tokens."""
-    for max_tokens, config in CONFIGS:
-        if num_tokens <= max_tokens:
-            return config
+ConfigTable = tuple[tuple[int, MoeConfig], ...]
+
+
+def config_for(num_tokens: int, tuned: ConfigTable = ()) -> MoeConfig:
+    """The configuration for ``num_tokens`` tokens: the ``tuned`` entry of the smallest
+    tuned count at or above it, else the default table's."""
+    for table in (tuned, CONFIGS):
+        for max_tokens, config in table:
+            if num_tokens <= max_tokens:
+                return config
     return CONFIGS[-1][1]
+
+
+# A folder of tuned tables searched before gpu/kernels/moe_configs/ (a tuning run's
+# output, tried before it is committed).
+MOE_CONFIGS_ENV = "TRIO_LLM_MOE_CONFIGS"
+BUILTIN_CONFIGS = Path(__file__).parent / "moe_configs"
+
+
+def tuned_table_name(num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype,
+                     device_name: str) -> str:
+    """The file name of a tuned table: one per layer shape (this rank's intermediate
+    size), weight dtype and device model."""
+    dtype_name = str(dtype).removeprefix("torch.")
+    return (f"experts={num_experts},hidden={hidden},intermediate={intermediate},"
+            f"dtype={dtype_name},device={device_name.replace(' ', '_')}.json")
+
+
+@functools.cache
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+def tuned_table(w13: torch.Tensor) -> ConfigTable:
+    """The tuned table for the layer whose gate/up weights are ``w13`` [E, 2I, H] on its
+    device, or () where none was tuned."""
+    num_experts, two_intermediate, hidden = w13.shape
+    name = tuned_table_name(num_experts, hidden, two_intermediate // 2, w13.dtype,
+                            _device_name(w13.device))
+    return _find_table(name, os.environ.get(MOE_CONFIGS_ENV, ""))
+
+
+@functools.cache
+def _find_table(name: str, folder: str) -> ConfigTable:
+    for directory in ([Path(folder)] if folder else []) + [BUILTIN_CONFIGS]:
+        path = directory / name
+        if path.is_file():
+            return read_table(path)
+    return ()
+
+
+def read_table(path: Path) -> ConfigTable:
+    """A tuned table from its JSON file: ``{"configs": [{"tokens": T, "config": ...}]}``,
+    a config as ``config_to_json`` writes it; sorted by token count."""
+    try:
+        entries = json.loads(path.read_text())["configs"]
+        table = tuple(sorted((int(entry["tokens"]), config_from_json(entry["config"]))
+                             for entry in entries))
+    except (KeyError, TypeError, ValueError) as error:
+        raise ValueError(f"tuned MoE table {path}: {error!r}") from error
+    return table
+
+
+def config_to_json(config: MoeConfig) -> dict:
+    def tile(gemm: GemmConfig) -> list[int]:
+        return [gemm.block_n, gemm.block_k, gemm.num_warps, gemm.num_stages]
+    if isinstance(config, RowwiseConfig):
+        return {"path": "rowwise", "gate_up": tile(config.gate_up), "down": tile(config.down)}
+    return {"path": "grouped", "block_m": config.block_m, "group_m": config.group_m,
+            "gate_up": tile(config.gate_up), "down": tile(config.down)}
+
+
+def config_from_json(data: dict) -> MoeConfig:
+    gate_up, down = GemmConfig(*data["gate_up"]), GemmConfig(*data["down"])
+    if data["path"] == "rowwise":
+        return RowwiseConfig(gate_up, down)
+    if data["path"] == "grouped":
+        return GroupedConfig(int(data["block_m"]), int(data["group_m"]), gate_up, down)
+    raise ValueError(f"unknown path {data['path']!r} (rowwise or grouped)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -429,7 +509,7 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     """The MoE layer's output [T, H] for ``hidden`` [T, H], gate/up weights ``w13``
     [E, 2I, H] (rows [0, I) the gate, [I, 2I) the up projection), down weights ``w2``
     [E, H, I], and each token's experts ``topk_ids`` [T, k] with their routing weights
-    ``topk_weights`` [T, k]. ``config`` overrides the table (for tuning)."""
+    ``topk_weights`` [T, k]. ``config`` overrides the tables (for tuning)."""
     _check_inputs(hidden, w13, w2, topk_weights, topk_ids)
     num_tokens, hidden_size = hidden.shape
     num_experts, intermediate = w13.shape[0], w13.shape[1] // 2
@@ -437,7 +517,7 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     out = torch.empty((num_tokens, hidden_size), dtype=hidden.dtype, device=hidden.device)
     if num_tokens == 0 or top_k == 0:
         return out.zero_()
-    config = config or config_for(num_tokens)
+    config = config or config_for(num_tokens, tuned_table(w13))
     topk_weights, topk_ids = topk_weights.contiguous(), topk_ids.contiguous()
     num_rows = num_tokens * top_k
     activation = torch.empty((num_rows, intermediate), dtype=hidden.dtype, device=hidden.device)

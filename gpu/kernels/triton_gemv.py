@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from trio_llm.gpu.kernels.pdl import gdc_wait, pdl_enabled
+
 MAX_GEMV_ROWS = 8
 # The rule ``gemv`` uses unless told otherwise; see CANDIDATES. Fastest at one row in
 # captured decode graphs on the H200 (benchmarks/gemv_graph_ab.py, docs/performance.md).
@@ -50,27 +52,49 @@ class GemvConfig:
 
 
 @triton.jit
+def _weight_tile(weight_rows, output_mask, k, k_mask):
+    # Each weight is read once: let it leave the caches first, the activations last.
+    return tl.load(weight_rows + k[None, :], mask=output_mask[:, None] & k_mask[None, :],
+                   other=0.0, eviction_policy="evict_first").to(tl.float32)
+
+
+@triton.jit
+def _row_products(weight, x_ptr, k, k_mask):
+    """One row's products with one weight tile, summed per output."""
+    x = tl.load(x_ptr + k, mask=k_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    return tl.sum(weight * x[None, :], axis=1)
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, weight_ptr, bias_ptr, out_ptr, N, K, x_row_stride, weight_row_stride,
                  NUM_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+                 BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr):
     outputs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     output_mask = outputs < N
     columns = tl.arange(0, BLOCK_K)
     weight_rows = weight_ptr + outputs.to(tl.int64)[:, None] * weight_row_stride
     # One accumulator per row, each updated by the same code whatever NUM_ROWS is.
     sums = (tl.zeros([BLOCK_N], dtype=tl.float32),) * NUM_ROWS
+    first_step = 0
+    if USE_PDL:
+        # Launched while the kernel before runs (gpu/kernels/pdl.py): the first weight
+        # tile, which no kernel writes, is fetched before waiting for it; the sums are
+        # added in the same order as below.
+        weight = _weight_tile(weight_rows, output_mask, columns, columns < K)
+        gdc_wait()
+        for row in tl.static_range(NUM_ROWS):
+            row_sum = sums[row] + _row_products(weight, x_ptr + row * x_row_stride, columns,
+                                                columns < K)
+            sums = sums[:row] + (row_sum,) + sums[row + 1:]
+        first_step = BLOCK_K
     # num_stages on the loop itself: the pipeliner only prefetches loads that feed
     # no tl.dot when the loop asks for it.
-    for start in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+    for start in tl.range(first_step, K, BLOCK_K, num_stages=NUM_STAGES):
         k = start + columns
         k_mask = k < K
-        # Each weight is read once: let it leave the caches first, the activations last.
-        weight = tl.load(weight_rows + k[None, :], mask=output_mask[:, None] & k_mask[None, :],
-                         other=0.0, eviction_policy="evict_first").to(tl.float32)
+        weight = _weight_tile(weight_rows, output_mask, k, k_mask)
         for row in tl.static_range(NUM_ROWS):
-            x = tl.load(x_ptr + row * x_row_stride + k, mask=k_mask, other=0.0,
-                        eviction_policy="evict_last").to(tl.float32)
-            row_sum = sums[row] + tl.sum(weight * x[None, :], axis=1)
+            row_sum = sums[row] + _row_products(weight, x_ptr + row * x_row_stride, k, k_mask)
             sums = sums[:row] + (row_sum,) + sums[row + 1:]
     if HAS_BIAS:
         bias = tl.load(bias_ptr + outputs, mask=output_mask, other=0.0).to(tl.float32)
@@ -99,11 +123,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if x.stride(1) != 1:
         x = x.contiguous()
     config = config or gemv_config(num_outputs, num_inputs)
+    use_pdl = pdl_enabled(x.device)
     _gemv_kernel[(triton.cdiv(num_outputs, config.block_n),)](
         x, weight, bias if bias is not None else weight, out, num_outputs, num_inputs,
         x.stride(0), weight.stride(0), NUM_ROWS=num_rows, HAS_BIAS=bias is not None,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, NUM_STAGES=config.num_stages,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        USE_PDL=use_pdl, num_warps=config.num_warps, num_stages=config.num_stages,
+        **({"launch_pdl": True} if use_pdl else {}))
     return out
 
 
@@ -154,7 +180,16 @@ def _pipelined(num_outputs: int, num_inputs: int) -> GemvConfig:
 
 def _one_output(num_outputs: int, num_inputs: int) -> GemvConfig:
     """One output per program, plain loads of a 1024-wide K tile: the most programs,
-    so the most loads in flight across the SMs."""
+    so the most loads in flight across the SMs.
+
+    With fewer outputs than MIN_PROGRAMS (an MoE router: 128 experts over 2048 inputs)
+    every program runs at once and the launch lasts as long as one program's chain of
+    K steps: a program takes all of K (up to 4096) in one step, a warp per 1024 inputs,
+    so that its loads are issued together (one round trip to memory, not K / 1024).
+    """
+    if num_outputs < MIN_PROGRAMS:
+        block_k = _block_k(num_inputs, 4096)
+        return GemvConfig(1, block_k, num_warps=max(1, block_k // 1024), num_stages=1)
     return GemvConfig(1, _block_k(num_inputs, 1024), num_warps=1, num_stages=1)
 
 

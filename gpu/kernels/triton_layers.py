@@ -27,13 +27,19 @@ import torch
 import triton
 import triton.language as tl
 
+from trio_llm.gpu.kernels.pdl import gdc_launch_dependents, pdl_enabled
+
 SILU_BLOCK = 1024
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, eps,
                      x_row_stride, residual_row_stride, HIDDEN: tl.constexpr,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+                     LAUNCH_DEPENDENTS: tl.constexpr):
+    if LAUNCH_DEPENDENTS:
+        # the GEMV after the norm may launch now and fetch its weights (gpu/kernels/pdl.py)
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     columns = tl.arange(0, BLOCK)
     mask = columns < HIDDEN
@@ -161,7 +167,8 @@ def _launch_rms_norm(x, residual, weight, eps, out, new_residual):
         new_residual if new_residual is not None else out, eps,
         x.stride(0), residual.stride(0) if residual is not None else 0,
         HIDDEN=hidden, HAS_RESIDUAL=residual is not None,
-        BLOCK=triton.next_power_of_2(hidden), num_warps=4 if hidden <= 2048 else 8,
+        BLOCK=triton.next_power_of_2(hidden), LAUNCH_DEPENDENTS=pdl_enabled(x.device),
+        num_warps=4 if hidden <= 2048 else 8,
     )
 
 

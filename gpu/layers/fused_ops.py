@@ -10,9 +10,12 @@ CUDA, the CPU attention kernel's checked StepPlan on the CPU; both carry
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from trio_llm.gpu.layers.moe import MoeShape
 
 
 class FusedOps(Protocol):
@@ -43,6 +46,12 @@ class FusedOps(Protocol):
                step: Any, scale: float, backend: Any) -> torch.Tensor:
         """Paged attention of ``query`` over the cache -> [tokens, heads, head_dim];
         ``backend`` the model's AttentionBackend (a kernel set may use its own)."""
+        ...
+
+    def moe_route(self, logits: torch.Tensor, shape: MoeShape
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, expert ids), each [tokens, top_k], for router ``logits``
+        [tokens, experts] (layers/moe.py's ``torch_route`` computes them)."""
         ...
 
     def moe_experts(self, hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,

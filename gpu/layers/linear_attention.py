@@ -16,12 +16,13 @@ before), and leaves its slot holding the state after its last token.
 
 The CPU math is transformers' torch fallback (``torch_recurrent_gated_delta_rule``,
 ``causal_conv1d_update``), computed one sequence and one token at a time in the
-recurrent form. That form is what makes it batch-invariant and chunk-invariant:
-the state after a token is the same bits whoever shares the step and wherever
-the scheduler cut the prompt into chunks, since no operation spans two tokens
-of a sequence otherwise than through the state (a chunked form would sum over
-the chunk and change with the cut). Prefill is slower for it on the CPU; the GPU
-runs fla-core's chunked kernels instead.
+recurrent form (the token loop in one numba kernel: gpu/kernels/
+cpu_linear_attention.py; elsewhere in torch operations). That form is what
+makes it batch-invariant and chunk-invariant: the state after a token is the
+same bits whoever shares the step and wherever the scheduler cut the prompt
+into chunks, since no operation spans two tokens of a sequence otherwise than
+through the state (a chunked form would sum over the chunk and change with the
+cut). The GPU runs fla-core's chunked kernels instead.
 
 Fused projection (``in_proj``), this rank's heads only: rows
 ``[q | k | v | z | b | a]``, q/k of this rank's key heads, the rest of its value
@@ -233,7 +234,13 @@ def gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     query = query / (query.shape[-1] ** 0.5)
     value, beta = value.float(), beta.float()
     decay = batch_invariant(torch.exp, decay.float())
-    current = state.clone() if continues else torch.zeros_like(state)
+    if not continues:
+        state.zero_()
+    if state.device.type == "cpu":
+        from trio_llm.gpu.kernels.cpu_linear_attention import gated_delta_recurrence
+
+        return gated_delta_recurrence(query, key, value, decay, beta, state).to(out_dtype)
+    current = state.clone()
     out = torch.empty_like(value)
     for token in range(value.shape[0]):
         key_column = key[token].unsqueeze(-1)

@@ -15,9 +15,10 @@ summed over the ranks once.
 
 On the CPU each expert multiplies its tokens in fixed row chunks (as a
 batch-invariant ``Linear`` does), so a token's output never depends on which
-other tokens share the step or the expert. On CUDA the experts run through the
-kernel set's ``moe_experts`` (one fused kernel, no host synchronisation: safe
-inside a CUDA graph).
+other tokens share the step or the expert. On CUDA the routing runs through the
+kernel set's ``moe_route`` (one Triton kernel, gpu/kernels/moe_routing.py) and the
+experts through its ``moe_experts`` (the fused MoE kernel); neither synchronises
+with the host, so both are safe inside a CUDA graph.
 """
 
 from __future__ import annotations
@@ -90,14 +91,7 @@ class SparseMoeBlock(nn.Module):
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [tokens, top_k], expert ids [tokens, top_k]) as transformers picks them."""
-        logits = self.gate(hidden)
-        probabilities = F.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, expert_ids = torch.topk(probabilities, self.shape.top_k, dim=-1)
-        if self.shape.normalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        if not self.shape.weights_in_float32:
-            weights = weights.to(logits.dtype)
-        return weights, expert_ids
+        return torch_route(self.gate(hidden), self.shape)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         weights, expert_ids = self.route(hidden)
@@ -106,8 +100,8 @@ class SparseMoeBlock(nn.Module):
         return self.parallel.reduce(self._with_shared_expert(hidden, routed, silu_and_mul))
 
     def fused(self, hidden: torch.Tensor, ops: FusedOps) -> torch.Tensor:
-        """``forward`` with the experts (and activations) through ``ops``' kernels."""
-        weights, expert_ids = self.route(hidden)
+        """``forward`` with the routing, experts (and activations) through ``ops``' kernels."""
+        weights, expert_ids = ops.moe_route(self.gate(hidden), self.shape)
         routed = ops.moe_experts(hidden, self.experts_gate_up, self.experts_down, weights,
                                  expert_ids, self.num_rows_per_chunk)
         return self.parallel.reduce(self._with_shared_expert(hidden, routed, ops.silu_and_mul))
@@ -120,6 +114,18 @@ class SparseMoeBlock(nn.Module):
             return routed
         shared = self.shared_expert_down(activation(self.shared_expert_gate_up(hidden)))
         return routed + torch.sigmoid(self.shared_expert_gate(hidden)) * shared
+
+
+def torch_route(logits: torch.Tensor, shape: MoeShape) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' routing of router ``logits`` [tokens, experts]: (weights, expert ids),
+    each [tokens, top_k]."""
+    probabilities = F.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, expert_ids = torch.topk(probabilities, shape.top_k, dim=-1)
+    if shape.normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if not shape.weights_in_float32:
+        weights = weights.to(logits.dtype)
+    return weights, expert_ids
 
 
 def expert_loop(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,

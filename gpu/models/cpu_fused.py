@@ -29,7 +29,7 @@ from trio_llm.gpu.kernels.cpu_blas import ROWS_PER_CHUNK, sgemm_address
 from trio_llm.gpu.kernels.cpu_layers import _forward_layers, _linear_chunks
 from trio_llm.gpu.layers.attention import AttentionMetadata, KVCache
 from trio_llm.gpu.layers.mlp import MLP
-from trio_llm.gpu.layers.moe import expert_loop
+from trio_llm.gpu.layers.moe import expert_loop, torch_route
 from trio_llm.gpu.models.base import CausalLM
 
 
@@ -57,6 +57,9 @@ class CpuOps:
     def attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, step: Any,
                scale: float, backend: Any) -> torch.Tensor:
         return cpu_attention.attend(step, query, k_cache, v_cache, scale)
+
+    # transformers' own torch routing (ties as torch.topk on the CPU breaks them)
+    moe_route = staticmethod(torch_route)
 
     @staticmethod
     def moe_experts(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,

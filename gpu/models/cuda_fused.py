@@ -18,10 +18,13 @@ from torch import nn
 
 from trio_llm.gpu.attention import AttentionBackend
 from trio_llm.gpu.kernels import triton_attention, triton_layers
+from trio_llm.gpu.kernels.moe_routing import route_topk
 from trio_llm.gpu.kernels.triton_gemv import gemv
-from trio_llm.gpu.layers.attention import AttentionMetadata, KVCache
+from trio_llm.gpu.layers.attention import AttentionMetadata
 from trio_llm.gpu.layers.linear import Linear
+from trio_llm.gpu.layers.moe import MoeShape
 from trio_llm.gpu.models.base import CausalLM
+from trio_llm.gpu.models.cuda_hybrid import hybrid_forward, is_hybrid
 
 
 class TritonOps:
@@ -39,6 +42,13 @@ class TritonOps:
                scale: float, backend: Any) -> torch.Tensor:
         return backend.paged_attention(query, k_cache, v_cache, step.block_tables,
                                        step.context_lens, step.query_start_loc, scale)
+
+    @staticmethod
+    def moe_route(logits: torch.Tensor, shape: MoeShape) -> tuple[torch.Tensor, torch.Tensor]:
+        """The routing kernel (gpu/kernels/moe_routing.py): one launch, float32 weights and
+        int32 ids, the dtypes the fused MoE kernel reads (no casts between them)."""
+        return route_topk(logits, shape.top_k, normalize=shape.normalize,
+                          round_to_input=not shape.weights_in_float32)
 
     @staticmethod
     def moe_experts(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
@@ -59,8 +69,17 @@ class FusedCausalLM(CausalLM):
     """A CausalLM whose forward runs through the Triton kernels; see ``fuse_model``."""
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[KVCache], metadata: AttentionMetadata) -> torch.Tensor:
+                kv_caches: list[Any], metadata: AttentionMetadata) -> torch.Tensor:
         return self.fused_forward(TRITON_OPS, token_ids, positions, kv_caches, metadata)
+
+
+class FusedHybridLM(CausalLM):
+    """A CausalLM of the hybrid family (linear-attention layers, gated attention) whose
+    forward runs through gpu/models/cuda_hybrid.py's kernels; see ``fuse_model``."""
+
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[Any], metadata: AttentionMetadata) -> torch.Tensor:
+        return hybrid_forward(self, TRITON_OPS, token_ids, positions, kv_caches, metadata)
 
 
 # Rows up to which GemvLinear uses gemv. Measured on the H200 inside captured decode
@@ -94,7 +113,7 @@ def fuse_model(model: CausalLM) -> CausalLM:
     changes. On CUDA its linear layers (the lm_head too) take small batches through
     ``gemv``. Batch-invariant (row-chunked) linears are left as configured.
     """
-    model.__class__ = FusedCausalLM
+    model.__class__ = FusedHybridLM if is_hybrid(model) else FusedCausalLM
     model.attention_backend = AttentionBackend(
         "triton", triton_attention.write_kv_cache, triton_attention.paged_attention)
     if model.device.type == "cuda":

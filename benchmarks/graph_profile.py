@@ -1,0 +1,66 @@
+"""Which kernels one captured decode step runs, and for how long: the CUDA graph of
+``--num-seqs`` sequences replayed under torch.profiler (CUPTI sees the kernels inside
+a graph). Prints the kernels by total device time with their counts; writes
+$OUT/graph_profile-<model>-<num_seqs>.txt.
+
+    python3 benchmarks/graph_profile.py --model qwen3-30b-a3b --num-seqs 1 64 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+from pathlib import Path
+
+import torch
+from step_profile import decode_inputs  # benchmarks/, the script's folder
+from torch.profiler import ProfilerActivity, profile
+
+from trio_llm.actors.config import EngineConfig
+from trio_llm.gpu.cuda_executor import CudaModelExecutor
+
+
+def profile_graph(executor: CudaModelExecutor, num_seqs: int, num_replays: int) -> str:
+    rng = random.Random(0)
+    context_lens = [rng.randint(100, 2048) for _ in range(num_seqs)]
+    token_ids, positions, metadata = decode_inputs(executor, context_lens, shuffled=True)
+    graph = executor.graphs.get(num_seqs)
+    assert graph is not None, f"no decode graph of {num_seqs} sequences"
+    with torch.inference_mode(), torch.cuda.stream(executor.compute.torch_stream):
+        inputs = executor.decode_graphs
+        views = inputs.inputs.segments(num_seqs)
+        for name, values in (("token_ids", token_ids), ("positions", positions),
+                             ("slot_mapping", metadata.slot_mapping),
+                             ("context_lens", metadata.context_lens)):
+            views[name].copy_(values)
+        inputs.block_tables[:num_seqs].copy_(metadata.block_tables)
+        for _ in range(5):
+            graph.graph.replay()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(num_replays):
+                graph.graph.replay()
+            torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40,
+                                      max_name_column_width=90)
+    return f"{num_replays} replays of the {num_seqs}-sequence decode graph\n{table}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="qwen3-30b-a3b")
+    parser.add_argument("--num-seqs", type=int, nargs="+", default=[1, 64, 256])
+    parser.add_argument("--num-replays", type=int, default=20)
+    args = parser.parse_args()
+    executor = CudaModelExecutor.create(EngineConfig(model=args.model, load_format="dummy",
+                                                     device="cuda"))
+    for num_seqs in args.num_seqs:
+        text = profile_graph(executor, num_seqs, args.num_replays)
+        print(text, flush=True)
+        Path(os.environ.get("OUT", "."), f"graph_profile-{args.model}-{num_seqs}.txt"
+             ).write_text(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""Programmatic dependent launch (PDL), an opt-in experiment: ``TRIO_LLM_PDL=1``.
+
+On Hopper and later a kernel launched with PDL may start while the kernel before
+it on the stream is still running; it must wait (``gdc_wait``) before it reads
+that kernel's output or writes anything, and until then may only read what no
+earlier kernel writes. The GEMVs use it to fetch their first weight tile while
+the norm before them finishes (the weights are constant); the norm signals
+(``gdc_launch_dependents``) at its start that the next kernel may launch. A
+kernel launched without PDL waits for its predecessor as usual, so the two kinds
+mix freely. Off by default until measured on the device (benchmarks/device_run.sh
+``decode-pdl-*``); Triton's interpreter has no PDL, so it is always off there.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    HAS_PDL = True
+except ImportError:  # a Triton without grid dependency control: PDL stays off
+    HAS_PDL = False
+
+    @triton.jit
+    def gdc_wait():
+        pass
+
+    @triton.jit
+    def gdc_launch_dependents():
+        pass
+
+__all__ = ["gdc_launch_dependents", "gdc_wait", "pdl_enabled"]
+
+
+@functools.cache
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether kernels on ``device`` launch with PDL: asked for, compiled, SM 9.0 or later."""
+    if (os.environ.get("TRIO_LLM_PDL") != "1" or os.environ.get("TRITON_INTERPRET") == "1"
+            or not HAS_PDL):
+        return False
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)

@@ -1,0 +1,285 @@
+"""The hybrid family (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) on the CUDA executor.
+
+Fed prompts in odd chunks, arriving late, preempted, its decode rows reading the
+token sampled on the device, the CUDA executor must give the CPU executor's greedy
+tokens in float32. Without a GPU it runs on the CPU with its streams reduced to
+no-ops, its graphs uncaptured on their padded static buffers and its Triton kernels
+in Triton's interpreter (fla-core's chunked kernel, which the interpreter cannot
+run, replaced by the torch recurrence); with one, the same tests run on it (fla's
+kernel, captured graphs). Marked gpu: graphs against eager steps, and bf16 against
+the CPU float32 path (match rate reported).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()  # without it, conftest.py runs Triton's interpreter
+
+from trio_llm.actors.config import EngineConfig  # noqa: E402
+from trio_llm.actors.messages import NewRequestData, ScheduledBatch, ScheduledRequest  # noqa: E402
+from trio_llm.gpu.cuda_executor import CudaExecutorOptions, CudaModelExecutor  # noqa: E402
+from trio_llm.gpu.executor import ModelExecutor, load_executor_model  # noqa: E402
+from trio_llm.gpu.kernels.triton_gated_attention import (  # noqa: E402
+    gated_qk_norm_rope_write_kv,
+    sigmoid_gate,
+)
+from trio_llm.gpu.kernels.triton_offset_norm import add_offset_rms_norm  # noqa: E402
+from trio_llm.gpu.layers.norm import OffsetRMSNorm  # noqa: E402
+from trio_llm.gpu.layers.rotary import RotaryEmbedding  # noqa: E402
+from trio_llm.gpu.models.config import RopeConfig  # noqa: E402
+from trio_llm.gpu.models.cuda_fused import FusedHybridLM  # noqa: E402
+from trio_llm.gpu.testing import GREEDY, DriverRequest, ExecutorDriver  # noqa: E402
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB_SIZE = 384
+# layers 0-2 linear attention, 3 full attention, 4 linear (full_attention_interval 4)
+TEXT = dict(vocab_size=VOCAB_SIZE, hidden_size=64, num_hidden_layers=5,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+            linear_value_head_dim=16, max_position_embeddings=256, eos_token_id=None,
+            bos_token_id=None, pad_token_id=0)
+EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+               shared_expert_intermediate_size=48)
+ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM")
+PROMPT_LENGTHS = [5, 23, 41, 1]
+CHUNK_PLANS = [[2, 3], [7, 1, 5], [13, 11], [4]]
+ARRIVAL_STEPS = [0, 0, 2, 3]
+NUM_NEW_TOKENS = 6
+BLOCK_SIZE = 16
+# where the CUDA executor under test runs (the CPU executor, the reference, on the CPU)
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+
+def hybrid_model(architecture: str):
+    if architecture == "Qwen3_5ForCausalLM":
+        return transformers.Qwen3_5ForCausalLM(
+            transformers.Qwen3_5TextConfig(**TEXT, intermediate_size=96))
+    if architecture == "Qwen3_5MoeForCausalLM":
+        return transformers.Qwen3_5MoeForCausalLM(
+            transformers.Qwen3_5MoeTextConfig(**TEXT, **EXPERTS))
+    return transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(
+        **TEXT, **EXPERTS, intermediate_size=96, mlp_only_layers=[1], norm_topk_prob=True))
+
+
+def randomise(model, seed: int) -> None:
+    """Well-spread logits (no greedy near-ties); norms' offsets and decays random too."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            noise = torch.randn(parameter.shape, generator=generator)
+            if "norm" in name:
+                parameter.copy_(0.1 * noise + (1.0 if "linear_attn.norm" in name else 0.0))
+            elif name.endswith(("A_log", "dt_bias")):
+                parameter.copy_(0.5 * noise)
+            elif "embed" in name or "lm_head" in name:
+                parameter.copy_(0.6 * noise)
+            else:
+                parameter.copy_(noise * parameter.shape[-1] ** -0.5)
+
+
+def write_checkpoint(architecture: str, tmp_path_factory):
+    directory = tmp_path_factory.mktemp(architecture)
+    torch.manual_seed(0)
+    model = hybrid_model(architecture)
+    randomise(model, seed=len(architecture))
+    model.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module", params=ARCHITECTURES)
+def checkpoint(request, tmp_path_factory):
+    """A random checkpoint of each architecture."""
+    return write_checkpoint(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def dense_checkpoint(tmp_path_factory):
+    """Qwen3.5 dense alone, for what the architectures do not change (Triton's
+    interpreter makes each run slow)."""
+    return write_checkpoint("Qwen3_5ForCausalLM", tmp_path_factory)
+
+
+def engine_config(directory, *, device="cpu", dtype="float32") -> EngineConfig:
+    return EngineConfig(model=str(directory), block_size=BLOCK_SIZE, num_kv_blocks=64,
+                        device=device, dtype=dtype, max_num_seqs=4,
+                        enable_prefix_caching=False)
+
+
+def cuda_executor(directory, *, device=DEVICE, dtype="float32", use_cuda_graphs=True,
+                  max_num_batched_tokens=64) -> CudaModelExecutor:
+    loaded = load_executor_model(engine_config(directory, device=device, dtype=dtype))
+    executor = CudaModelExecutor(loaded.model, model_path=loaded.model_path,
+                                 num_kv_blocks=loaded.num_kv_blocks,
+                                 block_size=loaded.block_size,
+                                 max_model_len=loaded.max_model_len,
+                                 num_state_slots=loaded.num_state_slots)
+    executor.start(CudaExecutorOptions(max_num_seqs=4,
+                                       max_num_batched_tokens=max_num_batched_tokens,
+                                       use_cuda_graphs=use_cuda_graphs, use_fused_kernels=True))
+    return executor
+
+
+def driver_requests(*, preempt: bool = False) -> list[DriverRequest]:
+    rng = random.Random(1)
+    prompts = [[rng.randrange(VOCAB_SIZE) for _ in range(length)]
+               for length in PROMPT_LENGTHS]
+    return [DriverRequest(request_id=f"r{index}", prompt_token_ids=prompt,
+                          max_tokens=NUM_NEW_TOKENS, chunk_sizes=CHUNK_PLANS[index],
+                          arrival_step=ARRIVAL_STEPS[index],
+                          preempt_at_steps=[5] if preempt and index == 1 else [])
+            for index, prompt in enumerate(prompts)]
+
+
+def generate(executor, *, preempt: bool = False) -> list[list[int]]:
+    requests = ExecutorDriver(executor, decode_input="previous_step").run(
+        driver_requests(preempt=preempt))
+    return [request.output_token_ids for request in requests]
+
+
+def test_the_cuda_path_gives_the_cpu_executors_tokens(checkpoint):
+    """Chunked prompts, late arrivals, a preemption, in padded graph steps (varlen and
+    decode), through the fused hybrid forward: the CPU executor's greedy tokens."""
+    expected = generate(ModelExecutor.create(engine_config(checkpoint)), preempt=True)
+    executor = cuda_executor(checkpoint)
+    assert isinstance(executor.model, FusedHybridLM)
+    assert executor.num_state_slots == 4 and len(executor.state_caches) == 4
+    assert generate(executor, preempt=True) == expected
+    stats = executor.stats
+    assert stats.num_graph_steps == stats.num_steps
+    assert stats.num_steps_by_kind["decode"] and stats.num_steps_by_kind["mixed"]
+
+
+def test_eager_steps_give_the_cpu_executors_tokens(dense_checkpoint, caplog):
+    """Without graphs (unpadded steps, decode steps by the is_decode of the step itself).
+    The start-up log says how many state slots, and their size."""
+    expected = generate(ModelExecutor.create(engine_config(dense_checkpoint)))
+    with caplog.at_level("INFO", logger="trio_llm.gpu.cuda_executor"):
+        executor = cuda_executor(dense_checkpoint, use_cuda_graphs=False)
+    assert "state cache: 4 slots of 0.0 MiB over 4 linear-attention layers" in caplog.text
+    assert generate(executor) == expected
+    assert executor.stats.num_graph_steps == 0
+
+
+def _step(step_id, requests, *, new=(), finished=(), copies=()):
+    return ScheduledBatch(step_id=step_id, new_requests=list(new), requests=requests,
+                          finished_request_ids=list(finished),
+                          num_tokens=sum(len(item.token_ids) for item in requests),
+                          state_copies=list(copies))
+
+
+def _scheduled(request_id, token_ids, start, block_ids):
+    return ScheduledRequest(request_id=request_id, token_ids=token_ids,
+                            input_from_previous_step=False, num_computed_tokens=start,
+                            new_block_ids=block_ids, sample=True, output_index=0)
+
+
+def test_state_copies_restore_a_prefix_before_the_forward(dense_checkpoint):
+    """A request's state after 16 tokens saved into a free slot by state_copies, then
+    copied into a second request's slot in the batch that runs it on the same KV
+    blocks: the second request samples what the first did after the same chunk.
+    Admitted with computed tokens but no copy into its slot, it is refused."""
+    checkpoint = dense_checkpoint
+    prompt = [(7 * index + 3) % VOCAB_SIZE for index in range(30)]
+    executor = cuda_executor(checkpoint)
+    first = NewRequestData(request_id="a", sampling=GREEDY, state_slot=0)
+    executor.execute(_step(0, [_scheduled("a", prompt[:16], 0, [0])], new=[first]))
+    continued = executor.execute(_step(1, [_scheduled("a", prompt[16:], 16, [1])],
+                                       copies=[(0, 3)]))
+    second = NewRequestData(request_id="b", sampling=GREEDY, state_slot=1)
+    with pytest.raises(ValueError, match="no state was restored into its state slot 1"):
+        executor.execute(_step(2, [_scheduled("b", prompt[16:], 16, [0, 2])], new=[second]))
+    restored = executor.execute(_step(3, [_scheduled("b", prompt[16:], 16, [0, 2])],
+                                      new=[second], copies=[(3, 1)], finished=["b"]))
+    assert restored.sampled_token_ids == continued.sampled_token_ids
+    # the snapshot (slot 3) is the state of the first 16 tokens, computed afresh
+    fresh = cuda_executor(checkpoint)
+    fresh.execute(_step(0, [_scheduled("b", prompt[:16], 0, [0])], new=[
+        NewRequestData(request_id="b", sampling=GREEDY, state_slot=2)]))
+    for cache, twin in zip(executor.state_caches, fresh.state_caches, strict=True):
+        assert torch.equal(cache.recurrent[3], twin.recurrent[2])
+        assert torch.equal(cache.conv[3], twin.conv[2])
+
+
+# -- the gated attention's kernels -----------------------------------------------------------
+
+
+def test_gated_qk_kernel_and_gate_match_the_attention_layer():
+    """q/k (1 + weight) norms, partial rotary, the KV store and the sigmoid gate against
+    the torch layer's operations."""
+    device = torch.device("cuda" if HAS_CUDA else "cpu")
+    dtype = torch.bfloat16 if HAS_CUDA else torch.float32
+    heads, kv_heads, head_dim, rotary_dim, num_tokens = 4, 2, 32, 8, 5
+    generator = torch.Generator().manual_seed(3)
+
+    def random(*shape):
+        return torch.randn(*shape, generator=generator).to(dtype).to(device)
+
+    qkv = random(num_tokens, heads * 2 * head_dim + 2 * kv_heads * head_dim)
+    q_norm, k_norm = (OffsetRMSNorm(head_dim, eps=1e-6, dtype=dtype, device=device)
+                      for _ in range(2))
+    q_norm.weight.data, k_norm.weight.data = random(head_dim) * 0.1, random(head_dim) * 0.1
+    rotary = RotaryEmbedding(head_dim, 64, RopeConfig(theta=10000.0), device=device,
+                             rotary_dim=rotary_dim)
+    positions = torch.tensor([0, 3, 9, 63, 1], device=device)
+    slot_mapping = torch.tensor([2, -1, 0, 7, 5], device=device)
+    k_cache = torch.zeros(2, 4, kv_heads, head_dim, dtype=dtype, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    query = gated_qk_norm_rope_write_kv(
+        qkv, positions, rotary.cos, rotary.sin, q_norm.weight, k_norm.weight, 1e-6, k_cache,
+        v_cache, slot_mapping, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim)
+    gated_query, rest = qkv.split([heads * 2 * head_dim, 2 * kv_heads * head_dim], dim=-1)
+    expected_query, gate = gated_query.view(num_tokens, heads, 2 * head_dim).split(head_dim, -1)
+    key, value = rest.view(num_tokens, 2 * kv_heads, head_dim).split(kv_heads, dim=1)
+    expected_query, expected_key = rotary(positions, q_norm(expected_query), k_norm(key))
+    tolerance = dict(rtol=1e-2, atol=1e-2) if HAS_CUDA else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(query, expected_query, **tolerance)
+    flat_k, flat_v = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
+    written = [index for index, slot in enumerate(slot_mapping.tolist()) if slot >= 0]
+    slots = slot_mapping[written]
+    torch.testing.assert_close(flat_k[slots], expected_key[written], **tolerance)
+    assert torch.equal(flat_v[slots], value[written])
+    assert int((flat_k.flatten(1) != 0).any(1).sum()) == len(written)
+    attended = random(num_tokens, heads, head_dim)
+    torch.testing.assert_close(sigmoid_gate(attended, qkv),
+                               (attended * torch.sigmoid(gate)).flatten(1), **tolerance)
+
+
+def test_offset_norm_kernel_matches_the_layer():
+    norm = OffsetRMSNorm(96, eps=1e-6, dtype=torch.float32, device=torch.device("cpu"))
+    generator = torch.Generator().manual_seed(4)
+    norm.weight.data = 0.1 * torch.randn(96, generator=generator)
+    x, residual = torch.randn(2, 5, 96, generator=generator)
+    if HAS_CUDA:
+        norm, x, residual = norm.cuda(), x.cuda(), residual.cuda()
+    out, summed = add_offset_rms_norm(x, residual, norm.weight, norm.eps)
+    assert torch.equal(summed, x + residual)
+    torch.testing.assert_close(out, norm(x + residual), rtol=1e-5, atol=1e-5)
+
+
+# -- CUDA -----------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_gpu_graphs_give_the_eager_steps_tokens(checkpoint):
+    """Graph replays against the same kernels eagerly (fla's chunk index built on the
+    device, state slots in the static inputs)."""
+    eager = generate(cuda_executor(checkpoint, device="cuda", use_cuda_graphs=False))
+    assert generate(cuda_executor(checkpoint, device="cuda")) == eager
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_greedy_match_rate_against_the_cpu_float32_path(checkpoint):
+    """bf16 on CUDA against float32 on the CPU: the share of greedy tokens that match
+    (reported; tiny random models amplify rounding, so the bar is low)."""
+    expected = generate(ModelExecutor.create(engine_config(checkpoint)))
+    ours = generate(cuda_executor(checkpoint, device="cuda", dtype="bfloat16"))
+    pairs = [(a, b) for mine, theirs in zip(ours, expected, strict=True)
+             for a, b in zip(mine, theirs, strict=True)]
+    rate = sum(a == b for a, b in pairs) / len(pairs)
+    print(f"\n{checkpoint.name}: bf16 cuda vs cpu float32 greedy match rate {rate:.3f}")
+    assert rate > 0.5
