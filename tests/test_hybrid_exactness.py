@@ -294,3 +294,26 @@ async def test_the_builtin_small_hybrid_caches_prefixes_exactly() -> None:
         results, statistics = await run_together(config, workload)
     assert results == expected
     assert statistics.num_prefix_cache_hits > 0  # type: ignore[attr-defined]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+async def test_gpu_prefix_caching_with_state_snapshots(checkpoint, dtype: str) -> None:
+    """The CUDA executor restores and saves snapshots (ScheduledBatch.state_copies on
+    its compute stream). Its chunked delta rule sums in other orders where chunks
+    end, so caching on is compared with off by greedy match (printed), not bits; a
+    restored state that did not match its prefix would be far off."""
+    config = engine_config(checkpoint, device="cuda", dtype=dtype, block_size=16,
+                           max_num_batched_tokens=64)
+    workload = shared_prefix_workload()
+    with trio.fail_after(TIMEOUT):
+        uncached, _ = await run_together(replace(config, enable_prefix_caching=False), workload)
+        cached, statistics = await run_together(config, workload)
+    assert statistics.num_prefix_cache_hits > 0  # type: ignore[attr-defined]
+    num_tokens = sum(len(tokens) for tokens in uncached)
+    num_equal = sum(a == b for off, on in zip(uncached, cached, strict=True)
+                    for a, b in zip(off, on, strict=True))
+    print(f"hybrid prefix caching on CUDA ({dtype}): greedy match {num_equal}/{num_tokens}")
+    assert [len(tokens) for tokens in cached] == [len(tokens) for tokens in uncached]
+    assert num_equal >= 0.9 * num_tokens  # a wrong state gives about 1 in 1,000
