@@ -55,6 +55,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     # Worker processes, one per device, each holding a shard of the model (gpu/tp_executor.py).
     tensor_parallel_size: PositiveInt = 1
     enable_prefix_caching: bool = True
+    # Models with linear-attention layers (the hybrid family): the states at the end
+    # of cached prefixes kept for prefix caching (actors/state_slots.py), each a slot
+    # of the state cache beside the max_num_seqs running ones. None: sized from
+    # memory by the executor.
+    max_state_snapshots: PositiveInt | None = None
     shutdown_grace_seconds: Annotated[float, msgspec.Meta(ge=0.0)] = 5.0
     runner: Literal["generate", "pooling"] = "generate"
     # Structured outputs: the shape a constraint may have (actors/constraint_cost.py

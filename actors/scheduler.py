@@ -28,6 +28,17 @@ preempted): the decode hot path never hashes. A step that reads a cached block
 always runs after (or is) the step that writes it: the runner executes steps
 in order and every layer writes its KV before attending.
 
+A model with linear-attention layers (``num_state_slots`` > 0; the hybrid family)
+also needs a state per running sequence: a slot (actors/state_slots.py), taken at
+admission and given back wherever its KV blocks are. Its prefix cache needs the
+state at a cached prefix's end as well: a hit is the longest run of cached blocks
+whose end has a state snapshot (``_with_snapshot``), restored by a copy in the
+admitting batch (``ScheduledBatch.state_copies``). Prefill chunks end where a
+snapshot is wanted (``snapshot_cuts``: the branch point past the best snapshot, the
+prompt's last full block), and the next batch saves the state there
+(``_save_snapshots``: first among its copies, so admissions of that batch can
+restore it). docs/architecture.md, "Models with linear-attention layers".
+
 An embedding request (``Request.pooling``, the pooling runner) is a prefill like any
 other whose last chunk pools (``pool``) instead of sampling; it finishes, and frees its
 blocks, when that chunk's vector arrives in the StepResult. Mean pooling needs every
@@ -97,11 +108,13 @@ from trio_llm.actors.messages import (
     Track,
     WaitingRequest,
 )
+from trio_llm.actors.state_slots import StateSlots
 
 # The empty token and block id lists of every decode: nobody mutates a message,
 # and one shared list spares the garbage collector two objects per request and
 # step (at batch 256, most of the collections the engine would otherwise run).
 _NO_IDS: list[int] = []
+_NO_HASHES: list[bytes] = []
 
 
 class SchedulerStatistics(msgspec.Struct, frozen=True, kw_only=True):
@@ -118,19 +131,34 @@ class SchedulerStatistics(msgspec.Struct, frozen=True, kw_only=True):
     # prefix_cache_queries and prefix_cache_hits; recomputes are not counted).
     num_prefix_cache_queries: int = 0
     num_prefix_cache_hits: int = 0
+    # Models with linear-attention layers: the state cache's slots (0 otherwise), the
+    # free ones, and those holding prefix-cache snapshots.
+    num_total_state_slots: int = 0
+    num_free_state_slots: int = 0
+    num_state_snapshots: int = 0
 
 
 class CachedPrefix:
     """The cached full blocks a request's tokens start with: their ids and
-    hashes, and the root hash (model and cache salt) their chain starts from."""
+    hashes, and the root hash (model and cache salt) their chain starts from.
 
-    __slots__ = ("root_hash", "block_ids", "block_hashes")
+    A model with linear-attention layers also needs the state at the prefix's
+    end: ``snapshot_slot`` holds it (None: no state, the prefix is empty), and
+    ``num_matched_blocks`` says how many cached blocks matched before the prefix
+    was cut back to the longest with a snapshot (where a new snapshot would help)."""
+
+    __slots__ = ("root_hash", "block_ids", "block_hashes", "snapshot_slot",
+                 "num_matched_blocks")
 
     def __init__(self, root_hash: bytes | None, block_ids: list[int],
-                 block_hashes: list[bytes]) -> None:
+                 block_hashes: list[bytes], snapshot_slot: int | None = None,
+                 num_matched_blocks: int | None = None) -> None:
         self.root_hash = root_hash
         self.block_ids = block_ids
         self.block_hashes = block_hashes
+        self.snapshot_slot = snapshot_slot
+        self.num_matched_blocks = (len(block_ids) if num_matched_blocks is None
+                                   else num_matched_blocks)
 
     @property
     def num_blocks(self) -> int:
@@ -153,7 +181,7 @@ class RunningRequest:
                  "min_tokens", "output_token_ids", "num_preemptions", "prefill_token_ids",
                  "num_prefill_tokens", "num_computed_tokens", "num_placeholders", "block_ids",
                  "start_step_id", "scheduled_step_id", "root_hash", "block_hashes", "grammar",
-                 "prompt_logprobs")
+                 "prompt_logprobs", "state_slot", "snapshot_cuts")
 
     def __init__(self, waiting: WaitingRequest, sort_key: tuple[int, ...], step_id: int,
                  prefix: CachedPrefix = _NO_PREFIX, num_cached_tokens: int = 0) -> None:
@@ -185,6 +213,11 @@ class RunningRequest:
         self.prompt_logprobs: list[TokenLogprobs] | None = (
             [] if request.params.prompt_logprobs is not None and not self.output_token_ids
             else None)
+        # A model with linear-attention layers: its slot in the state cache, and the
+        # block-aligned positions where a prefill chunk ends so that the state there
+        # is saved as a prefix-cache snapshot (ascending, past what it computed).
+        self.state_slot: int | None = None
+        self.snapshot_cuts: list[int] = _NO_IDS
 
     @property
     def num_known_tokens(self) -> int:
@@ -298,6 +331,11 @@ class _StepBuilder:
         self.num_prompt_tokens = 0
         # constrained requests whose mask follows in StepBitmasks, in batch order
         self.bitmasks_follow: list[RunningRequest] = []
+        # (source slot, destination slot): states saved as snapshots, then snapshots
+        # restored into admitted requests
+        self.state_copies: list[tuple[int, int]] = []
+        # (request, block hash): chunks of this step that end where a snapshot is wanted
+        self.snapshots_wanted: list[tuple[RunningRequest, bytes]] = []
 
     @property
     def num_tokens(self) -> int:
@@ -327,10 +365,18 @@ class Scheduler:
     (and directly by tests); it never waits and never sends anything itself."""
 
     def __init__(self, config: EngineConfig, num_kv_blocks: int,
-                 grammars: Grammars | None = None) -> None:
+                 grammars: Grammars | None = None, *, num_state_slots: int = 0) -> None:
         self.config = config
         self.grammars = grammars
         self.block_manager = BlockManager(num_kv_blocks, config.block_size)
+        # A model with linear-attention layers (num_state_slots > 0): each running
+        # sequence holds a slot of the state cache; the slots beyond max_num_seqs hold
+        # prefix-cache snapshots (actors/state_slots.py).
+        self.state_slots = (StateSlots(num_state_slots, config.max_num_seqs)
+                            if num_state_slots else None)
+        # Chunks that ended where a snapshot is wanted, in a batch already sent: the
+        # next batch copies each state out, before its forward (``_save_snapshots``).
+        self._snapshots_wanted: list[tuple[RunningRequest, bytes]] = []
         self.pipeline_depth = config.pipeline_depth
         self._orders_by_priority = config.scheduling_policy == "priority"
         # A waiting request evicts only a strictly worse one: with equals
@@ -353,6 +399,8 @@ class Scheduler:
         self._stopped_while_waiting: set[str] = set()
         self._next_step_id = 0
         self._caches_prefixes = config.enable_prefix_caching
+        self._takes_snapshots = (self._caches_prefixes and self.state_slots is not None
+                                 and self.state_slots.max_num_snapshots > 0)
         self._model_identity = model_identity(config)
         self._unsalted_root_hash = root_block_hash(self._model_identity, None)
         # step id -> its constrained requests whose bitmasks follow, in batch order
@@ -368,9 +416,9 @@ class Scheduler:
         self.num_generation_tokens = 0
         self.num_prefix_cache_queries = 0
         self.num_prefix_cache_hits = 0
-        self.state_slots = StateSlots(config.max_num_seqs)
 
     def statistics(self) -> SchedulerStatistics:
+        state_slots = self.state_slots
         return SchedulerStatistics(
             num_running=len(self._running),
             num_free_blocks=self.block_manager.num_free_blocks,
@@ -381,6 +429,9 @@ class Scheduler:
             num_generation_tokens=self.num_generation_tokens,
             num_prefix_cache_queries=self.num_prefix_cache_queries,
             num_prefix_cache_hits=self.num_prefix_cache_hits,
+            num_total_state_slots=state_slots.num_total_slots if state_slots else 0,
+            num_free_state_slots=state_slots.num_free_slots if state_slots else 0,
+            num_state_snapshots=state_slots.num_snapshots if state_slots else 0,
         )
 
     # -- what the shell asks ------------------------------------------------------
@@ -420,6 +471,7 @@ class Scheduler:
         """Plan the next step from the running requests and the ``pulled`` ones."""
         assert self.can_plan_step()
         step = _StepBuilder(self._next_step_id, self.config.max_num_batched_tokens)
+        saved = self._save_snapshots(step) if self._snapshots_wanted else _NO_HASHES
         waiting = deque(w for w in pulled if not self._was_stopped_while_waiting(w))
         not_compiled = self._hold_compiled_grammars(waiting)
         if self._preemption_threshold is not None:
@@ -430,6 +482,10 @@ class Scheduler:
         self._preempted = []
         self._compiled_grammars.clear()
         batch = self._finish_batch(step) if step.requests else None
+        if batch is None and saved:  # their copies never go: the next batch saves them
+            assert self.state_slots is not None
+            for block_hash in saved:
+                self.state_slots.forget_snapshot(block_hash)
         assert batch is not None or self._in_flight_step_ids or not self._running, \
             "running requests but nothing to run"
         requeue = Requeue(requests=requeued) if requeued else None
@@ -602,16 +658,32 @@ class Scheduler:
                 index -= 1  # it preempted itself: the next one took its place
 
     def _schedule_prefill_chunk(self, running: RunningRequest, step: _StepBuilder) -> bool:
-        """Schedule as much of its prefill as the budget allows; False if it was preempted."""
-        num_tokens = min(running.num_prefill_tokens - running.num_computed_tokens, step.budget)
+        """Schedule as much of its prefill as the budget allows, up to its next
+        snapshot cut; False if it was preempted."""
+        num_computed_tokens = running.num_computed_tokens
+        end = (running.snapshot_cuts[0] if running.snapshot_cuts
+               else running.num_prefill_tokens)
+        num_tokens = min(end - num_computed_tokens, step.budget)
         num_blocks = self.block_manager.blocks_needed(
-            running.num_computed_tokens + num_tokens, len(running.block_ids))
+            num_computed_tokens + num_tokens, len(running.block_ids))
         if not self._make_room(running, num_blocks, step.step_id):
             return False
-        step.add_prefill(running, num_tokens, self.block_manager.allocate(num_blocks))
-        if self._caches_prefixes:
-            self._cache_full_blocks(running)
+        self._add_prefill(step, running, num_tokens, self.block_manager.allocate(num_blocks))
         return True
+
+    def _add_prefill(self, step: _StepBuilder, running: RunningRequest, num_tokens: int,
+                     block_ids: list[int]) -> None:
+        """Schedule a prefill chunk; cache the blocks it fills; if it ends at the
+        request's next snapshot cut, want a snapshot of the state there."""
+        step.add_prefill(running, num_tokens, block_ids)
+        if not self._caches_prefixes:
+            return
+        self._cache_full_blocks(running)
+        cuts = running.snapshot_cuts
+        if cuts and running.num_computed_tokens == cuts[0]:
+            running.snapshot_cuts = cuts[1:]
+            num_blocks = cuts[0] // self.block_manager.block_size
+            step.snapshots_wanted.append((running, running.block_hashes[num_blocks - 1]))
 
     def _schedule_decode(self, running: RunningRequest, step: _StepBuilder) -> bool:
         """Schedule one decode token into a new block; False if it was preempted.
@@ -640,10 +712,13 @@ class Scheduler:
         of its first chunk and the new blocks they need."""
         prefix = self._find_cached_prefix(waiting) if self._caches_prefixes else _NO_PREFIX
         num_cached_tokens = prefix.num_blocks * self.block_manager.block_size
-        num_tokens = min(_num_prefill_tokens(waiting) - num_cached_tokens, budget)
+        snapshot_cuts = (self._snapshot_cuts(waiting, prefix) if self._takes_snapshots
+                         else _NO_IDS)
+        end = snapshot_cuts[0] if snapshot_cuts else _num_prefill_tokens(waiting)
+        num_tokens = min(end - num_cached_tokens, budget)
         num_new_blocks = self.block_manager.blocks_needed(num_cached_tokens + num_tokens,
                                                           prefix.num_blocks)
-        return _Admission(prefix, num_cached_tokens, num_tokens, num_new_blocks)
+        return _Admission(prefix, num_cached_tokens, num_tokens, num_new_blocks, snapshot_cuts)
 
     def _try_admit(self, waiting: WaitingRequest, step: _StepBuilder,
                    admission: _Admission | None = None) -> bool:
@@ -657,23 +732,25 @@ class Scheduler:
         running = RunningRequest(waiting, self._sort_key(waiting), step.step_id, prefix,
                                  admission.num_cached_tokens)
         running.grammar = self._start_grammar(waiting)
+        if self.state_slots is not None:
+            running.state_slot = self.state_slots.allocate()
+            running.snapshot_cuts = admission.snapshot_cuts
+            if prefix.snapshot_slot is not None:  # the state at its cached prefix's end
+                step.state_copies.append((prefix.snapshot_slot, running.state_slot))
         self._preempted_request_ids.discard(running.request_id)
         bisect.insort(self._running, running, key=_sort_key_of)
         self._running_by_id[running.request_id] = running
         group_id = running.request.group_id
         if group_id is not None:
             self._num_running_by_group[group_id] = self._num_running_by_group.get(group_id, 0) + 1
-        step.new_requests.append(_new_request_data(
-            running, self.state_slots.take(running.request_id)))
+        step.new_requests.append(_new_request_data(running))
         if waiting.num_preemptions == 0:
             step.tracks.append(Track(request=running.request))
             if self._caches_prefixes:
                 self.num_prefix_cache_queries += running.num_prefill_tokens
                 self.num_prefix_cache_hits += admission.num_cached_tokens
         block_ids = self.block_manager.allocate(admission.num_new_blocks, prefix.block_ids)
-        step.add_prefill(running, admission.num_tokens, block_ids)
-        if self._caches_prefixes:
-            self._cache_full_blocks(running)
+        self._add_prefill(step, running, admission.num_tokens, block_ids)
         return True
 
     def _start_grammar(self, waiting: WaitingRequest) -> GrammarState | None:
@@ -775,7 +852,9 @@ class Scheduler:
         if self._caches_prefixes:
             self._cache_full_blocks(running)  # what its decodes filled, for later requests
         self.block_manager.free(running.block_ids)
-        self.state_slots.give_back(running.request_id)
+        if running.state_slot is not None:
+            assert self.state_slots is not None
+            self.state_slots.free(running.state_slot)
         index = bisect.bisect_left(self._running, running.sort_key, key=_sort_key_of)
         assert self._running[index] is running
         del self._running[index]
@@ -788,10 +867,11 @@ class Scheduler:
         self._stopped_request_ids.append(running.request_id)
 
     def _finish_batch(self, step: _StepBuilder) -> ScheduledBatch:
+        self._snapshots_wanted = step.snapshots_wanted
         batch = ScheduledBatch(step_id=step.step_id, new_requests=step.new_requests,
                                requests=step.requests,
                                finished_request_ids=self._stopped_request_ids,
-                               num_tokens=step.num_tokens)
+                               num_tokens=step.num_tokens, state_copies=step.state_copies)
         self._stopped_request_ids = []
         if step.bitmasks_follow:
             self._bitmasks_follow[step.step_id] = step.bitmasks_follow
@@ -835,7 +915,62 @@ class Scheduler:
             block_ids.append(block_id)
             block_hashes.append(block_hash)
             parent_hash = block_hash
-        return CachedPrefix(root_hash, block_ids, block_hashes)
+        prefix = CachedPrefix(root_hash, block_ids, block_hashes)
+        return prefix if self.state_slots is None else self._with_snapshot(prefix)
+
+    def _save_snapshots(self, step: _StepBuilder) -> list[bytes]:
+        """Save the states wanted by chunks of the previous batch: a copy each into a
+        snapshot slot, first in this batch's copies; the hashes newly registered.
+
+        This batch is the first after that chunk's, so its copies, which run before
+        its forward, see the state exactly at the chunk's end, even at depth 2 (the
+        copies wait for the step in flight). A request that left meanwhile is
+        passed over: its slot may be another's now. Registered before admissions,
+        a snapshot serves requests admitted in this very batch: their restore
+        copies come after the save's. One that this save evicts is gone before
+        any lookup, so no copy of this batch reads a slot a save overwrites."""
+        state_slots = self.state_slots
+        assert state_slots is not None
+        saved = []
+        running_by_id = self._running_by_id
+        for running, block_hash in self._snapshots_wanted:
+            if running_by_id.get(running.request_id) is not running:
+                continue
+            snapshot_slot = state_slots.save_snapshot(block_hash)
+            if snapshot_slot is not None:
+                assert running.state_slot is not None
+                step.state_copies.append((running.state_slot, snapshot_slot))
+                saved.append(block_hash)
+        return saved
+
+    def _snapshot_cuts(self, waiting: WaitingRequest, prefix: CachedPrefix) -> list[int]:
+        """Where its prefill should end a chunk so that the state there is saved:
+        the end of its cached blocks when they reach past its best snapshot (the
+        branch point of prompts that share a prefix: the next one with that prefix
+        starts there), and the end of its prompt's last full block (the next turn
+        of a conversation starts there)."""
+        block_size = self.block_manager.block_size
+        num_cached_tokens = prefix.num_blocks * block_size
+        num_prefill_tokens = _num_prefill_tokens(waiting)
+        cuts = {prefix.num_matched_blocks * block_size,
+                len(waiting.request.prompt_token_ids) // block_size * block_size}
+        return sorted(cut for cut in cuts if num_cached_tokens < cut <= num_prefill_tokens)
+
+    def _with_snapshot(self, prefix: CachedPrefix) -> CachedPrefix:
+        """The longest part of ``prefix`` whose end has a state snapshot: a model with
+        linear-attention layers can start after cached blocks only with the state
+        there (never a state that does not match its prefix: the snapshot is keyed
+        by the chained hash of every token before it)."""
+        state_slots = self.state_slots
+        assert state_slots is not None
+        block_hashes = prefix.block_hashes
+        for num_blocks in range(prefix.num_blocks, 0, -1):
+            if state_slots.has_snapshot(block_hashes[num_blocks - 1]):
+                return CachedPrefix(prefix.root_hash, prefix.block_ids[:num_blocks],
+                                    block_hashes[:num_blocks],
+                                    state_slots.snapshot_slot(block_hashes[num_blocks - 1]),
+                                    prefix.num_blocks)
+        return CachedPrefix(prefix.root_hash, [], [], None, prefix.num_blocks)
 
     def _cache_full_blocks(self, running: RunningRequest) -> None:
         """Cache its blocks that are full of known tokens and scheduled, and not
@@ -871,14 +1006,16 @@ def _sort_key_of(running: RunningRequest) -> tuple[int, ...]:
 class _Admission:
     """What starting a pulled request now would take (``Scheduler._plan_admission``)."""
 
-    __slots__ = ("prefix", "num_cached_tokens", "num_tokens", "num_new_blocks")
+    __slots__ = ("prefix", "num_cached_tokens", "num_tokens", "num_new_blocks",
+                 "snapshot_cuts")
 
     def __init__(self, prefix: CachedPrefix, num_cached_tokens: int, num_tokens: int,
-                 num_new_blocks: int) -> None:
+                 num_new_blocks: int, snapshot_cuts: list[int]) -> None:
         self.prefix = prefix
         self.num_cached_tokens = num_cached_tokens
         self.num_tokens = num_tokens
         self.num_new_blocks = num_new_blocks
+        self.snapshot_cuts = snapshot_cuts
 
 
 class _ReleasedBlocks:
@@ -1022,43 +1159,16 @@ async def _handle(message: SchedulerInbox, scheduler: Scheduler, outboxes: _Outb
             raise AssertionError("Pulled without an outstanding Pull")
 
 
-def _new_request_data(running: RunningRequest, state_slot: int) -> NewRequestData:
+def _new_request_data(running: RunningRequest) -> NewRequestData:
     """What the runner learns of a request that starts (or restarts): its sampling
-    options, its state slot and, with penalties, the tokens they count so far."""
+    options and, with penalties, the tokens they count so far."""
     request = running.request
     sampling = request.sampling
     if not sampling.has_penalties:
         return NewRequestData(request_id=running.request_id, sampling=sampling,
-                              pooling=request.pooling, state_slot=state_slot)
+                              pooling=request.pooling, state_slot=running.state_slot)
     prompt_token_ids = request.prompt_token_ids if sampling.repetition_penalty != 1.0 else []
     return NewRequestData(request_id=running.request_id, sampling=sampling,
                           prompt_token_ids=prompt_token_ids,
                           output_token_ids=list(running.output_token_ids),
-                          state_slot=state_slot)
-
-
-class StateSlots:
-    """MINIMAL state-slot assignment (hybrid-model's stand-in until the hybrid-engine
-    scheduler's fuller version lands): each running request holds one of the slots
-    0..max_num_seqs-1, taken at admission (a re-admitted request takes one again) and
-    given back when it leaves the running set. The running set never exceeds
-    max_num_seqs, and the executor has at least that many slots. No snapshots: prefix
-    caching must be off for a model with linear-attention layers (the executor refuses
-    a hit without a restored state). A model without them ignores the slot."""
-
-    def __init__(self, num_slots: int) -> None:
-        # pop() hands out the lowest free slot first
-        self._free = list(range(num_slots - 1, -1, -1))
-        self._held: dict[str, int] = {}
-
-    def take(self, request_id: str) -> int:
-        assert request_id not in self._held, f"{request_id} holds a state slot already"
-        slot = self._held[request_id] = self._free.pop()
-        return slot
-
-    def give_back(self, request_id: str) -> None:
-        self._free.append(self._held.pop(request_id))
-
-    @property
-    def free_slots(self) -> list[int]:
-        return sorted(self._free)
+                          state_slot=running.state_slot)

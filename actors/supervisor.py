@@ -120,6 +120,14 @@ def _engine_statistics(scheduler: SchedulerStatistics, num_waiting: int) -> Engi
     return EngineStatistics(**msgspec.structs.asdict(scheduler), num_waiting=num_waiting)
 
 
+def num_state_slots_of(executor: Executor) -> int:
+    """The slots of the executor's state cache (models with linear-attention layers),
+    which the scheduler hands out; 0 for other models and executors that have none."""
+    num_state_slots = getattr(executor, "num_state_slots", 0)
+    assert isinstance(num_state_slots, int)
+    return num_state_slots
+
+
 def _first_cause(group: BaseExceptionGroup[Exception]) -> Exception:
     cause: BaseException = group
     while isinstance(cause, BaseExceptionGroup):
@@ -152,7 +160,8 @@ async def run_supervisor(
                     num_kv_tokens=num_kv_blocks * config.block_size, vocab_size=vocab_size,
                     pooling=pooling)
     queue = WaitingQueue(config, grammars)
-    scheduler = Scheduler(config, num_kv_blocks, grammars)
+    scheduler = Scheduler(config, num_kv_blocks, grammars,
+                          num_state_slots=num_state_slots_of(executor))
     detokenizer = Detokenizer(tokenizer)
 
     intake_send, intake_receive = trio.open_memory_channel[Any](INTAKE_BUFFER)
@@ -303,7 +312,8 @@ async def run_core_supervisor(
     grammars = engine_grammars(config, Tokenizer.from_dir(config.tokenizer or model_path),
                                vocab_size)
     queue = WaitingQueue(config, grammars)
-    scheduler = Scheduler(config, num_kv_blocks, grammars)
+    scheduler = Scheduler(config, num_kv_blocks, grammars,
+                          num_state_slots=num_state_slots_of(executor))
     routes = FrontRoutes(len(fronts))
 
     queue_send, queue_receive = trio.open_memory_channel[Any](QUEUE_BUFFER)

@@ -49,6 +49,8 @@ _ENGINE_FLAGS: list[tuple[str, type, str]] = [
     ("--scheduling-policy", str, "fcfs or priority"),
     ("--priority-preemption-threshold", int, "priority gap at which a waiting request preempts"),
     ("--max-waiting-requests", int, "bound of the waiting queue"),
+    ("--max-state-snapshots", int, "models with linear-attention layers: prefix-cache states "
+                                   "kept (default: sized from memory)"),
     ("--tensor-parallel-size", int, "worker processes (GPUs) the model is split over"),
     # what one request may cost (docs/http-api.md, "Limits")
     ("--max-seq-share", float, "share of --max-num-seqs one request's choices may hold"),

@@ -10,6 +10,8 @@
 #   bash benchmarks/device_run.sh context-qwen3.5-27b long-qwen3.5-27b
 #   bash benchmarks/device_run.sh throughput-qwen3.5-35b-a3b serve-qwen3.5-35b-a3b
 #   bash benchmarks/device_run.sh throughput-qwen3.5-27b serve-qwen3.5-27b
+#   prefix caching with state snapshots (prefix_repetition, caching on then off), beside dense:
+#   bash benchmarks/device_run.sh prefix-serve-qwen3.5-35b-a3b prefix-serve-qwen3.5-27b prefix-serve-8b
 # Tensor parallelism 2 (kind nvidia-h200-x2), one part per call (each fits the 10 minutes):
 #   bash benchmarks/device_run.sh tp2-tests tp2-match-0.6b
 #   bash benchmarks/device_run.sh tp2-decode-8b

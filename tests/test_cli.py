@@ -32,3 +32,13 @@ def test_a_pipeline_depth_other_than_1_or_2_is_refused() -> None:
 def test_tensor_parallel_size_has_vllm_s_flag_and_short_name(flags: tuple[str, ...]) -> None:
     assert config_from().tensor_parallel_size == 1
     assert config_from(*flags).tensor_parallel_size == 2
+
+
+def test_max_state_snapshots_is_sized_from_memory_unless_given() -> None:
+    assert config_from().max_state_snapshots is None
+    assert config_from("--max-state-snapshots", "64").max_state_snapshots == 64
+
+
+def test_max_state_snapshots_must_be_positive() -> None:
+    with pytest.raises(SystemExit, match="--max-state-snapshots 0: must be int >= 1"):
+        config_from("--max-state-snapshots", "0")

@@ -18,6 +18,7 @@ from test_engine_exactness import make_workload, run_alone, run_together
 from test_scheduler import Driver, assert_reference_outputs, config, random_workload
 
 from trio_llm.actors.config import EngineConfig
+from trio_llm.actors.scheduler import Scheduler
 
 NUM_REQUESTS = 10
 TIMEOUT = 600
@@ -46,13 +47,14 @@ async def test_same_tokens_under_every_batching() -> None:
 
 @pytest.mark.parametrize("pipeline_depth", [1, 2])
 def test_each_running_request_holds_its_own_state_slot(pipeline_depth):
-    """The scheduler's slots (actors/scheduler.py's StateSlots) over a workload with
-    priorities and a KV cache small enough to preempt: a request admitted (or
-    re-admitted) takes a slot no running request holds, one of 0..max_num_seqs-1, and
-    gives it back when it leaves; at the end every slot is free."""
+    """The scheduler's slots (actors/state_slots.py) over a workload with priorities
+    and a KV cache small enough to preempt: a request admitted (or re-admitted) takes a
+    slot no running request holds, one of 0..max_num_seqs-1 (no snapshot slots here),
+    and gives it back when it leaves; at the end every slot is free."""
     requests = random_workload(random.Random(3), 32, num_priorities=3)
-    driver = Driver(config(pipeline_depth=pipeline_depth, scheduling_policy="priority"),
-                    num_kv_blocks=16)
+    engine_config = config(pipeline_depth=pipeline_depth, scheduling_policy="priority")
+    driver = Driver(engine_config, num_kv_blocks=16)
+    driver.scheduler = Scheduler(engine_config, 16, num_state_slots=8)
     held: dict[str, int] = {}
     plan = driver.plan
 
@@ -73,4 +75,5 @@ def test_each_running_request_holds_its_own_state_slot(pipeline_depth):
     driver.run()
     assert_reference_outputs(driver, requests)
     assert driver.scheduler.statistics().num_preemptions > 0
-    assert driver.scheduler.state_slots.free_slots == list(range(8))
+    statistics = driver.scheduler.statistics()
+    assert statistics.num_free_state_slots == statistics.num_total_state_slots == 8
