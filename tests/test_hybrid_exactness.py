@@ -316,4 +316,6 @@ async def test_gpu_prefix_caching_with_state_snapshots(checkpoint, dtype: str) -
                     for a, b in zip(off, on, strict=True))
     print(f"hybrid prefix caching on CUDA ({dtype}): greedy match {num_equal}/{num_tokens}")
     assert [len(tokens) for tokens in cached] == [len(tokens) for tokens in uncached]
-    assert num_equal >= 0.9 * num_tokens  # a wrong state gives about 1 in 1,000
+    # a wrong state gives about 1 in 1,000; measured on the H200 (2026-12-02): float32
+    # 45/48 and 48/48, bfloat16 44/48 and 39/48
+    assert num_equal >= (0.9 if dtype == "float32" else 0.75) * num_tokens
