@@ -141,6 +141,8 @@ class ModelExecutor:
         """Resolve and load the model, then size and allocate the KV cache (see
         ``load_executor_model``)."""
         loaded = load_executor_model(config, parallel=parallel, device=device)
+        logger.info("%s", kv_cache_summary(loaded.model, loaded.num_kv_blocks,
+                                           loaded.block_size))
         return cls(loaded.model, model_path=loaded.model_path,
                    num_kv_blocks=loaded.num_kv_blocks, block_size=loaded.block_size,
                    max_model_len=loaded.max_model_len)
@@ -276,7 +278,8 @@ def load_executor_model(config: EngineConfig, *, parallel: TensorParallel | None
                        load_format=_load_format(config),
                        max_positions=max(description.max_model_len,
                                          description.model_config.max_position_embeddings),
-                       parallel=parallel, quantization=config.quantization)
+                       parallel=parallel, quantization=config.quantization,
+                       kv_cache=config.kv_cache_dtype)
     num_kv_blocks = config.num_kv_blocks or _num_kv_blocks_for_memory(model, config)
     num_kv_blocks = model.parallel.min_over_ranks(num_kv_blocks, device)
     if device.type == "cpu":
@@ -286,6 +289,19 @@ def load_executor_model(config: EngineConfig, *, parallel: TensorParallel | None
     return LoadedModel(model=model, model_path=description.model_path,
                        num_kv_blocks=num_kv_blocks, block_size=config.block_size,
                        max_model_len=description.max_model_len)
+
+
+def kv_cache_summary(model: CausalLM, num_kv_blocks: int, block_size: int) -> str:
+    """The start-up line about the KV cache: its size in blocks, tokens and bytes, and its
+    dtype (an FP8 cache says how many more tokens it holds than the model's dtype would)."""
+    num_tokens = num_kv_blocks * block_size
+    num_bytes = num_tokens * model.kv_cache_bytes_per_token  # this rank's KV heads
+    dtype = str(model.kv_cache_dtype).removeprefix("torch.")
+    if model.kv_cache_dtype != model.dtype:
+        ratio = model.dtype.itemsize / model.kv_cache_dtype.itemsize
+        dtype += f": {ratio:g}x the tokens of a {str(model.dtype).removeprefix('torch.')} cache"
+    return (f"KV cache: {num_kv_blocks} blocks of {block_size} tokens = {num_tokens} tokens, "
+            f"{num_bytes / GIB:.2f} GiB, {dtype} ({model.device})")
 
 
 def configure_cpu_threads() -> int:

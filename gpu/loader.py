@@ -31,12 +31,16 @@ from safetensors import safe_open
 from trio_llm.gpu.models import CausalLM, ModelLoadError, read_model_config
 from trio_llm.gpu.models.weights import Target, copy_into
 from trio_llm.gpu.quantization import (
+    E4M3,
     ONLINE_METHODS,
     SAFETENSORS_E4M3,
     SAFETENSORS_FLOAT8,
     CheckpointQuantization,
+    KVScales,
     checkpoint_fp8_weight,
     is_quantizable,
+    kv_cache_dtype,
+    kv_scale_names,
     quantize_rows,
     scale_name,
 )
@@ -71,20 +75,25 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def load_model(directory: Path, *, dtype: torch.dtype, device: torch.device,
                load_format: str = "auto", max_positions: int | None = None,
                parallel: TensorParallel | None = None,
-               quantization: str | None = None) -> CausalLM:
+               quantization: str | None = None, kv_cache: str = "auto") -> CausalLM:
     """Build the model described by ``directory``/config.json and fill its weights
     (with ``parallel``, this rank's shard only: it reads no other rank's part);
-    ``quantization="fp8"``: its linear weights rounded to e4m3 (online FP8)."""
+    ``quantization="fp8"``: its linear weights rounded to e4m3 (online FP8);
+    ``kv_cache="fp8"``: an e4m3 KV cache, with the checkpoint's scales if it has
+    them."""
     config = read_model_config(directory)
     check_online_quantization(quantization, config.quantization, directory)
+    cache_dtype = kv_cache_dtype(kv_cache, dtype)
     with torch.no_grad():
         model = CausalLM(config, dtype=dtype, device=device, max_positions=max_positions,
-                         parallel=parallel)
+                         parallel=parallel, kv_cache_dtype=cache_dtype)
         if load_format == "dummy":
             fill_dummy_weights(model, fp8=quantization is not None
                                or config.quantization is not None)
         elif load_format in ("auto", "safetensors"):
             _load_safetensors(model, directory, online=quantization is not None)
+            if cache_dtype == E4M3:
+                _load_kv_scales(model, directory)
         else:
             raise ModelLoadError(f"unsupported load_format {load_format!r}")
     return model.eval()
@@ -224,6 +233,38 @@ class _WeightDecoder:
                                  f"FP8 weight) in the checkpoint")
         with safe_open(str(found), framework="pt", device="cpu") as file:
             return file.get_tensor(name)
+
+
+def _load_kv_scales(model: CausalLM, directory: Path) -> None:
+    """Each layer's FP8 KV cache scales from the checkpoint (``k_scale``/``v_scale``, or one
+    ``kv_scale``), where it has them; a layer without keeps 1.0, as vLLM's does."""
+    names: dict[str, Path] = {}
+    for path, indexed_names in checkpoint_files(directory).items():
+        with safe_open(str(path), framework="pt", device="cpu") as file:
+            names |= dict.fromkeys(indexed_names if indexed_names is not None
+                                   else file.keys(), path)
+    for index, layer in enumerate(model.decoder_layers):
+        k_name, v_name, kv_name = kv_scale_names(index)
+        k_scale = _read_scale(names, k_name) or _read_scale(names, kv_name) or 1.0
+        v_scale = _read_scale(names, v_name) or _read_scale(names, kv_name) or 1.0
+        layer.self_attn.kv_scales = KVScales(k_scale, v_scale)
+
+
+def _read_scale(files_by_name: dict[str, Path], name: str) -> float | None:
+    """Scalar tensor ``name`` (a KV cache scale), None where the checkpoint lacks it."""
+    path = files_by_name.get(name)
+    if path is None:
+        return None
+    with safe_open(str(path), framework="pt", device="cpu") as file:
+        tensor = file.get_tensor(name)
+    if tensor.numel() != 1:
+        raise ModelLoadError(f"{path}: tensor {name} (a KV cache scale) must hold one value, "
+                             f"found shape {list(tensor.shape)}")
+    scale = float(tensor.to(torch.float32))
+    if not scale > 0 or scale == float("inf"):
+        raise ModelLoadError(f"{path}: tensor {name} (a KV cache scale) must be positive and "
+                             f"finite, found {scale}")
+    return scale
 
 
 # -- dummy weights -------------------------------------------------------------------

@@ -27,6 +27,12 @@ scales change the numerics on a GPU; the CPU computes them unquantized).
 to e4m3 with one scale per output row, as it is read (before it is sharded, so
 every tensor-parallel size gets the same weights), and on the CPU dequantizes it
 again: the layer then holds exactly what an FP8 GEMM would multiply by.
+
+``--kv-cache-dtype fp8`` (``fp8_e4m3``) keeps keys and values in e4m3: each layer
+stores ``key / k_scale`` and ``value / v_scale`` (saturated at +-448) and its attention
+multiplies them back on read. The scales are the checkpoint's where it has them (a
+scalar ``k_scale`` and ``v_scale``, or one ``kv_scale`` for both, beside each layer's
+attention, as vLLM reads them), else 1.0, as vLLM's are.
 """
 
 from __future__ import annotations
@@ -38,8 +44,9 @@ import torch
 
 from trio_llm.gpu.errors import ModelLoadError
 
-__all__ = ["E4M3", "E4M3_MAX", "CheckpointQuantization", "Fp8Weight", "is_quantizable",
-           "parse_quantization", "quantize_rows"]
+__all__ = ["E4M3", "E4M3_MAX", "KV_CACHE_DTYPES", "CheckpointQuantization", "Fp8Weight",
+           "KVScales", "is_quantizable", "kv_cache_dtype", "kv_scale_names", "parse_quantization",
+           "quantize_rows"]
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = float(torch.finfo(E4M3).max)  # 448
@@ -102,6 +109,43 @@ def quantize_rows(weight: torch.Tensor) -> Fp8Weight:
 def is_quantizable(parameter_name: str) -> bool:
     """Whether ``--quantization fp8`` quantizes the weights of this parameter."""
     return parameter_name.endswith(QUANTIZABLE_PARAMETER_SUFFIXES)
+
+
+# -- the KV cache ------------------------------------------------------------------------
+
+# --kv-cache-dtype's values: "auto" keeps the model's dtype (None here)
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "fp8": E4M3, "fp8_e4m3": E4M3}
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype ``--kv-cache-dtype name`` stores keys and values in."""
+    if name not in KV_CACHE_DTYPES:
+        raise ModelLoadError(f"kv_cache_dtype {name!r} is not supported; supported: "
+                             f"{', '.join(KV_CACHE_DTYPES)}")
+    return KV_CACHE_DTYPES[name] or model_dtype
+
+
+@dataclass(frozen=True, slots=True)
+class KVScales:
+    """One layer's KV cache scales: the cache holds ``key / k_scale``, ``value / v_scale``."""
+
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
+
+def kv_scale_names(layer_index: int) -> tuple[str, str, str]:
+    """Checkpoint names of layer ``layer_index``'s KV cache scales: (k_scale, v_scale,
+    kv_scale), the last one older checkpoints' single scale for both."""
+    prefix = f"model.layers.{layer_index}.self_attn."
+    return prefix + "k_scale", prefix + "v_scale", prefix + "kv_scale"
+
+
+def quantize_kv(tensor: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor`` as the cache stores it: divided by ``scale`` and saturated at e4m3's
+    largest value (e4m3fn has no infinity: a value past it would turn NaN)."""
+    if dtype != E4M3:
+        return tensor.to(dtype)
+    return (tensor.to(torch.float32) / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
 
 
 # -- checkpoint tensors -----------------------------------------------------------------

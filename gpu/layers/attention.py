@@ -19,6 +19,7 @@ from trio_llm.gpu.layers.fused_ops import FusedOps
 from trio_llm.gpu.layers.linear import Linear
 from trio_llm.gpu.layers.norm import RMSNorm
 from trio_llm.gpu.layers.rotary import RotaryEmbedding
+from trio_llm.gpu.quantization import KVScales
 from trio_llm.gpu.tensor_parallel import TensorParallel
 
 if TYPE_CHECKING:
@@ -55,6 +56,9 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * config.head_dim
         self.kv_size = self.num_kv_heads * config.head_dim
         self.scale = config.head_dim**-0.5
+        # what an FP8 KV cache divides keys and values by (the loader sets the
+        # checkpoint's); a cache in the model's dtype keeps 1.0
+        self.kv_scales = KVScales()
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
                                bias=config.qkv_bias, dtype=dtype, device=device)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias,
@@ -79,10 +83,11 @@ class Attention(nn.Module):
             query, key = self.q_norm(query), self.k_norm(key)
         query, key = rotary(positions, query, key)
         k_cache, v_cache = kv_cache
-        backend.write_kv_cache(key, value, k_cache, v_cache, metadata.slot_mapping)
+        scales = {"k_scale": self.kv_scales.k_scale, "v_scale": self.kv_scales.v_scale}
+        backend.write_kv_cache(key, value, k_cache, v_cache, metadata.slot_mapping, **scales)
         attended = backend.paged_attention(query, k_cache, v_cache, metadata.block_tables,
                                            metadata.context_lens, metadata.query_start_loc,
-                                           self.scale)
+                                           self.scale, **scales)
         return self.parallel.reduce(self.o_proj(attended.reshape(num_tokens, self.q_size)))
 
     def fused(self, hidden: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
@@ -96,6 +101,8 @@ class Attention(nn.Module):
             q_norm.weight if q_norm is not None else None,
             k_norm.weight if k_norm is not None else None,
             q_norm.eps if q_norm is not None else 0.0, k_cache, v_cache, step.slot_mapping,
-            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
-        attended = ops.attend(query, k_cache, v_cache, step, self.scale, backend)
+            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+            kv_scales=self.kv_scales)
+        attended = ops.attend(query, k_cache, v_cache, step, self.scale, backend,
+                              self.kv_scales)
         return self.parallel.reduce(self.o_proj(attended.view(hidden.shape[0], self.q_size)))

@@ -14,6 +14,8 @@ from typing import Any, Protocol
 
 import torch
 
+from trio_llm.gpu.quantization import KVScales
+
 
 class FusedOps(Protocol):
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -34,13 +36,14 @@ class FusedOps(Protocol):
                               q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
                               eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               slot_mapping: torch.Tensor, *, num_heads: int,
-                              num_kv_heads: int, head_dim: int) -> torch.Tensor:
+                              num_kv_heads: int, head_dim: int,
+                              kv_scales: KVScales) -> torch.Tensor:
         """Normed, rotated queries [tokens, heads, head_dim] from the fused qkv output;
-        keys and values go to the cache."""
+        keys and values go to the cache (divided by ``kv_scales`` in an FP8 cache)."""
         ...
 
     def attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               step: Any, scale: float, backend: Any) -> torch.Tensor:
+               step: Any, scale: float, backend: Any, kv_scales: KVScales) -> torch.Tensor:
         """Paged attention of ``query`` over the cache -> [tokens, heads, head_dim];
         ``backend`` the model's AttentionBackend (a kernel set may use its own)."""
         ...

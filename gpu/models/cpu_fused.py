@@ -31,6 +31,7 @@ from trio_llm.gpu.layers.attention import AttentionMetadata, KVCache
 from trio_llm.gpu.layers.mlp import MLP
 from trio_llm.gpu.layers.moe import expert_loop
 from trio_llm.gpu.models.base import CausalLM
+from trio_llm.gpu.quantization import KVScales
 
 
 class CpuOps:
@@ -47,15 +48,16 @@ class CpuOps:
                               sin: torch.Tensor, q_norm: torch.Tensor | None,
                               k_norm: torch.Tensor | None, eps: float, k_cache: torch.Tensor,
                               v_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
-                              num_heads: int, num_kv_heads: int, head_dim: int
-                              ) -> torch.Tensor:
+                              num_heads: int, num_kv_heads: int, head_dim: int,
+                              kv_scales: KVScales) -> torch.Tensor:
+        # (a model with an FP8 cache is not fused: can_fuse)
         return cpu_layers.qk_norm_rope_write_kv(
             qkv, positions, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, slot_mapping,
             num_heads=num_heads, num_kv_heads=num_kv_heads)
 
     @staticmethod
     def attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, step: Any,
-               scale: float, backend: Any) -> torch.Tensor:
+               scale: float, backend: Any, kv_scales: KVScales) -> torch.Tensor:
         return cpu_attention.attend(step, query, k_cache, v_cache, scale)
 
     @staticmethod
@@ -70,10 +72,12 @@ CPU_OPS = CpuOps()
 
 
 def can_fuse(model: CausalLM) -> bool:
-    """The kernels take float32 on the CPU, rows a whole number of lanes and even heads;
-    the fused forward has no collectives, so a tensor-parallel shard runs unfused."""
+    """The kernels take float32 on the CPU, rows a whole number of lanes and even heads,
+    and a float32 KV cache (an FP8 one runs unfused, through the torch reference); the
+    fused forward has no collectives, so a tensor-parallel shard runs unfused."""
     config = model.config
     return (model.device.type == "cpu" and model.dtype == torch.float32
+            and model.kv_cache_dtype == torch.float32
             and not model.parallel.is_parallel
             and config.hidden_size % LANES == 0 and config.head_dim % LANES == 0
             and model.attention_backend.name == "cpu")

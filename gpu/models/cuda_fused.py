@@ -22,6 +22,7 @@ from trio_llm.gpu.kernels.triton_gemv import gemv
 from trio_llm.gpu.layers.attention import AttentionMetadata, KVCache
 from trio_llm.gpu.layers.linear import Linear
 from trio_llm.gpu.models.base import CausalLM
+from trio_llm.gpu.quantization import KVScales
 
 
 class TritonOps:
@@ -36,9 +37,10 @@ class TritonOps:
 
     @staticmethod
     def attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, step: Any,
-               scale: float, backend: Any) -> torch.Tensor:
+               scale: float, backend: Any, kv_scales: KVScales) -> torch.Tensor:
         return backend.paged_attention(query, k_cache, v_cache, step.block_tables,
-                                       step.context_lens, step.query_start_loc, scale)
+                                       step.context_lens, step.query_start_loc, scale,
+                                       k_scale=kv_scales.k_scale, v_scale=kv_scales.v_scale)
 
     @staticmethod
     def moe_experts(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
