@@ -46,7 +46,7 @@ from trio_llm.gpu.errors import ModelLoadError
 
 __all__ = ["E4M3", "E4M3_MAX", "KV_CACHE_DTYPES", "CheckpointQuantization", "Fp8Weight",
            "KVScales", "is_quantizable", "kv_cache_dtype", "kv_scale_names", "parse_quantization",
-           "quantize_rows"]
+           "quantize_row_groups", "quantize_rows"]
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = float(torch.finfo(E4M3).max)  # 448
@@ -104,6 +104,21 @@ def quantize_rows(weight: torch.Tensor) -> Fp8Weight:
     scale = torch.where(largest > 0, largest / E4M3_MAX, torch.ones_like(largest))
     values = (weight / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
     return Fp8Weight(values, scale)
+
+
+def quantize_row_groups(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [rows, columns] in e4m3 with one scale per row and group of ``group_size``
+    columns (the last group may be partial): (values, scales [rows, num_groups]). What
+    the GPU's FP8 GEMMs do to their activations (gpu/kernels/fp8_gemm.py); with
+    ``group_size`` = columns, ``quantize_rows``."""
+    num_rows, num_columns = x.shape
+    num_groups = -(-num_columns // group_size)
+    padded = torch.zeros(num_rows, num_groups * group_size, dtype=torch.float32,
+                         device=x.device)
+    padded[:, :num_columns] = x
+    quantized = quantize_rows(padded.view(num_rows * num_groups, group_size))
+    values = quantized.values.view(num_rows, -1)[:, :num_columns]
+    return values, quantized.scale.view(num_rows, num_groups)
 
 
 def is_quantizable(parameter_name: str) -> bool:
