@@ -46,7 +46,7 @@ from trio_llm.gpu.errors import ModelLoadError
 
 __all__ = ["E4M3", "E4M3_MAX", "KV_CACHE_DTYPES", "CheckpointQuantization", "Fp8Weight",
            "KVScales", "is_quantizable", "kv_cache_dtype", "kv_scale_names", "parse_quantization",
-           "quantize_row_groups", "quantize_rows"]
+           "quantize_blocks", "quantize_row_groups", "quantize_rows"]
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = float(torch.finfo(E4M3).max)  # 448
@@ -104,6 +104,24 @@ def quantize_rows(weight: torch.Tensor) -> Fp8Weight:
     scale = torch.where(largest > 0, largest / E4M3_MAX, torch.ones_like(largest))
     values = (weight / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
     return Fp8Weight(values, scale)
+
+
+def quantize_blocks(weight: torch.Tensor, block_size: tuple[int, int]) -> Fp8Weight:
+    """``weight`` in e4m3 with one scale per ``block_size`` block (partial at the edges),
+    each its largest magnitude / 448 (1 for a block of zeros): a block-wise FP8
+    checkpoint's form."""
+    rows, columns = block_size
+    num_rows, num_columns = weight.shape
+    num_block_rows, num_block_columns = -(-num_rows // rows), -(-num_columns // columns)
+    padded = torch.zeros(num_block_rows * rows, num_block_columns * columns,
+                         dtype=torch.float32, device=weight.device)
+    padded[:num_rows, :num_columns] = weight
+    blocks = padded.view(num_block_rows, rows, num_block_columns, columns)
+    largest = blocks.abs().amax(dim=(1, 3))
+    scale = torch.where(largest > 0, largest / E4M3_MAX, torch.ones_like(largest))
+    expanded = scale.repeat_interleave(rows, 0).repeat_interleave(columns, 1)
+    values = (padded / expanded).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    return Fp8Weight(values[:num_rows, :num_columns].contiguous(), scale, block_size)
 
 
 def quantize_row_groups(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,127 @@
+"""Which projections of an FP8 model stay e4m3 on the device, and filling them.
+
+On a GPU with FP8 tensor cores, an FP8 model's projections become Fp8Linear layers
+(gpu/layers/fp8_linear.py) before any weight is read, and the loader copies each
+checkpoint tensor's e4m3 values and scales into them unchanged (``copy_fp8_into``);
+everything else is loaded as before (dequantized, or as it is). A projection stays a
+dequantized float layer where the FP8 kernels cannot take it:
+
+- on the CPU, or a GPU before Hopper (the row-wise ``torch._scaled_mm`` needs sm90);
+- under tensor parallelism (shards of block scales are not written yet);
+- a checkpoint that left one of the projection's tensors unquantized (an ``ignore``d
+  layer is served at the checkpoint's precision, as vLLM serves it);
+- shapes the kernels do not take: per-channel GEMMs need both sizes a multiple of 16,
+  block scales need every fused part (q/k/v, gate/up) to start on a block boundary and
+  a power-of-two block width of at least 16.
+
+The MoE families' stacked experts stay dequantized too (the grouped FP8 MoE kernel is
+not written yet): only their attention projections and shared experts become FP8.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import torch
+
+from trio_llm.gpu.layers.fp8_linear import Fp8Layout, Fp8Linear, to_fp8_linear
+from trio_llm.gpu.layers.linear import Linear
+from trio_llm.gpu.models import CausalLM
+from trio_llm.gpu.models.weights import Target
+from trio_llm.gpu.quantization import CheckpointQuantization, Fp8Weight, is_quantizable
+
+# Device types whose models keep FP8 weights (tests add "cpu": Fp8Linear then computes
+# in torch what the kernels compute).
+FP8_DEVICE_TYPES = ("cuda",)
+# The row-wise torch._scaled_mm (per-channel) and Triton's FP8 dots (blocks).
+MIN_CAPABILITY = {"channel": (9, 0), "block": (8, 9)}
+SCALED_MM_MULTIPLE = 16
+MIN_BLOCK_COLUMNS = 16
+
+
+def fp8_layout(model: CausalLM, checkpoint: CheckpointQuantization | None,
+               online: bool) -> Fp8Layout | None:
+    """The layout an FP8 model's projections keep on its device; None: dequantize."""
+    if (checkpoint is None and not online) or model.device.type not in FP8_DEVICE_TYPES:
+        return None
+    if model.parallel.is_parallel:
+        return None
+    block_size = checkpoint.block_size if checkpoint is not None else None
+    kind = "channel" if block_size is None else "block"
+    if model.device.type == "cuda" and \
+            torch.cuda.get_device_capability(model.device) < MIN_CAPABILITY[kind]:
+        return None
+    if block_size is not None and (block_size[1] < MIN_BLOCK_COLUMNS
+                                   or block_size[1] & (block_size[1] - 1)):
+        return None
+    return Fp8Layout(block_size)
+
+
+def keep_fp8(model: CausalLM, layout: Fp8Layout, targets: Mapping[str, Target],
+             checkpoint_dtypes: Mapping[str, str] | None) -> list[str]:
+    """Make every projection the kernels can take an Fp8Linear (see the module); returns
+    the names of the e4m3 parameters. ``checkpoint_dtypes``: each checkpoint tensor's
+    safetensors dtype (None: dummy or online weights, all quantized)."""
+    parts: dict[str, list[tuple[str, Target]]] = {}
+    for name, target in targets.items():
+        parts.setdefault(target.parameter_name, []).append((name, target))
+    kept = []
+    for module_name, module in list(model.named_modules()):
+        parameter_name = module_name + ".weight"
+        if (type(module) is Linear and is_quantizable(parameter_name)
+                and _fits(module, layout, parts.get(parameter_name, []), checkpoint_dtypes)):
+            to_fp8_linear(module, layout)
+            kept.append(parameter_name)
+    return kept
+
+
+def _fits(module: Linear, layout: Fp8Layout, parts: Iterable[tuple[str, Target]],
+          checkpoint_dtypes: Mapping[str, str] | None) -> bool:
+    parts = list(parts)
+    if not parts or any(target.expert is not None for _, target in parts):
+        return False
+    if checkpoint_dtypes is not None and any(checkpoint_dtypes.get(name) != "F8_E4M3"
+                                             for name, _ in parts):
+        return False  # a tensor the checkpoint left unquantized
+    num_out, num_in = module.weight.shape
+    if layout.block_size is None:
+        return num_out % SCALED_MM_MULTIPLE == 0 and num_in % SCALED_MM_MULTIPLE == 0
+    block_rows = layout.block_size[0]
+    return all(target.row_start % block_rows == 0 for _, target in parts)
+
+
+def copy_fp8_into(parameters: Mapping[str, torch.Tensor], target: Target,
+                  weight: Fp8Weight) -> None:
+    """Copy a checkpoint tensor's e4m3 values and scales into its rows of an Fp8Linear's
+    ``weight`` and ``weight_scale`` (a per-tensor scale becomes one per row)."""
+    values = parameters[target.parameter_name]
+    scales = parameters[target.parameter_name + "_scale"]
+    rows = slice(target.row_start, target.row_start + target.num_rows)
+    values[rows].copy_(weight.values)
+    if weight.block_size is None:
+        scales[rows].copy_(weight.scale.reshape(-1, 1).expand(target.num_rows, 1))
+        return
+    block_rows = weight.block_size[0]
+    first = target.row_start // block_rows
+    scales[first:first + weight.scale.shape[0]].copy_(weight.scale)
+
+
+def is_fp8_parameter(parameters: Mapping[str, torch.Tensor], name: str) -> bool:
+    return parameters[name].dtype == torch.float8_e4m3fn
+
+
+def checkpoint_dtypes(files: Mapping[Path, list[str] | None]) -> dict[str, str]:
+    """Every checkpoint tensor's safetensors dtype, read from the files' headers."""
+    from safetensors import safe_open
+
+    dtypes: dict[str, str] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as file:
+            for name in file.keys():
+                dtypes[name] = file.get_slice(name).get_dtype()
+    return dtypes
+
+
+__all__ = ["FP8_DEVICE_TYPES", "Fp8Layout", "Fp8Linear", "checkpoint_dtypes",
+           "copy_fp8_into", "fp8_layout", "is_fp8_parameter", "keep_fp8"]
