@@ -14,8 +14,9 @@ dequantized float layer where the FP8 kernels cannot take it:
   block scales need every fused part (q/k/v, gate/up) to start on a block boundary and
   a power-of-two block width of at least 16.
 
-The MoE families' stacked experts stay dequantized too (the grouped FP8 MoE kernel is
-not written yet): only their attention projections and shared experts become FP8.
+The MoE families' stacked experts stay e4m3 too, with the same scales per expert
+(the fused MoE kernel widens them in-kernel: gpu/kernels/fused_moe.py), under the same
+conditions (the up rows start on a block boundary).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 
 from trio_llm.gpu.layers.fp8_linear import Fp8Layout, Fp8Linear, to_fp8_linear
 from trio_llm.gpu.layers.linear import Linear
+from trio_llm.gpu.layers.moe import SparseMoeBlock
 from trio_llm.gpu.models import CausalLM
 from trio_llm.gpu.models.weights import Target
 from trio_llm.gpu.quantization import CheckpointQuantization, Fp8Weight, is_quantizable
@@ -70,23 +72,32 @@ def keep_fp8(model: CausalLM, layout: Fp8Layout, targets: Mapping[str, Target],
     for module_name, module in list(model.named_modules()):
         parameter_name = module_name + ".weight"
         if (type(module) is Linear and is_quantizable(parameter_name)
-                and _fits(module, layout, parts.get(parameter_name, []), checkpoint_dtypes)):
+                and _fits(module.weight.shape, layout, parts.get(parameter_name, []),
+                          checkpoint_dtypes)):
             to_fp8_linear(module, layout)
             kept.append(parameter_name)
+        if isinstance(module, SparseMoeBlock):
+            names = [f"{module_name}.experts_gate_up", f"{module_name}.experts_down"]
+            if all(_fits(None, layout, parts.get(name, []), checkpoint_dtypes)
+                   for name in names):
+                module.keep_experts_fp8(layout.block_size)
+                kept += names
     return kept
 
 
-def _fits(module: Linear, layout: Fp8Layout, parts: Iterable[tuple[str, Target]],
+def _fits(shape: torch.Size | None, layout: Fp8Layout, parts: Iterable[tuple[str, Target]],
           checkpoint_dtypes: Mapping[str, str] | None) -> bool:
+    """Whether the checkpoint tensors ``parts`` of one parameter (a Linear's weight of
+    ``shape``, or stacked experts: None) can stay e4m3 for the kernels."""
     parts = list(parts)
-    if not parts or any(target.expert is not None for _, target in parts):
+    if not parts:
         return False
     if checkpoint_dtypes is not None and any(checkpoint_dtypes.get(name) != "F8_E4M3"
                                              for name, _ in parts):
         return False  # a tensor the checkpoint left unquantized
-    num_out, num_in = module.weight.shape
     if layout.block_size is None:
-        return num_out % SCALED_MM_MULTIPLE == 0 and num_in % SCALED_MM_MULTIPLE == 0
+        return shape is None or (shape[0] % SCALED_MM_MULTIPLE == 0
+                                 and shape[1] % SCALED_MM_MULTIPLE == 0)
     block_rows = layout.block_size[0]
     return all(target.row_start % block_rows == 0 for _, target in parts)
 
@@ -94,9 +105,12 @@ def _fits(module: Linear, layout: Fp8Layout, parts: Iterable[tuple[str, Target]]
 def copy_fp8_into(parameters: Mapping[str, torch.Tensor], target: Target,
                   weight: Fp8Weight) -> None:
     """Copy a checkpoint tensor's e4m3 values and scales into its rows of an Fp8Linear's
-    ``weight`` and ``weight_scale`` (a per-tensor scale becomes one per row)."""
+    ``weight`` and ``weight_scale`` (or of an expert's stacked weight and its
+    ``_scale``); a per-tensor scale becomes one per row."""
     values = parameters[target.parameter_name]
     scales = parameters[target.parameter_name + "_scale"]
+    if target.expert is not None:  # stacked experts: this expert's weight and scales
+        values, scales = values[target.expert], scales[target.expert]
     rows = slice(target.row_start, target.row_start + target.num_rows)
     values[rows].copy_(weight.values)
     if weight.block_size is None:

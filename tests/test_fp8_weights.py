@@ -59,6 +59,21 @@ def _assert_kept_layers_hold_the_dequantized_weights(kept: dict[str, Fp8Linear],
         assert torch.equal(dequantized, parameters[name + ".weight"]), name
 
 
+def _assert_kept_experts_hold_the_dequantized_weights(model, plain, block):
+    from trio_llm.gpu.layers.moe import SparseMoeBlock
+
+    blocks = [(ours, theirs) for ours, theirs in zip(model.modules(), plain.modules(),
+                                                     strict=True)
+              if isinstance(ours, SparseMoeBlock)]
+    assert blocks
+    for ours, theirs in blocks:
+        assert ours.experts_gate_up.dtype == ours.experts_down.dtype == E4M3
+        assert ours.fp8_block_size == block
+        gate_up, down = ours.float_experts(torch.float32)
+        assert torch.equal(gate_up, theirs.experts_gate_up)
+        assert torch.equal(down, theirs.experts_down)
+
+
 def _logits(model, token_ids: list[int]) -> torch.Tensor:
     """Logits of a prompt's every position (one prefill, the torch attention)."""
     num_tokens = len(token_ids)
@@ -86,9 +101,9 @@ def test_a_kept_fp8_checkpoint_holds_its_e4m3_values_and_scales(
     kept = _kept(model)
     assert "layers.0.self_attn.qkv_proj" in kept and "layers.0.self_attn.o_proj" in kept
     assert "layers.1.self_attn.o_proj" not in kept  # the checkpoint's float layer
-    assert not any("lm_head" in name or "experts" in name for name in kept)
-    if family == "qwen3_moe":  # stacked experts stay dequantized float parameters
-        assert model.layers[0].mlp.experts_gate_up.dtype == torch.float32
+    assert not any("lm_head" in name for name in kept)
+    if family == "qwen3_moe":  # the stacked experts in e4m3, each expert's scales
+        _assert_kept_experts_hold_the_dequantized_weights(model, plain, block)
     else:
         assert "layers.0.mlp.gate_up_proj" in kept
     assert all(module.block_size == block for module in kept.values())
@@ -129,3 +144,16 @@ def test_the_cpu_and_tensor_parallel_shards_dequantize(tmp_path):
     model = load_model(tmp_path, dtype=torch.float32, device=CPU, quantization="fp8")
     assert not _kept(model)
     assert all(parameter.dtype == torch.float32 for parameter in model.parameters())
+
+
+def test_dummy_fp8_experts_are_the_dequantizing_loads_weights(tmp_path, monkeypatch):
+    """``--load-format dummy --quantization fp8`` of an MoE model (the benchmarks'):
+    the experts kept in e4m3 with per-row scales hold what the CPU dequantizes."""
+    _tiny("qwen3_moe").save_pretrained(tmp_path)
+    plain = load_model(tmp_path, dtype=torch.float32, device=CPU, load_format="dummy",
+                       quantization="fp8")
+    monkeypatch.setattr(fp8_weights, "FP8_DEVICE_TYPES", ("cuda", "cpu"))
+    model = load_model(tmp_path, dtype=torch.float32, device=CPU, load_format="dummy",
+                       quantization="fp8")
+    _assert_kept_experts_hold_the_dequantized_weights(model, plain, None)
+    _assert_kept_layers_hold_the_dequantized_weights(_kept(model), plain)

@@ -50,8 +50,9 @@ class FusedOps(Protocol):
 
     def moe_experts(self, hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                     weights: torch.Tensor, expert_ids: torch.Tensor,
-                    num_rows_per_chunk: int) -> torch.Tensor:
+                    num_rows_per_chunk: int, scales: Any = None) -> torch.Tensor:
         """The routed experts' output [tokens, hidden] (layers/moe.py's ``expert_loop``
         computes it): ``gate_up`` [experts, 2 I, hidden], ``down`` [experts, hidden, I],
-        ``weights`` and ``expert_ids`` [tokens, top_k]."""
+        ``weights`` and ``expert_ids`` [tokens, top_k]; ``scales`` (an ExpertScales): the
+        experts are e4m3."""
         ...

@@ -63,7 +63,8 @@ class CpuOps:
     @staticmethod
     def moe_experts(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                     weights: torch.Tensor, expert_ids: torch.Tensor,
-                    num_rows_per_chunk: int) -> torch.Tensor:
+                    num_rows_per_chunk: int, scales: Any = None) -> torch.Tensor:
+        assert scales is None, "the CPU dequantizes FP8 experts at load"
         return expert_loop(hidden, gate_up, down, weights, expert_ids, cpu_layers.silu_and_mul,
                            num_rows_per_chunk)
 

@@ -45,13 +45,14 @@ class TritonOps:
     @staticmethod
     def moe_experts(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                     weights: torch.Tensor, expert_ids: torch.Tensor,
-                    num_rows_per_chunk: int) -> torch.Tensor:
+                    num_rows_per_chunk: int, scales: Any = None) -> torch.Tensor:
         """The fused MoE kernel (gpu/kernels/fused_moe.py): no host synchronisation, so
-        a step with MoE layers is captured in CUDA graphs like any other."""
+        a step with MoE layers is captured in CUDA graphs like any other (FP8 experts
+        too: ``scales``)."""
         from trio_llm.gpu.kernels.fused_moe import fused_moe
 
         return fused_moe(hidden, gate_up, down, weights.to(torch.float32),
-                         expert_ids.to(torch.int32))
+                         expert_ids.to(torch.int32), scales=scales)
 
 
 TRITON_OPS = TritonOps()
