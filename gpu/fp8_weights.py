@@ -6,7 +6,8 @@ checkpoint tensor's e4m3 values and scales into them unchanged (``copy_fp8_into`
 everything else is loaded as before (dequantized, or as it is). A projection stays a
 dequantized float layer where the FP8 kernels cannot take it:
 
-- on the CPU, or a GPU before Hopper (the row-wise ``torch._scaled_mm`` needs sm90);
+- on the CPU, or a GPU before Hopper (the row-wise ``torch._scaled_mm`` needs sm90, and
+  writes bf16 only: per-channel FP8 needs a bf16 model);
 - under tensor parallelism (shards of block scales are not written yet);
 - a checkpoint that left one of the projection's tensors unquantized (an ``ignore``d
   layer is served at the checkpoint's precision, as vLLM serves it);
@@ -54,6 +55,8 @@ def fp8_layout(model: CausalLM, checkpoint: CheckpointQuantization | None,
     if model.device.type == "cuda" and \
             torch.cuda.get_device_capability(model.device) < MIN_CAPABILITY[kind]:
         return None
+    if model.device.type == "cuda" and kind == "channel" and model.dtype != torch.bfloat16:
+        return None  # the row-wise torch._scaled_mm writes bf16 only
     if block_size is not None and (block_size[1] < MIN_BLOCK_COLUMNS
                                    or block_size[1] & (block_size[1] - 1)):
         return None

@@ -157,3 +157,30 @@ def test_dummy_fp8_experts_are_the_dequantizing_loads_weights(tmp_path, monkeypa
                        quantization="fp8")
     _assert_kept_experts_hold_the_dequantized_weights(model, plain, None)
     _assert_kept_layers_hold_the_dequantized_weights(_kept(model), plain)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_cache", ["auto", "fp8"])
+def test_a_cuda_fp8_model_gives_the_same_results_at_depth_1_and_2_in_graphs(kv_cache):
+    """FP8 GEMMs (and the FP8 KV cache) on CUDA inside captured graphs: depth 2 gives
+    depth 1's tokens and logprobs (the same hardware and dtype)."""
+    from test_gpu_executor import assert_same_results, scripted_batches
+
+    from trio_llm.gpu.cuda_executor import CudaExecutorOptions, CudaModelExecutor
+    from trio_llm.gpu.testing import run_depth_1, run_depth_2
+
+    def build():
+        model = load_model(resolve_model("tiny"), dtype=torch.bfloat16,
+                           device=torch.device("cuda"), load_format="dummy",
+                           quantization="fp8", kv_cache=kv_cache)
+        assert len(_kept(model)) == 4 * model.config.num_layers
+        executor = CudaModelExecutor(model, model_path=resolve_model("tiny"), num_kv_blocks=64,
+                                     block_size=16, max_model_len=256)
+        executor.start(CudaExecutorOptions(max_num_seqs=4, use_cuda_graphs=True,
+                                           use_fused_kernels=True))
+        return executor
+
+    depth_1 = run_depth_1(build(), scripted_batches())
+    executor = build()
+    assert executor.graphs
+    assert_same_results(run_depth_2(executor, scripted_batches()), depth_1)
