@@ -84,6 +84,8 @@ def scaled_mm_rowwise(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
     """``x`` [rows, in] (bf16) times e4m3 ``weight`` [out, in] with ``weight_scale``
     [out, 1]: the activations quantized per token, then cuBLASLt's FP8 GEMM with row-wise
     scales -> [rows, out] in ``x``'s dtype."""
+    if x.shape[0] == 0:
+        return torch.empty((0, weight.shape[0]), dtype=x.dtype, device=x.device)
     values, scales = quantize_groups(x)
     return torch._scaled_mm(values, weight.t(), scale_a=scales, scale_b=weight_scale.t(),
                             bias=bias, out_dtype=x.dtype)
