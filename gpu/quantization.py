@@ -44,7 +44,8 @@ import torch
 
 from trio_llm.gpu.errors import ModelLoadError
 
-__all__ = ["E4M3", "E4M3_MAX", "KV_CACHE_DTYPES", "CheckpointQuantization", "Fp8Weight",
+__all__ = ["E4M3", "E4M3_MAX", "KV_CACHE_DTYPES", "CheckpointQuantization", "Fp8Activation",
+           "Fp8Weight",
            "KVScales", "is_quantizable", "kv_cache_dtype", "kv_scale_names", "parse_quantization",
            "quantize_blocks", "quantize_row_groups", "quantize_rows"]
 
@@ -104,6 +105,24 @@ def quantize_rows(weight: torch.Tensor) -> Fp8Weight:
     scale = torch.where(largest > 0, largest / E4M3_MAX, torch.ones_like(largest))
     values = (weight / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
     return Fp8Weight(values, scale)
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8Activation:
+    """Rows already in e4m3 with one float32 scale per row ([rows, 1]): a norm's output
+    quantized in the norm's kernel, for a per-channel FP8 GEMM (``dtype``: the rows'
+    float dtype before, which the GEMM writes)."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
+
+    def dequantize(self) -> torch.Tensor:
+        return (self.values.to(torch.float32) * self.scales).to(self.dtype)
 
 
 def quantize_blocks(weight: torch.Tensor, block_size: tuple[int, int]) -> Fp8Weight:

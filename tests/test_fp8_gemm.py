@@ -170,3 +170,28 @@ def test_the_fp8_gemms_replay_in_a_cuda_graph():
     graph.replay()
     for replayed, eager in zip(captured, step(), strict=True):
         assert torch.equal(replayed, eager)
+
+
+@pytest.mark.parametrize("with_residual", [False, True], ids=["norm", "add-norm"])
+def test_the_norm_quantized_in_its_kernel_is_the_norm_then_the_quantization(with_residual):
+    """``rms_norm_fp8`` = ``add_rms_norm`` (or ``rms_norm``) then ``quantize_groups`` per
+    row, bit for bit (each kernel rounds alike, in the interpreter as on the GPU)."""
+    from trio_llm.gpu.kernels import triton_layers
+
+    generator = torch.Generator().manual_seed(8)
+    x = (torch.randn(5, 96, generator=generator) * 3).to(DTYPE).to(DEVICE)
+    residual = torch.randn(5, 96, generator=generator).to(DTYPE).to(DEVICE)
+    weight = (torch.rand(96, generator=generator) + 0.5).to(DTYPE).to(DEVICE)
+    x[2] = 0.0
+    if with_residual:
+        residual[2] = 0.0  # a row of zeros: scale 1
+        normed, expected_residual = triton_layers.add_rms_norm(x, residual, weight, 1e-6)
+    else:
+        normed, expected_residual = triton_layers.rms_norm(x, weight, 1e-6), x
+    activation, new_residual = triton_layers.rms_norm_fp8(
+        x, residual if with_residual else None, weight, 1e-6)
+    values, scales = fp8_gemm.quantize_groups(normed)
+    assert torch.equal(new_residual, expected_residual)
+    assert torch.equal(activation.scales, scales) and activation.dtype == DTYPE
+    assert torch.equal(bits(activation.values), bits(values))
+    assert activation.scales[2].item() == 1.0

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from trio_llm.gpu.quantization import E4M3, E4M3_MAX
+from trio_llm.gpu.quantization import E4M3, E4M3_MAX, Fp8Activation
 
 E4M3_LARGEST: tl.constexpr = tl.constexpr(E4M3_MAX)
 QUANTIZE_BLOCK = 1024
@@ -79,16 +79,23 @@ def quantize_groups(x: torch.Tensor, group_size: int | None = None
     return values, scales
 
 
-def scaled_mm_rowwise(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                      bias: torch.Tensor | None) -> torch.Tensor:
+def scaled_mm_rowwise(x: torch.Tensor | Fp8Activation, weight: torch.Tensor,
+                      weight_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x`` [rows, in] (bf16) times e4m3 ``weight`` [out, in] with ``weight_scale``
-    [out, 1]: the activations quantized per token, then cuBLASLt's FP8 GEMM with row-wise
-    scales -> [rows, out] in ``x``'s dtype."""
-    if x.shape[0] == 0:
-        return torch.empty((0, weight.shape[0]), dtype=x.dtype, device=x.device)
-    values, scales = quantize_groups(x)
+    [out, 1]: the activations quantized per token (unless a norm's kernel did it:
+    an Fp8Activation), then cuBLASLt's FP8 GEMM with row-wise scales -> [rows, out] in
+    ``x``'s dtype."""
+    if isinstance(x, Fp8Activation):
+        values, scales, dtype = x.values, x.scales, x.dtype
+    else:
+        dtype = x.dtype
+        if x.shape[0] == 0:
+            return torch.empty((0, weight.shape[0]), dtype=dtype, device=x.device)
+        values, scales = quantize_groups(x)
+    if values.shape[0] == 0:
+        return torch.empty((0, weight.shape[0]), dtype=dtype, device=values.device)
     return torch._scaled_mm(values, weight.t(), scale_a=scales, scale_b=weight_scale.t(),
-                            bias=bias, out_dtype=x.dtype)
+                            bias=bias, out_dtype=dtype)
 
 
 # -- block-scaled GEMM ------------------------------------------------------------------

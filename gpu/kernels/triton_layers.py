@@ -28,15 +28,16 @@ import torch
 import triton
 import triton.language as tl
 
-from trio_llm.gpu.quantization import E4M3, E4M3_MAX, KVScales
+from trio_llm.gpu.quantization import E4M3, E4M3_MAX, Fp8Activation, KVScales
 
 SILU_BLOCK = 1024
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, eps,
-                     x_row_stride, residual_row_stride, HIDDEN: tl.constexpr,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     x_row_stride, residual_row_stride, scale_ptr, HIDDEN: tl.constexpr,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+                     QUANTIZE: tl.constexpr = False):
     row = tl.program_id(0).to(tl.int64)
     columns = tl.arange(0, BLOCK)
     mask = columns < HIDDEN
@@ -50,8 +51,19 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
     variance = tl.sum(x32 * x32, 0) / HIDDEN
     normed = (x32 * tl.rsqrt(variance + eps)).to(x.dtype)
     weight = tl.load(weight_ptr + columns, mask=mask, other=0.0)
-    out = (weight.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + row * HIDDEN + columns, out, mask=mask)
+    if QUANTIZE:
+        # the norm's output as the model rounds it, then in e4m3 with the row's scale:
+        # fp8_gemm.quantize_groups' arithmetic, without the round trip through memory
+        out32 = (weight.to(tl.float32) * normed.to(tl.float32)).to(x.dtype).to(tl.float32)
+        amax = tl.max(tl.where(mask, tl.abs(out32), 0.0), 0)
+        scale = tl.where(amax > 0, tl.math.div_rn(amax, E4M3_LARGEST), 1.0)
+        tl.store(scale_ptr + row, scale)
+        quantized = tl.clamp(tl.math.div_rn(out32, scale), -E4M3_LARGEST, E4M3_LARGEST)
+        tl.store(out_ptr + row * HIDDEN + columns, quantized.to(out_ptr.dtype.element_ty),
+                 mask=mask)
+    else:
+        out = (weight.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * HIDDEN + columns, out, mask=mask)
 
 
 @triton.jit
@@ -168,7 +180,23 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     return out, new_residual
 
 
-def _launch_rms_norm(x, residual, weight, eps, out, new_residual):
+def rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[Fp8Activation, torch.Tensor]:
+    """``rms_norm`` (``residual`` None) or ``add_rms_norm``, the normed rows handed on in
+    e4m3 with one scale per row, as an FP8 GEMM quantizes its input (the per-channel
+    Fp8Linear's), and the residual stream (``x`` itself without ``residual``)."""
+    num_rows, hidden = x.shape
+    values = torch.empty((num_rows, hidden), dtype=E4M3, device=x.device)
+    scales = torch.empty((num_rows, 1), dtype=torch.float32, device=x.device)
+    new_residual = x
+    if residual is not None:
+        new_residual = torch.empty(x.shape, dtype=residual.dtype, device=x.device)
+    _launch_rms_norm(x, residual, weight, eps, values, new_residual if residual is not None
+                     else None, scales)
+    return Fp8Activation(values, scales, x.dtype), new_residual
+
+
+def _launch_rms_norm(x, residual, weight, eps, out, new_residual, scales=None):
     num_rows, hidden = x.shape
     if num_rows == 0:
         return
@@ -177,6 +205,7 @@ def _launch_rms_norm(x, residual, weight, eps, out, new_residual):
         x, residual if residual is not None else x, weight, out,
         new_residual if new_residual is not None else out, eps,
         x.stride(0), residual.stride(0) if residual is not None else 0,
+        scales if scales is not None else out, QUANTIZE=scales is not None,
         HIDDEN=hidden, HAS_RESIDUAL=residual is not None,
         BLOCK=triton.next_power_of_2(hidden), num_warps=4 if hidden <= 2048 else 8,
     )

@@ -19,7 +19,7 @@ from trio_llm.gpu.layers.fused_ops import FusedOps
 from trio_llm.gpu.layers.linear import Linear
 from trio_llm.gpu.layers.norm import RMSNorm
 from trio_llm.gpu.layers.rotary import RotaryEmbedding
-from trio_llm.gpu.quantization import KVScales
+from trio_llm.gpu.quantization import Fp8Activation, KVScales
 from trio_llm.gpu.tensor_parallel import TensorParallel
 
 if TYPE_CHECKING:
@@ -90,7 +90,8 @@ class Attention(nn.Module):
                                            self.scale, **scales)
         return self.parallel.reduce(self.o_proj(attended.reshape(num_tokens, self.q_size)))
 
-    def fused(self, hidden: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+    def fused(self, hidden: torch.Tensor | Fp8Activation, positions: torch.Tensor,
+              rotary: RotaryEmbedding,
               kv_cache: KVCache, step: Any, backend: AttentionBackend,
               ops: FusedOps) -> torch.Tensor:
         """``forward`` with the q/k norms, rotation and cache store in one kernel."""

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trio_llm.gpu.layers.linear import Linear
-from trio_llm.gpu.quantization import E4M3, Fp8Weight, quantize_row_groups
+from trio_llm.gpu.quantization import E4M3, Fp8Activation, Fp8Weight, quantize_row_groups
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +42,18 @@ class Fp8Linear(Linear):
     weight_scale: nn.Parameter
     block_size: tuple[int, int] | None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def takes_fp8_rows(self) -> bool:
+        """Whether this layer takes rows a norm's kernel quantized (an Fp8Activation): a
+        per-channel layer on CUDA (its input is quantized per row anyway)."""
+        return self.block_size is None and self.weight.device.type == "cuda"
+
+    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
+        if isinstance(x, Fp8Activation):
+            assert self.takes_fp8_rows
+            from trio_llm.gpu.kernels.fp8_gemm import scaled_mm_rowwise
+
+            return scaled_mm_rowwise(x, self.weight, self.weight_scale, self.bias)
         rows = x.reshape(-1, x.shape[-1])
         if x.device.type != "cuda":
             out = self._reference(rows)

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import torch
 
-from trio_llm.gpu.quantization import KVScales
+from trio_llm.gpu.quantization import Fp8Activation, KVScales
 
 
 class FusedOps(Protocol):
@@ -25,6 +25,12 @@ class FusedOps(Protocol):
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(RMSNorm of ``residual + x``, ``residual + x``)."""
+        ...
+
+    def rms_norm_fp8(self, x: torch.Tensor, residual: torch.Tensor | None,
+                     weight: torch.Tensor, eps: float) -> tuple[Fp8Activation, torch.Tensor]:
+        """``rms_norm`` (``residual`` None) or ``add_rms_norm``, the normed rows in e4m3
+        with one scale per row (for a per-channel FP8 layer), and the residual stream."""
         ...
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:

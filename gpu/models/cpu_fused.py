@@ -31,7 +31,7 @@ from trio_llm.gpu.layers.attention import AttentionMetadata, KVCache
 from trio_llm.gpu.layers.mlp import MLP
 from trio_llm.gpu.layers.moe import expert_loop
 from trio_llm.gpu.models.base import CausalLM
-from trio_llm.gpu.quantization import KVScales
+from trio_llm.gpu.quantization import Fp8Activation, KVScales, quantize_row_groups
 
 
 class CpuOps:
@@ -41,6 +41,17 @@ class CpuOps:
 
     rms_norm = staticmethod(cpu_layers.rms_norm)
     add_rms_norm = staticmethod(cpu_layers.add_rms_norm)
+
+    @staticmethod
+    def rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> tuple[Fp8Activation, torch.Tensor]:
+        """(Never called: the CPU keeps no FP8 layers.) The norm, then its rows rounded."""
+        if residual is None:
+            normed, residual = cpu_layers.rms_norm(x, weight, eps), x
+        else:
+            normed, residual = cpu_layers.add_rms_norm(x, residual, weight, eps)
+        values, scales = quantize_row_groups(normed, normed.shape[1])
+        return Fp8Activation(values, scales, normed.dtype), residual
     silu_and_mul = staticmethod(cpu_layers.silu_and_mul)
 
     @staticmethod

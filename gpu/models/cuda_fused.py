@@ -32,6 +32,7 @@ class TritonOps:
 
     rms_norm = staticmethod(triton_layers.rms_norm)
     add_rms_norm = staticmethod(triton_layers.add_rms_norm)
+    rms_norm_fp8 = staticmethod(triton_layers.rms_norm_fp8)
     silu_and_mul = staticmethod(triton_layers.silu_and_mul)
     qk_norm_rope_write_kv = staticmethod(triton_layers.qk_norm_rope_write_kv)
 
