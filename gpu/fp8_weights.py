@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from trio_llm.gpu.layers.fp8_linear import Fp8Layout, Fp8Linear, to_fp8_linear
+from trio_llm.gpu.layers.fp8_linear import Fp8Layout, to_fp8_linear
 from trio_llm.gpu.layers.linear import Linear
 from trio_llm.gpu.layers.moe import SparseMoeBlock
 from trio_llm.gpu.models import CausalLM
@@ -124,10 +124,6 @@ def copy_fp8_into(parameters: Mapping[str, torch.Tensor], target: Target,
     scales[first:first + weight.scale.shape[0]].copy_(weight.scale)
 
 
-def is_fp8_parameter(parameters: Mapping[str, torch.Tensor], name: str) -> bool:
-    return parameters[name].dtype == torch.float8_e4m3fn
-
-
 def checkpoint_dtypes(files: Mapping[Path, list[str] | None]) -> dict[str, str]:
     """Every checkpoint tensor's safetensors dtype, read from the files' headers."""
     from safetensors import safe_open
@@ -138,7 +134,3 @@ def checkpoint_dtypes(files: Mapping[Path, list[str] | None]) -> dict[str, str]:
             for name in file.keys():
                 dtypes[name] = file.get_slice(name).get_dtype()
     return dtypes
-
-
-__all__ = ["FP8_DEVICE_TYPES", "Fp8Layout", "Fp8Linear", "checkpoint_dtypes",
-           "copy_fp8_into", "fp8_layout", "is_fp8_parameter", "keep_fp8"]

@@ -19,6 +19,7 @@ weight. The CPU engine never builds these layers: it dequantizes at load
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -90,8 +91,7 @@ def to_fp8_linear(linear: Linear, layout: Fp8Layout) -> Fp8Linear:
         rows, columns = layout.block_size
         scale_shape = (-(-num_out // rows), -(-num_in // columns))
     linear.__class__ = Fp8Linear
-    fp8 = linear if isinstance(linear, Fp8Linear) else None
-    assert fp8 is not None
+    fp8 = cast(Fp8Linear, linear)
     fp8.weight = nn.Parameter(torch.empty(num_out, num_in, dtype=E4M3, device=device),
                               requires_grad=False)
     fp8.weight_scale = nn.Parameter(torch.ones(scale_shape, dtype=torch.float32,
