@@ -11,7 +11,7 @@
 # of its line (about 500 s each line, the setup included):
 #   bash benchmarks/device_run.sh fp8-tests fp8-decode-8b fp8-throughput-8b
 #   bash benchmarks/device_run.sh fp8-serve-8b
-#   bash benchmarks/device_run.sh fp8-decode-30b-a3b fp8-throughput-30b-a3b
+#   bash benchmarks/device_run.sh fp8-decode-30b-a3b fp8-throughput-30b-a3b fp8-gemm
 # Carry .whl (see benchmarks/device_setup.sh).
 . benchmarks/device_setup.sh >/dev/null 2>&1 || { echo "setup failed"; exit 1; }
 export TOKENIZERS_PARALLELISM=false
@@ -103,6 +103,7 @@ for part in "$@"; do
     fp8-tests) run fp8-tests 200 python3 -m pytest -q -p no:cacheprovider -rs \
              tests/test_fp8_gemm.py tests/test_triton_kv_fp8.py tests/test_fp8_weights.py \
              tests/test_kv_cache_fp8.py ;;
+    fp8-gemm) run fp8-gemm 200 python3 benchmarks/fp8_gemm_bench.py ;;
     fp8-decode-*) fp8_pair decode "qwen3-${part#fp8-decode-}" 120 --engine-only ;;
     fp8-throughput-*) fp8_pair throughput "qwen3-${part#fp8-throughput-}" 150 --depths 2 ;;
     fp8-serve-*) SERVE_SECONDS=120 serve_bench "qwen3-${part#fp8-serve-}" bf16
