@@ -39,6 +39,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     # online quantization of an unquantized checkpoint's linear weights (vLLM's
     # --quantization): "fp8", e4m3 with per-row scales (gpu/quantization.py)
     quantization: Literal["fp8"] | None = None
+    # the KV cache's dtype (vLLM's --kv-cache-dtype): "auto" the model's; "fp8" (or
+    # "fp8_e4m3") e4m3 with a scale per layer for keys and one for values, read from the
+    # checkpoint where it has them, else 1.0 (gpu/quantization.py): twice the tokens
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = "auto"
     seed: int = 0
     max_num_seqs: PositiveInt = 256
     max_num_batched_tokens: PositiveInt = 8192

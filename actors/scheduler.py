@@ -1044,7 +1044,8 @@ def model_identity(config: EngineConfig) -> str:
     """What besides the tokens decides a block's KV values: the model and how it
     is loaded (dummy weights come from the seed). Salts every block hash."""
     identity = "|".join((config.model, config.dtype, config.load_format, str(config.seed)))
-    return identity + (f"|{config.quantization}" if config.quantization else "")
+    identity += f"|{config.quantization}" if config.quantization else ""
+    return identity + (f"|kv-{config.kv_cache_dtype}" if config.kv_cache_dtype != "auto" else "")
 
 
 def _num_prefill_tokens(waiting: WaitingRequest) -> int:

@@ -38,6 +38,9 @@ _ENGINE_FLAGS: list[tuple[str, type, str]] = [
     ("--load-format", str, "auto, safetensors or dummy (random weights)"),
     ("--quantization", str, "fp8: round an unquantized checkpoint's linear weights to e4m3 "
                             "(per-row scales); FP8 checkpoints need no flag"),
+    ("--kv-cache-dtype", str, "auto (the model's dtype), or fp8 / fp8_e4m3: keys and values "
+                              "in e4m3 with per-layer scales (the checkpoint's, else 1.0): "
+                              "twice the tokens"),
     ("--seed", int, "seed for requests that give none"),
     ("--max-num-seqs", int, "most requests running at once"),
     ("--max-num-batched-tokens", int, "token budget of one step"),
@@ -78,9 +81,8 @@ _FLAG_ALIASES = {"--tensor-parallel-size": ("-tp",), "--quantization": ("-q",)}
 
 # vLLM's flags for features trio-llm does not have yet: recognized, and refused with
 # one line (docs/vllm-compatibility.md lists them). A flag leaves this list when its
-# feature lands (--kv-cache-dtype: issue 27).
+# feature lands.
 UNSUPPORTED_VLLM_FLAGS: dict[tuple[str, ...], str] = {
-    ("--kv-cache-dtype",): "a KV cache in another dtype",
     ("--enable-lora",): "LoRA adapters",
     ("--lora-modules",): "LoRA adapters",
     ("--max-loras",): "LoRA adapters",

@@ -22,6 +22,11 @@
 #   bash benchmarks/device_run.sh moe-tests moe-tune decode-30b-a3b graph-profile-30b-a3b
 #   bash benchmarks/device_run.sh moe-tune-batched moe-kernel  # 64-8192 tokens, then the table
 #   bash benchmarks/device_run.sh gpu-tests decode-30b-a3b decode-pdl-30b-a3b  # PDL on, A/B
+# FP8 (issue 27), bf16 beside FP8 in each part; each part fits one call with the others
+# of its line (about 500 s each line, the setup included):
+#   bash benchmarks/device_run.sh fp8-tests fp8-decode-8b fp8-throughput-8b
+#   bash benchmarks/device_run.sh fp8-serve-8b
+#   bash benchmarks/device_run.sh fp8-decode-30b-a3b fp8-throughput-30b-a3b fp8-gemm
 # Carry .whl (see benchmarks/device_setup.sh).
 . benchmarks/device_setup.sh >/dev/null 2>&1 || { echo "setup failed"; exit 1; }
 export TOKENIZERS_PARALLELISM=false
@@ -47,15 +52,24 @@ wait_healthy() {  # wait_healthy PORT: until the server there answers /health (4
   done
 }
 serve_bench() {  # (d): the server in the background, `trio-llm bench serve` against it
-  local model=$1 port=8011
+  # serve_bench MODEL [TAG SERVER-FLAGS...] (TAG names the logs, e.g. fp8)
+  local model=$1 tag=${2:+-$2} port=8011 seconds=${SERVE_SECONDS:-300}
+  shift; shift
   python3 -m trio_llm.api.cli serve --model "$model" --load-format dummy --port $port --api-server-count 0 \
-    > "$OUT/server-$model.log" 2>&1 &
+    "$@" > "$OUT/server-$model$tag.log" 2>&1 &
   local pid=$!
   wait_healthy $port
-  run "serve-$model" 300 python3 -m trio_llm.api.cli bench serve --port $port \
+  run "serve-$model$tag" "$seconds" python3 -m trio_llm.api.cli bench serve --port $port \
     --num-prompts 512 --random-input-len 1024 --random-output-len 128 --max-concurrency 64 \
-    --json "$OUT/serve-$model.json" --disable-tqdm
+    --json "$OUT/serve-$model$tag.json" --disable-tqdm
   kill $pid; wait $pid
+}
+fp8_pair() {  # fp8_pair COMMAND MODEL SECONDS [FLAGS...]: gpu_bench.py in bf16, then FP8 weights
+  local command=$1 model=$2 seconds=$3
+  shift 3
+  run "$command-$model" "$seconds" python3 benchmarks/gpu_bench.py "$command" --model "$model" "$@"
+  run "$command-$model-fp8" "$seconds" python3 benchmarks/gpu_bench.py "$command" \
+    --model "$model" --quantization fp8 "$@"
 }
 serve_twice_bench() {  # issue 24: the first run after start against the same run repeated
   # The repeat draws other prompts (--seed 1): with the same ones every prompt would be
@@ -140,6 +154,18 @@ for part in "$@"; do
              --model "$(model_of "${part#cli-throughput-}")" --load-format dummy ;;
     gpu-tests) run gpu-tests 300 python3 -m pytest -q -p no:cacheprovider -rs -m gpu \
              --ignore tests/test_http_schema.py tests/ ;;
+    # FP8 (issue 27): bf16 and FP8 weights (dummy weights rounded to e4m3 per row) side by
+    # side; the serve part adds FP8 weights + the FP8 KV cache
+    fp8-tests) run fp8-tests 200 python3 -m pytest -q -p no:cacheprovider -rs \
+             tests/test_fp8_gemm.py tests/test_triton_kv_fp8.py tests/test_fp8_weights.py \
+             tests/test_kv_cache_fp8.py ;;
+    fp8-gemm) run fp8-gemm 200 python3 benchmarks/fp8_gemm_bench.py ;;
+    fp8-decode-*) fp8_pair decode "$(model_of "${part#fp8-decode-}")" 120 --engine-only ;;
+    fp8-throughput-*) fp8_pair throughput "$(model_of "${part#fp8-throughput-}")" 150 --depths 2 ;;
+    fp8-serve-*) SERVE_SECONDS=120 serve_bench "$(model_of "${part#fp8-serve-}")" bf16
+             SERVE_SECONDS=120 serve_bench "$(model_of "${part#fp8-serve-}")" fp8 --quantization fp8
+             SERVE_SECONDS=120 serve_bench "$(model_of "${part#fp8-serve-}")" fp8-fp8kv \
+               --quantization fp8 --kv-cache-dtype fp8 ;;
     serve-*) serve_bench "$(model_of "${part#serve-}")" ;;
     prefix-serve-*) prefix_serve_bench "$(model_of "${part#prefix-serve-}")" ;;
     # tensor parallelism 2: needs the nvidia-h200-x2 kind (NCCL; NVLS multicast off)

@@ -43,6 +43,12 @@ chunks of max_num_batched_tokens: ms per token at each, and its ratio to the fir
 
 Every phase prints its figures as it ends; a phase stuck for ``--stall-seconds``
 dumps every thread's stack.
+
+FP8 (issue 27): ``--quantization fp8`` gives the dummy weights in e4m3 with per-row
+scales (kept FP8 on the GPU: the FP8 GEMMs), ``--kv-cache-dtype fp8`` the FP8 KV cache;
+the JSON's name then carries ``-fp8`` / ``-fp8kv``. ``decode --engine-only`` measures only
+the three engine runs at depth 2 (the issue's single-stream figure), to fit a bf16/FP8
+pair in one device call.
 """
 
 from __future__ import annotations
@@ -74,6 +80,8 @@ OUT = Path(os.environ.get("OUT", "."))
 # --tensor-parallel-size (decode, throughput): ranks in worker processes, one GPU each.
 # Figures that read the executor's own statistics or graphs are left out then.
 TENSOR_PARALLEL_SIZE = 1
+# --quantization, --kv-cache-dtype: every engine of the run (FP8 weights, FP8 KV cache)
+PRECISION: dict[str, Any] = {}
 PROMPT_LEN, NUM_NEW_TOKENS = 128, 256
 # BENCH_DEVICE=cpu runs the same code on the CPU (a smoke test of the script, not a figure)
 DEVICE = os.environ.get("BENCH_DEVICE", "cuda")
@@ -83,7 +91,7 @@ DTYPE = "bfloat16" if DEVICE == "cuda" else "float32"
 def engine_config(model: str, *, depth: int, **overrides: Any) -> EngineConfig:
     fields: dict[str, Any] = {"model": model, "load_format": "dummy", "dtype": DTYPE,
                               "device": DEVICE, "pipeline_depth": depth,
-                              "tensor_parallel_size": TENSOR_PARALLEL_SIZE}
+                              "tensor_parallel_size": TENSOR_PARALLEL_SIZE, **PRECISION}
     fields.update(overrides)
     return EngineConfig(**fields)
 
@@ -246,6 +254,12 @@ def run_decode(args: argparse.Namespace) -> dict[str, Any]:
     config = engine_config(args.model, depth=2, max_num_seqs=8, num_kv_blocks=1024,
                            max_model_len=4096)
     executor = create_executor(config)
+    if args.engine_only:
+        results["engine_depth_2_ms_per_token_runs"] = [
+            trio.run(engine_decode_ms_per_token, config, executor) for _ in range(3)]
+        results["engine_depth_2_ms_per_token"] = statistics.median(
+            results["engine_depth_2_ms_per_token_runs"])
+        return results
     results["graph_replay_ms_batch_1"] = graph_replay_ms(executor)
     for depth in (1, 2):
         results[f"executor_depth_{depth}_ms_per_token"] = executor_decode_ms_per_token(
@@ -560,12 +574,18 @@ def main() -> None:
                              help="structured: dump every stack after this long in one phase")
         command.add_argument("--contexts", type=int, nargs="+", default=None,
                              help="context: prompt lengths (default: 1k, 8k, 32k, 128k)")
+        command.add_argument("--quantization", choices=["fp8"], default=None,
+                             help="FP8 weights (the dummy weights rounded to e4m3 per row)")
+        command.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
+        command.add_argument("--engine-only", action="store_true",
+                             help="decode: only the three engine runs at depth 2")
         command.add_argument("--rounds", type=int, default=1,
                              help="structured: the arms this many times, interleaved")
         command.set_defaults(run=run)
     args = parser.parse_args()
     global TENSOR_PARALLEL_SIZE
     TENSOR_PARALLEL_SIZE = args.tensor_parallel_size
+    PRECISION.update(quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     started = time.perf_counter()
     results = args.run(args)
     results["date"] = time.strftime("%Y-%m-%d")
@@ -573,6 +593,8 @@ def main() -> None:
     results["device"] = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
     results["wall_seconds"] = time.perf_counter() - started
     suffix = f"-tp{args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""
+    suffix += "-fp8" if args.quantization else ""
+    suffix += "-fp8kv" if args.kv_cache_dtype == "fp8" else ""
     path = OUT / f"{args.command}-{args.model}{suffix}.json"
     path.write_text(json.dumps(results, indent=2))
     print(json.dumps(results, indent=1), flush=True)

@@ -12,6 +12,11 @@ Layout (the contract every backend implements, Triton kernels included):
   position ``context_len - q + i`` and attends to every position up to its own;
 - grouped-query attention: query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
 
+- an FP8 cache (``torch.float8_e4m3fn``, ``--kv-cache-dtype fp8``) holds
+  ``key / k_scale`` and ``value / v_scale``: the writer divides, the reader
+  multiplies back (gpu/quantization.py); any other cache holds the values and
+  ``k_scale = v_scale = 1``.
+
 The reference gathers each sequence's keys and values through its block table
 and runs plain attention on them. It works on any device, and it is what fast
 kernels are checked against.
@@ -25,35 +30,43 @@ from dataclasses import dataclass
 
 import torch
 
+from trio_llm.gpu.quantization import quantize_kv
+
 # Long prefills are split into query tiles whose score matrix stays under this size.
 SCORES_BUDGET_BYTES = 256 * 2**20
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store ``key``/``value`` [num_tokens, num_kv_heads, head_dim] at their slots."""
+                   v_cache: torch.Tensor, slot_mapping: torch.Tensor, *, k_scale: float = 1.0,
+                   v_scale: float = 1.0) -> None:
+    """Store ``key``/``value`` [num_tokens, num_kv_heads, head_dim] at their slots (in an
+    FP8 cache: divided by their scales)."""
     is_real = slot_mapping >= 0
     slots = slot_mapping[is_real]
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, num_kv_heads, head_dim)[slots] = key[is_real].to(k_cache.dtype)
-    v_cache.view(-1, num_kv_heads, head_dim)[slots] = value[is_real].to(v_cache.dtype)
+    k_cache.view(-1, num_kv_heads, head_dim)[slots] = quantize_kv(key[is_real], k_scale,
+                                                                  k_cache.dtype)
+    v_cache.view(-1, num_kv_heads, head_dim)[slots] = quantize_kv(value[is_real], v_scale,
+                                                                  v_cache.dtype)
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, context_lens: torch.Tensor,
-                    query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
+                    query_start_loc: torch.Tensor, scale: float, *, k_scale: float = 1.0,
+                    v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention of ``query`` over the paged cache -> [num_tokens, num_heads, head_dim].
 
     Computes in float32 (or the inputs' dtype if wider).
     """
     compute_dtype = torch.promote_types(query.dtype, torch.float32)
     return _paged_attention(query, k_cache, v_cache, block_tables, context_lens,
-                            query_start_loc, scale, compute_dtype)
+                            query_start_loc, scale, compute_dtype, (k_scale, v_scale))
 
 
 def float64_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, context_lens: torch.Tensor,
-                            query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
+                            query_start_loc: torch.Tensor, scale: float, *,
+                            k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """The reference computed in float64 and rounded back: batch-invariant in practice.
 
     The softmax sums run over a context that grows with how a prompt is split
@@ -62,13 +75,14 @@ def float64_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     they vanish in the rounding back except with probability ~1e-9 per value.
     """
     return _paged_attention(query, k_cache, v_cache, block_tables, context_lens,
-                            query_start_loc, scale, torch.float64)
+                            query_start_loc, scale, torch.float64, (k_scale, v_scale))
 
 
 def _paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, context_lens: torch.Tensor,
                      query_start_loc: torch.Tensor, scale: float,
-                     compute_dtype: torch.dtype) -> torch.Tensor:
+                     compute_dtype: torch.dtype, kv_scales: tuple[float, float]
+                     ) -> torch.Tensor:
     output = torch.zeros_like(query)
     # Converted once per call, not once per sequence: this loop runs per layer and step.
     wide_query = query.to(compute_dtype)
@@ -79,7 +93,7 @@ def _paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         if end == start or context_len == 0:
             continue
         key, value = _gather_context(k_cache, v_cache, block_tables[seq_index], context_len)
-        key, value = key.to(compute_dtype), value.to(compute_dtype)
+        key, value = _dequantized(key, value, compute_dtype, kv_scales)
         num_queries = end - start
         tile_size = _query_tile_size(query.shape[1], context_len, compute_dtype)
         for tile_start in range(0, num_queries, tile_size):
@@ -91,6 +105,18 @@ def _paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                 key[:tile_context_len], value[:tile_context_len], scale,
             )
     return output
+
+
+def _dequantized(key: torch.Tensor, value: torch.Tensor, dtype: torch.dtype,
+                 kv_scales: tuple[float, float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cached keys and values in ``dtype``, times their scales (an FP8 cache's)."""
+    key, value = key.to(dtype), value.to(dtype)
+    k_scale, v_scale = kv_scales
+    if k_scale != 1.0:
+        key = key * k_scale
+    if v_scale != 1.0:
+        value = value * v_scale
+    return key, value
 
 
 def _query_tile_size(num_heads: int, context_len: int, dtype: torch.dtype) -> int:

@@ -17,7 +17,7 @@ from trio_llm.actors.messages import (
     ScheduledRequest,
 )
 from trio_llm.gpu.cuda_graphs import DECODE_BATCH_SIZES, VARLEN_GRAPH_TOKENS, no_garbage_collection
-from trio_llm.gpu.executor import GIB
+from trio_llm.gpu.executor import GIB, kv_cache_summary
 
 if TYPE_CHECKING:
     from trio_llm.gpu.cuda_executor import CudaModelExecutor
@@ -27,12 +27,9 @@ logger = logging.getLogger("trio_llm.gpu.cuda_executor")
 
 
 def report_kv_cache(executor: CudaModelExecutor) -> None:
-    """Log the KV cache's size."""
-    bytes_per_token = executor.model.kv_cache_bytes_per_token  # this rank's KV heads
-    num_tokens = executor.num_kv_blocks * executor.block_size
-    logger.info("KV cache: %d blocks of %d tokens = %d tokens, %.2f GiB (%s)",
-                executor.num_kv_blocks, executor.block_size, num_tokens,
-                num_tokens * bytes_per_token / GIB, executor.device)
+    """Log the KV cache's size and dtype, and the state cache's (linear-attention layers)."""
+    logger.info("%s", kv_cache_summary(executor.model, executor.num_kv_blocks,
+                                       executor.block_size))
     if executor.state_caches:  # a model with linear-attention layers
         slot_bytes = executor.model.state_bytes_per_slot
         logger.info("state cache: %d slots of %.1f MiB over %d linear-attention layers, "

@@ -151,6 +151,8 @@ class ModelExecutor:
         """Resolve and load the model, then size and allocate the KV cache (see
         ``load_executor_model``)."""
         loaded = load_executor_model(config, parallel=parallel, device=device)
+        logger.info("%s", kv_cache_summary(loaded.model, loaded.num_kv_blocks,
+                                           loaded.block_size))
         return cls(loaded.model, model_path=loaded.model_path,
                    num_kv_blocks=loaded.num_kv_blocks, block_size=loaded.block_size,
                    max_model_len=loaded.max_model_len, num_state_slots=loaded.num_state_slots)
@@ -326,7 +328,12 @@ def load_executor_model(config: EngineConfig, *, parallel: TensorParallel | None
                        load_format=_load_format(config),
                        max_positions=max(description.max_model_len,
                                          description.model_config.max_position_embeddings),
-                       parallel=parallel, quantization=config.quantization)
+                       parallel=parallel, quantization=config.quantization,
+                       kv_cache=config.kv_cache_dtype)
+    if model.num_linear_attention_layers and model.kv_cache_dtype != model.dtype:
+        # the hybrid family's fused attention writes its cache unscaled (cuda_hybrid.py)
+        raise ModelLoadError(f"--kv-cache-dtype {config.kv_cache_dtype} is not supported for "
+                             f"{description.model_config.architecture} yet: leave it out")
     num_state_slots = model.parallel.min_over_ranks(_num_state_slots(model, config), device)
     state_bytes = num_state_slots * model.state_bytes_per_slot
     num_kv_blocks = config.num_kv_blocks or _num_kv_blocks_for_memory(model, config,
@@ -350,6 +357,19 @@ def load_executor_model(config: EngineConfig, *, parallel: TensorParallel | None
                        num_kv_blocks=num_kv_blocks, block_size=config.block_size,
                        max_model_len=description.max_model_len,
                        num_state_slots=num_state_slots)
+
+
+def kv_cache_summary(model: CausalLM, num_kv_blocks: int, block_size: int) -> str:
+    """The start-up line about the KV cache: its size in blocks, tokens and bytes, and its
+    dtype (an FP8 cache says how many more tokens it holds than the model's dtype would)."""
+    num_tokens = num_kv_blocks * block_size
+    num_bytes = num_tokens * model.kv_cache_bytes_per_token  # this rank's KV heads
+    dtype = str(model.kv_cache_dtype).removeprefix("torch.")
+    if model.kv_cache_dtype != model.dtype:
+        ratio = model.dtype.itemsize / model.kv_cache_dtype.itemsize
+        dtype += f": {ratio:g}x the tokens of a {str(model.dtype).removeprefix('torch.')} cache"
+    return (f"KV cache: {num_kv_blocks} blocks of {block_size} tokens = {num_tokens} tokens, "
+            f"{num_bytes / GIB:.2f} GiB, {dtype} ({model.device})")
 
 
 def configure_cpu_threads() -> int:

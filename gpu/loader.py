@@ -14,7 +14,9 @@ FP8 (gpu/quantization.py): an e4m3 checkpoint tensor is read with its scale tens
 and dequantized as it is read; a tensor of any other dtype is read as it is (a layer
 the checkpoint left unquantized). An e4m3 tensor in a checkpoint whose config.json
 does not say how it is scaled is refused. ``quantization="fp8"`` (online) rounds each
-linear weight to e4m3 with per-row scales as it is read, before it is sharded.
+linear weight to e4m3 with per-row scales as it is read, before it is sharded. On a
+GPU with FP8 tensor cores the projections keep the e4m3 values and their scales
+instead (gpu/fp8_weights.py says which), for the FP8 GEMMs.
 """
 
 from __future__ import annotations
@@ -28,15 +30,22 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from trio_llm.gpu import fp8_weights
 from trio_llm.gpu.models import CausalLM, ModelLoadError, read_model_config
 from trio_llm.gpu.models.weights import Target, copy_into
 from trio_llm.gpu.quantization import (
+    E4M3,
     ONLINE_METHODS,
     SAFETENSORS_E4M3,
     SAFETENSORS_FLOAT8,
     CheckpointQuantization,
+    Fp8Weight,
+    KVScales,
     checkpoint_fp8_weight,
     is_quantizable,
+    kv_cache_dtype,
+    kv_scale_names,
+    quantize_blocks,
     quantize_rows,
     scale_name,
 )
@@ -71,20 +80,33 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def load_model(directory: Path, *, dtype: torch.dtype, device: torch.device,
                load_format: str = "auto", max_positions: int | None = None,
                parallel: TensorParallel | None = None,
-               quantization: str | None = None) -> CausalLM:
+               quantization: str | None = None, kv_cache: str = "auto") -> CausalLM:
     """Build the model described by ``directory``/config.json and fill its weights
     (with ``parallel``, this rank's shard only: it reads no other rank's part);
-    ``quantization="fp8"``: its linear weights rounded to e4m3 (online FP8)."""
+    ``quantization="fp8"``: its linear weights rounded to e4m3 (online FP8);
+    ``kv_cache="fp8"``: an e4m3 KV cache, with the checkpoint's scales if it has
+    them."""
     config = read_model_config(directory)
     check_online_quantization(quantization, config.quantization, directory)
+    cache_dtype = kv_cache_dtype(kv_cache, dtype)
     with torch.no_grad():
         model = CausalLM(config, dtype=dtype, device=device, max_positions=max_positions,
-                         parallel=parallel)
+                         parallel=parallel, kv_cache_dtype=cache_dtype)
+        online = quantization is not None
+        layout = fp8_weights.fp8_layout(model, config.quantization, online)
         if load_format == "dummy":
-            fill_dummy_weights(model, fp8=quantization is not None
-                               or config.quantization is not None)
+            if layout is not None:
+                fp8_weights.keep_fp8(model, layout, model.checkpoint_targets(), None)
+            fill_dummy_weights(model, fp8=online or config.quantization is not None,
+                               fp8_block_size=layout.block_size if layout else None)
         elif load_format in ("auto", "safetensors"):
-            _load_safetensors(model, directory, online=quantization is not None)
+            if layout is not None:
+                dtypes = (None if online
+                          else fp8_weights.checkpoint_dtypes(checkpoint_files(directory)))
+                fp8_weights.keep_fp8(model, layout, model.checkpoint_targets(), dtypes)
+            _load_safetensors(model, directory, online=online)
+            if cache_dtype == E4M3:
+                _load_kv_scales(model, directory)
         else:
             raise ModelLoadError(f"unsupported load_format {load_format!r}")
     return model.eval()
@@ -142,9 +164,14 @@ def _load_safetensors(model: CausalLM, directory: Path, *, online: bool) -> None
     targets = model.checkpoint_targets()
     parameters = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
-    decoder = _WeightDecoder(directory, model.config.quantization, online=online)
+    decoder = _WeightDecoder(directory, model.config.quantization, online=online,
+                             fp8_parameters={name for name, parameter in parameters.items()
+                                             if parameter.dtype == E4M3})
     for tensor_name, tensor in _read_tensors(directory, targets, decoder):
-        copy_into(parameters, targets[tensor_name], tensor)
+        if isinstance(tensor, Fp8Weight):
+            fp8_weights.copy_fp8_into(parameters, targets[tensor_name], tensor)
+        else:
+            copy_into(parameters, targets[tensor_name], tensor)
         loaded.add(tensor_name)
     missing = [name for name in targets if name not in loaded]
     if missing:
@@ -154,7 +181,7 @@ def _load_safetensors(model: CausalLM, directory: Path, *, online: bool) -> None
 
 
 def _read_tensors(directory: Path, targets: dict[str, Target], decoder: _WeightDecoder
-                  ) -> Iterator[tuple[str, torch.Tensor]]:
+                  ) -> Iterator[tuple[str, torch.Tensor | Fp8Weight]]:
     """Yield every needed tensor with its name, checking its shape before reading its data."""
     for path, indexed_names in checkpoint_files(directory).items():
         try:
@@ -185,16 +212,21 @@ def _check_shape(path: Path, name: str, shape: list[int], target: Target) -> Non
 class _WeightDecoder:
     """Reads a checkpoint tensor's part for its target: an e4m3 weight dequantized with
     its scale (found in whichever file holds it), a float weight rounded to e4m3 for
-    online FP8, anything else as it is."""
+    online FP8, anything else as it is; for a parameter kept in e4m3
+    (``fp8_parameters``), the Fp8Weight itself."""
 
     def __init__(self, directory: Path, quantization: CheckpointQuantization | None, *,
-                 online: bool) -> None:
+                 online: bool, fp8_parameters: set[str]) -> None:
         self.directory = directory
         self.quantization = quantization
         self.online = online
+        self.fp8_parameters = fp8_parameters
         self._files_by_name: dict[str, Path] | None = None
 
-    def take(self, path: Path, name: str, tensor_slice: Any, target: Target) -> torch.Tensor:
+    def take(self, path: Path, name: str, tensor_slice: Any, target: Target
+             ) -> torch.Tensor | Fp8Weight:
+        if target.parameter_name in self.fp8_parameters:
+            return self._fp8_weight(path, name, tensor_slice)
         dtype = tensor_slice.get_dtype()
         if dtype in SAFETENSORS_FLOAT8:
             if self.quantization is None or dtype != SAFETENSORS_E4M3:
@@ -208,6 +240,15 @@ class _WeightDecoder:
         if self.online and is_quantizable(target.parameter_name):
             return target.take(quantize_rows(tensor_slice[:]).dequantize())
         return target.take(tensor_slice)
+
+    def _fp8_weight(self, path: Path, name: str, tensor_slice: Any) -> Fp8Weight:
+        """A tensor for a parameter kept in e4m3 (one rank: gpu/fp8_weights.py): the
+        checkpoint's values and scale, or the float weight rounded per row (online)."""
+        if self.online:
+            return quantize_rows(tensor_slice[:])
+        assert self.quantization is not None and tensor_slice.get_dtype() == SAFETENSORS_E4M3
+        scale = self._read(scale_name(self.quantization, name))
+        return checkpoint_fp8_weight(self.quantization, name, tensor_slice[:], scale)
 
     def _read(self, name: str) -> torch.Tensor:
         """Tensor ``name`` from whichever checkpoint file holds it."""
@@ -226,11 +267,44 @@ class _WeightDecoder:
             return file.get_tensor(name)
 
 
+def _load_kv_scales(model: CausalLM, directory: Path) -> None:
+    """Each layer's FP8 KV cache scales from the checkpoint (``k_scale``/``v_scale``, or one
+    ``kv_scale``), where it has them; a layer without keeps 1.0, as vLLM's does."""
+    names: dict[str, Path] = {}
+    for path, indexed_names in checkpoint_files(directory).items():
+        with safe_open(str(path), framework="pt", device="cpu") as file:
+            names |= dict.fromkeys(indexed_names if indexed_names is not None
+                                   else file.keys(), path)
+    for index, layer in enumerate(model.decoder_layers):
+        k_name, v_name, kv_name = kv_scale_names(index)
+        k_scale = _read_scale(names, k_name) or _read_scale(names, kv_name) or 1.0
+        v_scale = _read_scale(names, v_name) or _read_scale(names, kv_name) or 1.0
+        layer.self_attn.kv_scales = KVScales(k_scale, v_scale)
+
+
+def _read_scale(files_by_name: dict[str, Path], name: str) -> float | None:
+    """Scalar tensor ``name`` (a KV cache scale), None where the checkpoint lacks it."""
+    path = files_by_name.get(name)
+    if path is None:
+        return None
+    with safe_open(str(path), framework="pt", device="cpu") as file:
+        tensor = file.get_tensor(name)
+    if tensor.numel() != 1:
+        raise ModelLoadError(f"{path}: tensor {name} (a KV cache scale) must hold one value, "
+                             f"found shape {list(tensor.shape)}")
+    scale = float(tensor.to(torch.float32))
+    if not scale > 0 or scale == float("inf"):
+        raise ModelLoadError(f"{path}: tensor {name} (a KV cache scale) must be positive and "
+                             f"finite, found {scale}")
+    return scale
+
+
 # -- dummy weights -------------------------------------------------------------------
 
 
 def fill_dummy_weights(model: CausalLM, *, seed: int = DUMMY_SEED, std: float = DUMMY_STD,
-                       fp8: bool = False) -> None:
+                       fp8: bool = False, fp8_block_size: tuple[int, int] | None = None
+                       ) -> None:
     """Seeded random weights: norms at one, biases at zero, everything else normal with a
     small std. Each checkpoint tensor is drawn whole, in one order, then sharded as a
     checkpoint would be: every tensor-parallel size gets the same model. ``fp8``: the
@@ -245,6 +319,11 @@ def fill_dummy_weights(model: CausalLM, *, seed: int = DUMMY_SEED, std: float = 
         else:
             tensor = torch.randn(target.shape, generator=generator, device=model.device,
                                  dtype=torch.float32).mul_(std)
+            if parameters[target.parameter_name].dtype == E4M3:  # kept in e4m3
+                fp8_weights.copy_fp8_into(parameters, target,
+                                          quantize_rows(tensor) if fp8_block_size is None
+                                          else quantize_blocks(tensor, fp8_block_size))
+                continue
             if fp8 and is_quantizable(target.parameter_name):
                 tensor = quantize_rows(tensor).dequantize()
         copy_into(parameters, target, target.take(tensor))

@@ -27,6 +27,12 @@ scales change the numerics on a GPU; the CPU computes them unquantized).
 to e4m3 with one scale per output row, as it is read (before it is sharded, so
 every tensor-parallel size gets the same weights), and on the CPU dequantizes it
 again: the layer then holds exactly what an FP8 GEMM would multiply by.
+
+``--kv-cache-dtype fp8`` (``fp8_e4m3``) keeps keys and values in e4m3: each layer
+stores ``key / k_scale`` and ``value / v_scale`` (saturated at +-448) and its attention
+multiplies them back on read. The scales are the checkpoint's where it has them (a
+scalar ``k_scale`` and ``v_scale``, or one ``kv_scale`` for both, beside each layer's
+attention, as vLLM reads them), else 1.0, as vLLM's are.
 """
 
 from __future__ import annotations
@@ -38,8 +44,10 @@ import torch
 
 from trio_llm.gpu.errors import ModelLoadError
 
-__all__ = ["E4M3", "E4M3_MAX", "CheckpointQuantization", "Fp8Weight", "is_quantizable",
-           "parse_quantization", "quantize_rows"]
+__all__ = ["E4M3", "E4M3_MAX", "KV_CACHE_DTYPES", "CheckpointQuantization", "Fp8Activation",
+           "Fp8Weight",
+           "KVScales", "is_quantizable", "kv_cache_dtype", "kv_scale_names", "parse_quantization",
+           "quantize_blocks", "quantize_row_groups", "quantize_rows"]
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = float(torch.finfo(E4M3).max)  # 448
@@ -99,9 +107,97 @@ def quantize_rows(weight: torch.Tensor) -> Fp8Weight:
     return Fp8Weight(values, scale)
 
 
+@dataclass(frozen=True, slots=True)
+class Fp8Activation:
+    """Rows already in e4m3 with one float32 scale per row ([rows, 1]): a norm's output
+    quantized in the norm's kernel, for a per-channel FP8 GEMM (``dtype``: the rows'
+    float dtype before, which the GEMM writes)."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
+
+    def dequantize(self) -> torch.Tensor:
+        return (self.values.to(torch.float32) * self.scales).to(self.dtype)
+
+
+def quantize_blocks(weight: torch.Tensor, block_size: tuple[int, int]) -> Fp8Weight:
+    """``weight`` in e4m3 with one scale per ``block_size`` block (partial at the edges),
+    each its largest magnitude / 448 (1 for a block of zeros): a block-wise FP8
+    checkpoint's form."""
+    rows, columns = block_size
+    num_rows, num_columns = weight.shape
+    num_block_rows, num_block_columns = -(-num_rows // rows), -(-num_columns // columns)
+    padded = torch.zeros(num_block_rows * rows, num_block_columns * columns,
+                         dtype=torch.float32, device=weight.device)
+    padded[:num_rows, :num_columns] = weight
+    blocks = padded.view(num_block_rows, rows, num_block_columns, columns)
+    largest = blocks.abs().amax(dim=(1, 3))
+    scale = torch.where(largest > 0, largest / E4M3_MAX, torch.ones_like(largest))
+    expanded = scale.repeat_interleave(rows, 0).repeat_interleave(columns, 1)
+    values = (padded / expanded).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    return Fp8Weight(values[:num_rows, :num_columns].contiguous(), scale, block_size)
+
+
+def quantize_row_groups(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [rows, columns] in e4m3 with one scale per row and group of ``group_size``
+    columns (the last group may be partial): (values, scales [rows, num_groups]). What
+    the GPU's FP8 GEMMs do to their activations (gpu/kernels/fp8_gemm.py); with
+    ``group_size`` = columns, ``quantize_rows``."""
+    num_rows, num_columns = x.shape
+    num_groups = -(-num_columns // group_size)
+    padded = torch.zeros(num_rows, num_groups * group_size, dtype=torch.float32,
+                         device=x.device)
+    padded[:, :num_columns] = x
+    quantized = quantize_rows(padded.view(num_rows * num_groups, group_size))
+    values = quantized.values.view(num_rows, -1)[:, :num_columns]
+    return values, quantized.scale.view(num_rows, num_groups)
+
+
 def is_quantizable(parameter_name: str) -> bool:
     """Whether ``--quantization fp8`` quantizes the weights of this parameter."""
     return parameter_name.endswith(QUANTIZABLE_PARAMETER_SUFFIXES)
+
+
+# -- the KV cache ------------------------------------------------------------------------
+
+# --kv-cache-dtype's values: "auto" keeps the model's dtype (None here)
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "fp8": E4M3, "fp8_e4m3": E4M3}
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype ``--kv-cache-dtype name`` stores keys and values in."""
+    if name not in KV_CACHE_DTYPES:
+        raise ModelLoadError(f"kv_cache_dtype {name!r} is not supported; supported: "
+                             f"{', '.join(KV_CACHE_DTYPES)}")
+    return KV_CACHE_DTYPES[name] or model_dtype
+
+
+@dataclass(frozen=True, slots=True)
+class KVScales:
+    """One layer's KV cache scales: the cache holds ``key / k_scale``, ``value / v_scale``."""
+
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
+
+def kv_scale_names(layer_index: int) -> tuple[str, str, str]:
+    """Checkpoint names of layer ``layer_index``'s KV cache scales: (k_scale, v_scale,
+    kv_scale), the last one older checkpoints' single scale for both."""
+    prefix = f"model.layers.{layer_index}.self_attn."
+    return prefix + "k_scale", prefix + "v_scale", prefix + "kv_scale"
+
+
+def quantize_kv(tensor: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor`` as the cache stores it: divided by ``scale`` and saturated at e4m3's
+    largest value (e4m3fn has no infinity: a value past it would turn NaN)."""
+    if dtype != E4M3:
+        return tensor.to(dtype)
+    return (tensor.to(torch.float32) / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
 
 
 # -- checkpoint tensors -----------------------------------------------------------------

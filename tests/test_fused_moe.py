@@ -7,6 +7,7 @@ float32 shapes, so CI checks the kernels' logic too.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -260,3 +261,50 @@ def test_fused_moe_is_captured_in_a_cuda_graph(num_tokens):
     ids.copy_((ids + 1) % 8)
     graph.replay()
     assert relative_error(captured, fused_moe_reference(x, w13, w2, weights, ids)) < TOLERANCE
+
+
+# -- FP8 experts ----------------------------------------------------------------------------
+
+
+def fp8_layer(layer, block):
+    """``layer`` with its experts in e4m3, block scales (or per-row scales: ``block``
+    None), and the same layer with the dequantized weights (the reference's)."""
+    from trio_llm.gpu.kernels.fused_moe import ExpertScales
+    from trio_llm.gpu.quantization import quantize_blocks, quantize_rows
+
+    x, w13, w2, weights, ids = layer
+
+    def quantize(stacked):
+        parts = [quantize_rows(w.float().cpu()) if block is None
+                 else quantize_blocks(w.float().cpu(), block) for w in stacked]
+        return (torch.stack([p.values for p in parts]).to(DEVICE),
+                torch.stack([p.scale for p in parts]).to(DEVICE),
+                torch.stack([p.dequantize() for p in parts]).to(DTYPE).to(DEVICE))
+
+    w13_values, w13_scale, w13_plain = quantize(w13)
+    w2_values, w2_scale, w2_plain = quantize(w2)
+    scales = ExpertScales(w13_scale, w2_scale, block)
+    return ((x, w13_values, w2_values, weights, ids), scales,
+            (x, w13_plain, w2_plain, weights, ids))
+
+
+@pytest.mark.parametrize("block", [(16, 16), (8, 32), None], ids=["16x16", "8x32", "per-row"])
+@pytest.mark.parametrize("num_tokens,config", [(3, SMALL), (17, SMALL), (2, ROWWISE)],
+                         ids=["3-grouped", "17-grouped", "2-rowwise"])
+def test_fp8_experts_compute_their_dequantized_weights_product(block, num_tokens, config):
+    """e4m3 experts with block (partial at the edges: 40 and 24 are no multiples of 16
+    or 32) or per-row scales = the reference over the dequantized weights."""
+    layer, scales, plain = fp8_layer(random_layer(num_tokens, 4, 2, seed=num_tokens), block)
+    out = fused_moe(*layer, config=config, scales=scales)
+    expected = fused_moe_reference(*plain)
+    assert relative_error(out, expected) < TOLERANCE
+    # the scales matter: the e4m3 values alone give another output
+    unscaled = fused_moe(*layer, config=config, scales=dataclasses.replace(
+        scales, w13=torch.ones_like(scales.w13), w2=torch.ones_like(scales.w2)))
+    assert relative_error(unscaled, expected) > 0.5
+
+
+def test_fp8_experts_with_scales_of_the_wrong_shape_are_refused():
+    layer, scales, _ = fp8_layer(random_layer(2, 4, 2), (16, 16))
+    with pytest.raises(ValueError, match=r"FP8 w2 must be e4m3 with scales \[4, 3, 2\]"):
+        fused_moe(*layer, scales=dataclasses.replace(scales, w2=scales.w2[:, :2]))

@@ -491,11 +491,14 @@ def can_use_kernel(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, context_lens: torch.Tensor,
-                    query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
-    """gpu/attention.py's paged_attention, batch-invariant; float64 reference for other dtypes."""
+                    query_start_loc: torch.Tensor, scale: float, *, k_scale: float = 1.0,
+                    v_scale: float = 1.0) -> torch.Tensor:
+    """gpu/attention.py's paged_attention, batch-invariant; float64 reference for other dtypes
+    (an FP8 cache's, with its scales)."""
     if not can_use_kernel(query, k_cache):
         return float64_paged_attention(query, k_cache, v_cache, block_tables, context_lens,
-                                       query_start_loc, scale)
+                                       query_start_loc, scale, k_scale=k_scale, v_scale=v_scale)
+    assert k_scale == v_scale == 1.0, "a float32 cache holds keys and values unscaled"
     plan = StepPlan.check(block_tables, context_lens, query_start_loc, None,
                           num_tokens=query.shape[0], num_blocks=k_cache.shape[0],
                           block_size=k_cache.shape[1])

@@ -39,6 +39,14 @@ configs; counts above its largest tuned one, and layers without one, use the
 default ``CONFIGS`` (decode wants the row-wise path or short row blocks and
 many column blocks, prefill long row blocks).
 
+FP8 experts (an FP8 checkpoint's, or ``--quantization fp8``): ``w13`` and ``w2`` in
+e4m3 with ``ExpertScales``, one float32 scale per (row block, column block) of each
+expert's weight (128 x 128 in Qwen's FP8 releases; per output row: blocks of one row
+and the whole depth). Each reduction step of every path widens its weight tile to the
+activations' dtype (exact: e4m3 values are bf16 values), multiplies it in, and scales
+the step's float32 partial product by its blocks' scales: FP8 weights, bf16 activations
+(half the weight bytes of every decode step; prefill keeps bf16 tensor cores).
+
 The GPU path is not batch invariant (the path and tiles, hence the float32 sum
 order, depend on the token count); the batch-invariant path is the CPU one.
 ``fused_moe_reference`` is the same math as a per-expert torch loop.
@@ -46,6 +54,7 @@ order, depend on the token count); the batch-invariant path is the CPU one.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -84,6 +93,30 @@ class GroupedConfig:
     group_m: int
     gate_up: GemmConfig
     down: GemmConfig
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertScales:
+    """FP8 experts' scales: ``w13`` [E, ceil(2I / rows), ceil(H / columns)] and ``w2``
+    [E, ceil(H / rows), ceil(I / columns)] for ``block_size`` (rows, columns); None:
+    one scale per output row, ``w13`` [E, 2I, 1] and ``w2`` [E, H, 1]."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    block_size: tuple[int, int] | None = None
+
+    def groups(self, depth: int) -> tuple[int, int]:
+        """(weight rows, reduction columns) one scale covers, for a weight ``depth`` deep."""
+        return self.block_size if self.block_size is not None else (1, depth)
+
+    def tile(self, tile: GemmConfig, depth: int) -> GemmConfig:
+        """``tile`` with reduction steps no deeper than one block's columns (a power of two
+        dividing them), so that each step has one scale per weight row (per-row scales
+        span the whole depth: any step)."""
+        columns = self.groups(depth)[1]
+        if self.block_size is None or (tile.block_k <= columns and columns % tile.block_k == 0):
+            return tile
+        return dataclasses.replace(tile, block_k=min(tile.block_k, columns & -columns))
 
 
 @dataclass(frozen=True, slots=True)
@@ -326,12 +359,23 @@ def _block_rows(sorted_rows_ptr, block_experts_ptr, pid_m, BLOCK_M: tl.constexpr
     return rows, expert
 
 
+@triton.jit
+def _step_scales(scale_ptr, expert, weight_rows, start, scale_expert_stride, scale_row_stride,
+                 GROUP_N: tl.constexpr, GROUP_K: tl.constexpr):
+    """The FP8 scales of ``weight_rows`` of ``expert`` for the reduction step at ``start``
+    (one per row: a step never crosses a scale's columns, ExpertScales.tile)."""
+    return tl.load(scale_ptr + expert * scale_expert_stride
+                   + (weight_rows // GROUP_N).to(tl.int64) * scale_row_stride + start // GROUP_K)
+
+
 @triton.jit(do_not_specialize=["num_rows", "num_m_blocks", "group_m"])
 def _gate_up_kernel(hidden_ptr, w13_ptr, activation_ptr, sorted_rows_ptr, block_experts_ptr,
                     num_padded_ptr, num_rows, num_m_blocks, group_m, hidden_row_stride,
-                    w13_expert_stride, w13_row_stride,
+                    w13_expert_stride, w13_row_stride, scale_ptr, scale_expert_stride,
+                    scale_row_stride,
                     TOP_K: tl.constexpr, HIDDEN: tl.constexpr, INTERMEDIATE: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    HAS_SCALES: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr):
     """activation[row, n] = silu(x . gate_e[n]) * (x . up_e[n]) for one block of rows
     (all of expert e) and BLOCK_N columns n; x is the row's token's hidden state."""
     pid_m, pid_n = _tile(tl.program_id(0), num_m_blocks, tl.cdiv(INTERMEDIATE, BLOCK_N),
@@ -362,8 +406,16 @@ def _gate_up_kernel(hidden_ptr, w13_ptr, activation_ptr, sorted_rows_ptr, block_
             x = tl.load(x_ptrs, mask=row_mask[:, None] & depth_mask[None, :], other=0.0)
             gate_weights = tl.load(gate_ptrs, mask=depth_mask[:, None], other=0.0)
             up_weights = tl.load(up_ptrs, mask=depth_mask[:, None], other=0.0)
-        gate = tl.dot(x, gate_weights, gate)
-        up = tl.dot(x, up_weights, up)
+        if HAS_SCALES:  # e4m3 weights: widened, each step scaled by its blocks' scales
+            gate += tl.dot(x, gate_weights.to(x.dtype)) * _step_scales(
+                scale_ptr, expert, weight_rows, start, scale_expert_stride, scale_row_stride,
+                GROUP_N, GROUP_K)[None, :]
+            up += tl.dot(x, up_weights.to(x.dtype)) * _step_scales(
+                scale_ptr, expert, weight_rows + INTERMEDIATE, start, scale_expert_stride,
+                scale_row_stride, GROUP_N, GROUP_K)[None, :]
+        else:
+            gate = tl.dot(x, gate_weights, gate)
+            up = tl.dot(x, up_weights, up)
         x_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
@@ -376,9 +428,11 @@ def _gate_up_kernel(hidden_ptr, w13_ptr, activation_ptr, sorted_rows_ptr, block_
 @triton.jit(do_not_specialize=["num_rows", "num_m_blocks", "group_m"])
 def _down_kernel(activation_ptr, w2_ptr, out_ptr, topk_weights_ptr, sorted_rows_ptr,
                  block_experts_ptr, num_padded_ptr, num_rows, num_m_blocks, group_m,
-                 w2_expert_stride, w2_row_stride,
+                 w2_expert_stride, w2_row_stride, scale_ptr, scale_expert_stride,
+                 scale_row_stride,
                  HIDDEN: tl.constexpr, INTERMEDIATE: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SCALES: tl.constexpr,
+                 GROUP_N: tl.constexpr, GROUP_K: tl.constexpr):
     """out[row, n] = weight[row] * (activation[row] . down_e[n]) for one block of rows
     (all of expert e) and BLOCK_N hidden columns n."""
     pid_m, pid_n = _tile(tl.program_id(0), num_m_blocks, tl.cdiv(HIDDEN, BLOCK_N), group_m)
@@ -402,7 +456,12 @@ def _down_kernel(activation_ptr, w2_ptr, out_ptr, topk_weights_ptr, sorted_rows_
             depth_mask = depth < INTERMEDIATE - start
             a = tl.load(a_ptrs, mask=row_mask[:, None] & depth_mask[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=depth_mask[:, None], other=0.0)
-        acc = tl.dot(a, w, acc)
+        if HAS_SCALES:
+            acc += tl.dot(a, w.to(a.dtype)) * _step_scales(
+                scale_ptr, expert, weight_rows, start, scale_expert_stride, scale_row_stride,
+                GROUP_N, GROUP_K)[None, :]
+        else:
+            acc = tl.dot(a, w, acc)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     routing = tl.load(topk_weights_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
@@ -431,10 +490,13 @@ def _row_products(x_ptr, weight_ptrs, start, DEPTH: tl.constexpr, BLOCK_K: tl.co
 
 @triton.jit
 def _rowwise_gate_up_kernel(hidden_ptr, w13_ptr, activation_ptr, topk_ids_ptr,
-                            hidden_row_stride, w13_expert_stride, w13_row_stride,
+                            hidden_row_stride, w13_expert_stride, w13_row_stride, scale_ptr,
+                            scale_expert_stride, scale_row_stride,
                             TOP_K: tl.constexpr, HIDDEN: tl.constexpr,
                             INTERMEDIATE: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+                            BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+                            HAS_SCALES: tl.constexpr, GROUP_N: tl.constexpr,
+                            GROUP_K: tl.constexpr):
     """activation[row, n] = silu(x . gate_e[n]) * (x . up_e[n]) for one (token, slot)
     row, its expert e, and BLOCK_N columns n."""
     row = tl.program_id(0)
@@ -448,8 +510,16 @@ def _rowwise_gate_up_kernel(hidden_ptr, w13_ptr, activation_ptr, topk_ids_ptr,
     up = tl.zeros([BLOCK_N], dtype=tl.float32)
     # num_stages on the loop: without a tl.dot the pipeliner prefetches only when asked.
     for start in tl.range(0, HIDDEN, BLOCK_K, num_stages=NUM_STAGES):
-        gate += _row_products(x_ptr, gate_ptrs, start, HIDDEN, BLOCK_K)
-        up += _row_products(x_ptr, up_ptrs, start, HIDDEN, BLOCK_K)
+        if HAS_SCALES:
+            gate += _row_products(x_ptr, gate_ptrs, start, HIDDEN, BLOCK_K) * _step_scales(
+                scale_ptr, expert, weight_rows, start, scale_expert_stride, scale_row_stride,
+                GROUP_N, GROUP_K)
+            up += _row_products(x_ptr, up_ptrs, start, HIDDEN, BLOCK_K) * _step_scales(
+                scale_ptr, expert, weight_rows + INTERMEDIATE, start, scale_expert_stride,
+                scale_row_stride, GROUP_N, GROUP_K)
+        else:
+            gate += _row_products(x_ptr, gate_ptrs, start, HIDDEN, BLOCK_K)
+            up += _row_products(x_ptr, up_ptrs, start, HIDDEN, BLOCK_K)
     activated = gate * tl.sigmoid(gate) * up
     tl.store(activation_ptr + row.to(tl.int64) * INTERMEDIATE + columns,
              activated.to(activation_ptr.dtype.element_ty), mask=columns < INTERMEDIATE)
@@ -457,10 +527,13 @@ def _rowwise_gate_up_kernel(hidden_ptr, w13_ptr, activation_ptr, topk_ids_ptr,
 
 @triton.jit
 def _rowwise_down_kernel(activation_ptr, w2_ptr, out_ptr, topk_weights_ptr, topk_ids_ptr,
-                         w2_expert_stride, w2_row_stride,
+                         w2_expert_stride, w2_row_stride, scale_ptr, scale_expert_stride,
+                         scale_row_stride,
                          TOP_K: tl.constexpr, HIDDEN: tl.constexpr,
                          INTERMEDIATE: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+                         BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+                         HAS_SCALES: tl.constexpr, GROUP_N: tl.constexpr,
+                         GROUP_K: tl.constexpr):
     """out[token, n] = sum over the token's slots of weight * (activation[row] . down_e[n]),
     summed in float32, for BLOCK_N hidden columns n."""
     token = tl.program_id(0).to(tl.int64)
@@ -474,15 +547,20 @@ def _rowwise_down_kernel(activation_ptr, w2_ptr, out_ptr, topk_weights_ptr, topk
         row = token * TOP_K + step // STEPS_PER_SLOT
         expert = tl.load(topk_ids_ptr + row).to(tl.int64)
         down_ptrs = w2_ptr + expert * w2_expert_stride + weight_rows * w2_row_stride
-        products = _row_products(activation_ptr + row * INTERMEDIATE, down_ptrs,
-                                 (step % STEPS_PER_SLOT) * BLOCK_K, INTERMEDIATE, BLOCK_K)
+        start = (step % STEPS_PER_SLOT) * BLOCK_K
+        products = _row_products(activation_ptr + row * INTERMEDIATE, down_ptrs, start,
+                                 INTERMEDIATE, BLOCK_K)
+        if HAS_SCALES:
+            products *= _step_scales(scale_ptr, expert, weight_rows, start, scale_expert_stride,
+                                     scale_row_stride, GROUP_N, GROUP_K)
         total += products * tl.load(topk_weights_ptr + row).to(tl.float32)
     tl.store(out_ptr + token * HIDDEN + columns, total.to(out_ptr.dtype.element_ty),
              mask=columns < HIDDEN)
 
 
 def _check_inputs(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> None:
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  scales: ExpertScales | None = None) -> None:
     num_tokens, hidden_size = hidden.shape
     num_experts, two_intermediate, w13_hidden = w13.shape
     if w13_hidden != hidden_size or two_intermediate % 2:
@@ -494,7 +572,9 @@ def _check_inputs(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != num_tokens:
         raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights "
                          f"{tuple(topk_weights.shape)} must both be [{num_tokens}, top_k]")
-    if not hidden.dtype == w13.dtype == w2.dtype:
+    if scales is not None:
+        _check_scales(w13, w2, scales)
+    elif not hidden.dtype == w13.dtype == w2.dtype:
         raise ValueError(f"hidden ({hidden.dtype}), w13 ({w13.dtype}) and w2 ({w2.dtype}) "
                          "must share one dtype")
     if topk_ids.dtype not in (torch.int32, torch.int64):
@@ -503,61 +583,106 @@ def _check_inputs(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         raise ValueError("hidden, w13 and w2 must be contiguous in their last dimension")
 
 
+def _check_scales(w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScales) -> None:
+    for name, weight, scale in (("w13", w13, scales.w13), ("w2", w2, scales.w2)):
+        rows, columns = scales.groups(weight.shape[2])
+        expected = (weight.shape[0], -(-weight.shape[1] // rows), -(-weight.shape[2] // columns))
+        if weight.dtype != torch.float8_e4m3fn or tuple(scale.shape) != expected:
+            raise ValueError(f"FP8 {name} must be e4m3 with scales {list(expected)}; found "
+                             f"{weight.dtype} with scales {list(scale.shape)}")
+        if scale.dtype != torch.float32 or scale.stride(2) != 1:
+            raise ValueError(f"{name}'s scales must be float32, contiguous in their last "
+                             f"dimension")
+
+
+def _scale_arguments(weight: torch.Tensor, scale: torch.Tensor | None,
+                     scales: ExpertScales | None) -> tuple[object, ...]:
+    """A kernel's scale pointer and strides (the weight itself, unread, without scales)."""
+    if scale is None or scales is None:
+        return weight, 0, 0
+    return scale, scale.stride(0), scale.stride(1)
+
+
+def _scale_flags(weight: torch.Tensor, scales: ExpertScales | None) -> dict[str, object]:
+    """A kernel's HAS_SCALES, GROUP_N, GROUP_K for ``weight`` (its depth: weight.shape[2])."""
+    if scales is None:
+        return {"HAS_SCALES": False, "GROUP_N": 1, "GROUP_K": 1}
+    rows, columns = scales.groups(weight.shape[2])
+    return {"HAS_SCALES": True, "GROUP_N": rows, "GROUP_K": columns}
+
+
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
-              config: MoeConfig | None = None) -> torch.Tensor:
+              config: MoeConfig | None = None,
+              scales: ExpertScales | None = None) -> torch.Tensor:
     """The MoE layer's output [T, H] for ``hidden`` [T, H], gate/up weights ``w13``
     [E, 2I, H] (rows [0, I) the gate, [I, 2I) the up projection), down weights ``w2``
     [E, H, I], and each token's experts ``topk_ids`` [T, k] with their routing weights
-    ``topk_weights`` [T, k]. ``config`` overrides the tables (for tuning)."""
-    _check_inputs(hidden, w13, w2, topk_weights, topk_ids)
+    ``topk_weights`` [T, k]. ``config`` overrides the tables (for tuning); ``scales``:
+    the weights are e4m3 (FP8 experts)."""
+    _check_inputs(hidden, w13, w2, topk_weights, topk_ids, scales)
     num_tokens, hidden_size = hidden.shape
     num_experts, intermediate = w13.shape[0], w13.shape[1] // 2
     top_k = topk_ids.shape[1]
     out = torch.empty((num_tokens, hidden_size), dtype=hidden.dtype, device=hidden.device)
     if num_tokens == 0 or top_k == 0:
         return out.zero_()
-    config = config or config_for(num_tokens, tuned_table(w13))
+    config = _fitting_scales(config or config_for(num_tokens, tuned_table(w13)), scales,
+                             hidden_size, intermediate)
     topk_weights, topk_ids = topk_weights.contiguous(), topk_ids.contiguous()
     num_rows = num_tokens * top_k
     activation = torch.empty((num_rows, intermediate), dtype=hidden.dtype, device=hidden.device)
     if isinstance(config, RowwiseConfig):
-        launch_rowwise(hidden, w13, w2, topk_weights, topk_ids, activation, out, config)
+        launch_rowwise(hidden, w13, w2, topk_weights, topk_ids, activation, out, config, scales)
         return out
     plan = align_by_expert(topk_ids, num_experts, config.block_m)
-    launch_gate_up(hidden, w13, activation, plan, top_k, config)
+    launch_gate_up(hidden, w13, activation, plan, top_k, config, scales)
     # One output row per (token, slot), summed over the slots below; with one slot a
     # row is a token, and the down GEMM writes the output itself.
     per_slot = out if top_k == 1 else torch.empty(
         (num_rows, hidden_size), dtype=hidden.dtype, device=hidden.device)
-    launch_down(activation, w2, per_slot, topk_weights, plan, config)
+    launch_down(activation, w2, per_slot, topk_weights, plan, config, scales)
     if top_k > 1:
         torch.sum(per_slot.view(num_tokens, top_k, hidden_size), dim=1, out=out)
     return out
 
 
+def _fitting_scales(config: MoeConfig, scales: ExpertScales | None, hidden_size: int,
+                    intermediate: int) -> MoeConfig:
+    """``config`` with reduction steps that never cross a scale's columns (FP8 experts)."""
+    if scales is None:
+        return config
+    gate_up = scales.tile(config.gate_up, hidden_size)
+    down = scales.tile(config.down, intermediate)
+    return dataclasses.replace(config, gate_up=gate_up, down=down)
+
+
 def launch_rowwise(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                    topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: torch.Tensor,
-                   out: torch.Tensor, config: RowwiseConfig) -> None:
+                   out: torch.Tensor, config: RowwiseConfig,
+                   scales: ExpertScales | None = None) -> None:
     """The row-wise path's two launches: ``activation`` [T * top_k, I], then ``out``."""
     (num_rows, intermediate), (num_tokens, hidden_size) = activation.shape, out.shape
     top_k = topk_ids.shape[1]
     tile = config.gate_up
     _rowwise_gate_up_kernel[(num_rows, triton.cdiv(intermediate, tile.block_n))](
         hidden, w13, activation, topk_ids, hidden.stride(0), w13.stride(0), w13.stride(1),
+        *_scale_arguments(w13, scales.w13 if scales else None, scales)[:3],
         TOP_K=top_k, HIDDEN=hidden_size, INTERMEDIATE=intermediate, BLOCK_N=tile.block_n,
-        BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages, num_warps=tile.num_warps,
-        num_stages=tile.num_stages)
+        BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages, **_scale_flags(w13, scales),
+        num_warps=tile.num_warps, num_stages=tile.num_stages)
     tile = config.down
     _rowwise_down_kernel[(num_tokens, triton.cdiv(hidden_size, tile.block_n))](
         activation, w2, out, topk_weights, topk_ids, w2.stride(0), w2.stride(1),
+        *_scale_arguments(w2, scales.w2 if scales else None, scales)[:3],
         TOP_K=top_k, HIDDEN=hidden_size, INTERMEDIATE=intermediate, BLOCK_N=tile.block_n,
-        BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages, num_warps=tile.num_warps,
-        num_stages=tile.num_stages)
+        BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages, **_scale_flags(w2, scales),
+        num_warps=tile.num_warps, num_stages=tile.num_stages)
 
 
 def launch_gate_up(hidden: torch.Tensor, w13: torch.Tensor, activation: torch.Tensor,
-                   plan: ExpertPlan, top_k: int, config: GroupedConfig) -> None:
+                   plan: ExpertPlan, top_k: int, config: GroupedConfig,
+                   scales: ExpertScales | None = None) -> None:
     """The first grouped GEMM with SwiGLU: ``activation`` [T * top_k, I] (rows by
     (token, slot), as ``plan`` was built for)."""
     num_rows, intermediate = activation.shape
@@ -566,13 +691,15 @@ def launch_gate_up(hidden: torch.Tensor, w13: torch.Tensor, activation: torch.Te
     _gate_up_kernel[grid](
         hidden, w13, activation, plan.sorted_rows, plan.block_experts, plan.num_padded_rows,
         num_rows, plan.num_blocks, config.group_m, hidden.stride(0), w13.stride(0),
-        w13.stride(1), TOP_K=top_k, HIDDEN=hidden.shape[1], INTERMEDIATE=intermediate,
+        w13.stride(1), *_scale_arguments(w13, scales.w13 if scales else None, scales)[:3],
+        TOP_K=top_k, HIDDEN=hidden.shape[1], INTERMEDIATE=intermediate,
         BLOCK_M=plan.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        num_warps=tile.num_warps, num_stages=tile.num_stages)
+        **_scale_flags(w13, scales), num_warps=tile.num_warps, num_stages=tile.num_stages)
 
 
 def launch_down(activation: torch.Tensor, w2: torch.Tensor, per_slot: torch.Tensor,
-                topk_weights: torch.Tensor, plan: ExpertPlan, config: GroupedConfig) -> None:
+                topk_weights: torch.Tensor, plan: ExpertPlan, config: GroupedConfig,
+                scales: ExpertScales | None = None) -> None:
     """The second grouped GEMM with the routing weights: ``per_slot`` [T * top_k, H]."""
     num_rows, hidden_size = per_slot.shape
     tile = config.down
@@ -580,9 +707,21 @@ def launch_down(activation: torch.Tensor, w2: torch.Tensor, per_slot: torch.Tens
     _down_kernel[grid](
         activation, w2, per_slot, topk_weights, plan.sorted_rows, plan.block_experts,
         plan.num_padded_rows, num_rows, plan.num_blocks, config.group_m, w2.stride(0),
-        w2.stride(1), HIDDEN=hidden_size, INTERMEDIATE=activation.shape[1],
+        w2.stride(1), *_scale_arguments(w2, scales.w2 if scales else None, scales)[:3],
+        HIDDEN=hidden_size, INTERMEDIATE=activation.shape[1],
         BLOCK_M=plan.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        num_warps=tile.num_warps, num_stages=tile.num_stages)
+        **_scale_flags(w2, scales), num_warps=tile.num_warps, num_stages=tile.num_stages)
+
+
+def dequantized_experts(w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScales,
+                        dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 experts' weights in ``dtype``: each e4m3 value times its block's scale."""
+    def dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        rows, columns = scales.groups(weight.shape[2])
+        spread = scale.repeat_interleave(rows, 1).repeat_interleave(columns, 2)
+        return (weight.float() * spread[:, :weight.shape[1], :weight.shape[2]]).to(dtype)
+
+    return dequantize(w13, scales.w13), dequantize(w2, scales.w2)
 
 
 def fused_moe_reference(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,

@@ -17,6 +17,11 @@ head), the query heads of that KV head stacked as rows. Every grid depends on
 the token and sequence counts only, never on values, so any step can be
 captured in a CUDA graph, and nothing here synchronizes with the host.
 
+An FP8 cache (e4m3) holds ``key / k_scale`` and ``value / v_scale``: tiles are
+widened to the query's dtype as they are loaded, ``k_scale`` is folded into the
+softmax scale and ``v_scale`` multiplies each output row (the weighted sum is
+linear in the values); a cache in the query's dtype has both scales at 1.0.
+
 Padding for CUDA graphs: a token with a negative slot is not written, and a
 sequence with context length 0 produces zeros (also for query tokens it owns:
 a graph's padding tokens belong to such a sequence).
@@ -29,6 +34,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from trio_llm.gpu.kernels.triton_layers import as_cached
+from trio_llm.gpu.quantization import E4M3
 
 # tl.dot needs at least 16 rows: GQA groups are padded up to this.
 MIN_DOT_ROWS = 16
@@ -91,9 +99,9 @@ LOG2_E = 1.4426950408889634
 @triton.jit
 def _write_kv_kernel(
     key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
-    key_token_stride, key_head_stride, value_token_stride, value_head_stride,
+    key_token_stride, key_head_stride, value_token_stride, value_head_stride, k_scale, v_scale,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_HEADS: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_HEADS: tl.constexpr, BLOCK_D: tl.constexpr, QUANTIZE: tl.constexpr,
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -102,10 +110,12 @@ def _write_kv_kernel(
     mask = (heads < NUM_KV_HEADS) & (dims < HEAD_DIM) & (slot >= 0)
     cache_offsets = slot * (NUM_KV_HEADS * HEAD_DIM) + heads * HEAD_DIM + dims
     key = tl.load(key_ptr + token * key_token_stride + heads * key_head_stride + dims, mask=mask)
-    tl.store(k_cache_ptr + cache_offsets, key, mask=mask)
+    tl.store(k_cache_ptr + cache_offsets, as_cached(key, k_scale, k_cache_ptr, QUANTIZE),
+             mask=mask)
     value = tl.load(value_ptr + token * value_token_stride + heads * value_head_stride + dims,
                     mask=mask)
-    tl.store(v_cache_ptr + cache_offsets, value, mask=mask)
+    tl.store(v_cache_ptr + cache_offsets, as_cached(value, v_scale, v_cache_ptr, QUANTIZE),
+             mask=mask)
 
 
 @triton.jit
@@ -167,7 +177,7 @@ def _attend_tile(query, k_cache_ptr, v_cache_ptr, block_table_row_ptr, tile_star
     offsets = _kv_tile_offsets(block_table_row_ptr, positions, position_mask, kv_head, dims,
                                NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, masked)
     key = _load_kv_tile(k_cache_ptr, offsets, position_mask, dims, HEAD_DIM, masked, EVEN_D)
-    scores = tl.dot(query, tl.trans(key))
+    scores = tl.dot(query, tl.trans(key.to(query.dtype)))
     if MASK == MASK_CAUSAL:
         visible = (positions[None, :] <= query_positions[:, None]) & position_mask[None, :]
         scores = tl.where(visible, scores, float("-inf"))
@@ -178,14 +188,14 @@ def _attend_tile(query, k_cache_ptr, v_cache_ptr, block_table_row_ptr, tile_star
     probs = tl.exp2(scores * qk_scale - new_max[:, None])
     running_sum = running_sum * rescale + tl.sum(probs, 1)
     value = _load_kv_tile(v_cache_ptr, offsets, position_mask, dims, HEAD_DIM, masked, EVEN_D)
-    acc = acc * rescale[:, None] + tl.dot(probs.to(value.dtype), value)
+    acc = acc * rescale[:, None] + tl.dot(probs.to(query.dtype), value.to(query.dtype))
     return new_max, running_sum, acc
 
 
 @triton.jit
 def _decode_kernel(
     query_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-    out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, qk_scale,
+    out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, qk_scale, v_scale,
     query_token_stride, query_head_stride, out_token_stride, out_head_stride,
     block_table_stride,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP_SIZE: tl.constexpr,
@@ -231,7 +241,7 @@ def _decode_kernel(
             NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, MASK_END, EVEN_D)
 
     if NUM_SPLITS == 1:
-        out = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
+        out = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None] * v_scale
         tl.store(out_ptr + seq * out_token_stride + heads[:, None] * out_head_stride
                  + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=io_mask)
     else:
@@ -245,7 +255,7 @@ def _decode_kernel(
 
 @triton.jit
 def _merge_splits_kernel(
-    out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, context_lens_ptr,
+    out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, context_lens_ptr, v_scale,
     out_token_stride, out_head_stride,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -271,7 +281,7 @@ def _merge_splits_kernel(
     # (the maxima are in log2 units, see _attend_tile)
     weights = tl.where(split_sum > 0, tl.exp2(split_max - overall_max), 0.0)
     total = tl.sum(split_sum * weights, 0)
-    out = tl.sum(split_acc * weights[:, None], 0) / tl.where(total > 0, total, 1.0)
+    out = tl.sum(split_acc * weights[:, None], 0) / tl.where(total > 0, total, 1.0) * v_scale
     tl.store(out_ptr + seq * out_token_stride + head * out_head_stride + dims,
              out.to(out_ptr.dtype.element_ty), mask=dim_mask)
 
@@ -295,7 +305,7 @@ def _find_sequence(query_start_loc_ptr, program, num_seqs, BLOCK_Q: tl.constexpr
 @triton.jit
 def _varlen_kernel(
     query_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-    query_start_loc_ptr, out_ptr, qk_scale, num_seqs,
+    query_start_loc_ptr, out_ptr, qk_scale, v_scale, num_seqs,
     query_token_stride, query_head_stride, out_token_stride, out_head_stride,
     block_table_stride,
     NUM_KV_HEADS: tl.constexpr, GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -358,14 +368,16 @@ def _varlen_kernel(
             query_positions, kv_head, dims, qk_scale, running_max, running_sum, acc,
             NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, MASK_CAUSAL, EVEN_D)
 
-    out = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
+    out = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None] * v_scale
     tl.store(out_ptr + tokens[:, None] * out_token_stride + heads[:, None] * out_head_stride
              + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store this step's keys and values at their slots; a negative slot is skipped."""
+                   v_cache: torch.Tensor, slot_mapping: torch.Tensor, *, k_scale: float = 1.0,
+                   v_scale: float = 1.0) -> None:
+    """Store this step's keys and values at their slots (an FP8 cache: divided by their
+    scales); a negative slot is skipped."""
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
@@ -373,16 +385,17 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
     assert key.stride(2) == 1 and value.stride(2) == 1
     _write_kv_kernel[(num_tokens,)](
         key, value, k_cache, v_cache, slot_mapping,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1), k_scale, v_scale,
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_HEADS=triton.next_power_of_2(num_kv_heads),
-        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_D=triton.next_power_of_2(head_dim), QUANTIZE=k_cache.dtype == E4M3,
     )
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, context_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, scale: float, *,
+                    k_scale: float = 1.0, v_scale: float = 1.0,
                     num_splits: int | None = None,
                     varlen: VarlenConfig | None = None,
                     decode: DecodeConfig | None = None) -> torch.Tensor:
@@ -394,7 +407,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     ``decode`` its tile (``DECODE_CONFIG`` otherwise). Any other batch, prefill
     chunks and decode rows together, is one launch of the varlen kernel, whose grid
     depends on the token and sequence counts only; ``varlen`` overrides its tile
-    (``varlen_config(num_tokens)`` otherwise).
+    (``varlen_config(num_tokens)`` otherwise). ``k_scale``/``v_scale``: an FP8 cache's.
     """
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = block_tables.shape[0]
@@ -402,14 +415,15 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if num_tokens == 0:
         return out
     assert query.stride(2) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
-    qk_scale = scale * LOG2_E
+    # an FP8 cache's key scale multiplies every score: folded into the softmax scale
+    qk_scale = scale * LOG2_E * k_scale
     if num_tokens == num_seqs:
         splits = num_splits or decode_num_splits(num_seqs, k_cache.shape[2], query.device)
-        _decode(query, k_cache, v_cache, block_tables, context_lens, qk_scale, out, splits,
-                decode or DECODE_CONFIG)
+        _decode(query, k_cache, v_cache, block_tables, context_lens, (qk_scale, v_scale), out,
+                splits, decode or DECODE_CONFIG)
     else:
-        _varlen(query, k_cache, v_cache, block_tables, context_lens, query_start_loc, qk_scale,
-                out, varlen or varlen_config(num_tokens))
+        _varlen(query, k_cache, v_cache, block_tables, context_lens, query_start_loc,
+                (qk_scale, v_scale), out, varlen or varlen_config(num_tokens))
     return out
 
 
@@ -439,8 +453,9 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device) ->
     return min(MAX_DECODE_SPLITS, triton.cdiv(DECODE_PROGRAMS_PER_SM * num_sms, num_programs))
 
 
-def _decode(query, k_cache, v_cache, block_tables, context_lens, qk_scale, out, num_splits,
+def _decode(query, k_cache, v_cache, block_tables, context_lens, scales, out, num_splits,
             config):
+    qk_scale, v_scale = scales
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group_size = num_heads // num_kv_heads
@@ -455,7 +470,7 @@ def _decode(query, k_cache, v_cache, block_tables, context_lens, qk_scale, out, 
     block_d = triton.next_power_of_2(head_dim)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, k_cache, v_cache, block_tables, context_lens,
-        out, partial_acc, partial_max, partial_sum, qk_scale,
+        out, partial_acc, partial_max, partial_sum, qk_scale, v_scale,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP_SIZE=group_size,
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
@@ -465,15 +480,16 @@ def _decode(query, k_cache, v_cache, block_tables, context_lens, qk_scale, out, 
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](
-            out, partial_acc, partial_max, partial_sum, context_lens, out.stride(0),
+            out, partial_acc, partial_max, partial_sum, context_lens, v_scale, out.stride(0),
             out.stride(1), NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
             BLOCK_SPLITS=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
             BLOCK_N=config.block_n, num_warps=2,
         )
 
 
-def _varlen(query, k_cache, v_cache, block_tables, context_lens, query_start_loc, qk_scale, out,
+def _varlen(query, k_cache, v_cache, block_tables, context_lens, query_start_loc, scales, out,
             config):
+    qk_scale, v_scale = scales
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = block_tables.shape[0]
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -483,7 +499,7 @@ def _varlen(query, k_cache, v_cache, block_tables, context_lens, query_start_loc
     # sequence s's query blocks start at query_start_loc[s] // block_q + s (see the kernel)
     _varlen_kernel[(num_tokens // block_q + num_seqs, num_kv_heads)](
         query, k_cache, v_cache, block_tables, context_lens, query_start_loc, out, qk_scale,
-        num_seqs, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        v_scale, num_seqs, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0),
         NUM_KV_HEADS=num_kv_heads, GROUP_SIZE=group_size, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m,

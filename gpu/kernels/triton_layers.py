@@ -7,7 +7,8 @@ activations. These kernels do the same arithmetic in three:
 - ``add_rms_norm``: residual add and RMSNorm in one pass;
 - ``qk_norm_rope_write_kv``: Qwen3's q/k RMSNorm, the rotary embedding, and
   the store of keys and values into the paged cache, straight from the fused
-  qkv projection's output;
+  qkv projection's output (into an FP8 cache: divided by the layer's scales and
+  saturated, as gpu/quantization.py's ``quantize_kv``);
 - ``silu_and_mul``: SwiGLU.
 
 Linear layers fed one or two rows (decode of one or two streams) run through
@@ -28,15 +29,16 @@ import triton
 import triton.language as tl
 
 from trio_llm.gpu.kernels.pdl import gdc_launch_dependents, pdl_enabled
+from trio_llm.gpu.quantization import E4M3, E4M3_MAX, Fp8Activation, KVScales
 
 SILU_BLOCK = 1024
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, eps,
-                     x_row_stride, residual_row_stride, HIDDEN: tl.constexpr,
+                     x_row_stride, residual_row_stride, scale_ptr, HIDDEN: tl.constexpr,
                      HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
-                     LAUNCH_DEPENDENTS: tl.constexpr):
+                     LAUNCH_DEPENDENTS: tl.constexpr, QUANTIZE: tl.constexpr = False):
     if LAUNCH_DEPENDENTS:
         # the GEMV after the norm may launch now and fetch its weights (gpu/kernels/pdl.py)
         gdc_launch_dependents()
@@ -53,8 +55,19 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
     variance = tl.sum(x32 * x32, 0) / HIDDEN
     normed = (x32 * tl.rsqrt(variance + eps)).to(x.dtype)
     weight = tl.load(weight_ptr + columns, mask=mask, other=0.0)
-    out = (weight.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + row * HIDDEN + columns, out, mask=mask)
+    if QUANTIZE:
+        # the norm's output as the model rounds it, then in e4m3 with the row's scale:
+        # fp8_gemm.quantize_groups' arithmetic, without the round trip through memory
+        out32 = (weight.to(tl.float32) * normed.to(tl.float32)).to(x.dtype).to(tl.float32)
+        amax = tl.max(tl.where(mask, tl.abs(out32), 0.0), 0)
+        scale = tl.where(amax > 0, tl.math.div_rn(amax, E4M3_LARGEST), 1.0)
+        tl.store(scale_ptr + row, scale)
+        quantized = tl.clamp(tl.math.div_rn(out32, scale), -E4M3_LARGEST, E4M3_LARGEST)
+        tl.store(out_ptr + row * HIDDEN + columns, quantized.to(out_ptr.dtype.element_ty),
+                 mask=mask)
+    else:
+        out = (weight.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * HIDDEN + columns, out, mask=mask)
 
 
 @triton.jit
@@ -99,12 +112,24 @@ def _rotate(first, second, cos, sin):
     return new_first, new_second
 
 
+E4M3_LARGEST: tl.constexpr = tl.constexpr(E4M3_MAX)
+
+
+@triton.jit
+def as_cached(x, scale, cache_ptr, QUANTIZE: tl.constexpr):
+    """``x`` as a cache of ``cache_ptr``'s dtype stores it: an FP8 cache holds ``x / scale``,
+    saturated at e4m3's largest value."""
+    if QUANTIZE:
+        x = tl.clamp(x.to(tl.float32) / scale, -E4M3_LARGEST, E4M3_LARGEST)
+    return x.to(cache_ptr.dtype.element_ty)
+
+
 @triton.jit
 def _qk_norm_rope_write_kv_kernel(
     qkv_ptr, positions_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, eps,
-    query_out_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, qkv_row_stride,
-    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HAS_QK_NORM: tl.constexpr,
+    query_out_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, qkv_row_stride, k_scale,
+    v_scale, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HAS_QK_NORM: tl.constexpr, QUANTIZE_KV: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -133,12 +158,14 @@ def _qk_norm_rope_write_kv_kernel(
         if slot >= 0:
             kv_head = head - NUM_HEADS
             offset = (slot * NUM_KV_HEADS + kv_head) * HEAD_DIM
-            tl.store(k_cache_ptr + offset + half_dims, first.to(k_cache_ptr.dtype.element_ty))
+            tl.store(k_cache_ptr + offset + half_dims,
+                     as_cached(first, k_scale, k_cache_ptr, QUANTIZE_KV))
             tl.store(k_cache_ptr + offset + HEAD_DIM // 2 + half_dims,
-                     second.to(k_cache_ptr.dtype.element_ty))
+                     as_cached(second, k_scale, k_cache_ptr, QUANTIZE_KV))
             value_source = source + NUM_KV_HEADS * HEAD_DIM
             dims = tl.arange(0, HEAD_DIM)
-            tl.store(v_cache_ptr + offset + dims, tl.load(value_source + dims))
+            tl.store(v_cache_ptr + offset + dims,
+                     as_cached(tl.load(value_source + dims), v_scale, v_cache_ptr, QUANTIZE_KV))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -157,7 +184,23 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     return out, new_residual
 
 
-def _launch_rms_norm(x, residual, weight, eps, out, new_residual):
+def rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[Fp8Activation, torch.Tensor]:
+    """``rms_norm`` (``residual`` None) or ``add_rms_norm``, the normed rows handed on in
+    e4m3 with one scale per row, as an FP8 GEMM quantizes its input (the per-channel
+    Fp8Linear's), and the residual stream (``x`` itself without ``residual``)."""
+    num_rows, hidden = x.shape
+    values = torch.empty((num_rows, hidden), dtype=E4M3, device=x.device)
+    scales = torch.empty((num_rows, 1), dtype=torch.float32, device=x.device)
+    new_residual = x
+    if residual is not None:
+        new_residual = torch.empty(x.shape, dtype=residual.dtype, device=x.device)
+    _launch_rms_norm(x, residual, weight, eps, values, new_residual if residual is not None
+                     else None, scales)
+    return Fp8Activation(values, scales, x.dtype), new_residual
+
+
+def _launch_rms_norm(x, residual, weight, eps, out, new_residual, scales=None):
     num_rows, hidden = x.shape
     if num_rows == 0:
         return
@@ -166,6 +209,7 @@ def _launch_rms_norm(x, residual, weight, eps, out, new_residual):
         x, residual if residual is not None else x, weight, out,
         new_residual if new_residual is not None else out, eps,
         x.stride(0), residual.stride(0) if residual is not None else 0,
+        scales if scales is not None else out, QUANTIZE=scales is not None,
         HIDDEN=hidden, HAS_RESIDUAL=residual is not None,
         BLOCK=triton.next_power_of_2(hidden), LAUNCH_DEPENDENTS=pdl_enabled(x.device),
         num_warps=4 if hidden <= 2048 else 8,
@@ -189,9 +233,12 @@ def qk_norm_rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch
                           sin: torch.Tensor, q_norm: torch.Tensor | None,
                           k_norm: torch.Tensor | None, eps: float, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
-                          num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+                          num_heads: int, num_kv_heads: int, head_dim: int,
+                          kv_scales: KVScales | None = None) -> torch.Tensor:
     """From the fused qkv output [num_tokens, (heads + 2 kv_heads) * head_dim]: normed,
-    rotated queries [num_tokens, num_heads, head_dim]; keys and values go to the cache."""
+    rotated queries [num_tokens, num_heads, head_dim]; keys and values go to the cache
+    (an FP8 cache: divided by ``kv_scales``)."""
+    kv_scales = kv_scales or KVScales()
     num_tokens = qkv.shape[0]
     query = torch.empty((num_tokens, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     if num_tokens == 0:
@@ -202,8 +249,9 @@ def qk_norm_rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch
     _qk_norm_rope_write_kv_kernel[(num_tokens, num_heads + num_kv_heads)](
         qkv, positions, cos, sin, q_norm if has_qk_norm else cos,
         k_norm if has_qk_norm else cos, eps, query, k_cache, v_cache, slot_mapping,
-        qkv.stride(0), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        HAS_QK_NORM=has_qk_norm, num_warps=1,
+        qkv.stride(0), kv_scales.k_scale, kv_scales.v_scale, NUM_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HAS_QK_NORM=has_qk_norm,
+        QUANTIZE_KV=k_cache.dtype == E4M3, num_warps=1,
     )
     return query
 

@@ -20,6 +20,7 @@ from trio_llm.gpu.layers.fused_ops import FusedOps
 from trio_llm.gpu.layers.linear import Linear
 from trio_llm.gpu.layers.norm import OffsetRMSNorm, RMSNorm
 from trio_llm.gpu.layers.rotary import RotaryEmbedding
+from trio_llm.gpu.quantization import Fp8Activation, KVScales
 from trio_llm.gpu.tensor_parallel import TensorParallel
 
 if TYPE_CHECKING:
@@ -66,6 +67,9 @@ class Attention(nn.Module):
         self.scale = config.head_dim**-0.5
         self.has_output_gate = config.attention_output_gate
         self.q_rows = 2 * self.q_size if self.has_output_gate else self.q_size
+        # what an FP8 KV cache divides keys and values by (the loader sets the
+        # checkpoint's); a cache in the model's dtype keeps 1.0
+        self.kv_scales = KVScales()
         self.qkv_proj = Linear(config.hidden_size, self.q_rows + 2 * self.kv_size,
                                bias=config.qkv_bias, dtype=dtype, device=device)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias,
@@ -96,16 +100,18 @@ class Attention(nn.Module):
             query, key = self.q_norm(query), self.k_norm(key)
         query, key = rotary(positions, query, key)
         k_cache, v_cache = kv_cache
-        backend.write_kv_cache(key, value, k_cache, v_cache, metadata.slot_mapping)
+        scales = {"k_scale": self.kv_scales.k_scale, "v_scale": self.kv_scales.v_scale}
+        backend.write_kv_cache(key, value, k_cache, v_cache, metadata.slot_mapping, **scales)
         attended = backend.paged_attention(query, k_cache, v_cache, metadata.block_tables,
                                            metadata.context_lens, metadata.query_start_loc,
-                                           self.scale)
+                                           self.scale, **scales)
         attended = attended.reshape(num_tokens, self.q_size)
         if gate is not None:
             attended = attended * batch_invariant(torch.sigmoid, gate)
         return self.parallel.reduce(self.o_proj(attended))
 
-    def fused(self, hidden: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+    def fused(self, hidden: torch.Tensor | Fp8Activation, positions: torch.Tensor,
+              rotary: RotaryEmbedding,
               kv_cache: KVCache, step: Any, backend: AttentionBackend,
               ops: FusedOps) -> torch.Tensor:
         """``forward`` with the q/k norms, rotation and cache store in one kernel."""
@@ -116,6 +122,8 @@ class Attention(nn.Module):
             q_norm.weight if q_norm is not None else None,
             k_norm.weight if k_norm is not None else None,
             q_norm.eps if q_norm is not None else 0.0, k_cache, v_cache, step.slot_mapping,
-            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
-        attended = ops.attend(query, k_cache, v_cache, step, self.scale, backend)
+            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+            kv_scales=self.kv_scales)
+        attended = ops.attend(query, k_cache, v_cache, step, self.scale, backend,
+                              self.kv_scales)
         return self.parallel.reduce(self.o_proj(attended.view(hidden.shape[0], self.q_size)))

@@ -17,10 +17,12 @@ from torch import nn
 
 from trio_llm.gpu.attention import AttentionBackend
 from trio_llm.gpu.layers.attention import Attention, AttentionMetadata, KVCache
+from trio_llm.gpu.layers.fp8_linear import Fp8Linear
 from trio_llm.gpu.layers.fused_ops import FusedOps
 from trio_llm.gpu.layers.linear_attention import GatedDeltaNet, StateCache
 from trio_llm.gpu.layers.norm import OffsetRMSNorm, RMSNorm
 from trio_llm.gpu.layers.rotary import RotaryEmbedding
+from trio_llm.gpu.quantization import Fp8Activation
 from trio_llm.gpu.tensor_parallel import TensorParallel
 
 if TYPE_CHECKING:
@@ -32,7 +34,9 @@ class FeedForward(Protocol):
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
-    def fused(self, hidden: torch.Tensor, ops: FusedOps) -> torch.Tensor: ...
+    def fused(self, hidden: torch.Tensor | Fp8Activation, ops: FusedOps) -> torch.Tensor:
+        """(An Fp8Activation only for a block whose ``gate_up_proj`` takes one.)"""
+        ...
 
 
 class DecoderLayer(nn.Module):
@@ -78,14 +82,24 @@ class DecoderLayer(nn.Module):
         """``forward`` with each residual add fused into the next norm: takes and returns
         (this block's output, the residual stream before it is added); ``residual`` None
         at the first layer, whose input is the embedding."""
-        norm = self.input_layernorm
-        if residual is None:
-            residual = hidden
-            normed = ops.rms_norm(hidden, norm.weight, norm.eps)
-        else:
-            normed, residual = ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
         assert self.linear_attn is None, "a linear-attention layer has no fused form yet"
+        normed, residual = _fused_norm(ops, hidden, residual, self.input_layernorm,
+                                       self.self_attn.qkv_proj)
         hidden = self.self_attn.fused(normed, positions, rotary, kv_cache, step, backend, ops)
-        norm = self.post_attention_layernorm
-        normed, residual = ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
+        normed, residual = _fused_norm(ops, hidden, residual, self.post_attention_layernorm,
+                                       getattr(self.mlp, "gate_up_proj", None))
         return self.feed_forward.fused(normed, ops), residual
+
+
+def _fused_norm(ops: FusedOps, hidden: torch.Tensor, residual: torch.Tensor | None,
+                norm: RMSNorm, consumer: nn.Module | None
+                ) -> tuple[torch.Tensor | Fp8Activation, torch.Tensor]:
+    """(the norm of ``hidden`` (plus ``residual``), the residual stream); in e4m3 straight
+    from the norm's kernel where ``consumer``, the layer it feeds, is a per-channel FP8
+    layer (it would quantize the rows per token itself: one kernel and one round trip
+    through memory fewer)."""
+    if isinstance(consumer, Fp8Linear) and consumer.takes_fp8_rows:
+        return ops.rms_norm_fp8(hidden, residual, norm.weight, norm.eps)
+    if residual is None:
+        return ops.rms_norm(hidden, norm.weight, norm.eps), hidden
+    return ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from trio_llm.gpu.quantization import Fp8Activation, KVScales
+
 if TYPE_CHECKING:
     from trio_llm.gpu.layers.moe import MoeShape
 
@@ -28,6 +30,12 @@ class FusedOps(Protocol):
         """(RMSNorm of ``residual + x``, ``residual + x``)."""
         ...
 
+    def rms_norm_fp8(self, x: torch.Tensor, residual: torch.Tensor | None,
+                     weight: torch.Tensor, eps: float) -> tuple[Fp8Activation, torch.Tensor]:
+        """``rms_norm`` (``residual`` None) or ``add_rms_norm``, the normed rows in e4m3
+        with one scale per row (for a per-channel FP8 layer), and the residual stream."""
+        ...
+
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """SwiGLU: the first half of each row gates the second half."""
         ...
@@ -37,13 +45,14 @@ class FusedOps(Protocol):
                               q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
                               eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               slot_mapping: torch.Tensor, *, num_heads: int,
-                              num_kv_heads: int, head_dim: int) -> torch.Tensor:
+                              num_kv_heads: int, head_dim: int,
+                              kv_scales: KVScales) -> torch.Tensor:
         """Normed, rotated queries [tokens, heads, head_dim] from the fused qkv output;
-        keys and values go to the cache."""
+        keys and values go to the cache (divided by ``kv_scales`` in an FP8 cache)."""
         ...
 
     def attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               step: Any, scale: float, backend: Any) -> torch.Tensor:
+               step: Any, scale: float, backend: Any, kv_scales: KVScales) -> torch.Tensor:
         """Paged attention of ``query`` over the cache -> [tokens, heads, head_dim];
         ``backend`` the model's AttentionBackend (a kernel set may use its own)."""
         ...
@@ -56,8 +65,9 @@ class FusedOps(Protocol):
 
     def moe_experts(self, hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                     weights: torch.Tensor, expert_ids: torch.Tensor,
-                    num_rows_per_chunk: int) -> torch.Tensor:
+                    num_rows_per_chunk: int, scales: Any = None) -> torch.Tensor:
         """The routed experts' output [tokens, hidden] (layers/moe.py's ``expert_loop``
         computes it): ``gate_up`` [experts, 2 I, hidden], ``down`` [experts, hidden, I],
-        ``weights`` and ``expert_ids`` [tokens, top_k]."""
+        ``weights`` and ``expert_ids`` [tokens, top_k]; ``scales`` (an ExpertScales): the
+        experts are e4m3."""
         ...

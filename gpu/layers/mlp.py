@@ -8,6 +8,7 @@ from torch import nn
 
 from trio_llm.gpu.layers.fused_ops import FusedOps
 from trio_llm.gpu.layers.linear import Linear
+from trio_llm.gpu.quantization import Fp8Activation
 from trio_llm.gpu.tensor_parallel import TensorParallel
 
 
@@ -33,6 +34,7 @@ class MLP(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.parallel.reduce(self.down_proj(silu_and_mul(self.gate_up_proj(hidden))))
 
-    def fused(self, hidden: torch.Tensor, ops: FusedOps) -> torch.Tensor:
-        """``forward`` with the activation through ``ops``' kernel."""
+    def fused(self, hidden: torch.Tensor | Fp8Activation, ops: FusedOps) -> torch.Tensor:
+        """``forward`` with the activation through ``ops``' kernel (``hidden`` already in
+        e4m3 where ``gate_up_proj`` is a per-channel FP8 layer: decoder.py)."""
         return self.parallel.reduce(self.down_proj(ops.silu_and_mul(self.gate_up_proj(hidden))))

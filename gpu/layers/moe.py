@@ -37,6 +37,7 @@ from trio_llm.gpu.layers.mlp import MLP, silu_and_mul
 from trio_llm.gpu.tensor_parallel import TensorParallel
 
 if TYPE_CHECKING:
+    from trio_llm.gpu.kernels.fused_moe import ExpertScales
     from trio_llm.gpu.models.config import MoeConfig
 
 EXPERT_INTERMEDIATE = "the experts' intermediate size"
@@ -88,6 +89,43 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = Linear(hidden, 1, bias=False, dtype=dtype, device=device)
         # 0: plain GEMMs; else each expert's rows in chunks of this many (batch-invariant)
         self.num_rows_per_chunk = 0
+        # FP8 experts (gpu/fp8_weights.py): the e4m3 weights' scales, their block size
+        self.experts_gate_up_scale: nn.Parameter | None = None
+        self.experts_down_scale: nn.Parameter | None = None
+        self.fp8_block_size: tuple[int, int] | None = None
+
+    def keep_experts_fp8(self, block_size: tuple[int, int] | None) -> None:
+        """Hold the stacked experts in e4m3 with one float32 scale per ``block_size`` block
+        of each expert's weight (None: per row), empty until the loader fills them."""
+        for name in ("experts_gate_up", "experts_down"):
+            weight = getattr(self, name)
+            num_experts, num_rows, depth = weight.shape
+            rows, columns = block_size or (1, depth)
+            setattr(self, name, nn.Parameter(torch.empty(
+                weight.shape, dtype=torch.float8_e4m3fn, device=weight.device),
+                requires_grad=False))
+            setattr(self, name + "_scale", nn.Parameter(torch.ones(
+                num_experts, -(-num_rows // rows), -(-depth // columns), dtype=torch.float32,
+                device=weight.device), requires_grad=False))
+        self.fp8_block_size = block_size
+
+    def expert_scales(self) -> ExpertScales | None:
+        """The FP8 experts' scales for the fused kernel; None for float experts."""
+        if self.experts_gate_up_scale is None or self.experts_down_scale is None:
+            return None
+        from trio_llm.gpu.kernels.fused_moe import ExpertScales
+
+        return ExpertScales(self.experts_gate_up_scale, self.experts_down_scale,
+                            self.fp8_block_size)
+
+    def float_experts(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up, down) in ``dtype``: FP8 experts dequantized (the torch path)."""
+        scales = self.expert_scales()
+        if scales is None:
+            return self.experts_gate_up, self.experts_down
+        from trio_llm.gpu.kernels.fused_moe import dequantized_experts
+
+        return dequantized_experts(self.experts_gate_up, self.experts_down, scales, dtype)
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [tokens, top_k], expert ids [tokens, top_k]) as transformers picks them."""
@@ -95,15 +133,16 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         weights, expert_ids = self.route(hidden)
-        routed = expert_loop(hidden, self.experts_gate_up, self.experts_down, weights,
-                             expert_ids, silu_and_mul, self.num_rows_per_chunk)
+        gate_up, down = self.float_experts(hidden.dtype)
+        routed = expert_loop(hidden, gate_up, down, weights, expert_ids, silu_and_mul,
+                             self.num_rows_per_chunk)
         return self.parallel.reduce(self._with_shared_expert(hidden, routed, silu_and_mul))
 
     def fused(self, hidden: torch.Tensor, ops: FusedOps) -> torch.Tensor:
         """``forward`` with the routing, experts (and activations) through ``ops``' kernels."""
         weights, expert_ids = ops.moe_route(self.gate(hidden), self.shape)
         routed = ops.moe_experts(hidden, self.experts_gate_up, self.experts_down, weights,
-                                 expert_ids, self.num_rows_per_chunk)
+                                 expert_ids, self.num_rows_per_chunk, self.expert_scales())
         return self.parallel.reduce(self._with_shared_expert(hidden, routed, ops.silu_and_mul))
 
     def _with_shared_expert(self, hidden: torch.Tensor, routed: torch.Tensor,

@@ -113,10 +113,14 @@ class CausalLM(nn.Module):
 
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype, device: torch.device,
                  max_positions: int | None = None,
-                 parallel: TensorParallel | None = None) -> None:
+                 parallel: TensorParallel | None = None,
+                 kv_cache_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.config = config
         self.dtype = dtype
+        # the dtype keys and values are cached in: the model's, or e4m3 (an FP8 cache,
+        # with each layer's scales: DecoderLayer.self_attn.kv_scales)
+        self.kv_cache_dtype = kv_cache_dtype or dtype
         self.device = device
         self.parallel = parallel = parallel or TensorParallel.single()
         # This rank's slice of the vocabulary: [vocab_start, vocab_start + num_vocab_rows).
@@ -256,7 +260,7 @@ class CausalLM(nn.Module):
         (on this rank: its KV heads only)."""
         config = self.config
         return 2 * self.num_attention_layers * self.num_local_kv_heads * config.head_dim \
-            * self.dtype.itemsize
+            * self.kv_cache_dtype.itemsize
 
     @property
     def state_bytes_per_slot(self) -> int:
@@ -269,13 +273,14 @@ class CausalLM(nn.Module):
 
     def allocate_kv_caches(self, num_blocks: int, block_size: int) -> list[KVCache]:
         """One (key, value) cache pair per attention layer, each
-        [num_blocks, block_size, kv_heads (this rank's), head_dim]."""
+        [num_blocks, block_size, kv_heads (this rank's), head_dim], in ``kv_cache_dtype``."""
         shape = (num_blocks, block_size, self.num_local_kv_heads, self.config.head_dim)
         # Slots are always written before they are read, so the CPU skips zeroing
         # (and committing) memory it may never touch.
         allocate = torch.zeros if self.device.type != "cpu" else torch.empty
-        return [(allocate(shape, dtype=self.dtype, device=self.device),
-                 allocate(shape, dtype=self.dtype, device=self.device))
+        dtype = self.kv_cache_dtype
+        return [(allocate(shape, dtype=dtype, device=self.device),
+                 allocate(shape, dtype=dtype, device=self.device))
                 for _ in range(self.num_attention_layers)]
 
     def allocate_caches(self, num_blocks: int, block_size: int,

@@ -31,6 +31,7 @@ from trio_llm.gpu.layers.attention import AttentionMetadata, KVCache
 from trio_llm.gpu.layers.mlp import MLP
 from trio_llm.gpu.layers.moe import expert_loop, torch_route
 from trio_llm.gpu.models.base import CausalLM
+from trio_llm.gpu.quantization import Fp8Activation, KVScales, quantize_row_groups
 
 
 class CpuOps:
@@ -40,6 +41,17 @@ class CpuOps:
 
     rms_norm = staticmethod(cpu_layers.rms_norm)
     add_rms_norm = staticmethod(cpu_layers.add_rms_norm)
+
+    @staticmethod
+    def rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> tuple[Fp8Activation, torch.Tensor]:
+        """(Never called: the CPU keeps no FP8 layers.) The norm, then its rows rounded."""
+        if residual is None:
+            normed, residual = cpu_layers.rms_norm(x, weight, eps), x
+        else:
+            normed, residual = cpu_layers.add_rms_norm(x, residual, weight, eps)
+        values, scales = quantize_row_groups(normed, normed.shape[1])
+        return Fp8Activation(values, scales, normed.dtype), residual
     silu_and_mul = staticmethod(cpu_layers.silu_and_mul)
 
     @staticmethod
@@ -47,15 +59,16 @@ class CpuOps:
                               sin: torch.Tensor, q_norm: torch.Tensor | None,
                               k_norm: torch.Tensor | None, eps: float, k_cache: torch.Tensor,
                               v_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
-                              num_heads: int, num_kv_heads: int, head_dim: int
-                              ) -> torch.Tensor:
+                              num_heads: int, num_kv_heads: int, head_dim: int,
+                              kv_scales: KVScales) -> torch.Tensor:
+        # (a model with an FP8 cache is not fused: can_fuse)
         return cpu_layers.qk_norm_rope_write_kv(
             qkv, positions, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, slot_mapping,
             num_heads=num_heads, num_kv_heads=num_kv_heads)
 
     @staticmethod
     def attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, step: Any,
-               scale: float, backend: Any) -> torch.Tensor:
+               scale: float, backend: Any, kv_scales: KVScales) -> torch.Tensor:
         return cpu_attention.attend(step, query, k_cache, v_cache, scale)
 
     # transformers' own torch routing (ties as torch.topk on the CPU breaks them)
@@ -64,7 +77,8 @@ class CpuOps:
     @staticmethod
     def moe_experts(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                     weights: torch.Tensor, expert_ids: torch.Tensor,
-                    num_rows_per_chunk: int) -> torch.Tensor:
+                    num_rows_per_chunk: int, scales: Any = None) -> torch.Tensor:
+        assert scales is None, "the CPU dequantizes FP8 experts at load"
         return expert_loop(hidden, gate_up, down, weights, expert_ids, cpu_layers.silu_and_mul,
                            num_rows_per_chunk)
 
@@ -73,10 +87,12 @@ CPU_OPS = CpuOps()
 
 
 def can_fuse(model: CausalLM) -> bool:
-    """The kernels take float32 on the CPU, rows a whole number of lanes and even heads;
-    the fused forward has no collectives, so a tensor-parallel shard runs unfused."""
+    """The kernels take float32 on the CPU, rows a whole number of lanes and even heads,
+    and a float32 KV cache (an FP8 one runs unfused, through the torch reference); the
+    fused forward has no collectives, so a tensor-parallel shard runs unfused."""
     config = model.config
     return (model.device.type == "cpu" and model.dtype == torch.float32
+            and model.kv_cache_dtype == torch.float32
             and not model.parallel.is_parallel
             # the hybrid family's layers (linear attention, gated attention, partial
             # rotary, (1 + weight) norms) have no compiled kernels: they run in torch

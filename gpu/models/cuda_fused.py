@@ -25,6 +25,7 @@ from trio_llm.gpu.layers.linear import Linear
 from trio_llm.gpu.layers.moe import MoeShape
 from trio_llm.gpu.models.base import CausalLM
 from trio_llm.gpu.models.cuda_hybrid import hybrid_forward, is_hybrid
+from trio_llm.gpu.quantization import KVScales
 
 
 class TritonOps:
@@ -34,14 +35,16 @@ class TritonOps:
 
     rms_norm = staticmethod(triton_layers.rms_norm)
     add_rms_norm = staticmethod(triton_layers.add_rms_norm)
+    rms_norm_fp8 = staticmethod(triton_layers.rms_norm_fp8)
     silu_and_mul = staticmethod(triton_layers.silu_and_mul)
     qk_norm_rope_write_kv = staticmethod(triton_layers.qk_norm_rope_write_kv)
 
     @staticmethod
     def attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, step: Any,
-               scale: float, backend: Any) -> torch.Tensor:
+               scale: float, backend: Any, kv_scales: KVScales) -> torch.Tensor:
         return backend.paged_attention(query, k_cache, v_cache, step.block_tables,
-                                       step.context_lens, step.query_start_loc, scale)
+                                       step.context_lens, step.query_start_loc, scale,
+                                       k_scale=kv_scales.k_scale, v_scale=kv_scales.v_scale)
 
     @staticmethod
     def moe_route(logits: torch.Tensor, shape: MoeShape) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,13 +56,14 @@ class TritonOps:
     @staticmethod
     def moe_experts(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                     weights: torch.Tensor, expert_ids: torch.Tensor,
-                    num_rows_per_chunk: int) -> torch.Tensor:
+                    num_rows_per_chunk: int, scales: Any = None) -> torch.Tensor:
         """The fused MoE kernel (gpu/kernels/fused_moe.py): no host synchronisation, so
-        a step with MoE layers is captured in CUDA graphs like any other."""
+        a step with MoE layers is captured in CUDA graphs like any other (FP8 experts
+        too: ``scales``)."""
         from trio_llm.gpu.kernels.fused_moe import fused_moe
 
         return fused_moe(hidden, gate_up, down, weights.to(torch.float32),
-                         expert_ids.to(torch.int32))
+                         expert_ids.to(torch.int32), scales=scales)
 
 
 TRITON_OPS = TritonOps()

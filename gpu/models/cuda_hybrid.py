@@ -156,6 +156,7 @@ def gated_attention(attention: Attention, hidden: torch.Tensor, positions: torch
         attention.k_norm.weight, attention.q_norm.eps, k_cache, v_cache,
         metadata.slot_mapping, num_heads=attention.num_heads,
         num_kv_heads=attention.num_kv_heads, head_dim=attention.head_dim)
-    attended = ops.attend(query, k_cache, v_cache, metadata, attention.scale, backend)
+    attended = ops.attend(query, k_cache, v_cache, metadata, attention.scale, backend,
+                          attention.kv_scales)
     gated = triton_gated_attention.sigmoid_gate(attended.contiguous(), qkv)
     return attention.parallel.reduce(attention.o_proj(gated))

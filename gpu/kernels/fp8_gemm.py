@@ -1,0 +1,195 @@
+"""FP8 GEMMs on CUDA: e4m3 activations times e4m3 weights, float32 sums, both scales.
+
+Two weight layouts (gpu/quantization.py reads them from checkpoints or makes them):
+
+- **per output channel** (``--quantization fp8``, compressed-tensors per channel or per
+  tensor): the activations are quantized per token (one scale per row, its largest
+  magnitude / 448) by ``quantize_groups`` and multiplied by ``torch._scaled_mm`` with
+  row-wise scales (cuBLASLt's FP8 GEMM on Hopper): ``out[m, n] = scale_x[m] * scale_w[n]
+  * sum_k x8[m, k] w8[n, k]``;
+- **128 x 128 blocks** (Qwen's FP8 releases, ``weight_block_size``): the activations are
+  quantized per token and per group of 128 columns, and ``block_fp8_matmul`` (below)
+  multiplies tile by tile, each K step's float32 partial product scaled by its row's
+  group scale and its column block's weight scale before it is summed.
+
+Every launch's grid depends on the shapes only and nothing reads a value back to the
+host, so both run inside captured CUDA graphs. The scales are computed as the torch
+reference computes them (``quantize_rows``: a correctly rounded division), so the
+kernels store the reference's bits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from trio_llm.gpu.quantization import E4M3, E4M3_MAX, Fp8Activation
+
+E4M3_LARGEST: tl.constexpr = tl.constexpr(E4M3_MAX)
+QUANTIZE_BLOCK = 1024
+
+
+@triton.jit
+def _quantize_groups_kernel(x_ptr, out_ptr, scale_ptr, num_columns, x_row_stride,
+                            out_row_stride, scale_row_stride, GROUP: tl.constexpr,
+                            BLOCK: tl.constexpr):
+    """One program per (row, group of GROUP columns): the group's scale (its largest
+    magnitude / 448; 1 for a group of zeros), then its values over the scale in e4m3."""
+    row = tl.program_id(0).to(tl.int64)
+    group = tl.program_id(1)
+    first = group * GROUP
+    x_row = x_ptr + row * x_row_stride
+    largest = tl.zeros([BLOCK], tl.float32)
+    for offset in range(0, GROUP, BLOCK):
+        columns = first + offset + tl.arange(0, BLOCK)
+        mask = (columns < num_columns) & (offset + tl.arange(0, BLOCK) < GROUP)
+        x = tl.load(x_row + columns, mask=mask, other=0.0).to(tl.float32)
+        largest = tl.maximum(largest, tl.abs(x))
+    amax = tl.max(largest, 0)
+    scale = tl.where(amax > 0, tl.math.div_rn(amax, E4M3_LARGEST), 1.0)
+    tl.store(scale_ptr + row * scale_row_stride + group, scale)
+    for offset in range(0, GROUP, BLOCK):
+        columns = first + offset + tl.arange(0, BLOCK)
+        mask = (columns < num_columns) & (offset + tl.arange(0, BLOCK) < GROUP)
+        x = tl.load(x_row + columns, mask=mask, other=0.0).to(tl.float32)
+        quantized = tl.clamp(tl.math.div_rn(x, scale), -E4M3_LARGEST, E4M3_LARGEST)
+        tl.store(out_ptr + row * out_row_stride + columns,
+                 quantized.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def quantize_groups(x: torch.Tensor, group_size: int | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [rows, columns] in e4m3 with one float32 scale per row and group of
+    ``group_size`` columns (None: the whole row, per-token scales): (values, scales
+    [rows, ceil(columns / group_size)])."""
+    num_rows, num_columns = x.shape
+    group = group_size or num_columns
+    num_groups = triton.cdiv(num_columns, group)
+    values = torch.empty((num_rows, num_columns), dtype=E4M3, device=x.device)
+    scales = torch.empty((num_rows, num_groups), dtype=torch.float32, device=x.device)
+    if num_rows:
+        assert x.stride(1) == 1
+        _quantize_groups_kernel[(num_rows, num_groups)](
+            x, values, scales, num_columns, x.stride(0), values.stride(0), scales.stride(0),
+            GROUP=group, BLOCK=min(QUANTIZE_BLOCK, triton.next_power_of_2(group)),
+            num_warps=4)
+    return values, scales
+
+
+def scaled_mm_rowwise(x: torch.Tensor | Fp8Activation, weight: torch.Tensor,
+                      weight_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x`` [rows, in] (bf16) times e4m3 ``weight`` [out, in] with ``weight_scale``
+    [out, 1]: the activations quantized per token (unless a norm's kernel did it:
+    an Fp8Activation), then cuBLASLt's FP8 GEMM with row-wise scales -> [rows, out] in
+    ``x``'s dtype."""
+    if isinstance(x, Fp8Activation):
+        values, scales, dtype = x.values, x.scales, x.dtype
+    else:
+        dtype = x.dtype
+        if x.shape[0] == 0:
+            return torch.empty((0, weight.shape[0]), dtype=dtype, device=x.device)
+        values, scales = quantize_groups(x)
+    if values.shape[0] == 0:
+        return torch.empty((0, weight.shape[0]), dtype=dtype, device=values.device)
+    return torch._scaled_mm(values, weight.t(), scale_a=scales, scale_b=weight_scale.t(),
+                            bias=bias, out_dtype=dtype)
+
+
+# -- block-scaled GEMM ------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class BlockGemmConfig:
+    """Tile and launch shape of ``block_fp8_matmul``: ``block_k`` is the scale group's
+    width (one activation scale per row and K step)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# Few rows (decode) stream the weight: narrow column tiles give more programs to stream
+# it with; many rows (prefill) are bound by the tensor cores: wide tiles.
+SMALL_M_CONFIG = BlockGemmConfig(block_m=16, block_n=64, num_warps=4, num_stages=4)
+LARGE_M_CONFIG = BlockGemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=3)
+SMALL_M_MAX_ROWS = 32
+
+
+def block_gemm_config(num_rows: int) -> BlockGemmConfig:
+    return SMALL_M_CONFIG if num_rows <= SMALL_M_MAX_ROWS else LARGE_M_CONFIG
+
+
+@triton.jit
+def _block_fp8_matmul_kernel(
+    x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, num_rows, num_out, num_in,
+    x_row_stride, x_scale_row_stride, w_row_stride, w_scale_row_stride, out_row_stride,
+    GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # One program per [BLOCK_M, BLOCK_N] output tile; each K step is one scale group
+    # (GROUP_K columns), so one activation scale per row and one weight scale per column
+    # block (GROUP_N rows of the weight) multiply that step's float32 partial product.
+    row_tile = tl.program_id(0)
+    column_tile = tl.program_id(1)
+    rows = row_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    columns = column_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < num_rows
+    column_mask = columns < num_out
+    steps = tl.arange(0, GROUP_K)
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * x_row_stride
+    w_columns = w_ptr + columns.to(tl.int64)[None, :] * w_row_stride
+    x_scale_rows = x_scale_ptr + rows.to(tl.int64) * x_scale_row_stride
+    w_scale_columns = w_scale_ptr + (columns // GROUP_N).to(tl.int64) * w_scale_row_stride
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for group in range(0, tl.cdiv(num_in, GROUP_K)):
+        k = group * GROUP_K + steps
+        k_mask = k < num_in
+        x = tl.load(x_rows + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_columns + k[:, None], mask=k_mask[:, None] & column_mask[None, :],
+                    other=0.0)
+        x_scale = tl.load(x_scale_rows + group, mask=row_mask, other=0.0)
+        w_scale = tl.load(w_scale_columns + group, mask=column_mask, other=0.0)
+        acc += tl.dot(x, w) * x_scale[:, None] * w_scale[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + columns, mask=column_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * out_row_stride + columns[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & column_mask[None, :])
+
+
+def block_fp8_matmul(values: torch.Tensor, scales: torch.Tensor, weight: torch.Tensor,
+                     weight_scale: torch.Tensor, block_size: tuple[int, int],
+                     bias: torch.Tensor | None, out_dtype: torch.dtype,
+                     config: BlockGemmConfig | None = None) -> torch.Tensor:
+    """e4m3 activations ``values`` [rows, in] with ``scales`` [rows, ceil(in / block_k)]
+    times e4m3 ``weight`` [out, in] with ``weight_scale`` [ceil(out / block_n),
+    ceil(in / block_k)] (``block_size`` = (block_n, block_k)) -> [rows, out]."""
+    num_rows, num_in = values.shape
+    num_out = weight.shape[0]
+    group_n, group_k = block_size
+    out = torch.empty((num_rows, num_out), dtype=out_dtype, device=values.device)
+    if num_rows == 0:
+        return out
+    assert values.stride(1) == 1 and weight.stride(1) == 1
+    assert group_k >= 16 and triton.next_power_of_2(group_k) == group_k
+    config = config or block_gemm_config(num_rows)
+    grid = (triton.cdiv(num_rows, config.block_m), triton.cdiv(num_out, config.block_n))
+    _block_fp8_matmul_kernel[grid](
+        values, scales, weight, weight_scale, bias if bias is not None else out, out,
+        num_rows, num_out, num_in, values.stride(0), scales.stride(0), weight.stride(0),
+        weight_scale.stride(0), out.stride(0), GROUP_N=group_n, GROUP_K=group_k,
+        HAS_BIAS=bias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        num_warps=config.num_warps, num_stages=config.num_stages)
+    return out
+
+
+def block_scaled_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                        block_size: tuple[int, int], bias: torch.Tensor | None
+                        ) -> torch.Tensor:
+    """``x`` [rows, in] times a block-scaled e4m3 ``weight``: the activations quantized
+    per token and per group of ``block_size[1]`` columns, then ``block_fp8_matmul``."""
+    values, scales = quantize_groups(x, block_size[1])
+    return block_fp8_matmul(values, scales, weight, weight_scale, block_size, bias, x.dtype)

@@ -1,0 +1,100 @@
+"""Linear layers that keep their weights in e4m3 on the device, and multiply in FP8.
+
+On CUDA an FP8 model (an FP8 checkpoint, or ``--quantization fp8``) keeps each
+projection's weight as the checkpoint's e4m3 values and their float32 scales: half the
+bytes of bfloat16 for every decode step, the FP8 tensor cores for prefill. Two layouts
+(``Fp8Layout``):
+
+- **per output channel** (``scale`` [out, 1]; per-tensor checkpoint scales become one
+  per row): activations quantized per token, ``torch._scaled_mm`` row-wise;
+- **blocks** (``scale`` [ceil(out / block_n), ceil(in / block_k)]): activations quantized
+  per token and per ``block_k`` columns, the block-scaled Triton GEMM.
+
+Both are gpu/kernels/fp8_gemm.py's. Off CUDA (tests) the layer computes the same
+function in torch: its input rounded as the kernels round it, times the dequantized
+weight. The CPU engine never builds these layers: it dequantizes at load
+(gpu/loader.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trio_llm.gpu.layers.linear import Linear
+from trio_llm.gpu.quantization import E4M3, Fp8Activation, Fp8Weight, quantize_row_groups
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8Layout:
+    """How an FP8 model's projections keep their scales: ``block_size`` None per output
+    channel, else (rows, columns) per block."""
+
+    block_size: tuple[int, int] | None = None
+
+
+class Fp8Linear(Linear):
+    """A Linear whose ``weight`` is e4m3 and ``weight_scale`` float32 (see the module)."""
+
+    weight_scale: nn.Parameter
+    block_size: tuple[int, int] | None
+
+    @property
+    def takes_fp8_rows(self) -> bool:
+        """Whether this layer takes rows a norm's kernel quantized (an Fp8Activation): a
+        per-channel layer on CUDA (its input is quantized per row anyway)."""
+        return self.block_size is None and self.weight.device.type == "cuda"
+
+    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
+        if isinstance(x, Fp8Activation):
+            assert self.takes_fp8_rows
+            from trio_llm.gpu.kernels.fp8_gemm import scaled_mm_rowwise
+
+            return scaled_mm_rowwise(x, self.weight, self.weight_scale, self.bias)
+        rows = x.reshape(-1, x.shape[-1])
+        if x.device.type != "cuda":
+            out = self._reference(rows)
+        elif self.block_size is None:
+            from trio_llm.gpu.kernels.fp8_gemm import scaled_mm_rowwise
+
+            out = scaled_mm_rowwise(rows, self.weight, self.weight_scale, self.bias)
+        else:
+            from trio_llm.gpu.kernels.fp8_gemm import block_scaled_linear
+
+            out = block_scaled_linear(rows, self.weight, self.weight_scale, self.block_size,
+                                      self.bias)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    def _reference(self, rows: torch.Tensor) -> torch.Tensor:
+        """The kernels' function in torch: rounded input times the dequantized weight."""
+        group = self.block_size[1] if self.block_size is not None else rows.shape[1]
+        values, scales = quantize_row_groups(rows.to(torch.float32), group)
+        columns = scales.repeat_interleave(group, 1)[:, :rows.shape[1]]
+        weight = Fp8Weight(self.weight, self.weight_scale, self.block_size).dequantize()
+        return F.linear(values.to(torch.float32) * columns, weight,
+                        None if self.bias is None else self.bias.to(torch.float32)
+                        ).to(rows.dtype)
+
+
+def to_fp8_linear(linear: Linear, layout: Fp8Layout) -> Fp8Linear:
+    """Make ``linear`` an Fp8Linear in place, its weight and scales empty (the loader
+    fills them); returns it."""
+    num_out, num_in = linear.weight.shape
+    device = linear.weight.device
+    if layout.block_size is None:
+        scale_shape = (num_out, 1)
+    else:
+        rows, columns = layout.block_size
+        scale_shape = (-(-num_out // rows), -(-num_in // columns))
+    linear.__class__ = Fp8Linear
+    fp8 = cast(Fp8Linear, linear)
+    fp8.weight = nn.Parameter(torch.empty(num_out, num_in, dtype=E4M3, device=device),
+                              requires_grad=False)
+    fp8.weight_scale = nn.Parameter(torch.ones(scale_shape, dtype=torch.float32,
+                                               device=device), requires_grad=False)
+    fp8.block_size = layout.block_size
+    return fp8
