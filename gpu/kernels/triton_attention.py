@@ -84,9 +84,11 @@ VARLEN_LARGE_CONFIG = VarlenConfig(block_m=128, block_n=128, num_warps=8, num_st
 VARLEN_SMALL_MAX_TOKENS = 4096
 
 
-def varlen_config(num_tokens: int) -> VarlenConfig:
-    """The varlen tile of a step of ``num_tokens`` tokens."""
-    if num_tokens <= VARLEN_SMALL_MAX_TOKENS:
+def varlen_config(num_tokens: int, head_dim: int = 128) -> VarlenConfig:
+    """The varlen tile of a step of ``num_tokens`` tokens. Heads wider than 128 (the
+    hybrid family's 256) always take the small tile: the large one's query, key and
+    value tiles need 320 KiB of shared memory there, past the H200's 227."""
+    if num_tokens <= VARLEN_SMALL_MAX_TOKENS or head_dim > 128:
         return VARLEN_SMALL_CONFIG
     return VARLEN_LARGE_CONFIG
 
@@ -423,7 +425,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                 splits, decode or DECODE_CONFIG)
     else:
         _varlen(query, k_cache, v_cache, block_tables, context_lens, query_start_loc,
-                (qk_scale, v_scale), out, varlen or varlen_config(num_tokens))
+                (qk_scale, v_scale), out, varlen or varlen_config(num_tokens, query.shape[-1]))
     return out
 
 
