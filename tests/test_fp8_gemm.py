@@ -46,9 +46,9 @@ def exactly_quantizable(num_rows: int, num_columns: int, group: int, seed: int) 
                          ids=["per-token", "groups-partial-last", "groups-over-blocks"])
 def test_activation_quantization_stores_the_references_bits(num_columns, group):
     x = exactly_quantizable(5, num_columns, group or num_columns, seed=num_columns)
-    x[3] = 0.0  # a row of zeros keeps a scale of 1
     if HAS_CUDA:  # any input: the GPU rounds as torch does
         x = torch.randn(5, num_columns) * 3
+    x[3] = 0.0  # a row of zeros keeps a scale of 1
     x = x.to(DTYPE)
     values, scales = fp8_gemm.quantize_groups(x.to(DEVICE), group)
     expected_values, expected_scales = quantize_row_groups(x.to(torch.float32),
@@ -122,8 +122,9 @@ def test_the_block_linear_quantizes_its_input_per_token_group():
     out = fp8_gemm.block_scaled_linear(x.to(DEVICE), weight.values.to(DEVICE),
                                        weight.scale.to(DEVICE), (64, 128), None).cpu()
     values, scales = quantize_row_groups(x.to(torch.float32), 128)
-    expected = fp8_gemm.block_fp8_matmul(values, scales, weight.values, weight.scale,
-                                         (64, 128), None, torch.float32)
+    expected = fp8_gemm.block_fp8_matmul(values.to(DEVICE), scales.to(DEVICE),
+                                         weight.values.to(DEVICE), weight.scale.to(DEVICE),
+                                         (64, 128), None, torch.float32).cpu()
     if HAS_CUDA:
         torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2)
     else:
