@@ -445,7 +445,7 @@ class CudaModelExecutor:
                 with self.compute.context():  # ordered after the steps that used the row
                     self.table.register_penalties(new_request, self._token_ids_on_device)
         if self.state_caches and batch.new_requests:
-            check_restored_states(batch, self.table)
+            self.table.check_restored_states(batch)
 
     def _token_ids_on_device(self, token_ids: list[int]) -> torch.Tensor:
         if not token_ids:
@@ -665,24 +665,6 @@ class CudaModelExecutor:
 
 
 # -- helpers -----------------------------------------------------------------------------
-
-
-def check_restored_states(batch: ScheduledBatch, table: RequestTable) -> None:
-    """A request admitted with computed tokens (a prefix-cache hit) continues from its
-    slot's state: the batch must restore one into it (ScheduledBatch.state_copies), or
-    it would continue from another request's state (the CPU executor checks the same)."""
-    restored = {destination for _, destination in batch.state_copies}
-    new_ids = {new_request.request_id for new_request in batch.new_requests}
-    for scheduled in batch.requests:
-        if scheduled.request_id not in new_ids or not scheduled.num_computed_tokens:
-            continue
-        slot = table.state(scheduled.request_id).state_slot
-        if slot not in restored:
-            raise ValueError(
-                f"request {scheduled.request_id!r} is admitted with "
-                f"{scheduled.num_computed_tokens} computed tokens, but no state was "
-                f"restored into its state slot {slot} (ScheduledBatch.state_copies): a "
-                f"model with linear-attention layers cannot reuse cached KV blocks alone")
 
 
 def stage_token_bitmasks(token_bitmasks: list[bytes], *, row_indices: list[int],

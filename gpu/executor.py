@@ -199,24 +199,7 @@ class ModelExecutor:
             table.state(scheduled.request_id).block_ids.extend(scheduled.new_block_ids)
         if self.state_caches:
             copy_state_slots(self.state_caches, batch.state_copies, self.num_state_slots)
-            self._check_restored_states(batch)
-
-    def _check_restored_states(self, batch: ScheduledBatch) -> None:
-        """A request admitted after some computed tokens (a prefix-cache hit) continues
-        from its slot's state: the batch must have restored one into it, or its output
-        would follow another request's state."""
-        new_ids = {new_request.request_id for new_request in batch.new_requests}
-        restored = {destination for _, destination in batch.state_copies}
-        for scheduled in batch.requests:
-            if scheduled.request_id not in new_ids or not scheduled.num_computed_tokens:
-                continue
-            slot = self.table.state(scheduled.request_id).state_slot
-            if slot not in restored:
-                raise ValueError(
-                    f"request {scheduled.request_id!r} is admitted with "
-                    f"{scheduled.num_computed_tokens} computed tokens, but no state was "
-                    f"restored into its state slot {slot} (ScheduledBatch.state_copies): a "
-                    f"model with linear-attention layers cannot reuse cached KV blocks alone")
+            self.table.check_restored_states(batch)
 
     def _token_ids_on_device(self, token_ids: list[int]) -> torch.Tensor:
         return torch.tensor(token_ids, dtype=torch.int64).to(self.device)

@@ -15,7 +15,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from trio_llm.actors.messages import NewRequestData, PoolingOptions, SamplingOptions
+from trio_llm.actors.messages import (
+    NewRequestData,
+    PoolingOptions,
+    SamplingOptions,
+    ScheduledBatch,
+)
 from trio_llm.gpu.penalties import PenaltyCounts
 from trio_llm.gpu.pooling import MeanPool, new_mean_pool
 
@@ -90,3 +95,21 @@ class RequestTable:
         if context_len > self.max_positions:
             raise ValueError(f"request {request_id!r} reaches position {context_len - 1}, "
                              f"beyond the model's {self.max_positions} positions")
+
+    def check_restored_states(self, batch: ScheduledBatch) -> None:
+        """A request admitted with computed tokens (a prefix-cache hit) continues from
+        its slot's state: the batch must restore one into it (ScheduledBatch.state_copies),
+        or its output would follow another request's state (models with linear-attention
+        layers; both executors check it before the forward)."""
+        restored = {destination for _, destination in batch.state_copies}
+        new_ids = {new_request.request_id for new_request in batch.new_requests}
+        for scheduled in batch.requests:
+            if scheduled.request_id not in new_ids or not scheduled.num_computed_tokens:
+                continue
+            slot = self.state(scheduled.request_id).state_slot
+            if slot not in restored:
+                raise ValueError(
+                    f"request {scheduled.request_id!r} is admitted with "
+                    f"{scheduled.num_computed_tokens} computed tokens, but no state was "
+                    f"restored into its state slot {slot} (ScheduledBatch.state_copies): a "
+                    f"model with linear-attention layers cannot reuse cached KV blocks alone")
