@@ -104,8 +104,9 @@ class MoeConfig(ModelConfig):
 
     def tensor_parallel_sizes(self) -> list[tuple[int, str]]:
         sizes = [(self.num_heads, "the number of attention heads"),
-                 (self.num_kv_heads, "the number of KV heads"),
-                 (self.moe_intermediate_size, "the experts' intermediate size")]
+                 (self.num_kv_heads, "the number of KV heads")]
+        if self.num_experts:
+            sizes.append((self.moe_intermediate_size, "the experts' intermediate size"))
         if not all(self.is_moe_layer(index) for index in range(self.num_layers)):
             sizes.append((self.intermediate_size, "the intermediate size"))
         if self.shared_expert_intermediate_size:
@@ -134,18 +135,12 @@ class HybridConfig(MoeConfig):
         return self.layer_types[layer_index] == "linear_attention"
 
     def tensor_parallel_sizes(self) -> list[tuple[int, str]]:
-        sizes = [(self.num_heads, "the number of attention heads"),
-                 (self.num_kv_heads, "the number of KV heads"),
-                 (self.linear_num_key_heads, "the number of linear-attention key heads"),
-                 (self.linear_num_value_heads, "the number of linear-attention value heads")]
-        if self.num_experts:
-            sizes.append((self.moe_intermediate_size, "the experts' intermediate size"))
-        if not all(self.is_moe_layer(index) for index in range(self.num_layers)):
-            sizes.append((self.intermediate_size, "the intermediate size"))
-        if self.shared_expert_intermediate_size:
-            sizes.append((self.shared_expert_intermediate_size,
-                          "the shared expert's intermediate size"))
-        return sizes
+        """The attention heads, the linear-attention heads, then the MLP's or experts'.
+        (MoeConfig's by name: zero-argument super() fails in a slotted dataclass.)"""
+        sizes = MoeConfig.tensor_parallel_sizes(self)
+        linear = [(self.linear_num_key_heads, "the number of linear-attention key heads"),
+                  (self.linear_num_value_heads, "the number of linear-attention value heads")]
+        return sizes[:2] + linear + sizes[2:]
 
 
 def moe_fields(data: dict[str, Any], source: str, *, num_experts_key: str) -> dict[str, Any]:
