@@ -126,6 +126,9 @@ for part in "$@"; do
              --tokens 1 2 4 8 --budget-s 210 --repeats 10 ;;
     moe-tune-batched) run moe-tune-batched 560 python3 benchmarks/moe_kernel_bench.py --tune \
              --tokens 64 256 1024 8192 --budget-s 480 --repeats 10 ;;
+    # the hybrid MoE's layer (256 experts of 512) at 1-8 tokens, bounded to 2 minutes
+    moe-tune-qwen3.5-35b-a3b) run moe-tune-35b 150 python3 benchmarks/moe_kernel_bench.py --tune \
+             --model qwen3.5-35b-a3b --tokens 1 2 4 8 --budget-s 100 --repeats 10 ;;
     moe-kernel) run moe-kernel 300 python3 benchmarks/moe_kernel_bench.py --graph ;;
     graph-profile-*) run "$part" 300 python3 benchmarks/graph_profile.py --model "$(model_of "${part#graph-profile-}")" ;;
     profile-*) run "$part" 200 python3 benchmarks/step_profile.py --model "$(model_of "${part#profile-}")" ;;
