@@ -81,7 +81,7 @@ def decode_case(batch: int) -> dict[str, Any]:
         g, beta = kernels.gdn_gates(a, b, a_log, dt_bias)
         initial = theirs_states.index_select(0, slots)
         out, final = fused_recurrent_gated_delta_rule(
-            query[:, None], key[:, None], value[:, None], g[:, None], beta[:, None],
+            query[:, None], key[:, None], value[:, None], g=g[:, None], beta=beta[:, None],
             scale=scale, initial_state=initial, output_final_state=True,
             use_qk_l2norm_in_kernel=True)
         theirs_states.index_copy_(0, slots, final)

@@ -83,10 +83,10 @@ def _recurrent_on_the_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
                           beta: torch.Tensor, recurrent_state: torch.Tensor,
                           query_start_loc: torch.Tensor, context_lens: torch.Tensor,
                           slots: torch.Tensor) -> torch.Tensor:
-    """The same function without fla (which needs CUDA: Triton's interpreter cannot run
-    its kernels), so that the CUDA executor's hybrid path runs on the CPU in the tests:
-    the torch layer's recurrence, sequence by sequence, reading the layout on the host
-    (the scale is the recurrence's own, 1/sqrt(key dim))."""
+    """The same function without fla (whose chunked kernels need CUDA: Triton's
+    interpreter cannot run them), so that the CUDA executor's hybrid path runs on the
+    CPU in the tests: the torch layer's recurrence, sequence by sequence, reading the
+    layout on the host (the scale is the recurrence's own, 1/sqrt(key dim))."""
     from trio_llm.gpu.layers.linear_attention import gated_delta_rule
 
     out = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
