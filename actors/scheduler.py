@@ -37,7 +37,11 @@ admitting batch (``ScheduledBatch.state_copies``). Prefill chunks end where a
 snapshot is wanted (``snapshot_cuts``: the branch point past the best snapshot, the
 prompt's last full block), and the next batch saves the state there
 (``_save_snapshots``: first among its copies, so admissions of that batch can
-restore it). docs/architecture.md, "Models with linear-attention layers".
+restore it). A decode that completes a block has the next batch copy the state into
+the request's one pending snapshot slot (``_save_decode_snapshots``: last among its
+copies), registered when the request stops under the hash of the block that ended
+there (``_register_pending_snapshot``), so the next turn of a conversation starts
+past the answer too. docs/architecture.md, "Models with linear-attention layers".
 
 An embedding request (``Request.pooling``, the pooling runner) is a prefill like any
 other whose last chunk pools (``pool``) instead of sampling; it finishes, and frees its
