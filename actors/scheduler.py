@@ -349,8 +349,9 @@ class _StepBuilder:
         self.state_copies: list[tuple[int, int]] = []
         # (request, block hash): chunks of this step that end where a snapshot is wanted
         self.snapshots_wanted: list[tuple[RunningRequest, bytes]] = []
-        # (request, its computed tokens): decodes of this step that complete a block,
-        # whose state is copied into the request's pending snapshot (0: none taken)
+        # Decode snapshots: the block size (0: none taken), and (request, its computed
+        # tokens) for each decode of this step that completes a block, whose state
+        # the next batch copies into the request's pending snapshot
         self.decode_snapshot_block_size = decode_snapshot_block_size
         self.decode_snapshots_wanted: list[tuple[RunningRequest, int]] = []
 

@@ -98,8 +98,9 @@ class StateSlots:
     def save_snapshot(self, block_hash: bytes) -> int | None:
         """The slot to copy the state at the end of ``block_hash``'s prefix into, now
         registered under it; the least recently used snapshot makes room when all
-        are taken. None when there is nothing to do: no snapshot slots at all, or
-        that prefix has one already (it becomes the most recently used)."""
+        are taken. None when there is nothing to do: no snapshot slots at all, all
+        of them pending, or that prefix has one already (it becomes the most
+        recently used)."""
         if not self.max_num_snapshots:
             return None
         if block_hash in self._snapshots:
