@@ -547,6 +547,54 @@ def test_multi_turn_conversations_hit_their_previous_answers(pipeline_depth, num
         assert statistics.num_preemptions > 0
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 2**16),
+    block_size=st.sampled_from([1, 2, 4]),
+    max_num_batched_tokens=st.integers(1, 32),
+    max_num_seqs=st.integers(1, 4),
+    num_snapshots=st.integers(0, 4),
+    num_kv_tokens=st.sampled_from([48, 512]),  # the longest turn needs 38
+    pipeline_depth=st.sampled_from([1, 2]),
+)
+def test_random_multi_turn_schedules_match_the_reference(
+        seed, block_size, max_num_batched_tokens, max_num_seqs, num_snapshots,
+        num_kv_tokens, pipeline_depth):
+    """Four conversations of three turns, each turn arriving at a random time after the
+    one before finished: decode snapshots taken, refreshed, registered, evicted and
+    restored under every configuration give the reference tokens, and no slot leaks."""
+    rng = random.Random(seed)
+    conversations = []
+    for index in range(4):
+        turn = make_request(f"c{index}t0", [rng.randrange(VOCAB_SIZE)
+                                            for _ in range(rng.randint(1, 6))],
+                            max_tokens=rng.randint(1, 10), arrival_index=index)
+        conversation = [turn]
+        for number in range(1, 3):
+            turn = next_turn(turn, f"c{index}t{number}", [rng.randrange(VOCAB_SIZE)],
+                             arrival_index=10 * number + index, max_tokens=rng.randint(1, 10))
+            conversation.append(turn)
+        conversations.append(deque(conversation))
+    all_turns = [turn for conversation in conversations for turn in conversation]
+    driver = HybridDriver(config(block_size=block_size, max_num_seqs=max_num_seqs,
+                                 max_num_batched_tokens=max_num_batched_tokens,
+                                 pipeline_depth=pipeline_depth),
+                          num_kv_tokens // block_size, max_num_seqs + num_snapshots)
+    last_turn_ids: list[str | None] = [None] * len(conversations)
+    for _ in range(100_000):
+        for index, conversation in enumerate(conversations):
+            last_turn_id = last_turn_ids[index]
+            is_ready = last_turn_id is None or last_turn_id in driver.finishes
+            if conversation and is_ready and rng.random() < 0.3:
+                turn = conversation.popleft()
+                driver.submit(turn)
+                last_turn_ids[index] = turn.request_id
+        if not driver.run_once() and not any(conversations):
+            break
+    driver.check_idle()
+    assert_reference_outputs(driver, all_turns)
+
+
 # -- slots: one per running sequence, freed on every way out -------------------------------
 
 
