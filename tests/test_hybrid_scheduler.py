@@ -484,6 +484,8 @@ def test_pending_slots_never_exceed_the_snapshot_share():
 
 
 def test_a_pending_slot_evicts_the_least_recently_used_snapshot():
+    """One snapshot slot, holding a prompt's snapshot: the next request's first decode
+    boundary takes it for its pending snapshot, which its next turn then starts from."""
     first = make_request("first", PREFIX[:8] + [50], max_tokens=1)
     driver = run_hybrid([first], num_snapshots=1, pipeline_depth=1)
     assert driver.scheduler.statistics().num_state_snapshots == 1  # at 8, the prompt's
@@ -506,6 +508,9 @@ def test_a_boundary_another_request_registered_first_keeps_its_snapshot():
                 for index in range(2)]
     driver = run_hybrid(requests, pipeline_depth=2)
     assert driver.outputs["r0"] == driver.outputs["r1"]
+    pending_slots = [{destination for _, (_, destination) in copies_from(driver, request_id)}
+                     for request_id in ("r0", "r1")]
+    assert all(len(slots) == 1 for slots in pending_slots) and pending_slots[0] != pending_slots[1]
     assert driver.scheduler.statistics().num_state_snapshots == 1
     assert_reference_outputs(driver, requests)
 
