@@ -37,7 +37,11 @@ admitting batch (``ScheduledBatch.state_copies``). Prefill chunks end where a
 snapshot is wanted (``snapshot_cuts``: the branch point past the best snapshot, the
 prompt's last full block), and the next batch saves the state there
 (``_save_snapshots``: first among its copies, so admissions of that batch can
-restore it). docs/architecture.md, "Models with linear-attention layers".
+restore it). A decode that completes a block has the next batch copy the state into
+the request's one pending snapshot slot (``_save_decode_snapshots``: last among its
+copies), registered when the request stops under the hash of the block that ended
+there (``_register_pending_snapshot``), so the next turn of a conversation starts
+past the answer too. docs/architecture.md, "Models with linear-attention layers".
 
 An embedding request (``Request.pooling``, the pooling runner) is a prefill like any
 other whose last chunk pools (``pool``) instead of sampling; it finishes, and frees its
@@ -132,10 +136,12 @@ class SchedulerStatistics(msgspec.Struct, frozen=True, kw_only=True):
     num_prefix_cache_queries: int = 0
     num_prefix_cache_hits: int = 0
     # Models with linear-attention layers: the state cache's slots (0 otherwise), the
-    # free ones, and those holding prefix-cache snapshots.
+    # free ones, those holding prefix-cache snapshots, and those holding decoding
+    # requests' pending snapshots (registered or freed when the request stops).
     num_total_state_slots: int = 0
     num_free_state_slots: int = 0
     num_state_snapshots: int = 0
+    num_pending_state_snapshots: int = 0
 
 
 class CachedPrefix:
@@ -181,7 +187,8 @@ class RunningRequest:
                  "min_tokens", "output_token_ids", "num_preemptions", "prefill_token_ids",
                  "num_prefill_tokens", "num_computed_tokens", "num_placeholders", "block_ids",
                  "start_step_id", "scheduled_step_id", "root_hash", "block_hashes", "grammar",
-                 "prompt_logprobs", "state_slot", "snapshot_cuts")
+                 "prompt_logprobs", "state_slot", "snapshot_cuts", "pending_snapshot_slot",
+                 "num_pending_snapshot_tokens")
 
     def __init__(self, waiting: WaitingRequest, sort_key: tuple[int, ...], step_id: int,
                  prefix: CachedPrefix = _NO_PREFIX, num_cached_tokens: int = 0) -> None:
@@ -218,6 +225,11 @@ class RunningRequest:
         # is saved as a prefix-cache snapshot (ascending, past what it computed).
         self.state_slot: int | None = None
         self.snapshot_cuts: list[int] = _NO_IDS
+        # Its pending snapshot (decode snapshots): a slot holding its state after its
+        # first ``num_pending_snapshot_tokens`` tokens, the last block boundary its
+        # decodes reached whose copy a sent batch carries; registered when it stops.
+        self.pending_snapshot_slot: int | None = None
+        self.num_pending_snapshot_tokens = 0
 
     @property
     def num_known_tokens(self) -> int:
@@ -321,7 +333,8 @@ class StepPlan(msgspec.Struct, frozen=True, kw_only=True):
 class _StepBuilder:
     """The batch being planned, and what is left of its token budget."""
 
-    def __init__(self, step_id: int, max_num_tokens: int) -> None:
+    def __init__(self, step_id: int, max_num_tokens: int,
+                 decode_snapshot_block_size: int = 0) -> None:
         self.step_id = step_id
         self.max_num_tokens = max_num_tokens
         self.budget = max_num_tokens
@@ -336,6 +349,11 @@ class _StepBuilder:
         self.state_copies: list[tuple[int, int]] = []
         # (request, block hash): chunks of this step that end where a snapshot is wanted
         self.snapshots_wanted: list[tuple[RunningRequest, bytes]] = []
+        # Decode snapshots: the block size (0: none taken), and (request, its computed
+        # tokens) for each decode of this step that completes a block, whose state
+        # the next batch copies into the request's pending snapshot
+        self.decode_snapshot_block_size = decode_snapshot_block_size
+        self.decode_snapshots_wanted: list[tuple[RunningRequest, int]] = []
 
     @property
     def num_tokens(self) -> int:
@@ -357,6 +375,9 @@ class _StepBuilder:
         self.budget -= 1
         if scheduled.bitmask_follows:
             self.bitmasks_follow.append(running)
+        block_size = self.decode_snapshot_block_size
+        if block_size and running.num_computed_tokens % block_size == 0:
+            self.decode_snapshots_wanted.append((running, running.num_computed_tokens))
 
 
 class Scheduler:
@@ -377,6 +398,9 @@ class Scheduler:
         # Chunks that ended where a snapshot is wanted, in a batch already sent: the
         # next batch copies each state out, before its forward (``_save_snapshots``).
         self._snapshots_wanted: list[tuple[RunningRequest, bytes]] = []
+        # Decodes that completed a block, in the batch sent last: the next batch copies
+        # each state into its request's pending snapshot (``_save_decode_snapshots``).
+        self._decode_snapshots_wanted: list[tuple[RunningRequest, int]] = []
         self.pipeline_depth = config.pipeline_depth
         self._orders_by_priority = config.scheduling_policy == "priority"
         # A waiting request evicts only a strictly worse one: with equals
@@ -432,6 +456,7 @@ class Scheduler:
             num_total_state_slots=state_slots.num_total_slots if state_slots else 0,
             num_free_state_slots=state_slots.num_free_slots if state_slots else 0,
             num_state_snapshots=state_slots.num_snapshots if state_slots else 0,
+            num_pending_state_snapshots=state_slots.num_pending if state_slots else 0,
         )
 
     # -- what the shell asks ------------------------------------------------------
@@ -470,7 +495,8 @@ class Scheduler:
     def schedule(self, pulled: list[WaitingRequest]) -> StepPlan:
         """Plan the next step from the running requests and the ``pulled`` ones."""
         assert self.can_plan_step()
-        step = _StepBuilder(self._next_step_id, self.config.max_num_batched_tokens)
+        step = _StepBuilder(self._next_step_id, self.config.max_num_batched_tokens,
+                            self.block_manager.block_size if self._takes_snapshots else 0)
         saved = self._save_snapshots(step) if self._snapshots_wanted else _NO_HASHES
         waiting = deque(w for w in pulled if not self._was_stopped_while_waiting(w))
         not_compiled = self._hold_compiled_grammars(waiting)
@@ -855,6 +881,8 @@ class Scheduler:
         if running.state_slot is not None:
             assert self.state_slots is not None
             self.state_slots.free(running.state_slot)
+            if running.pending_snapshot_slot is not None:
+                self._register_pending_snapshot(running)
         index = bisect.bisect_left(self._running, running.sort_key, key=_sort_key_of)
         assert self._running[index] is running
         del self._running[index]
@@ -867,7 +895,10 @@ class Scheduler:
         self._stopped_request_ids.append(running.request_id)
 
     def _finish_batch(self, step: _StepBuilder) -> ScheduledBatch:
+        if self._decode_snapshots_wanted:
+            self._save_decode_snapshots(step)
         self._snapshots_wanted = step.snapshots_wanted
+        self._decode_snapshots_wanted = step.decode_snapshots_wanted
         batch = ScheduledBatch(step_id=step.step_id, new_requests=step.new_requests,
                                requests=step.requests,
                                finished_request_ids=self._stopped_request_ids,
@@ -942,6 +973,45 @@ class Scheduler:
                 step.state_copies.append((running.state_slot, snapshot_slot))
                 saved.append(block_hash)
         return saved
+
+    def _save_decode_snapshots(self, step: _StepBuilder) -> None:
+        """Copy the states that decodes of the previous batch left at a block boundary,
+        each into its request's pending snapshot slot (taken at its first boundary),
+        last among this batch's copies.
+
+        As with ``_save_snapshots``, this batch is the first after the decode's, so the
+        copy sees the state right after the boundary token. Planned only once the batch
+        exists (a pending snapshot must never claim a copy that was not sent), and last:
+        the slot a pending snapshot takes by evicting a snapshot may still be read by a
+        restore of this batch. A request that left meanwhile is passed over."""
+        state_slots = self.state_slots
+        assert state_slots is not None
+        running_by_id = self._running_by_id
+        for running, num_tokens in self._decode_snapshots_wanted:
+            if running_by_id.get(running.request_id) is not running:
+                continue
+            if running.pending_snapshot_slot is None:
+                running.pending_snapshot_slot = state_slots.take_pending()
+                if running.pending_snapshot_slot is None:
+                    continue  # every snapshot slot is pending: no snapshot, no harm
+            assert running.state_slot is not None
+            step.state_copies.append((running.state_slot, running.pending_snapshot_slot))
+            running.num_pending_snapshot_tokens = num_tokens
+
+    def _register_pending_snapshot(self, running: RunningRequest) -> None:
+        """It stops: its pending snapshot becomes the snapshot of the prefix its last
+        saved boundary ends, under the hash of the block that ended there (hashed by
+        ``_cache_full_blocks`` just before); freed if that block has no hash or the
+        prefix has a snapshot already."""
+        state_slots = self.state_slots
+        slot = running.pending_snapshot_slot
+        assert state_slots is not None and slot is not None
+        running.pending_snapshot_slot = None
+        num_blocks = running.num_pending_snapshot_tokens // self.block_manager.block_size
+        if len(running.block_hashes) < num_blocks:
+            state_slots.free_pending(slot)
+            return
+        state_slots.register_pending(slot, running.block_hashes[num_blocks - 1])
 
     def _snapshot_cuts(self, waiting: WaitingRequest, prefix: CachedPrefix) -> list[int]:
         """Where its prefill should end a chunk so that the state there is saved:

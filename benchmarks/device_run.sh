@@ -12,6 +12,8 @@
 #   bash benchmarks/device_run.sh throughput-qwen3.5-27b serve-qwen3.5-27b
 #   prefix caching with state snapshots (prefix_repetition, caching on then off), beside dense:
 #   bash benchmarks/device_run.sh prefix-serve-qwen3.5-35b-a3b prefix-serve-qwen3.5-27b prefix-serve-8b
+#   the same on CUDA in tests (prompt and decode snapshots, multi-turn; greedy match printed):
+#   bash benchmarks/device_run.sh hybrid-prefix-tests
 # Tensor parallelism 2 (kind nvidia-h200-x2), one part per call (each fits the 10 minutes):
 #   bash benchmarks/device_run.sh tp2-tests tp2-match-0.6b
 #   bash benchmarks/device_run.sh tp2-decode-8b
@@ -148,6 +150,9 @@ for part in "$@"; do
     hybrid-tests) run hybrid-tests 420 python3 -m pytest -q -s -p no:cacheprovider -rs \
              tests/test_triton_linear_attention.py tests/test_cuda_hybrid.py ;;
     hybrid-kernels) run hybrid-kernels 240 python3 benchmarks/hybrid_kernel_bench.py ;;
+    # hybrid prefix caching on CUDA (state snapshots, decode snapshots): caching on against off
+    hybrid-prefix-tests) run hybrid-prefix-tests 480 python3 -m pytest -q -s -p no:cacheprovider \
+             -rs -m gpu tests/test_hybrid_exactness.py ;;
     context-*) run "$part" 270 python3 benchmarks/gpu_bench.py context --model "$(model_of "${part#context-}")" ;;
     gemv) run gemv 240 python3 benchmarks/gemv_bench.py ;;
     gemv-sweep-*) run "$part" 540 python3 benchmarks/gemv_sweep.py --model "$(model_of "${part#gemv-sweep-}")" ;;

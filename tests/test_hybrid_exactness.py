@@ -157,6 +157,66 @@ async def test_greedy_tokens_are_the_same_under_every_schedule(checkpoint) -> No
     assert alone_cached == reference
 
 
+def conversations(max_tokens: tuple[int, int] = (6, 14)) -> list[list[tuple[list[int], int]]]:
+    """Per conversation, its turns' (new tokens, max_tokens): turn 1's new tokens are
+    its prompt; a later turn's prompt is the previous prompt, its answer and these."""
+    rng = random.Random(29)
+    return [[([rng.randrange(3, VOCAB_LIMIT) for _ in range(rng.randint(1, 10))],
+              rng.randint(*max_tokens)) for _ in range(3)] for _ in range(4)]
+
+
+async def run_conversations(config: EngineConfig, workload, previous_answers=None
+                            ) -> tuple[list[list[list[int]]], object, int]:
+    """Each conversation's turns in order, the conversations at once; their answers,
+    the statistics, and how many tokens the hits could reach with snapshots at the
+    prompts' last full blocks only (the previous prompts' full blocks). A turn's
+    prompt holds the previous answer of ``previous_answers`` if given (the same
+    prompts as another run's), else of this run."""
+    answers: list[list[list[int]]] = [[] for _ in workload]
+    history = answers if previous_answers is None else previous_answers
+    num_prompt_block_tokens = 0
+    async with Engine.open(config) as engine:
+
+        async def one(index: int) -> None:
+            nonlocal num_prompt_block_tokens
+            prompt: list[int] = []
+            for turn, (new_token_ids, max_tokens) in enumerate(workload[index]):
+                if turn:
+                    num_prompt_block_tokens += len(prompt) // config.block_size * config.block_size
+                    prompt = prompt + history[index][turn - 1]
+                prompt = prompt + new_token_ids
+                answers[index].append(await collect(engine, prompt, max_tokens))
+
+        async with trio.open_nursery() as nursery:
+            for index in range(len(workload)):
+                nursery.start_soon(one, index)
+        assert_all_free(engine)
+        return answers, engine.statistics(), num_prompt_block_tokens
+
+
+async def test_multi_turn_conversations_hit_their_previous_answers(checkpoint) -> None:
+    """Decode snapshots: a turn starts after the previous turn's answer (its last
+    block boundary), not after the previous prompt; the greedy tokens are those of
+    caching off, at depth 1 and 2, and preempted."""
+    config = engine_config(checkpoint)
+    workload = conversations()
+    with trio.fail_after(TIMEOUT):
+        reference, _, _ = await run_conversations(
+            replace(config, enable_prefix_caching=False, pipeline_depth=1), workload)
+        variants = {"depth 2": config, "depth 1": replace(config, pipeline_depth=1),
+                    # 16 blocks of 4: the longest turn needs 15, four at once preempt
+                    "preempted": replace(config, num_kv_blocks=16)}
+        for name, variant in variants.items():
+            answers, statistics, num_prompt_block_tokens = await run_conversations(
+                variant, workload)
+            assert answers == reference, name
+            if name == "preempted":
+                assert statistics.num_preemptions > 0  # type: ignore[attr-defined]
+            else:
+                hits = statistics.num_prefix_cache_hits  # type: ignore[attr-defined]
+                assert hits > num_prompt_block_tokens, name
+
+
 async def collect_sampled(engine: Engine, prompt: list[int] | str,
                           params: SamplingParams, **kwargs) -> tuple[list[int], str]:
     token_ids: list[int] = []
@@ -296,6 +356,36 @@ async def test_the_builtin_small_hybrid_caches_prefixes_exactly() -> None:
         results, statistics = await run_together(config, workload)
     assert results == expected
     assert statistics.num_prefix_cache_hits > 0  # type: ignore[attr-defined]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+async def test_gpu_multi_turn_with_decode_snapshots(checkpoint, dtype: str) -> None:
+    """Decode snapshots on CUDA: a copy planned for a decode-only batch runs on the
+    compute stream before the step's graph replay. Every run gets caching off's
+    prompts (its answers), so the turns compare token for token; a snapshot copied
+    a step early or late would be far off, and the hits must reach past the
+    previous prompts into their answers."""
+    config = engine_config(checkpoint, device="cuda", dtype=dtype, block_size=16,
+                           max_num_batched_tokens=64)
+    workload = conversations(max_tokens=(20, 40))
+    with trio.fail_after(TIMEOUT):
+        uncached, _, _ = await run_conversations(replace(config, enable_prefix_caching=False),
+                                                 workload)
+        for depth in (1, 2):
+            cached, statistics, num_prompt_block_tokens = await run_conversations(
+                replace(config, pipeline_depth=depth), workload, uncached)
+            hits = statistics.num_prefix_cache_hits  # type: ignore[attr-defined]
+            assert hits > num_prompt_block_tokens, depth
+            pairs = [(off, on) for off_turns, on_turns in zip(uncached, cached, strict=True)
+                     for off, on in zip(off_turns, on_turns, strict=True)]
+            num_tokens = sum(len(off) for off, _ in pairs)
+            num_equal = sum(a == b for off, on in pairs for a, b in zip(off, on, strict=True))
+            print(f"hybrid multi-turn on CUDA ({dtype}, depth {depth}): greedy match "
+                  f"{num_equal}/{num_tokens}, hits {hits} (prompt blocks only: "
+                  f"{num_prompt_block_tokens})")
+            assert num_equal >= (0.9 if dtype == "float32" else 0.75) * num_tokens
 
 
 @pytest.mark.gpu

@@ -117,6 +117,7 @@ class HybridDriver(Driver):
     def check_idle(self) -> None:
         super().check_idle()
         statistics = self.scheduler.statistics()
+        assert statistics.num_pending_state_snapshots == 0, "a pending snapshot leaked"
         assert (statistics.num_free_state_slots + statistics.num_state_snapshots
                 == statistics.num_total_state_slots), "a state slot leaked"
 
@@ -257,7 +258,8 @@ def test_the_save_copy_follows_the_chunk_in_the_next_batch_at_depth_two():
 def test_a_request_that_leaves_before_the_next_batch_saves_no_snapshot():
     driver = HybridDriver(config(pipeline_depth=1), 64, 8 + 4)
     driver.submit(make_request("r", PREFIX + [50, 51], max_tokens=4),
-                  make_request("other", [60, 61], max_tokens=6, arrival_index=1))
+                  # (its decodes reach no block boundary: no snapshot of its own)
+                  make_request("other", [60, 61], max_tokens=2, arrival_index=1))
     driver.plan()
     driver.complete()
     driver.abort("r")
@@ -379,6 +381,225 @@ def test_only_requests_with_the_same_cache_salt_share_snapshots():
     assert chunks_of(driver, "same")[0][1].num_computed_tokens == 12
 
 
+# -- snapshots taken during decode (multi-turn) ----------------------------------------
+
+
+def next_turn(request: Any, request_id: str, new_token_ids: list[int], arrival_index: int,
+              max_tokens: int = 3) -> Any:
+    """The next turn of a conversation: its prompt, its (reference) answer, new tokens."""
+    answer, _, _ = reference_output(request)
+    return make_request(request_id, request.prompt_token_ids + answer + new_token_ids,
+                        max_tokens=max_tokens, arrival_index=arrival_index)
+
+
+def copies_from(driver: Driver, request_id: str) -> list[tuple[int, tuple[int, int]]]:
+    """(step id, copy) of every copy out of the request's (first) running slot."""
+    slot = slot_of(driver, request_id)
+    return [(batch.step_id, copy) for batch in driver.model.batches
+            for copy in batch.state_copies if copy[0] == slot]
+
+
+@pytest.mark.parametrize("pipeline_depth", [1, 2])
+def test_a_decode_leaves_one_snapshot_at_its_last_block_boundary(pipeline_depth):
+    """Its prompt is shorter than a block (no prompt snapshot); its decodes reach 4, 8,
+    12 and 16 computed tokens: each state is copied into one pending slot, in the batch
+    after the boundary's; when it finishes (17 computed), the slot holds the state at 16
+    and is registered. The next turn starts there, past the whole first answer."""
+    first = make_request("first", [1, 2, 3], max_tokens=15)
+    driver = run_hybrid([first], pipeline_depth=pipeline_depth)
+    copies = copies_from(driver, "first")
+    assert len(copies) == 4 and len({destination for _, (_, destination) in copies}) == 1
+    boundary_steps = [step_id for step_id, scheduled in chunks_of(driver, "first")
+                      if (scheduled.num_computed_tokens + max(len(scheduled.token_ids), 1)) % 4
+                      == 0]
+    assert [step_id for step_id, _ in copies] == [step_id + 1 for step_id in boundary_steps]
+    statistics = driver.scheduler.statistics()
+    assert statistics.num_state_snapshots == 1
+    second = next_turn(first, "second", [40, 41], arrival_index=1)
+    driver.submit(second)
+    driver.run()
+    assert chunks_of(driver, "second")[0][1].num_computed_tokens == 16
+    assert driver.model.num_restored_tokens == 16
+    assert driver.scheduler.statistics().num_prefix_cache_hits == 16
+    assert_reference_outputs(driver, [first, second])
+
+
+@pytest.mark.parametrize("way_out", ["abort", "stop string"])
+def test_a_request_leaving_early_registers_its_pending_snapshot(way_out):
+    """Aborted or stopped by a stop string past a few block boundaries: its last saved
+    boundary becomes a snapshot, where a next turn starts; its slots are all back."""
+    driver = HybridDriver(config(pipeline_depth=2), 64, 8 + 2)
+    driver.submit(make_request("r", [1, 2, 3], max_tokens=30))
+    for _ in range(24):  # 3 computed, then about 10 decodes: boundaries 4, 8 and 12
+        driver.run_once()
+    assert driver.scheduler.statistics().num_pending_state_snapshots == 1
+    if way_out == "abort":
+        driver.abort("r")
+    else:
+        driver.scheduler.on_stop_string_hit("r")
+    driver.run()
+    assert driver.scheduler.statistics().num_state_snapshots == 1
+    output = driver.outputs["r"]
+    follow_up = make_request("next", [1, 2, 3] + output + [40], max_tokens=2, arrival_index=1)
+    driver.submit(follow_up)
+    driver.run()
+    num_computed = chunks_of(driver, "next")[0][1].num_computed_tokens
+    assert num_computed >= 12 and num_computed == driver.model.num_restored_tokens
+    assert_reference_outputs(driver, [follow_up])
+
+
+@pytest.mark.parametrize("pipeline_depth", [1, 2])
+def test_a_preempted_request_restarts_from_its_pending_snapshot(pipeline_depth):
+    """6 KV blocks for two requests that need 4 each: the later one is preempted after
+    its decodes passed a block boundary; its pending snapshot is registered then, and
+    its recompute (prompt + output so far) starts there instead of from zero."""
+    requests = [make_request("early", [1, 2, 3], max_tokens=14),
+                make_request("late", [4, 5, 6], max_tokens=14, arrival_index=1)]
+    driver = run_hybrid(requests, num_kv_blocks=6, pipeline_depth=pipeline_depth)
+    assert driver.preempted == ["late"]
+    restarts = [scheduled for _, scheduled in chunks_of(driver, "late")[1:]
+                if len(scheduled.token_ids) > 1]
+    assert restarts and restarts[0].num_computed_tokens == 8
+    assert driver.model.num_restored_tokens == 8
+    assert_reference_outputs(driver, requests)
+
+
+def test_pending_slots_never_exceed_the_snapshot_share():
+    """One snapshot slot and two decoding requests: the first to reach a boundary
+    takes it (evicting nothing: it is free), the other takes no snapshot; the
+    tokens are the reference's and every slot comes back."""
+    requests = [make_request(f"r{index}", [index + 1] * 3, max_tokens=12, arrival_index=index)
+                for index in range(2)]
+    driver = HybridDriver(config(pipeline_depth=2), 64, 8 + 1)
+    driver.submit(*requests)
+    pending = []
+    while driver.run_once():
+        statistics = driver.scheduler.statistics()
+        pending.append(statistics.num_pending_state_snapshots)
+        assert statistics.num_pending_state_snapshots + statistics.num_state_snapshots <= 1
+    driver.check_idle()
+    assert max(pending) == 1
+    assert driver.scheduler.statistics().num_state_snapshots == 1
+    assert_reference_outputs(driver, requests)
+
+
+def test_a_pending_slot_evicts_the_least_recently_used_snapshot():
+    """One snapshot slot, holding a prompt's snapshot: the next request's first decode
+    boundary takes it for its pending snapshot, which its next turn then starts from."""
+    first = make_request("first", PREFIX[:8] + [50], max_tokens=1)
+    driver = run_hybrid([first], num_snapshots=1, pipeline_depth=1)
+    assert driver.scheduler.statistics().num_state_snapshots == 1  # at 8, the prompt's
+    # (7 tokens: 9 computed, boundaries 4 and 8; the one its last computed token
+    # reaches would not be saved, no batch follows it)
+    second = make_request("second", [60, 61, 62], max_tokens=7, arrival_index=1)
+    driver.submit(second)
+    driver.run()
+    assert driver.scheduler.state_slots is not None
+    assert driver.scheduler.state_slots.num_snapshot_evictions == 1
+    driver.submit(next_turn(second, "third", [40], arrival_index=2))
+    driver.run()
+    assert chunks_of(driver, "third")[0][1].num_computed_tokens == 8
+
+
+def test_a_boundary_another_request_registered_first_keeps_its_snapshot():
+    """Two identical requests decode side by side: both hold a pending snapshot of
+    the same prefix; the second to stop finds it registered and frees its slot."""
+    requests = [make_request(f"r{index}", [7, 8, 9], max_tokens=10, arrival_index=index)
+                for index in range(2)]
+    driver = run_hybrid(requests, pipeline_depth=2)
+    assert driver.outputs["r0"] == driver.outputs["r1"]
+    pending_slots = [{destination for _, (_, destination) in copies_from(driver, request_id)}
+                     for request_id in ("r0", "r1")]
+    assert all(len(slots) == 1 for slots in pending_slots) and pending_slots[0] != pending_slots[1]
+    assert driver.scheduler.statistics().num_state_snapshots == 1
+    assert_reference_outputs(driver, requests)
+
+
+@pytest.mark.parametrize("pipeline_depth", [1, 2])
+@pytest.mark.parametrize("num_kv_tokens", [96, 2048])
+@pytest.mark.parametrize("block_size", [1, 4])
+def test_multi_turn_conversations_hit_their_previous_answers(pipeline_depth, num_kv_tokens,
+                                                              block_size):
+    """Conversations of three turns (each prompt is the previous prompt, its answer and
+    new tokens), interleaved with one another; with a small KV cache, preempted. The
+    tokens are the reference's, and the hits cover the previous answers: more than
+    the previous prompts' full blocks. (Blocks of 1: every decode saves a state.)"""
+    rng = random.Random(11)
+    engine_config = config(pipeline_depth=pipeline_depth, block_size=block_size)
+    driver = HybridDriver(engine_config, num_kv_tokens // block_size,
+                          engine_config.max_num_seqs + 8)
+    turns = [make_request(f"c{index}t0", [rng.randrange(VOCAB_SIZE)
+                                          for _ in range(rng.randint(2, 9))],
+                          max_tokens=rng.randint(6, 12), arrival_index=index)
+             for index in range(4)]
+    num_prompt_blocks_tokens = 0  # what the hits could reach with prompt snapshots only
+    for turn in range(1, 3):
+        driver.submit(*turns)
+        driver.run()
+        assert_reference_outputs(driver, turns)
+        num_prompt_blocks_tokens += sum(len(previous.prompt_token_ids) // block_size
+                                        * block_size for previous in turns)
+        turns = [next_turn(previous, f"c{index}t{turn}",
+                           [rng.randrange(VOCAB_SIZE) for _ in range(rng.randint(1, 5))],
+                           arrival_index=10 * turn + index, max_tokens=rng.randint(6, 12))
+                 for index, previous in enumerate(turns)]
+    driver.submit(*turns)
+    driver.run()
+    assert_reference_outputs(driver, turns)
+    statistics = driver.scheduler.statistics()
+    assert statistics.num_prefix_cache_hits > num_prompt_blocks_tokens
+    if num_kv_tokens == 96:
+        assert statistics.num_preemptions > 0
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 2**16),
+    block_size=st.sampled_from([1, 2, 4]),
+    max_num_batched_tokens=st.integers(1, 32),
+    max_num_seqs=st.integers(1, 4),
+    num_snapshots=st.integers(0, 4),
+    num_kv_tokens=st.sampled_from([48, 512]),  # the longest turn needs 38
+    pipeline_depth=st.sampled_from([1, 2]),
+)
+def test_random_multi_turn_schedules_match_the_reference(
+        seed, block_size, max_num_batched_tokens, max_num_seqs, num_snapshots,
+        num_kv_tokens, pipeline_depth):
+    """Four conversations of three turns, each turn arriving at a random time after the
+    one before finished: decode snapshots taken, refreshed, registered, evicted and
+    restored under every configuration give the reference tokens, and no slot leaks."""
+    rng = random.Random(seed)
+    conversations = []
+    for index in range(4):
+        turn = make_request(f"c{index}t0", [rng.randrange(VOCAB_SIZE)
+                                            for _ in range(rng.randint(1, 6))],
+                            max_tokens=rng.randint(1, 10), arrival_index=index)
+        conversation = [turn]
+        for number in range(1, 3):
+            turn = next_turn(turn, f"c{index}t{number}", [rng.randrange(VOCAB_SIZE)],
+                             arrival_index=10 * number + index, max_tokens=rng.randint(1, 10))
+            conversation.append(turn)
+        conversations.append(deque(conversation))
+    all_turns = [turn for conversation in conversations for turn in conversation]
+    driver = HybridDriver(config(block_size=block_size, max_num_seqs=max_num_seqs,
+                                 max_num_batched_tokens=max_num_batched_tokens,
+                                 pipeline_depth=pipeline_depth),
+                          num_kv_tokens // block_size, max_num_seqs + num_snapshots)
+    last_turn_ids: list[str | None] = [None] * len(conversations)
+    for _ in range(100_000):
+        for index, conversation in enumerate(conversations):
+            last_turn_id = last_turn_ids[index]
+            is_ready = last_turn_id is None or last_turn_id in driver.finishes
+            if conversation and is_ready and rng.random() < 0.3:
+                turn = conversation.popleft()
+                driver.submit(turn)
+                last_turn_ids[index] = turn.request_id
+        if not driver.run_once() and not any(conversations):
+            break
+    driver.check_idle()
+    assert_reference_outputs(driver, all_turns)
+
+
 # -- slots: one per running sequence, freed on every way out -------------------------------
 
 
@@ -476,7 +697,9 @@ def test_random_hybrid_schedules_conserve_slots_and_match_the_reference(
                 driver.abort(request_id)
         statistics = driver.scheduler.statistics()
         assert (statistics.num_free_state_slots + statistics.num_state_snapshots
-                + statistics.num_running == statistics.num_total_state_slots)
+                + statistics.num_pending_state_snapshots + statistics.num_running
+                == statistics.num_total_state_slots)
+        assert statistics.num_pending_state_snapshots <= statistics.num_running
         if not driver.run_once() and not arrivals and turn > 60:
             break
     driver.check_idle()

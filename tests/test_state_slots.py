@@ -89,9 +89,35 @@ def test_a_forgotten_snapshot_frees_its_slot():
     assert slots.save_snapshot(b"a") is not None  # saved again, copied again
 
 
+def test_pending_slots_share_the_snapshots_budget():
+    slots = StateSlots(num_slots=4, num_running_slots=2)
+    slot_a = slots.save_snapshot(b"a")
+    pending = slots.take_pending()
+    assert pending is not None and pending != slot_a and slots.num_pending == 1
+    assert slots.take_pending() == slot_a  # the share is used up: "a" is evicted
+    assert not slots.has_snapshot(b"a") and slots.num_snapshot_evictions == 1
+    assert slots.take_pending() is None  # every slot of the share is pending
+    assert slots.save_snapshot(b"b") is None
+    assert StateSlots(num_slots=2, num_running_slots=2).take_pending() is None
+
+
+def test_a_pending_slot_is_registered_or_freed():
+    slots = StateSlots(num_slots=4, num_running_slots=1)
+    first, second, third = slots.take_pending(), slots.take_pending(), slots.take_pending()
+    assert first is not None and second is not None and third is not None
+    assert slots.register_pending(first, b"a") and slots.snapshot_slot(b"a") == first
+    assert not slots.register_pending(second, b"a")  # the existing one stays
+    assert slots.snapshot_slot(b"a") == first
+    slots.free_pending(third)
+    assert slots.num_pending == 0 and slots.num_snapshots == 1 and slots.num_free_slots == 3
+    with pytest.raises(AssertionError, match="not pending"):
+        slots.free_pending(third)
+
+
 class StateSlotsMachine(RuleBasedStateMachine):
-    """Random allocations, frees, saves and hits against a plain model: running
-    slots are distinct, never a snapshot's, and never short of the seats."""
+    """Random allocations, frees, saves, hits and pending snapshots (taken, then
+    registered or freed) against a plain model: running, pending and snapshot slots
+    are distinct, and the running ones never short of the seats."""
 
     NUM_SLOTS = 7
     NUM_RUNNING_SLOTS = 4
@@ -100,7 +126,9 @@ class StateSlotsMachine(RuleBasedStateMachine):
         super().__init__()
         self.slots = StateSlots(self.NUM_SLOTS, self.NUM_RUNNING_SLOTS)
         self.running: list[int] = []
+        self.pending: list[int] = []
         self.snapshot_order: list[bytes] = []  # least recently used first
+        self.slot_of: dict[bytes, int] = {}
 
     @precondition(lambda self: len(self.running) < self.NUM_RUNNING_SLOTS)
     @rule()
@@ -121,11 +149,46 @@ class StateSlotsMachine(RuleBasedStateMachine):
         if block_hash in self.snapshot_order:
             assert slot is None
             self.snapshot_order.remove(block_hash)
+        elif not self._take_share_slot(slot):
+            return
         else:
-            assert slot is not None and slot not in self.running
-            if len(self.snapshot_order) == self.NUM_SLOTS - self.NUM_RUNNING_SLOTS:
-                self.snapshot_order.pop(0)
+            self.slot_of[block_hash] = slot
         self.snapshot_order.append(block_hash)
+
+    @rule()
+    def take_pending(self):
+        slot = self.slots.take_pending()
+        if self._take_share_slot(slot):
+            self.pending.append(slot)
+
+    @precondition(lambda self: self.pending)
+    @rule(data=st.data(), key=st.integers(0, 5), register=st.booleans())
+    def stop_pending(self, data, key, register):
+        slot = data.draw(st.sampled_from(self.pending))
+        self.pending.remove(slot)
+        if not register:
+            self.slots.free_pending(slot)
+            return
+        block_hash = bytes([key])
+        registered = self.slots.register_pending(slot, block_hash)
+        assert registered == (block_hash not in self.snapshot_order)
+        if block_hash in self.snapshot_order:
+            self.snapshot_order.remove(block_hash)
+        else:
+            self.slot_of[block_hash] = slot
+        self.snapshot_order.append(block_hash)
+
+    def _take_share_slot(self, slot):
+        """Check a slot taken from the snapshots' share: a free one while the share
+        lasts, else the least recently used snapshot's, else none (all pending)."""
+        if len(self.snapshot_order) + len(self.pending) < self.NUM_SLOTS - self.NUM_RUNNING_SLOTS:
+            assert slot is not None
+        elif self.snapshot_order:
+            assert slot == self.slot_of.pop(self.snapshot_order.pop(0))
+        else:
+            assert slot is None
+        assert slot not in self.running and slot not in self.pending
+        return slot is not None
 
     @rule(key=st.integers(0, 5))
     def hit(self, key):
@@ -140,11 +203,12 @@ class StateSlotsMachine(RuleBasedStateMachine):
     def slots_are_accounted_for(self):
         snapshot_slots = {self.slots.snapshot_slot(h) for h in list(self.snapshot_order)}
         # (reading refreshed them in their own order: the order stays as modelled)
-        assert len(set(self.running)) == len(self.running)
-        assert not snapshot_slots & set(self.running)
+        assert snapshot_slots == {self.slot_of[h] for h in self.snapshot_order}
+        held = self.running + self.pending + list(snapshot_slots)
+        assert len(set(held)) == len(held)
         assert self.slots.num_snapshots == len(self.snapshot_order) == len(snapshot_slots)
-        assert (self.slots.num_free_slots + len(self.running) + len(snapshot_slots)
-                == self.NUM_SLOTS)
+        assert self.slots.num_pending == len(self.pending)
+        assert self.slots.num_free_slots + len(held) == self.NUM_SLOTS
 
 
 TestStateSlotsMachine = StateSlotsMachine.TestCase
