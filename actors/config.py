@@ -64,6 +64,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     # of the state cache beside the max_num_seqs running ones. None: sized from
     # memory by the executor.
     max_state_snapshots: PositiveInt | None = None
+    # ... and a decoding request's state saved every this many tokens (rounded up to
+    # whole blocks) into its one pending snapshot, so that the next turn of a
+    # conversation starts near the end of the answer: each save copies a whole state
+    # (tens of MB at a 30B model's sizes), hence not every block.
+    decode_snapshot_interval: PositiveInt = 64
     shutdown_grace_seconds: Annotated[float, msgspec.Meta(ge=0.0)] = 5.0
     runner: Literal["generate", "pooling"] = "generate"
     # Structured outputs: the shape a constraint may have (actors/constraint_cost.py

@@ -37,7 +37,8 @@ admitting batch (``ScheduledBatch.state_copies``). Prefill chunks end where a
 snapshot is wanted (``snapshot_cuts``: the branch point past the best snapshot, the
 prompt's last full block), and the next batch saves the state there
 (``_save_snapshots``: first among its copies, so admissions of that batch can
-restore it). A decode that completes a block has the next batch copy the state into
+restore it). A decode that completes a block at a multiple of
+``decode_snapshot_interval`` tokens has the next batch copy the state into
 the request's one pending snapshot slot (``_save_decode_snapshots``: last among its
 copies), registered when the request stops under the hash of the block that ended
 there (``_register_pending_snapshot``), so the next turn of a conversation starts
@@ -334,7 +335,7 @@ class _StepBuilder:
     """The batch being planned, and what is left of its token budget."""
 
     def __init__(self, step_id: int, max_num_tokens: int,
-                 decode_snapshot_block_size: int = 0) -> None:
+                 decode_snapshot_interval: int = 0) -> None:
         self.step_id = step_id
         self.max_num_tokens = max_num_tokens
         self.budget = max_num_tokens
@@ -349,10 +350,10 @@ class _StepBuilder:
         self.state_copies: list[tuple[int, int]] = []
         # (request, block hash): chunks of this step that end where a snapshot is wanted
         self.snapshots_wanted: list[tuple[RunningRequest, bytes]] = []
-        # Decode snapshots: the block size (0: none taken), and (request, its computed
-        # tokens) for each decode of this step that completes a block, whose state
-        # the next batch copies into the request's pending snapshot
-        self.decode_snapshot_block_size = decode_snapshot_block_size
+        # Decode snapshots: their interval in tokens, whole blocks (0: none taken), and
+        # (request, its computed tokens) for each decode of this step that reaches
+        # one, whose state the next batch copies into the request's pending snapshot
+        self.decode_snapshot_interval = decode_snapshot_interval
         self.decode_snapshots_wanted: list[tuple[RunningRequest, int]] = []
 
     @property
@@ -375,8 +376,8 @@ class _StepBuilder:
         self.budget -= 1
         if scheduled.bitmask_follows:
             self.bitmasks_follow.append(running)
-        block_size = self.decode_snapshot_block_size
-        if block_size and running.num_computed_tokens % block_size == 0:
+        interval = self.decode_snapshot_interval
+        if interval and running.num_computed_tokens % interval == 0:
             self.decode_snapshots_wanted.append((running, running.num_computed_tokens))
 
 
@@ -425,6 +426,11 @@ class Scheduler:
         self._caches_prefixes = config.enable_prefix_caching
         self._takes_snapshots = (self._caches_prefixes and self.state_slots is not None
                                  and self.state_slots.max_num_snapshots > 0)
+        block_size = self.block_manager.block_size
+        # decodes save their state every this many tokens (whole blocks); 0: never
+        self._decode_snapshot_interval = (
+            -(-config.decode_snapshot_interval // block_size) * block_size
+            if self._takes_snapshots else 0)
         self._model_identity = model_identity(config)
         self._unsalted_root_hash = root_block_hash(self._model_identity, None)
         # step id -> its constrained requests whose bitmasks follow, in batch order
@@ -496,7 +502,7 @@ class Scheduler:
         """Plan the next step from the running requests and the ``pulled`` ones."""
         assert self.can_plan_step()
         step = _StepBuilder(self._next_step_id, self.config.max_num_batched_tokens,
-                            self.block_manager.block_size if self._takes_snapshots else 0)
+                            self._decode_snapshot_interval)
         saved = self._save_snapshots(step) if self._snapshots_wanted else _NO_HASHES
         waiting = deque(w for w in pulled if not self._was_stopped_while_waiting(w))
         not_compiled = self._hold_compiled_grammars(waiting)

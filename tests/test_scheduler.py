@@ -338,7 +338,9 @@ class Driver:
 
 
 def config(**overrides: Any) -> EngineConfig:
-    fields: dict[str, Any] = dict(block_size=4, max_num_seqs=8, max_num_batched_tokens=32)
+    # decode snapshots (hybrid models) at every block: short outputs reach them
+    fields: dict[str, Any] = dict(block_size=4, max_num_seqs=8, max_num_batched_tokens=32,
+                                  decode_snapshot_interval=1)
     fields.update(overrides)
     return EngineConfig(**fields)
 
