@@ -16,16 +16,12 @@ import triton
 
 HAS_CUDA = torch.cuda.is_available()  # without it, conftest.py runs Triton's interpreter
 
+from trio_llm.gpu import quantization  # noqa: E402
 from trio_llm.gpu.kernels import triton_gemv  # noqa: E402
 from trio_llm.gpu.kernels.triton_gemv import MAX_GEMV_ROWS, GemvConfig, gemv  # noqa: E402
 from trio_llm.gpu.layers.fp8_linear import Fp8Layout, Fp8Linear, to_fp8_linear  # noqa: E402
 from trio_llm.gpu.layers.linear import Linear  # noqa: E402
-from trio_llm.gpu.quantization import (  # noqa: E402
-    Fp8Weight,
-    quantize_blocks,
-    quantize_row_groups,
-    quantize_rows,
-)
+from trio_llm.gpu.quantization import Fp8Weight  # noqa: E402
 
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 DTYPE = torch.bfloat16 if HAS_CUDA else torch.float32
@@ -45,7 +41,8 @@ def random(*shape, seed, scale=1.0):
 def fp8_weight(block_size, num_outputs=NUM_OUTPUTS, num_inputs=NUM_INPUTS, seed=1
                ) -> Fp8Weight:
     weight = random(num_outputs, num_inputs, seed=seed, scale=0.05)
-    return quantize_rows(weight) if block_size is None else quantize_blocks(weight, block_size)
+    return (quantization.quantize_rows(weight) if block_size is None
+            else quantization.quantize_blocks(weight, block_size))
 
 
 def on_device(weight: Fp8Weight) -> Fp8Weight:
@@ -74,7 +71,10 @@ def test_fp8_gemv_is_the_product_with_the_dequantized_weight(layout, has_bias):
     x = random(MAX_GEMV_ROWS, NUM_INPUTS, seed=2).to(DTYPE).to(DEVICE)
     bias = random(NUM_OUTPUTS, seed=3).to(DTYPE).to(DEVICE) if has_bias else None
     for config in CONFIGS:
-        for num_rows in range(1, MAX_GEMV_ROWS + 1):
+        # every row count under one launch shape, a decode step's under the others (each
+        # (shape, row count) is a compilation on CUDA)
+        row_counts = range(1, MAX_GEMV_ROWS + 1) if config is CONFIGS[0] else (1, 2)
+        for num_rows in row_counts:
             out = fp8_gemv(x[:num_rows], weight, bias, config)
             assert out.shape == (num_rows, NUM_OUTPUTS) and out.dtype == DTYPE
             expected = dequantized_product(x[:num_rows], weight, bias)
@@ -86,7 +86,7 @@ def test_an_fp8_row_is_bitwise_the_same_whatever_rows_share_the_launch(layout):
     weight = on_device(fp8_weight(LAYOUTS[layout], seed=4))
     x = random(MAX_GEMV_ROWS, NUM_INPUTS, seed=5).to(DTYPE).to(DEVICE)
     bias = random(NUM_OUTPUTS, seed=6).to(DTYPE).to(DEVICE)
-    config = CONFIGS[1]
+    config = CONFIGS[0]
     full = fp8_gemv(x, weight, bias, config)
     for num_rows in range(1, MAX_GEMV_ROWS):
         assert torch.equal(fp8_gemv(x[:num_rows], weight, bias, config), full[:num_rows])
@@ -155,7 +155,7 @@ def fp8_linear(block_size, seed=14, has_bias=True, device=DEVICE, dtype=DTYPE) -
 def quantized_product(layer: Fp8Linear, x: torch.Tensor) -> torch.Tensor:
     """float64 ``q(x) W^T + b``: the rows rounded to e4m3 as the GEMMs round them."""
     group = layer.block_size[1] if layer.block_size is not None else x.shape[1]
-    values, scales = quantize_row_groups(x.cpu().to(torch.float32), group)
+    values, scales = quantization.quantize_row_groups(x.cpu().to(torch.float32), group)
     rounded = values.double() * scales.double().repeat_interleave(group, 1)[:, :x.shape[1]]
     weight = Fp8Weight(layer.weight.cpu(), layer.weight_scale.cpu(), layer.block_size)
     return rounded @ weight.dequantize().double().T + layer.bias.cpu().double()
