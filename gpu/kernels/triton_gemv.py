@@ -19,6 +19,16 @@ H200's bandwidth. ``gemv(x, weight, bias)`` computes ``x W^T + b`` for at most
 - the configuration comes from a small rule on (N, K), not from autotuning: the
   kernels are captured into CUDA graphs, and the interpreter is too slow to tune.
   ``CANDIDATES`` holds the rules that benchmarks/gemv_bench.py compares.
+
+FP8 weights take the same kernel (``SCALES``, a constexpr): the e4m3 values are
+widened to float32 in registers, so a decode step reads one byte a weight, half of
+bf16's, and multiplies the activations as they are (weight-only: no rounding of x
+to e4m3). Per output channel the scale multiplies each output's float32 sum; per
+128 x 128 block it multiplies the weight tile, each span of the tile by its block's
+scale (a tile and a block are powers of two, so one divides the other), which is
+``Fp8Weight.dequantize``'s product. An e4m3 tile is twice as many columns as a bf16
+one (``gemv_config``), so as many bytes are in flight. benchmarks/fp8_gemm_bench.py
+``--decode`` times it beside bf16 and the FP8 GEMMs.
 """
 
 from __future__ import annotations
@@ -73,6 +83,11 @@ def _weight_tile(weight_rows, scale_rows, output_mask, start, K, columns, SCALES
     """The float32 weight tile of columns ``start + columns``; block-scaled weights come out
     dequantized (each e4m3 value times its block's scale, as Fp8Weight.dequantize does)."""
     k = start + columns
+    if weight_rows.dtype.element_ty.primitive_bitwidth == 8:
+        # Loads of 8 e4m3 values a lane (a warp still reads 256 contiguous bytes): the
+        # layout a bf16 row loads into, so the activations need no shuffles to meet the
+        # weights (16 a lane cost a shuffle per weight and row, and more registers).
+        k = tl.max_contiguous(k, 8)
     # Each weight is read once: let it leave the caches first, the activations last.
     weight = tl.load(weight_rows + k[None, :], mask=output_mask[:, None] & (k < K)[None, :],
                      other=0.0, eviction_policy="evict_first").to(tl.float32)
