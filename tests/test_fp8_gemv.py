@@ -60,7 +60,7 @@ def relative_error(out, expected):
 
 def dequantized_product(x, weight: Fp8Weight, bias=None):
     """float64 ``x W^T + b`` of the inputs as the kernel reads them."""
-    product = x.cpu().double() @ weight.dequantize().double().T
+    product = x.cpu().double() @ weight.dequantize().cpu().double().T
     return product if bias is None else product + bias.cpu().double()
 
 
