@@ -172,10 +172,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
     An e4m3 ``weight`` comes with its float32 ``weight_scale``: [N, 1] (one per output
     row, ``block_size`` None) or [ceil(N / block_n), ceil(K / block_k)] (``block_size``
-    (block_n, block_k), powers of two); the result is then ``F.linear(x, W, bias)`` for
-    the dequantized weight W (gpu/quantization.py's ``Fp8Weight.dequantize``): the
-    activations are used as they are, never rounded to e4m3. ``config`` overrides the
-    default rule (benchmarks and tests).
+    (block_n, block_k), block_k a power of two); the result is then
+    ``F.linear(x, W, bias)`` for the dequantized weight W (gpu/quantization.py's
+    ``Fp8Weight.dequantize``): the activations are used as they are, never rounded to
+    e4m3. ``config`` overrides the default rule (benchmarks and tests).
     """
     num_rows, num_inputs = x.shape
     num_outputs = weight.shape[0]
@@ -213,7 +213,7 @@ def _scale_layout(weight: torch.Tensor, weight_scale: torch.Tensor | None,
         assert weight_scale.shape == (num_outputs, 1)
         return ROW_SCALES.value, 1, 1, weight_scale.stride(0)
     group_n, group_k = block_size
-    assert group_n & (group_n - 1) == 0 and group_k & (group_k - 1) == 0
+    assert group_k & (group_k - 1) == 0  # a K tile's spans of one scale each
     assert weight_scale.shape == (triton.cdiv(num_outputs, group_n),
                                   triton.cdiv(num_inputs, group_k))
     assert weight_scale.stride(1) == 1
