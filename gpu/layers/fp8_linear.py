@@ -93,10 +93,7 @@ class Fp8Linear(Linear):
 
             return gemv(rows, self.weight, self.bias, weight_scale=self.weight_scale,
                         block_size=self.block_size)
-        weight = Fp8Weight(self.weight, self.weight_scale, self.block_size).dequantize()
-        return F.linear(rows.to(torch.float32), weight,
-                        None if self.bias is None else self.bias.to(torch.float32)
-                        ).to(rows.dtype)
+        return self._dequantized_linear(rows.to(torch.float32)).to(rows.dtype)
 
     def _reference(self, rows: torch.Tensor) -> torch.Tensor:
         """The GEMMs' function in torch (more than GEMV_ROWS rows): rounded input times
@@ -104,10 +101,12 @@ class Fp8Linear(Linear):
         group = self.block_size[1] if self.block_size is not None else rows.shape[1]
         values, scales = quantize_row_groups(rows.to(torch.float32), group)
         columns = scales.repeat_interleave(group, 1)[:, :rows.shape[1]]
+        return self._dequantized_linear(values.to(torch.float32) * columns).to(rows.dtype)
+
+    def _dequantized_linear(self, rows: torch.Tensor) -> torch.Tensor:
+        """float32 ``rows`` times the dequantized weight, plus the bias, in float32."""
         weight = Fp8Weight(self.weight, self.weight_scale, self.block_size).dequantize()
-        return F.linear(values.to(torch.float32) * columns, weight,
-                        None if self.bias is None else self.bias.to(torch.float32)
-                        ).to(rows.dtype)
+        return F.linear(rows, weight, None if self.bias is None else self.bias.to(torch.float32))
 
 
 def to_fp8_linear(linear: Linear, layout: Fp8Layout) -> Fp8Linear:
