@@ -29,6 +29,10 @@
 #   bash benchmarks/device_run.sh fp8-tests fp8-decode-8b fp8-throughput-8b
 #   bash benchmarks/device_run.sh fp8-serve-8b
 #   bash benchmarks/device_run.sh fp8-decode-30b-a3b fp8-throughput-30b-a3b fp8-gemm
+# The FP8 GEMV for decode rows (issue 27): the kernels alone at 1-2 rows, then end to end
+# (bf16 and FP8); the tests in a call of their own:
+#   bash benchmarks/device_run.sh fp8-gemv fp8-decode-8b
+#   bash benchmarks/device_run.sh fp8-tests
 # Carry .whl (see benchmarks/device_setup.sh).
 . benchmarks/device_setup.sh >/dev/null 2>&1 || { echo "setup failed"; exit 1; }
 export TOKENIZERS_PARALLELISM=false
@@ -165,9 +169,10 @@ for part in "$@"; do
     # FP8 (issue 27): bf16 and FP8 weights (dummy weights rounded to e4m3 per row) side by
     # side; the serve part adds FP8 weights + the FP8 KV cache
     fp8-tests) run fp8-tests 200 python3 -m pytest -q -p no:cacheprovider -rs \
-             tests/test_fp8_gemm.py tests/test_triton_kv_fp8.py tests/test_fp8_weights.py \
-             tests/test_kv_cache_fp8.py ;;
+             tests/test_fp8_gemm.py tests/test_fp8_gemv.py tests/test_triton_kv_fp8.py \
+             tests/test_fp8_weights.py tests/test_kv_cache_fp8.py ;;
     fp8-gemm) run fp8-gemm 200 python3 benchmarks/fp8_gemm_bench.py ;;
+    fp8-gemv) run fp8-gemv 150 python3 benchmarks/fp8_gemm_bench.py --decode ;;
     fp8-decode-*) fp8_pair decode "$(model_of "${part#fp8-decode-}")" 120 --engine-only ;;
     fp8-throughput-*) fp8_pair throughput "$(model_of "${part#fp8-throughput-}")" 150 --depths 2 ;;
     fp8-serve-*) SERVE_SECONDS=120 serve_bench "$(model_of "${part#fp8-serve-}")" bf16

@@ -33,7 +33,7 @@ SWEEP = [(4, 512, 1, 1), (4, 256, 1, 1), (2, 512, 1, 1), (8, 512, 1, 1), (8, 256
 
 def forward_with(widest: int, block_k: int, num_warps: int, num_stages: int):
     def forward(self, x):
-        if x.dim() != 2 or x.shape[0] > cuda_fused.GEMV_ROWS:
+        if x.dim() != 2 or x.shape[0] > triton_gemv.GEMV_ROWS:
             return Linear.forward(self, x)
         num_outputs, num_inputs = self.weight.shape
         config = triton_gemv.GemvConfig(triton_gemv._block_n(num_outputs, widest),

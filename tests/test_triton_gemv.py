@@ -122,7 +122,7 @@ def large_blocks_on_cpu(monkeypatch):
     """A few large programs per launch: the interpreter runs each one in Python."""
     if not HAS_CUDA:
         monkeypatch.setattr(triton_gemv, "gemv_config",
-                            lambda num_outputs, num_inputs: GemvConfig(256, 128, 1, 1))
+                            lambda num_outputs, num_inputs, **_: GemvConfig(256, 128, 1, 1))
 
 
 def count_gemv_calls(monkeypatch) -> list[int]:
@@ -144,7 +144,7 @@ def test_gemv_linear_takes_only_small_unchunked_batches(monkeypatch, large_block
     cuda_fused.use_gemv(linear)
     assert isinstance(linear, cuda_fused.GemvLinear)
     calls = count_gemv_calls(monkeypatch)
-    rows = cuda_fused.GEMV_ROWS
+    rows = triton_gemv.GEMV_ROWS
     x = random(rows + 1, NUM_INPUTS, seed=15, dtype=torch.float32)
     with torch.no_grad():
         out = linear(x[:rows])
@@ -168,7 +168,7 @@ def test_fused_model_with_gemv_matches_the_plain_model_on_a_decode_batch(
     for model in (plain, fused):
         model.set_batch_invariant(False)  # the CPU default chunks rows and skips gemv
     calls = count_gemv_calls(monkeypatch)
-    monkeypatch.setattr(cuda_fused, "GEMV_ROWS", MAX_GEMV_ROWS)  # the kernel at 3 rows
+    monkeypatch.setattr(triton_gemv, "GEMV_ROWS", MAX_GEMV_ROWS)  # the kernel at 3 rows
     # three decode tokens at positions 3, 6 and 2, their earlier positions cached
     token_ids = torch.tensor([5, 17, 300], device=DEVICE)
     positions = torch.tensor([3, 6, 2], device=DEVICE)

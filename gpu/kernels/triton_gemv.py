@@ -19,19 +19,36 @@ H200's bandwidth. ``gemv(x, weight, bias)`` computes ``x W^T + b`` for at most
 - the configuration comes from a small rule on (N, K), not from autotuning: the
   kernels are captured into CUDA graphs, and the interpreter is too slow to tune.
   ``CANDIDATES`` holds the rules that benchmarks/gemv_bench.py compares.
+
+FP8 weights take the same kernel (``SCALES``, a constexpr): the e4m3 values are
+widened to float32 in registers, so a decode step reads one byte a weight, half of
+bf16's, and multiplies the activations as they are (weight-only: no rounding of x
+to e4m3). Per output channel the scale multiplies each output's float32 sum; per
+128 x 128 block it multiplies the weight tile, each span of the tile by its block's
+scale (a tile and a block are powers of two, so one divides the other), which is
+``Fp8Weight.dequantize``'s product. An e4m3 tile is twice as many columns as a bf16
+one (``gemv_config``), so as many bytes are in flight. benchmarks/fp8_gemm_bench.py
+``--decode`` times it beside bf16 and the FP8 GEMMs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
 from trio_llm.gpu.kernels.pdl import gdc_wait, pdl_enabled
+from trio_llm.gpu.quantization import E4M3
 
 MAX_GEMV_ROWS = 8
+# Rows up to which a linear layer multiplies with ``gemv`` (gpu/models/cuda_fused.py's
+# GemvLinear, gpu/layers/fp8_linear.py's Fp8Linear). Measured on the H200 inside captured
+# decode graphs (benchmarks/gemv_graph_ab.py, docs/performance.md): at 1 and 2 rows gemv
+# beats cuBLAS (qwen3-8b 4.12 and 4.26 against 4.51 and 4.55 ms a step), at 4 rows
+# cuBLAS wins for qwen3-8b (4.58 against 6.50 ms).
+GEMV_ROWS = 2
 # The rule ``gemv`` uses unless told otherwise; see CANDIDATES. Fastest at one row in
 # captured decode graphs on the H200 (benchmarks/gemv_graph_ab.py, docs/performance.md).
 DEFAULT_CANDIDATE = "one_output"
@@ -51,28 +68,63 @@ class GemvConfig:
     num_stages: int
 
 
+# How ``_gemv_kernel`` scales its weights (``SCALES``): not at all (a float weight), by
+# one float32 per output row (FP8 per channel: ``scale`` [N, 1]), or by one per block of
+# GROUP_N rows and GROUP_K columns (FP8 blocks: ``scale`` [ceil(N / GROUP_N),
+# ceil(K / GROUP_K)]).
+NO_SCALES: tl.constexpr = tl.constexpr(0)
+ROW_SCALES: tl.constexpr = tl.constexpr(1)
+BLOCK_SCALES: tl.constexpr = tl.constexpr(2)
+
+
 @triton.jit
-def _weight_tile(weight_rows, output_mask, k, k_mask):
+def _weight_tile(weight_rows, scale_rows, output_mask, start, K, columns, SCALES: tl.constexpr,
+                 GROUP_K: tl.constexpr):
+    """The float32 weight tile of columns ``start + columns``; block-scaled weights come out
+    dequantized (each e4m3 value times its block's scale, as Fp8Weight.dequantize does)."""
+    k = start + columns
+    if weight_rows.dtype.element_ty.primitive_bitwidth == 8:
+        # Loads of 8 e4m3 values a lane (a warp still reads 256 contiguous bytes): the
+        # layout a bf16 row loads into, so the activations need no shuffles to meet the
+        # weights (16 a lane cost a shuffle per weight and row, and more registers).
+        k = tl.max_contiguous(k, 8)
     # Each weight is read once: let it leave the caches first, the activations last.
-    return tl.load(weight_rows + k[None, :], mask=output_mask[:, None] & k_mask[None, :],
-                   other=0.0, eviction_policy="evict_first").to(tl.float32)
+    weight = tl.load(weight_rows + k[None, :], mask=output_mask[:, None] & (k < K)[None, :],
+                     other=0.0, eviction_policy="evict_first").to(tl.float32)
+    if SCALES == BLOCK_SCALES:
+        # The tile's columns in spans of one scale each (a tile and a block are powers of
+        # two, so one divides the other); the tile's shape is kept, only viewed by span.
+        BLOCK_N: tl.constexpr = weight.shape[0]
+        BLOCK_K: tl.constexpr = weight.shape[1]
+        SPAN: tl.constexpr = BLOCK_K if BLOCK_K < GROUP_K else GROUP_K
+        spans = start + tl.arange(0, BLOCK_K // SPAN) * SPAN
+        scales = tl.load(scale_rows[:, None] + (spans // GROUP_K)[None, :],
+                         mask=output_mask[:, None] & (spans < K)[None, :], other=0.0)
+        weight = tl.reshape(tl.reshape(weight, [BLOCK_N, BLOCK_K // SPAN, SPAN])
+                            * scales[:, :, None], [BLOCK_N, BLOCK_K])
+    return weight
 
 
 @triton.jit
-def _row_products(weight, x_ptr, k, k_mask):
+def _row_products(weight, x_ptr, start, K, columns):
     """One row's products with one weight tile, summed per output."""
-    x = tl.load(x_ptr + k, mask=k_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    k = start + columns
+    x = tl.load(x_ptr + k, mask=k < K, other=0.0, eviction_policy="evict_last").to(tl.float32)
     return tl.sum(weight * x[None, :], axis=1)
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, weight_ptr, bias_ptr, out_ptr, N, K, x_row_stride, weight_row_stride,
-                 NUM_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr):
+def _gemv_kernel(x_ptr, weight_ptr, scale_ptr, bias_ptr, out_ptr, N, K, x_row_stride,
+                 weight_row_stride, scale_row_stride, NUM_ROWS: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, SCALES: tl.constexpr, GROUP_N: tl.constexpr,
+                 GROUP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr):
     outputs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     output_mask = outputs < N
     columns = tl.arange(0, BLOCK_K)
     weight_rows = weight_ptr + outputs.to(tl.int64)[:, None] * weight_row_stride
+    # (the rows of block scales; unread unless SCALES is BLOCK_SCALES)
+    scale_rows = scale_ptr + (outputs // GROUP_N).to(tl.int64) * scale_row_stride
     # One accumulator per row, each updated by the same code whatever NUM_ROWS is.
     sums = (tl.zeros([BLOCK_N], dtype=tl.float32),) * NUM_ROWS
     first_step = 0
@@ -80,26 +132,32 @@ def _gemv_kernel(x_ptr, weight_ptr, bias_ptr, out_ptr, N, K, x_row_stride, weigh
         # Launched while the kernel before runs (gpu/kernels/pdl.py): the first weight
         # tile, which no kernel writes, is fetched before waiting for it; the sums are
         # added in the same order as below.
-        weight = _weight_tile(weight_rows, output_mask, columns, columns < K)
+        weight = _weight_tile(weight_rows, scale_rows, output_mask, 0, K, columns, SCALES,
+                              GROUP_K)
         gdc_wait()
         for row in tl.static_range(NUM_ROWS):
-            row_sum = sums[row] + _row_products(weight, x_ptr + row * x_row_stride, columns,
-                                                columns < K)
+            row_sum = sums[row] + _row_products(weight, x_ptr + row * x_row_stride, 0, K,
+                                                columns)
             sums = sums[:row] + (row_sum,) + sums[row + 1:]
         first_step = BLOCK_K
     # num_stages on the loop itself: the pipeliner only prefetches loads that feed
     # no tl.dot when the loop asks for it.
     for start in tl.range(first_step, K, BLOCK_K, num_stages=NUM_STAGES):
-        k = start + columns
-        k_mask = k < K
-        weight = _weight_tile(weight_rows, output_mask, k, k_mask)
+        weight = _weight_tile(weight_rows, scale_rows, output_mask, start, K, columns, SCALES,
+                              GROUP_K)
         for row in tl.static_range(NUM_ROWS):
-            row_sum = sums[row] + _row_products(weight, x_ptr + row * x_row_stride, k, k_mask)
+            row_sum = sums[row] + _row_products(weight, x_ptr + row * x_row_stride, start, K,
+                                                columns)
             sums = sums[:row] + (row_sum,) + sums[row + 1:]
+    if SCALES == ROW_SCALES:
+        row_scales = tl.load(scale_ptr + outputs * scale_row_stride, mask=output_mask,
+                             other=0.0)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + outputs, mask=output_mask, other=0.0).to(tl.float32)
     for row in tl.static_range(NUM_ROWS):
         result = sums[row]
+        if SCALES == ROW_SCALES:
+            result *= row_scales
         if HAS_BIAS:
             result += bias
         tl.store(out_ptr + row * N + outputs, result.to(out_ptr.dtype.element_ty),
@@ -107,37 +165,71 @@ def _gemv_kernel(x_ptr, weight_ptr, bias_ptr, out_ptr, N, K, x_row_stride, weigh
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+         weight_scale: torch.Tensor | None = None, block_size: tuple[int, int] | None = None,
          config: GemvConfig | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x`` [num_rows <= MAX_GEMV_ROWS, K] and
     ``weight`` [N, K]: float32 sums, the result [num_rows, N] in ``x``'s dtype.
 
-    ``config`` overrides the default rule (benchmarks and tests).
+    An e4m3 ``weight`` comes with its float32 ``weight_scale``: [N, 1] (one per output
+    row, ``block_size`` None) or [ceil(N / block_n), ceil(K / block_k)] (``block_size``
+    (block_n, block_k), block_k a power of two); the result is then
+    ``F.linear(x, W, bias)`` for the dequantized weight W (gpu/quantization.py's
+    ``Fp8Weight.dequantize``): the activations are used as they are, never rounded to
+    e4m3. ``config`` overrides the default rule (benchmarks and tests).
     """
     num_rows, num_inputs = x.shape
     num_outputs = weight.shape[0]
     assert num_rows <= MAX_GEMV_ROWS and weight.shape[1] == num_inputs
-    assert weight.dtype == x.dtype and weight.stride(1) == 1
+    assert weight.stride(1) == 1
+    scales, group_n, group_k, scale_row_stride = _scale_layout(weight, weight_scale, block_size)
+    assert scales != NO_SCALES or weight.dtype == x.dtype
     out = torch.empty((num_rows, num_outputs), dtype=x.dtype, device=x.device)
     if num_rows == 0 or num_outputs == 0:
         return out
     if x.stride(1) != 1:
         x = x.contiguous()
-    config = config or gemv_config(num_outputs, num_inputs)
+    config = config or gemv_config(num_outputs, num_inputs, weight_size=weight.element_size())
     use_pdl = pdl_enabled(x.device)
     _gemv_kernel[(triton.cdiv(num_outputs, config.block_n),)](
-        x, weight, bias if bias is not None else weight, out, num_outputs, num_inputs,
-        x.stride(0), weight.stride(0), NUM_ROWS=num_rows, HAS_BIAS=bias is not None,
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, NUM_STAGES=config.num_stages,
-        USE_PDL=use_pdl, num_warps=config.num_warps, num_stages=config.num_stages,
+        x, weight, weight if weight_scale is None else weight_scale,
+        bias if bias is not None else weight, out, num_outputs, num_inputs, x.stride(0),
+        weight.stride(0), scale_row_stride, NUM_ROWS=num_rows, HAS_BIAS=bias is not None,
+        SCALES=scales, GROUP_N=group_n, GROUP_K=group_k, BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, NUM_STAGES=config.num_stages, USE_PDL=use_pdl,
+        num_warps=config.num_warps, num_stages=config.num_stages,
         **({"launch_pdl": True} if use_pdl else {}))
     return out
 
 
-def gemv_config(num_outputs: int, num_inputs: int,
-                candidate: str = DEFAULT_CANDIDATE) -> GemvConfig:
-    """The launch for an [N = num_outputs, K = num_inputs] weight under one of
-    ``CANDIDATES``; it never depends on the number of rows (batch invariance)."""
-    return CANDIDATES[candidate](num_outputs, num_inputs)
+def _scale_layout(weight: torch.Tensor, weight_scale: torch.Tensor | None,
+                  block_size: tuple[int, int] | None) -> tuple[int, int, int, int]:
+    """(``SCALES``, GROUP_N, GROUP_K, the scales' row stride) for a weight and its scales."""
+    if weight_scale is None:
+        assert block_size is None
+        return NO_SCALES.value, 1, 1, 0
+    num_outputs, num_inputs = weight.shape
+    assert weight.dtype == E4M3 and weight_scale.dtype == torch.float32
+    if block_size is None:
+        assert weight_scale.shape == (num_outputs, 1)
+        return ROW_SCALES.value, 1, 1, weight_scale.stride(0)
+    group_n, group_k = block_size
+    assert group_k & (group_k - 1) == 0  # a K tile's spans of one scale each
+    assert weight_scale.shape == (triton.cdiv(num_outputs, group_n),
+                                  triton.cdiv(num_inputs, group_k))
+    assert weight_scale.stride(1) == 1
+    return BLOCK_SCALES.value, group_n, group_k, weight_scale.stride(0)
+
+
+def gemv_config(num_outputs: int, num_inputs: int, candidate: str = DEFAULT_CANDIDATE, *,
+                weight_size: int = 2) -> GemvConfig:
+    """The launch for an [N = num_outputs, K = num_inputs] weight of ``weight_size``
+    bytes a value under one of ``CANDIDATES``; it never depends on the number of rows
+    (batch invariance). A one-byte (e4m3) weight takes K tiles twice as wide: as many
+    bytes in flight as a bfloat16 tile."""
+    config = CANDIDATES[candidate](num_outputs, num_inputs)
+    if weight_size == 1:
+        return replace(config, block_k=_block_k(num_inputs, 2 * config.block_k))
+    return config
 
 
 def _block_n(num_outputs: int, widest: int) -> int:

@@ -96,9 +96,10 @@ def _fused_norm(ops: FusedOps, hidden: torch.Tensor, residual: torch.Tensor | No
                 ) -> tuple[torch.Tensor | Fp8Activation, torch.Tensor]:
     """(the norm of ``hidden`` (plus ``residual``), the residual stream); in e4m3 straight
     from the norm's kernel where ``consumer``, the layer it feeds, is a per-channel FP8
-    layer (it would quantize the rows per token itself: one kernel and one round trip
-    through memory fewer)."""
-    if isinstance(consumer, Fp8Linear) and consumer.takes_fp8_rows:
+    layer that quantizes this many rows (it would quantize them per token itself: one
+    kernel and one round trip through memory fewer). A decode step's few rows stay
+    unrounded: the FP8 GEMV takes them as they are."""
+    if isinstance(consumer, Fp8Linear) and consumer.takes_fp8_rows(hidden.shape[0]):
         return ops.rms_norm_fp8(hidden, residual, norm.weight, norm.eps)
     if residual is None:
         return ops.rms_norm(hidden, norm.weight, norm.eps), hidden

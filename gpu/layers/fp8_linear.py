@@ -10,10 +10,19 @@ bytes of bfloat16 for every decode step, the FP8 tensor cores for prefill. Two l
 - **blocks** (``scale`` [ceil(out / block_n), ceil(in / block_k)]): activations quantized
   per token and per ``block_k`` columns, the block-scaled Triton GEMM.
 
-Both are gpu/kernels/fp8_gemm.py's. Off CUDA (tests) the layer computes the same
-function in torch: its input rounded as the kernels round it, times the dequantized
-weight. The CPU engine never builds these layers: it dequantizes at load
-(gpu/loader.py).
+Both are gpu/kernels/fp8_gemm.py's. A decode step of at most ``GEMV_ROWS`` rows (the
+bound bf16 layers use, gpu/kernels/triton_gemv.py) is bound by the weights' bytes, not
+by the tensor cores: it goes through the weight-only FP8 GEMV instead (``gemv`` with
+the scales), which reads the e4m3 weights once and multiplies the activations as they
+are. So the layer computes one of two functions, chosen by the number of rows alone
+(static within a captured graph):
+
+- at most GEMV_ROWS rows: ``x W^T + b`` for the dequantized weight W, x unrounded;
+- more rows: ``q(x) W^T + b``, q rounding each row (or row and column group) to e4m3
+  with its scale, as the GEMMs' activation quantization does.
+
+Off CUDA (tests) the layer computes the same two functions in torch. The CPU engine
+never builds these layers: it dequantizes at load (gpu/loader.py).
 """
 
 from __future__ import annotations
@@ -43,20 +52,27 @@ class Fp8Linear(Linear):
     weight_scale: nn.Parameter
     block_size: tuple[int, int] | None
 
-    @property
-    def takes_fp8_rows(self) -> bool:
-        """Whether this layer takes rows a norm's kernel quantized (an Fp8Activation): a
-        per-channel layer on CUDA (its input is quantized per row anyway)."""
-        return self.block_size is None and self.weight.device.type == "cuda"
+    def takes_fp8_rows(self, num_rows: int) -> bool:
+        """Whether this layer takes ``num_rows`` rows that a norm's kernel quantized (an
+        Fp8Activation): a per-channel layer on CUDA given more than GEMV_ROWS rows (its
+        input is quantized per row anyway; fewer rows go through the GEMV unrounded)."""
+        from trio_llm.gpu.kernels import triton_gemv
+
+        return (self.block_size is None and self.weight.device.type == "cuda"
+                and num_rows > triton_gemv.GEMV_ROWS)
 
     def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
         if isinstance(x, Fp8Activation):
-            assert self.takes_fp8_rows
+            assert self.takes_fp8_rows(x.shape[0])
             from trio_llm.gpu.kernels.fp8_gemm import scaled_mm_rowwise
 
             return scaled_mm_rowwise(x, self.weight, self.weight_scale, self.bias)
+        from trio_llm.gpu.kernels import triton_gemv
+
         rows = x.reshape(-1, x.shape[-1])
-        if x.device.type != "cuda":
+        if rows.shape[0] <= triton_gemv.GEMV_ROWS:
+            out = self._weight_only(rows)
+        elif x.device.type != "cuda":
             out = self._reference(rows)
         elif self.block_size is None:
             from trio_llm.gpu.kernels.fp8_gemm import scaled_mm_rowwise
@@ -69,15 +85,28 @@ class Fp8Linear(Linear):
                                       self.bias)
         return out.view(*x.shape[:-1], out.shape[-1])
 
+    def _weight_only(self, rows: torch.Tensor) -> torch.Tensor:
+        """At most GEMV_ROWS rows: the unrounded input times the dequantized weight (the
+        FP8 GEMV on CUDA, float32 torch elsewhere)."""
+        if rows.device.type == "cuda":
+            from trio_llm.gpu.kernels.triton_gemv import gemv
+
+            return gemv(rows, self.weight, self.bias, weight_scale=self.weight_scale,
+                        block_size=self.block_size)
+        return self._dequantized_linear(rows.to(torch.float32)).to(rows.dtype)
+
     def _reference(self, rows: torch.Tensor) -> torch.Tensor:
-        """The kernels' function in torch: rounded input times the dequantized weight."""
+        """The GEMMs' function in torch (more than GEMV_ROWS rows): rounded input times
+        the dequantized weight."""
         group = self.block_size[1] if self.block_size is not None else rows.shape[1]
         values, scales = quantize_row_groups(rows.to(torch.float32), group)
         columns = scales.repeat_interleave(group, 1)[:, :rows.shape[1]]
+        return self._dequantized_linear(values.to(torch.float32) * columns).to(rows.dtype)
+
+    def _dequantized_linear(self, rows: torch.Tensor) -> torch.Tensor:
+        """float32 ``rows`` times the dequantized weight, plus the bias, in float32."""
         weight = Fp8Weight(self.weight, self.weight_scale, self.block_size).dequantize()
-        return F.linear(values.to(torch.float32) * columns, weight,
-                        None if self.bias is None else self.bias.to(torch.float32)
-                        ).to(rows.dtype)
+        return F.linear(rows, weight, None if self.bias is None else self.bias.to(torch.float32))
 
 
 def to_fp8_linear(linear: Linear, layout: Fp8Layout) -> Fp8Linear:

@@ -4,7 +4,8 @@
 gpu/kernels/triton_layers.py's kernels and the Triton attention backend,
 keeping its weights; on CUDA its linear layers take one or two rows (decode of
 one or two streams) through gpu/kernels/triton_gemv.py's ``gemv``, which streams
-the weights faster than cuBLAS does at that size. Each kernel rounds where the
+the weights faster than cuBLAS does at that size (FP8 layers do the same by
+themselves: gpu/layers/fp8_linear.py). Each kernel rounds where the
 torch model rounds, so the fused model computes the same function up to the
 order of float32 sums.
 """
@@ -17,7 +18,7 @@ import torch
 from torch import nn
 
 from trio_llm.gpu.attention import AttentionBackend
-from trio_llm.gpu.kernels import triton_attention, triton_layers
+from trio_llm.gpu.kernels import triton_attention, triton_gemv, triton_layers
 from trio_llm.gpu.kernels.moe_routing import route_topk
 from trio_llm.gpu.kernels.triton_gemv import gemv
 from trio_llm.gpu.layers.attention import AttentionMetadata
@@ -86,19 +87,14 @@ class FusedHybridLM(CausalLM):
         return hybrid_forward(self, TRITON_OPS, token_ids, positions, kv_caches, metadata)
 
 
-# Rows up to which GemvLinear uses gemv. Measured on the H200 inside captured decode
-# graphs (benchmarks/gemv_graph_ab.py, docs/performance.md): at 1 and 2 rows gemv
-# beats cuBLAS (qwen3-8b 4.12 and 4.26 against 4.51 and 4.55 ms a step), at 4 rows
-# cuBLAS wins for qwen3-8b (4.58 against 6.50 ms).
-GEMV_ROWS = 2
-
-
 class GemvLinear(Linear):
-    """A Linear that multiplies at most GEMV_ROWS rows with ``gemv``; larger batches,
-    and row-chunked (batch-invariant) layers, go through ``Linear``."""
+    """A Linear that multiplies at most GEMV_ROWS rows (gpu/kernels/triton_gemv.py) with
+    ``gemv``; larger batches, and row-chunked (batch-invariant) layers, go through
+    ``Linear``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] <= GEMV_ROWS and not self.num_rows_per_chunk:
+        if (x.dim() == 2 and x.shape[0] <= triton_gemv.GEMV_ROWS
+                and not self.num_rows_per_chunk):
             return gemv(x, self.weight, self.bias)
         return super().forward(x)
 
