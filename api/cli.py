@@ -54,6 +54,8 @@ _ENGINE_FLAGS: list[tuple[str, type, str]] = [
     ("--max-waiting-requests", int, "bound of the waiting queue"),
     ("--max-state-snapshots", int, "models with linear-attention layers: prefix-cache states "
                                    "kept (default: sized from memory)"),
+    ("--decode-snapshot-interval", int, "models with linear-attention layers: tokens between "
+                                        "a decoding request's state saves (whole blocks)"),
     ("--tensor-parallel-size", int, "worker processes (GPUs) the model is split over"),
     # what one request may cost (docs/http-api.md, "Limits")
     ("--max-seq-share", float, "share of --max-num-seqs one request's choices may hold"),

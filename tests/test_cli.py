@@ -42,3 +42,10 @@ def test_max_state_snapshots_is_sized_from_memory_unless_given() -> None:
 def test_max_state_snapshots_must_be_positive() -> None:
     with pytest.raises(SystemExit, match="--max-state-snapshots 0: must be int >= 1"):
         config_from("--max-state-snapshots", "0")
+
+
+def test_decode_snapshot_interval_reaches_the_config() -> None:
+    assert config_from().decode_snapshot_interval == 64
+    assert config_from("--decode-snapshot-interval", "16").decode_snapshot_interval == 16
+    with pytest.raises(SystemExit, match="--decode-snapshot-interval 0: must be int >= 1"):
+        config_from("--decode-snapshot-interval", "0")

@@ -424,6 +424,20 @@ def test_a_decode_leaves_one_snapshot_at_its_last_block_boundary(pipeline_depth)
     assert_reference_outputs(driver, [first, second])
 
 
+@pytest.mark.parametrize("interval", [6, 8])
+def test_decodes_save_their_state_every_interval_in_whole_blocks(interval):
+    """An interval of 6 or 8 tokens at blocks of 4 saves at 8 and 16 computed tokens
+    (6 rounds up to 8): half the copies of every block, the same snapshot at the end."""
+    first = make_request("first", [1, 2, 3], max_tokens=15)
+    driver = run_hybrid([first], decode_snapshot_interval=interval)
+    assert len(copies_from(driver, "first")) == 2
+    second = next_turn(first, "second", [40, 41], arrival_index=1)
+    driver.submit(second)
+    driver.run()
+    assert driver.model.num_restored_tokens == 16
+    assert_reference_outputs(driver, [first, second])
+
+
 @pytest.mark.parametrize("way_out", ["abort", "stop string"])
 def test_a_request_leaving_early_registers_its_pending_snapshot(way_out):
     """Aborted or stopped by a stop string past a few block boundaries: its last saved
