@@ -10,6 +10,13 @@ from trio_llm.actors.messages import PositiveInt
 # The runner, its inbox and the CUDA executor's input slots are sized by it.
 MAX_PIPELINE_DEPTH: Final = 2
 
+# Sequences of two tokens or more in one step of a model with linear-attention layers
+# (state slots), at most: the scheduler plans no more, the CUDA executor refuses more.
+# They run fla's chunked kernel on this many seats, each loading and storing a whole
+# recurrent state (2 MB a layer at qwen3.5-35b-a3b's sizes) even when empty; the step's
+# one-token sequences update their states in place (gpu/kernels/fla_gated_delta_rule.py).
+MAX_CHUNKED_SEQS: Final = 8
+
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Everything that shapes an engine. ``num_kv_blocks`` None sizes the cache

@@ -42,7 +42,9 @@ restore it). A decode that completes a block at a multiple of
 the request's one pending snapshot slot (``_save_decode_snapshots``: last among its
 copies), registered when the request stops under the hash of the block that ended
 there (``_register_pending_snapshot``), so the next turn of a conversation starts
-past the answer too. docs/architecture.md, "Models with linear-attention layers".
+past the answer too. A step of such a model holds at most ``MAX_CHUNKED_SEQS``
+chunks of two tokens or more (``_StepBuilder.prefill_budget``: later chunks get one
+token). docs/architecture.md, "Models with linear-attention layers".
 
 An embedding request (``Request.pooling``, the pooling runner) is a prefill like any
 other whose last chunk pools (``pool``) instead of sampling; it finishes, and frees its
@@ -82,7 +84,7 @@ from typing import Any, cast
 import msgspec
 import trio
 
-from trio_llm.actors.config import EngineConfig
+from trio_llm.actors.config import MAX_CHUNKED_SEQS, EngineConfig
 from trio_llm.actors.grammar import Grammars, GrammarState, accept_tokens, fill_bitmasks
 from trio_llm.actors.kv_blocks import (
     BlockManager,
@@ -334,11 +336,13 @@ class StepPlan(msgspec.Struct, frozen=True, kw_only=True):
 class _StepBuilder:
     """The batch being planned, and what is left of its token budget."""
 
-    def __init__(self, step_id: int, max_num_tokens: int,
+    def __init__(self, step_id: int, max_num_tokens: int, num_chunk_seats: int,
                  decode_snapshot_interval: int = 0) -> None:
         self.step_id = step_id
         self.max_num_tokens = max_num_tokens
         self.budget = max_num_tokens
+        # chunks of two tokens or more the step may still take (``prefill_budget``)
+        self.num_free_chunk_seats = num_chunk_seats
         self.requests: list[ScheduledRequest] = []
         self.new_requests: list[NewRequestData] = []
         self.tracks: list[Track] = []
@@ -361,11 +365,18 @@ class _StepBuilder:
         """Tokens scheduled so far: whatever the budget lost."""
         return self.max_num_tokens - self.budget
 
+    @property
+    def prefill_budget(self) -> int:
+        """Tokens the next prefill chunk may take: one once the chunk seats are taken
+        (a one-token chunk updates its state in place, beside them)."""
+        return self.budget if self.num_free_chunk_seats else min(self.budget, 1)
+
     def add_prefill(self, running: RunningRequest, num_tokens: int,
                     new_block_ids: list[int]) -> None:
         scheduled = running.schedule_prefill(num_tokens, new_block_ids, self.step_id)
         self.requests.append(scheduled)
         self.budget -= num_tokens
+        self.num_free_chunk_seats -= num_tokens > 1
         self.num_prompt_tokens += num_tokens
         if scheduled.bitmask_follows:
             self.bitmasks_follow.append(running)
@@ -501,7 +512,10 @@ class Scheduler:
     def schedule(self, pulled: list[WaitingRequest]) -> StepPlan:
         """Plan the next step from the running requests and the ``pulled`` ones."""
         assert self.can_plan_step()
-        step = _StepBuilder(self._next_step_id, self.config.max_num_batched_tokens,
+        max_num_tokens = self.config.max_num_batched_tokens
+        # a model with state slots runs them through a kernel with MAX_CHUNKED_SEQS seats
+        step = _StepBuilder(self._next_step_id, max_num_tokens,
+                            MAX_CHUNKED_SEQS if self.state_slots is not None else max_num_tokens,
                             self._decode_snapshot_interval)
         saved = self._save_snapshots(step) if self._snapshots_wanted else _NO_HASHES
         waiting = deque(w for w in pulled if not self._was_stopped_while_waiting(w))
@@ -652,7 +666,7 @@ class Scheduler:
     def _admit_by_priority(self, waiting: deque[WaitingRequest], step: _StepBuilder) -> None:
         """Admit pulled requests that evict running ones at least the threshold worse."""
         while waiting:
-            admission = self._plan_admission(waiting[0], step.budget)
+            admission = self._plan_admission(waiting[0], step.prefill_budget)
             victims = self._victims_for(waiting[0], admission, step)
             if not victims:
                 return  # it fits without evicting anyone, or it may evict no one
@@ -695,7 +709,7 @@ class Scheduler:
         num_computed_tokens = running.num_computed_tokens
         end = (running.snapshot_cuts[0] if running.snapshot_cuts
                else running.num_prefill_tokens)
-        num_tokens = min(end - num_computed_tokens, step.budget)
+        num_tokens = min(end - num_computed_tokens, step.prefill_budget)
         num_blocks = self.block_manager.blocks_needed(
             num_computed_tokens + num_tokens, len(running.block_ids))
         if not self._make_room(running, num_blocks, step.step_id):
@@ -756,7 +770,7 @@ class Scheduler:
                    admission: _Admission | None = None) -> bool:
         """Start ``waiting`` with its first chunk (after its cached prefix) if it fits."""
         if admission is None:
-            admission = self._plan_admission(waiting, step.budget)
+            admission = self._plan_admission(waiting, step.prefill_budget)
         prefix = admission.prefix
         if admission.num_tokens <= 0 or not self.block_manager.can_allocate(
                 admission.num_new_blocks, prefix.block_ids):

@@ -11,7 +11,11 @@
   between the two outputs and states;
 - the causal conv1d: decode at batch 256, varlen over 8,192 tokens;
 - fla's chunked rule through the slots (gpu/kernels/fla_gated_delta_rule.py) on one
-  8,192-token prompt and on 8 prompts of 1,024.
+  8,192-token prompt and on 8 prompts of 1,024;
+- a served mixed step (63 decode rows and one 1,024-token chunk in a graph's layout of
+  1,088 tokens and 257 sequence slots): every slot through fla's chunked rule (the
+  path before the compaction) against ``mixed_gated_delta_rule`` (decode rows in
+  place, the chunk on MAX_CHUNKED_SEQS seats), and their largest differences.
 
 Device time per call by CUDA events, median of 50 after 5 warm calls.
 """
@@ -27,8 +31,12 @@ from typing import Any
 
 import torch
 
+from trio_llm.actors.config import MAX_CHUNKED_SEQS
 from trio_llm.gpu.kernels import triton_linear_attention as kernels
-from trio_llm.gpu.kernels.fla_gated_delta_rule import chunked_gated_delta_rule
+from trio_llm.gpu.kernels.fla_gated_delta_rule import (
+    chunked_gated_delta_rule,
+    mixed_gated_delta_rule,
+)
 
 OUT = Path(os.environ.get("OUT", "."))
 KEY_HEADS, VALUE_HEADS, DIM = 16, 32, 128  # qwen3.5-35b-a3b's linear attention
@@ -134,11 +142,51 @@ def chunked_cases() -> dict[str, Any]:
             "chunked_eight_1024_us": chunked_us([1024] * 8)}
 
 
+def mixed_step_case() -> dict[str, Any]:
+    num_decodes, chunk_len, num_seqs, num_tokens = 63, 1024, 257, 1088
+    # decode rows, the chunk (continuing its slot), the padding sequence, empty padding
+    lengths = [1] * num_decodes + [chunk_len, num_tokens - num_decodes - chunk_len]
+    lengths += [0] * (num_seqs - len(lengths))
+    starts = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=DEVICE)
+    context_lens = torch.tensor([500] * num_decodes + [2 * chunk_len]
+                                + [0] * (num_seqs - num_decodes - 1), device=DEVICE)
+    slots = torch.tensor([*range(num_decodes + 1)] + [-1] * (num_seqs - num_decodes - 1),
+                         device=DEVICE)
+    q = torch.randn(num_tokens, KEY_HEADS, DIM, device=DEVICE).to(DTYPE)
+    k = torch.randn(num_tokens, KEY_HEADS, DIM, device=DEVICE).to(DTYPE)
+    v = torch.randn(num_tokens, VALUE_HEADS, DIM, device=DEVICE).to(DTYPE)
+    a = torch.randn(num_tokens, VALUE_HEADS, device=DEVICE).to(DTYPE)
+    b = torch.randn(num_tokens, VALUE_HEADS, device=DEVICE).to(DTYPE)
+    a_log = torch.randn(VALUE_HEADS, device=DEVICE)
+    dt_bias = torch.randn(VALUE_HEADS, device=DEVICE)
+    states = torch.randn(num_decodes + 8, VALUE_HEADS, DIM, DIM, device=DEVICE) * 0.05
+    before_states, after_states = states.clone(), states.clone()
+    scale = DIM ** -0.5
+
+    def before() -> torch.Tensor:
+        g, beta = kernels.gdn_gates(a, b, a_log, dt_bias)
+        return chunked_gated_delta_rule(q, k, v, g, beta, before_states, starts, context_lens,
+                                        slots, scale)
+
+    def after() -> torch.Tensor:
+        return mixed_gated_delta_rule(q, k, v, a, b, a_log, dt_bias, after_states, starts,
+                                      context_lens, slots, scale, MAX_CHUNKED_SEQS)
+
+    real = slice(0, num_decodes + chunk_len)
+    difference = (before()[real].float() - after()[real].float()).abs().max().item()
+    state_difference = (before_states - after_states).abs().max().item()
+    return {"mixed_step_every_slot_through_fla_us": device_us(before, repeats=20),
+            "mixed_step_compacted_us": device_us(after, repeats=20),
+            "mixed_step_max_output_difference": difference,
+            "mixed_step_max_state_difference": state_difference}
+
+
 def main() -> None:
     results: dict[str, Any] = {"device": torch.cuda.get_device_name(),
                                "decode": [decode_case(batch) for batch in (1, 64, 256)]}
     results.update(conv_cases())
     results.update(chunked_cases())
+    results.update(mixed_step_case())
     print(json.dumps(results, indent=1), flush=True)
     (OUT / "hybrid-kernels.json").write_text(json.dumps(results, indent=2))
 

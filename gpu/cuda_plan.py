@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from trio_llm.actors.config import MAX_PIPELINE_DEPTH
+from trio_llm.actors.config import MAX_CHUNKED_SEQS, MAX_PIPELINE_DEPTH
 from trio_llm.actors.messages import NewRequestData, ScheduledBatch
 from trio_llm.gpu.cuda_sampler import is_plain, plain_row_values
 from trio_llm.gpu.executor import MIN_VECTORIZED_SLOTS, kv_slot_array, kv_slots
@@ -187,6 +187,12 @@ class StepPlanner:
         step.num_seqs = len(batch.requests)
         step.num_tokens = len(token_ids)
         step.num_single_token_rows = num_single_token_rows
+        if self.num_state_slots and step.num_seqs - num_single_token_rows > MAX_CHUNKED_SEQS:
+            # the chunked kernel has that many seats: more would lose states (never silently)
+            raise ValueError(
+                f"step {batch.step_id} has {step.num_seqs - num_single_token_rows} sequences "
+                f"of two tokens or more; a model with linear-attention layers takes at most "
+                f"{MAX_CHUNKED_SEQS} (MAX_CHUNKED_SEQS, which the scheduler keeps to)")
         step.num_tokens_from_device = num_from_device
         if num_special:
             step.sampling_rows = self._sampling_rows(batch)

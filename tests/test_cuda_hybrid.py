@@ -21,6 +21,7 @@ HAS_CUDA = torch.cuda.is_available()  # without it, conftest.py runs Triton's in
 
 from trio_llm.actors.config import EngineConfig  # noqa: E402
 from trio_llm.actors.messages import NewRequestData, ScheduledBatch, ScheduledRequest  # noqa: E402
+from trio_llm.gpu import cuda_plan  # noqa: E402
 from trio_llm.gpu.cuda_executor import CudaExecutorOptions, CudaModelExecutor  # noqa: E402
 from trio_llm.gpu.executor import ModelExecutor, load_executor_model  # noqa: E402
 from trio_llm.gpu.kernels.triton_gated_attention import (  # noqa: E402
@@ -30,6 +31,7 @@ from trio_llm.gpu.kernels.triton_gated_attention import (  # noqa: E402
 from trio_llm.gpu.kernels.triton_offset_norm import add_offset_rms_norm  # noqa: E402
 from trio_llm.gpu.layers.norm import OffsetRMSNorm  # noqa: E402
 from trio_llm.gpu.layers.rotary import RotaryEmbedding  # noqa: E402
+from trio_llm.gpu.models import cuda_hybrid  # noqa: E402
 from trio_llm.gpu.models.config import RopeConfig  # noqa: E402
 from trio_llm.gpu.models.cuda_fused import FusedHybridLM  # noqa: E402
 from trio_llm.gpu.testing import GREEDY, DriverRequest, ExecutorDriver  # noqa: E402
@@ -203,6 +205,26 @@ def test_state_copies_restore_a_prefix_before_the_forward(dense_checkpoint):
     for cache, twin in zip(executor.state_caches, fresh.state_caches, strict=True):
         assert torch.equal(cache.recurrent[3], twin.recurrent[2])
         assert torch.equal(cache.conv[3], twin.conv[2])
+
+
+def test_fewer_chunk_seats_give_the_same_tokens_and_the_plan_refuses_more_chunks(
+        dense_checkpoint, monkeypatch):
+    """With MAX_CHUNKED_SEQS at 2 (the driver's steps hold at most two chunks of two
+    tokens or more: its first and third steps two, beside decode rows and one-token
+    chunks) the compacted seats are full and the tokens are the CPU executor's. At 1, a
+    step with two such chunks is refused on the host, before anything runs."""
+    expected = generate(ModelExecutor.create(engine_config(dense_checkpoint)))
+    monkeypatch.setattr(cuda_hybrid, "MAX_CHUNKED_SEQS", 2)
+    monkeypatch.setattr(cuda_plan, "MAX_CHUNKED_SEQS", 2)
+    assert generate(cuda_executor(dense_checkpoint)) == expected
+    monkeypatch.setattr(cuda_plan, "MAX_CHUNKED_SEQS", 1)
+    executor = cuda_executor(dense_checkpoint)
+    prompt = [(5 * index + 1) % VOCAB_SIZE for index in range(8)]
+    new = [NewRequestData(request_id=request_id, sampling=GREEDY, state_slot=slot)
+           for slot, request_id in enumerate("ab")]
+    with pytest.raises(ValueError, match="has 2 sequences of two tokens or more"):
+        executor.execute(_step(0, [_scheduled("a", prompt[:5], 0, [0]),
+                                   _scheduled("b", prompt[5:], 0, [1])], new=new))
 
 
 # -- the gated attention's kernels -----------------------------------------------------------

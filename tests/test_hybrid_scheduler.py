@@ -33,7 +33,7 @@ from test_scheduler import (
     reference_output,
 )
 
-from trio_llm.actors.config import EngineConfig
+from trio_llm.actors.config import MAX_CHUNKED_SEQS, EngineConfig
 from trio_llm.actors.messages import ScheduledBatch, StepResult
 from trio_llm.actors.scheduler import Scheduler
 
@@ -52,6 +52,7 @@ class HybridFakeModel(FakeModel):
         self.num_saves = 0
 
     def execute(self, batch: ScheduledBatch) -> StepResult:
+        assert num_chunks_of_two_or_more(batch) <= MAX_CHUNKED_SEQS
         finished = set(batch.finished_request_ids)
         new_slots = {new.request_id: new.state_slot for new in batch.new_requests}
         self._check_slots(finished, new_slots)
@@ -129,6 +130,10 @@ def run_hybrid(requests: list[Any], num_kv_blocks: int = 512, num_snapshots: int
     driver.submit(*requests)
     driver.run()
     return driver
+
+
+def num_chunks_of_two_or_more(batch: ScheduledBatch) -> int:
+    return sum(len(scheduled.token_ids) > 1 for scheduled in batch.requests)
 
 
 def chunks_of(driver: Driver, request_id: str) -> list[Any]:
@@ -655,6 +660,33 @@ def test_a_preempted_request_gives_its_slot_back_and_gets_one_again():
 def test_the_scheduler_refuses_fewer_slots_than_seats():
     with pytest.raises(ValueError, match="fewer than max_num_seqs"):
         Scheduler(config(max_num_seqs=8), 64, num_state_slots=7)
+
+
+@pytest.mark.parametrize("pipeline_depth", [1, 2])
+def test_a_step_holds_at_most_max_chunked_seqs_chunks_of_two_tokens_or_more(pipeline_depth):
+    """Twelve prompts at once with budget for all: a hybrid model's first step prefills
+    MAX_CHUNKED_SEQS of them and gives the others one token each (their states update in
+    place), no step holds more, and the outputs are the reference's; a dense model's
+    first step prefills all twelve."""
+    num_requests, prompt_len = MAX_CHUNKED_SEQS + 4, 10
+    requests = [make_request(f"r{i}", [(i * prompt_len + j) % VOCAB_SIZE + 1
+                                       for j in range(prompt_len)], arrival_index=i)
+                for i in range(num_requests)]
+    # (no prefix caching: its snapshot cuts would end chunks early)
+    overrides = dict(max_num_seqs=num_requests, max_num_batched_tokens=256,
+                     pipeline_depth=pipeline_depth, enable_prefix_caching=False)
+    hybrid = run_hybrid(requests, **overrides)
+    assert_reference_outputs(hybrid, requests)
+    first = hybrid.model.batches[0]
+    assert [len(scheduled.token_ids) for scheduled in first.requests] == \
+        [prompt_len] * MAX_CHUNKED_SEQS + [1] * (num_requests - MAX_CHUNKED_SEQS)
+    assert max(num_chunks_of_two_or_more(batch)
+               for batch in hybrid.model.batches) == MAX_CHUNKED_SEQS
+    dense = Driver(config(**overrides), 512)
+    dense.submit(*requests)
+    dense.run()
+    assert_reference_outputs(dense, requests)
+    assert num_chunks_of_two_or_more(dense.model.batches[0]) == num_requests
 
 
 def test_a_dense_model_gets_no_slots_and_no_copies():

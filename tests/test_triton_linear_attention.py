@@ -190,6 +190,38 @@ def test_decode_gated_delta_rule_updates_each_slot_in_place():
         assert torch.equal(state[slot], before[slot])
 
 
+def test_varlen_decode_runs_only_the_one_token_sequences():
+    """In its varlen mode the decode kernel finds each sequence's row by
+    query_start_loc and runs the one-token sequences with a slot only (a decode row, a
+    one-token first chunk, a one-token chunk continuing its slot), with the bits the
+    row-per-sequence mode gives them; chunks of two tokens or more, an empty sequence and
+    padding sequences (slot -1, of one token and of three) leave zeros in the output and
+    their slots untouched."""
+    lengths = [1, 3, 1, 0, 1, 1, 2, 3]
+    contexts = [7, 3, 1, 0, 5, 1, 9, 0]
+    slots = [4, 0, 2, 1, 5, -1, 3, -1]
+    num_tokens = sum(lengths)
+    q, k, v, a, b = decode_inputs(num_tokens, seed=100)
+    a_log = random(VALUE_HEADS, seed=110, dtype=torch.float32)
+    dt_bias = random(VALUE_HEADS, seed=111, dtype=torch.float32)
+    state = random(7, VALUE_HEADS, KEY_DIM, VALUE_DIM, seed=112, dtype=torch.float32)
+    twin = state.clone()
+    starts = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    scale = KEY_DIM ** -0.5
+    out = kernels.gated_delta_rule_decode(q, k, v, a, b, a_log, dt_bias, state, ints(contexts),
+                                          ints(slots), scale, query_start_loc=ints(starts))
+    runs = [index for index, length in enumerate(lengths) if length == 1 and slots[index] >= 0]
+    rows = [starts[index] for index in runs]
+    expected = kernels.gated_delta_rule_decode(
+        q[rows], k[rows], v[rows], a[rows], b[rows], a_log, dt_bias, twin,
+        ints([contexts[index] for index in runs]), ints([slots[index] for index in runs]), scale)
+    assert torch.equal(out[rows], expected) and torch.equal(state, twin)
+    others = [row for row in range(num_tokens) if row not in rows]
+    assert not out[others].any()
+    assert torch.equal(state[[0, 1, 3, 6]], random(7, VALUE_HEADS, KEY_DIM, VALUE_DIM, seed=112,
+                                                   dtype=torch.float32)[[0, 1, 3, 6]])
+
+
 def test_decode_gated_delta_rule_reads_the_conv_output_in_place():
     """q, k and v as strided views of one [seqs, 2 K + V] row (the conv's output)."""
     key_width, value_width = KEY_HEADS * KEY_DIM, VALUE_HEADS * VALUE_DIM
@@ -262,6 +294,150 @@ def test_chunk_index_enumerates_chunks_then_runs_past_the_last_sequence():
     last_chunks = -(-lengths[-1] // 64)
     assert index[len(expected):] == [[len(lengths) - 1, last_chunks + extra]
                                      for extra in range(num_rows - len(expected))]
+
+
+def host_seats(lengths, contexts, slots, num_seats):
+    """What chunked_seats computes, on the host: the sequences of two tokens or more
+    with a slot, in order, then empty seats."""
+    chunked = [index for index, length in enumerate(lengths)
+               if length >= 2 and slots[index] >= 0][:num_seats]
+    empty = num_seats - len(chunked)
+    seat_lengths = [lengths[index] for index in chunked] + [0] * empty
+    starts = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    source_rows = [row for index in chunked for row in range(starts[index], starts[index + 1])]
+    return dict(cu_seqlens=[0, *torch.tensor(seat_lengths).cumsum(0).tolist()],
+                context_lens=[contexts[index] for index in chunked] + [0] * empty,
+                slots=[slots[index] for index in chunked] + [-1] * empty,
+                source_rows=source_rows + [0] * (sum(lengths) - len(source_rows)),
+                compact_rows=[source_rows.index(row) if row in source_rows else 0
+                              for row in range(sum(lengths))],
+                is_chunked_row=[row in source_rows for row in range(sum(lengths))])
+
+
+# step layouts: decode rows, one-token first and continuing chunks, an empty sequence and
+# a padding sequence (slot -1) around 0, 1 or MAX_CHUNKED_SEQS chunks of two tokens or more
+MIXED_LAYOUTS = {
+    0: ([1, 1, 0, 1, 3], [7, 1, 0, 4, 0], [2, 0, 5, 1, -1]),
+    1: ([1, 5, 1, 1, 0, 2], [6, 5, 1, 3, 0, 0], [3, 1, 0, 4, 2, -1]),
+    8: ([2, 1, 4, 3, 1, 2, 0, 5, 2, 1, 3, 2, 4],
+        [2, 9, 6, 3, 1, 12, 0, 5, 7, 4, 3, 8, 0],
+        [0, 9, 1, 2, 10, 3, 11, 4, 5, 12, 6, 7, -1]),
+}
+
+
+@pytest.mark.parametrize("num_chunked", sorted(MIXED_LAYOUTS))
+def test_chunked_seats_compact_the_sequences_of_two_tokens_or_more(num_chunked):
+    """0, 1 and MAX_CHUNKED_SEQS chunks of two tokens or more (and, with MAX_CHUNKED_SEQS
+    seats, as many; with fewer seats, the first ones): their seats, their rows both ways,
+    against the host's reading of the layout."""
+    from trio_llm.actors.config import MAX_CHUNKED_SEQS
+    from trio_llm.gpu.kernels.fla_gated_delta_rule import chunked_seats
+
+    lengths, contexts, slots = MIXED_LAYOUTS[num_chunked]
+    assert sum(length >= 2 and slot >= 0 for length, slot in zip(lengths, slots, strict=True)) \
+        == min(num_chunked, MAX_CHUNKED_SEQS)
+    starts = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    for num_seats in {MAX_CHUNKED_SEQS, max(num_chunked, 1)}:
+        seats = chunked_seats(ints(starts), ints(contexts), ints(slots), sum(lengths), num_seats)
+        expected = host_seats(lengths, contexts, slots, num_seats)
+        assert {name: getattr(seats, name).tolist() for name in expected} == expected
+
+
+def test_mixed_step_matches_the_recurrence_and_the_uncompacted_step():
+    """A mixed step (decode rows, one-token first and continuing chunks, chunks of two
+    tokens or more from zeros and from their slots, an empty sequence, padding) through
+    mixed_gated_delta_rule with MAX_CHUNKED_SEQS seats: outputs and states match the
+    float32 recurrence sequence by sequence, and the chunks of two tokens or more give
+    what the whole step through the chunked path gives (the same bits on the CPU);
+    padding rows are zeros and slots of no sequence untouched."""
+    from trio_llm.actors.config import MAX_CHUNKED_SEQS
+    from trio_llm.gpu.kernels.fla_gated_delta_rule import (
+        chunked_gated_delta_rule,
+        mixed_gated_delta_rule,
+    )
+
+    heads, value_heads, key_dim, value_dim = ((2, 4, 128, 128) if HAS_CUDA
+                                              else (KEY_HEADS, VALUE_HEADS, KEY_DIM, VALUE_DIM))
+    lengths = [1, 70, 1, 1, 0, 5, 1, 2, 4]
+    contexts = [9, 70, 1, 6, 0, 12, 3, 2, 0]
+    slots = [3, 0, 5, 1, 6, 2, -1, 7, -1]
+    num_tokens, starts = sum(lengths), [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    q = random(num_tokens, heads, key_dim, seed=120)
+    k = random(num_tokens, heads, key_dim, seed=121)
+    v = random(num_tokens, value_heads, value_dim, seed=122)
+    a, b = random(num_tokens, value_heads, seed=123), random(num_tokens, value_heads, seed=124)
+    a_log = random(value_heads, seed=125, dtype=torch.float32)
+    dt_bias = random(value_heads, seed=126, dtype=torch.float32)
+    state = random(9, value_heads, key_dim, value_dim, seed=127, dtype=torch.float32) * 0.1
+    before, whole = state.clone(), state.clone()
+    layout = (ints(starts), ints(contexts), ints(slots))
+    out = mixed_gated_delta_rule(q, k, v, a, b, a_log, dt_bias, state, *layout,
+                                 key_dim ** -0.5, MAX_CHUNKED_SEQS)
+    g, beta = kernels.gdn_gates(a, b, a_log, dt_bias)
+    uncompacted = chunked_gated_delta_rule(q, k, v, g, beta, whole, *layout, key_dim ** -0.5)
+    tolerance = (2e-2, 2e-2) if HAS_CUDA else (1e-5, FLOAT32_TOLERANCE)
+    for index, slot in enumerate(slots):
+        rows = slice(starts[index], starts[index + 1])
+        if slot < 0 or not lengths[index]:
+            assert not out[rows].any()
+            continue
+        continues = contexts[index] > lengths[index]
+        initial = before[slot] if continues else torch.zeros_like(before[slot])
+        expected, final = reference_gated_delta_rule(q[rows], k[rows], v[rows], g[rows],
+                                                     beta[rows], initial)
+        assert close(out[rows], expected, tolerance[0])
+        assert close(state[slot], final, tolerance[1])
+        if lengths[index] >= 2 and not HAS_CUDA:
+            assert torch.equal(out[rows], uncompacted[rows])
+            assert torch.equal(state[slot], whole[slot])
+    assert torch.equal(state[[4, 6, 8]], before[[4, 6, 8]])
+
+
+@pytest.mark.gpu
+def test_mixed_step_replays_from_a_cuda_graph():
+    """Captured once (MAX_CHUNKED_SEQS seats), replayed with layouts of 0, 1 and
+    MAX_CHUNKED_SEQS chunks of two tokens or more in the same static buffers: the same
+    outputs and states as the eager call."""
+    from trio_llm.actors.config import MAX_CHUNKED_SEQS
+    from trio_llm.gpu.kernels.fla_gated_delta_rule import mixed_gated_delta_rule
+
+    heads, value_heads, dim, num_tokens, num_seqs = 2, 4, 128, 160, 14
+    q = random(num_tokens, heads, dim, seed=130)
+    k = random(num_tokens, heads, dim, seed=131)
+    v = random(num_tokens, value_heads, dim, seed=132)
+    a, b = random(num_tokens, value_heads, seed=133), random(num_tokens, value_heads, seed=134)
+    a_log = random(value_heads, seed=135, dtype=torch.float32)
+    dt_bias = random(value_heads, seed=136, dtype=torch.float32)
+    state = random(16, value_heads, dim, dim, seed=137, dtype=torch.float32) * 0.1
+    layouts = []
+    for lengths, contexts, slots in MIXED_LAYOUTS.values():
+        # padded to the graph's sequence count (empty padding sequences) and token count
+        num_padding = num_seqs - len(lengths)
+        lengths = [*lengths[:-1], num_tokens - sum(lengths[:-1]), *[0] * num_padding]
+        layouts.append(([0, *torch.tensor(lengths).cumsum(0).tolist()],
+                        [*contexts[:-1], 0, *[0] * num_padding],
+                        [*slots[:-1], -1, *[-1] * num_padding]))
+    query_start_loc, context_lens, slots = (ints(values) for values in layouts[0])
+
+    def step():
+        return mixed_gated_delta_rule(q, k, v, a, b, a_log, dt_bias, state, query_start_loc,
+                                      context_lens, slots, dim ** -0.5, MAX_CHUNKED_SEQS)
+
+    saved = state.clone()
+    step()  # compiles and autotunes outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for starts, contexts, seat_slots in layouts:
+        query_start_loc.copy_(ints(starts))
+        context_lens.copy_(ints(contexts))
+        slots.copy_(ints(seat_slots))
+        state.copy_(saved)
+        graph.replay()
+        replayed, replayed_state = out.clone(), state.clone()
+        state.copy_(saved)
+        eager = step()
+        assert torch.equal(replayed, eager) and torch.equal(replayed_state, state)
 
 
 @pytest.mark.gpu

@@ -16,7 +16,8 @@ padding sequence's, read as zeros and never written.
   shifted in place;
 - ``gated_delta_rule_decode``: one token per sequence of the gated delta rule,
   the recurrent state updated in place in its slot (the gates computed inside:
-  ``g = -exp(A_log) * softplus(a + dt_bias)``, ``beta = sigmoid(b)``);
+  ``g = -exp(A_log) * softplus(a + dt_bias)``, ``beta = sigmoid(b)``); in its varlen
+  mode, the one-token sequences of any step (its other sequences left to fla);
 - ``gdn_gates``: those gates for a prefill step (fla's chunked kernel takes them);
 - ``gather_states`` / ``scatter_states``: a step's recurrent states into a dense
   batch and back, for fla's chunked kernel (gpu/kernels/fla_gated_delta_rule.py);
@@ -286,18 +287,26 @@ def gdn_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: to
 @triton.jit
 def _gated_delta_rule_decode_kernel(
         q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, state_ptr, out_ptr,
-        context_lens_ptr, slots_ptr, scale, q_row_stride, k_row_stride, v_row_stride,
-        a_row_stride, b_row_stride, state_slot_stride, KEY_HEADS: tl.constexpr,
+        context_lens_ptr, slots_ptr, query_start_loc_ptr, scale, q_row_stride, k_row_stride,
+        v_row_stride, a_row_stride, b_row_stride, state_slot_stride, KEY_HEADS: tl.constexpr,
         VALUE_HEADS: tl.constexpr, KEY_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
-        BLOCK_KEYS: tl.constexpr, BLOCK_VALUES: tl.constexpr):
-    row_head = tl.program_id(0).to(tl.int64)
-    row, value_head = row_head // VALUE_HEADS, row_head % VALUE_HEADS
+        BLOCK_KEYS: tl.constexpr, BLOCK_VALUES: tl.constexpr, VARLEN: tl.constexpr):
+    sequence_head = tl.program_id(0).to(tl.int64)
+    sequence, value_head = sequence_head // VALUE_HEADS, sequence_head % VALUE_HEADS
     key_head = value_head // (VALUE_HEADS // KEY_HEADS)
     keys = tl.arange(0, BLOCK_KEYS)
     values = tl.program_id(1) * BLOCK_VALUES + tl.arange(0, BLOCK_VALUES)
-    key_mask, value_mask = keys < KEY_DIM, values < VALUE_DIM
-    slot = tl.load(slots_ptr + row).to(tl.int64)
-    from_state = (tl.load(context_lens_ptr + row) > 1) & (slot >= 0)
+    slot = tl.load(slots_ptr + sequence).to(tl.int64)
+    if VARLEN:
+        # the sequence's token is its first row; it runs only if it is its only one
+        # and the sequence has a slot (the others: chunked, empty or padding)
+        row = tl.load(query_start_loc_ptr + sequence).to(tl.int64)
+        runs = (tl.load(query_start_loc_ptr + sequence + 1) - row == 1) & (slot >= 0)
+    else:
+        row = sequence
+        runs = sequence >= 0  # every row runs (a padding row too: its state is not stored)
+    key_mask, value_mask = (keys < KEY_DIM) & runs, (values < VALUE_DIM) & runs
+    from_state = (tl.load(context_lens_ptr + sequence) > 1) & (slot >= 0)
     state_block = (state_ptr + slot * state_slot_stride + value_head * KEY_DIM * VALUE_DIM
                    + keys[:, None] * VALUE_DIM + values[None, :])
     block_mask = key_mask[:, None] & value_mask[None, :]
@@ -310,10 +319,10 @@ def _gated_delta_rule_decode_kernel(
                 other=0.0).to(tl.float32)
     q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * scale
     k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
-    a = tl.load(a_ptr + row * a_row_stride + value_head).to(tl.float32)
+    a = tl.load(a_ptr + row * a_row_stride + value_head, mask=runs, other=0.0).to(tl.float32)
     shifted = a + tl.load(dt_bias_ptr + value_head).to(tl.float32)
     g = -tl.exp(tl.load(a_log_ptr + value_head).to(tl.float32)) * _softplus(shifted)
-    b = tl.load(b_ptr + row * b_row_stride + value_head)
+    b = tl.load(b_ptr + row * b_row_stride + value_head, mask=runs, other=0.0)
     beta = tl.sigmoid(b.to(tl.float32)).to(b.dtype).to(tl.float32)  # rounds as torch's
     state = state * tl.exp(g)
     delta = (v - tl.sum(state * k[:, None], 0)) * beta
@@ -327,29 +336,40 @@ def _gated_delta_rule_decode_kernel(
 def gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
                             b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
                             recurrent_state: torch.Tensor, context_lens: torch.Tensor,
-                            slots: torch.Tensor, scale: float) -> torch.Tensor:
+                            slots: torch.Tensor, scale: float,
+                            query_start_loc: torch.Tensor | None = None) -> torch.Tensor:
     """One token per sequence of the gated delta rule, q and k l2-normalised (as
-    transformers' ``use_qk_l2norm_in_kernel``): ``q``, ``k`` [seqs, key heads, key dim],
-    ``v`` [seqs, value heads, value dim] (each may be a strided view of the conv's
-    output), ``a``, ``b`` [seqs, value heads]; each sequence's state in
+    transformers' ``use_qk_l2norm_in_kernel``): ``q``, ``k`` [rows, key heads, key dim],
+    ``v`` [rows, value heads, value dim] (each may be a strided view of the conv's
+    output), ``a``, ``b`` [rows, value heads]; each sequence's state in
     ``recurrent_state`` [slots, value heads, key dim, value dim] float32, updated in
-    place (zeros where the context length is 1). -> [seqs, value heads, value dim]."""
-    num_seqs, key_heads, key_dim = q.shape
+    place (zeros where the context length is 1). -> [rows, value heads, value dim].
+
+    Without ``query_start_loc`` row i is sequence i's token. With it (a step of any
+    layout, ``context_lens`` and ``slots`` one per sequence) each sequence of exactly
+    one token and a slot runs from its row there; the other rows of the output are
+    zeros and the other sequences' states are untouched (their tokens are another
+    kernel's: fla_gated_delta_rule.py)."""
+    num_rows, key_heads, key_dim = q.shape
     _, value_heads, value_dim = v.shape
     assert recurrent_state.dtype == torch.float32 and recurrent_state.is_contiguous()
     assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1
     assert q.stride(1) == key_dim and k.stride(1) == key_dim and v.stride(1) == value_dim
-    out = torch.empty((num_seqs, value_heads, value_dim), dtype=v.dtype, device=v.device)
-    if num_seqs == 0:
+    varlen = query_start_loc is not None
+    out = (torch.zeros if varlen else torch.empty)(
+        (num_rows, value_heads, value_dim), dtype=v.dtype, device=v.device)
+    num_seqs = slots.shape[0]
+    if num_rows == 0 or num_seqs == 0:
         return out
     block_values = min(DECODE_BLOCK_VALUES, triton.next_power_of_2(value_dim))
     grid = (num_seqs * value_heads, triton.cdiv(value_dim, block_values))
     _gated_delta_rule_decode_kernel[grid](
-        q, k, v, a, b, a_log, dt_bias, recurrent_state, out, context_lens, slots, scale,
-        q.stride(0), k.stride(0), v.stride(0), a.stride(0), b.stride(0),
-        recurrent_state.stride(0), KEY_HEADS=key_heads, VALUE_HEADS=value_heads,
-        KEY_DIM=key_dim, VALUE_DIM=value_dim, BLOCK_KEYS=triton.next_power_of_2(key_dim),
-        BLOCK_VALUES=block_values, num_warps=1)
+        q, k, v, a, b, a_log, dt_bias, recurrent_state, out, context_lens, slots,
+        query_start_loc if varlen else slots, scale, q.stride(0), k.stride(0), v.stride(0),
+        a.stride(0), b.stride(0), recurrent_state.stride(0), KEY_HEADS=key_heads,
+        VALUE_HEADS=value_heads, KEY_DIM=key_dim, VALUE_DIM=value_dim,
+        BLOCK_KEYS=triton.next_power_of_2(key_dim), BLOCK_VALUES=block_values, VARLEN=varlen,
+        num_warps=1)
     return out
 
 

@@ -11,8 +11,9 @@ by layer over the same modules and weights as the torch forward (the layers'
 - a linear-attention layer: the fused in_proj ``[q | k | v | z | b | a]``, the
   causal conv1d and the gated delta rule with each sequence's state in its slot
   (gpu/kernels/triton_linear_attention.py; a step of one token per sequence updates
-  the states in place, any other step runs fla-core's chunked kernel,
-  gpu/kernels/fla_gated_delta_rule.py), the gated RMSNorm, out_proj;
+  the states in place; any other step updates its one-token sequences in place too
+  and runs its longer ones, at most ``MAX_CHUNKED_SEQS``, through fla-core's chunked
+  kernel, gpu/kernels/fla_gated_delta_rule.py), the gated RMSNorm, out_proj;
 - a full-attention layer: q/k norm, partial rotary and the KV store in one kernel,
   the paged attention, the sigmoid output gate (gpu/kernels/triton_gated_attention.py);
 - the feed-forward block's own fused form (MLP or MoE with its shared expert).
@@ -30,6 +31,7 @@ from typing import Any
 
 import torch
 
+from trio_llm.actors.config import MAX_CHUNKED_SEQS
 from trio_llm.gpu.kernels import triton_gated_attention, triton_linear_attention
 from trio_llm.gpu.kernels.triton_offset_norm import add_offset_rms_norm, offset_rms_norm
 from trio_llm.gpu.layers.attention import Attention, AttentionMetadata
@@ -116,14 +118,15 @@ def linear_attention(layer: GatedDeltaNet, hidden: torch.Tensor, cache: StateCac
             query, key, value, a, b, layer.A_log, layer.dt_bias, cache.recurrent, context_lens,
             slots, scale)
     else:
-        from trio_llm.gpu.kernels.fla_gated_delta_rule import chunked_gated_delta_rule
+        from trio_llm.gpu.kernels.fla_gated_delta_rule import mixed_gated_delta_rule
 
+        # the conv reads and writes every sequence's state in its slot already
         convolved = triton_linear_attention.causal_conv1d_varlen(
             mixed, weight, None, cache.conv, query_start_loc, context_lens, slots)
         query, key, value = _heads(convolved, layer)
-        decay, beta = triton_linear_attention.gdn_gates(a, b, layer.A_log, layer.dt_bias)
-        attended = chunked_gated_delta_rule(query, key, value, decay, beta, cache.recurrent,
-                                            query_start_loc, context_lens, slots, scale)
+        attended = mixed_gated_delta_rule(
+            query, key, value, a, b, layer.A_log, layer.dt_bias, cache.recurrent,
+            query_start_loc, context_lens, slots, scale, MAX_CHUNKED_SEQS)
     normed = triton_linear_attention.gated_rms_norm(
         attended, z.unflatten(-1, (shape.num_value_heads, shape.value_head_dim)),
         layer.norm.weight, layer.norm.eps)
