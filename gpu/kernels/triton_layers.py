@@ -109,7 +109,7 @@ def _rms_norm_heads(first, second, weight_ptr, half_dims, eps, HEAD_DIM: tl.cons
 
 
 @triton.jit
-def _rotate(first, second, cos, sin):
+def rotate_halves(first, second, cos, sin):
     """Rotate-half RoPE: (a, b) -> (a cos - b sin, b cos + a sin), rounding each product."""
     dtype = first.dtype
     first32 = first.to(tl.float32)
@@ -157,7 +157,7 @@ def _qk_norm_rope_write_kv_kernel(
     # The table repeats its HEAD_DIM // 2 angles: both halves use the first.
     cos = tl.load(cos_ptr + position * HEAD_DIM + half_dims).to(first.dtype).to(tl.float32)
     sin = tl.load(sin_ptr + position * HEAD_DIM + half_dims).to(first.dtype).to(tl.float32)
-    first, second = _rotate(first, second, cos, sin)
+    first, second = rotate_halves(first, second, cos, sin)
     if is_query:
         target = query_out_ptr + (token * NUM_HEADS + head) * HEAD_DIM
         tl.store(target + half_dims, first.to(query_out_ptr.dtype.element_ty))
