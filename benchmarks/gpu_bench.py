@@ -65,6 +65,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
+from cuda_timing import event_times_ms
 
 from trio_llm.actors.config import EngineConfig
 from trio_llm.actors.messages import (
@@ -234,15 +235,8 @@ def graph_replay_ms(executor: CudaModelExecutor, batch_size: int = 1) -> float |
     stream = executor.compute.torch_stream
     if captured is None or stream is None:
         return None
-    times = []
     with torch.cuda.stream(stream):
-        for _ in range(50):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            captured.graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
+        times = event_times_ms(captured.graph.replay, 50)
     return statistics.median(times[5:])
 
 

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from cuda_timing import event_times_ms
 
 from trio_llm.actors.config import MAX_CHUNKED_SEQS
 from trio_llm.gpu.kernels import triton_linear_attention as kernels
@@ -48,15 +49,7 @@ DTYPE = torch.bfloat16
 def device_us(function: Callable[[], Any], repeats: int = 50) -> float:
     for _ in range(5):
         function()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        function()
-        end.record()
-        end.synchronize()
-        times.append(1000 * start.elapsed_time(end))
-    return statistics.median(times)
+    return statistics.median([1000 * ms for ms in event_times_ms(function, repeats)])
 
 
 def decode_case(batch: int) -> dict[str, Any]:

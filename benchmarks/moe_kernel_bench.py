@@ -58,6 +58,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import triton
+from cuda_timing import event_times_ms
 
 from trio_llm.gpu.kernels import fused_moe as moe
 
@@ -146,15 +147,7 @@ def time_per_call(calls: Sequence[Callable[[], object]], *, graph: bool, repeats
                 call()
     for _ in range(3):
         run()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(calls))
-    return statistics.median(times)
+    return statistics.median([ms * 1e3 / len(calls) for ms in event_times_ms(run, repeats)])
 
 
 def flops(shape: MoeShape, num_tokens: int) -> float:

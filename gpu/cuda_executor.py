@@ -69,13 +69,13 @@ from trio_llm.gpu.cuda_sampler import (
 )
 from trio_llm.gpu.cuda_streams import DoneEvent, Event, Lane
 from trio_llm.gpu.executor import (
+    ExecutorCore,
     copy_state_slots,
     load_executor_model,
 )
-from trio_llm.gpu.models.base import CausalLM, StateCache
+from trio_llm.gpu.models.base import CausalLM
 from trio_llm.gpu.models.cuda_hybrid import CudaStepMetadata
 from trio_llm.gpu.pooling import pooled_output, pooled_vectors
-from trio_llm.gpu.request_table import RequestState, RequestTable
 from trio_llm.gpu.sampler import (
     PromptLogprobRows,
     prompt_logprobs,
@@ -198,9 +198,10 @@ class PendingStep:
         self.done.synchronize()
 
 
-class CudaModelExecutor:
+class CudaModelExecutor(ExecutorCore):
     """ModelExecutor's contract with pipelined launch/collect, CUDA graphs and fused
-    Triton kernels; the per-request table is the same RequestTable (by composition).
+    Triton kernels; the model, caches and per-request table are ExecutorCore's, as
+    ModelExecutor's.
 
     Build it with ``create(config)``; ``start(options)`` allocates its buffers and
     captures graphs (``create`` calls it).
@@ -208,23 +209,9 @@ class CudaModelExecutor:
 
     def __init__(self, model: CausalLM, *, model_path: Path, num_kv_blocks: int,
                  block_size: int, max_model_len: int, num_state_slots: int = 0) -> None:
-        self.model = model
-        self.model_path = model_path
-        self.device = model.device
-        self.dtype = model.dtype
-        self.vocab_size = model.config.vocab_size
-        self.num_kv_blocks = num_kv_blocks
-        self.block_size = block_size
-        self.max_model_len = max_model_len
-        self.num_state_slots = num_state_slots
-        # every layer's cache: KV pairs, and a linear-attention layer's state slots
-        self.kv_caches = model.allocate_caches(num_kv_blocks, block_size, num_state_slots)
-        self.state_caches = [cache for cache in self.kv_caches
-                             if isinstance(cache, StateCache)]
-        self.table = RequestTable(vocab_size=self.vocab_size, device=self.device,
-                                  block_size=block_size,
-                                  max_positions=model.rotary.max_positions)
-        self.penalty_counts = self.table.penalty_counts
+        super().__init__(model, model_path=model_path, num_kv_blocks=num_kv_blocks,
+                         block_size=block_size, max_model_len=max_model_len,
+                         num_state_slots=num_state_slots)
         self.options = CudaExecutorOptions()
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self._max_positions = model.rotary.max_positions
@@ -235,17 +222,10 @@ class CudaModelExecutor:
     @classmethod
     def create(cls, config: EngineConfig, *, parallel: TensorParallel | None = None,
                device: torch.device | None = None) -> CudaModelExecutor:
-        loaded = load_executor_model(config, parallel=parallel, device=device)
-        executor = cls(loaded.model, model_path=loaded.model_path,
-                       num_kv_blocks=loaded.num_kv_blocks, block_size=loaded.block_size,
-                       max_model_len=loaded.max_model_len,
-                       num_state_slots=loaded.num_state_slots)
+        executor = cls.from_loaded(load_executor_model(config, parallel=parallel,
+                                                       device=device))
         executor.start(CudaExecutorOptions.from_config(config, executor.device))
         return executor
-
-    @property
-    def requests(self) -> dict[str, RequestState]:
-        return self.table.states
 
     def reset_statistics(self) -> None:
         self.stats = ExecutorStatistics()

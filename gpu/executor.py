@@ -23,6 +23,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Self
 
 import numpy as np
 import torch
@@ -111,8 +112,10 @@ class StepInputs:
     continues_state: list[bool] = field(default_factory=list)
 
 
-class ModelExecutor:
-    """Runs ScheduledBatches on one model and its paged KV cache."""
+class ExecutorCore:
+    """What both executors (ModelExecutor and gpu/cuda_executor.py's) hold: the model,
+    every layer's cache (KV pairs, and a linear-attention layer's state slots) and the
+    per-request table."""
 
     def __init__(self, model: CausalLM, *, model_path: Path, num_kv_blocks: int,
                  block_size: int, max_model_len: int, num_state_slots: int = 0) -> None:
@@ -132,9 +135,20 @@ class ModelExecutor:
                                   max_positions=model.rotary.max_positions)
         self.penalty_counts = self.table.penalty_counts
 
+    @classmethod
+    def from_loaded(cls, loaded: LoadedModel) -> Self:
+        """The executor of a model ``load_executor_model`` loaded and sized."""
+        return cls(loaded.model, model_path=loaded.model_path,
+                   num_kv_blocks=loaded.num_kv_blocks, block_size=loaded.block_size,
+                   max_model_len=loaded.max_model_len, num_state_slots=loaded.num_state_slots)
+
     @property
     def requests(self) -> dict[str, RequestState]:
         return self.table.states
+
+
+class ModelExecutor(ExecutorCore):
+    """Runs ScheduledBatches on one model and its paged KV cache."""
 
     @classmethod
     def describe(cls, config: EngineConfig) -> ModelDescription:
@@ -153,9 +167,7 @@ class ModelExecutor:
         loaded = load_executor_model(config, parallel=parallel, device=device)
         logger.info("%s", kv_cache_summary(loaded.model, loaded.num_kv_blocks,
                                            loaded.block_size))
-        return cls(loaded.model, model_path=loaded.model_path,
-                   num_kv_blocks=loaded.num_kv_blocks, block_size=loaded.block_size,
-                   max_model_len=loaded.max_model_len, num_state_slots=loaded.num_state_slots)
+        return cls.from_loaded(loaded)
 
     # -- one step ----------------------------------------------------------------------
 

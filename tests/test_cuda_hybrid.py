@@ -12,12 +12,20 @@ the CPU float32 path (match rate reported).
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()  # without it, conftest.py runs Triton's interpreter
+
+from test_model_support import (  # noqa: E402
+    ARRIVAL_STEPS,
+    CHUNK_PLANS,
+    NUM_NEW_TOKENS,
+    VOCAB_SIZE,
+    random_hybrid_model,
+    random_prompts,
+    saved,
+)
 
 from trio_llm.actors.config import EngineConfig  # noqa: E402
 from trio_llm.actors.messages import NewRequestData, ScheduledBatch, ScheduledRequest  # noqa: E402
@@ -38,59 +46,14 @@ from trio_llm.gpu.testing import GREEDY, DriverRequest, ExecutorDriver  # noqa: 
 
 transformers = pytest.importorskip("transformers")
 
-VOCAB_SIZE = 384
-# layers 0-2 linear attention, 3 full attention, 4 linear (full_attention_interval 4)
-TEXT = dict(vocab_size=VOCAB_SIZE, hidden_size=64, num_hidden_layers=5,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-            linear_value_head_dim=16, max_position_embeddings=256, eos_token_id=None,
-            bos_token_id=None, pad_token_id=0)
-EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-               shared_expert_intermediate_size=48)
 ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM")
-PROMPT_LENGTHS = [5, 23, 41, 1]
-CHUNK_PLANS = [[2, 3], [7, 1, 5], [13, 11], [4]]
-ARRIVAL_STEPS = [0, 0, 2, 3]
-NUM_NEW_TOKENS = 6
 BLOCK_SIZE = 16
 # where the CUDA executor under test runs (the CPU executor, the reference, on the CPU)
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 
 
-def hybrid_model(architecture: str):
-    if architecture == "Qwen3_5ForCausalLM":
-        return transformers.Qwen3_5ForCausalLM(
-            transformers.Qwen3_5TextConfig(**TEXT, intermediate_size=96))
-    if architecture == "Qwen3_5MoeForCausalLM":
-        return transformers.Qwen3_5MoeForCausalLM(
-            transformers.Qwen3_5MoeTextConfig(**TEXT, **EXPERTS))
-    return transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(
-        **TEXT, **EXPERTS, intermediate_size=96, mlp_only_layers=[1], norm_topk_prob=True))
-
-
-def randomise(model, seed: int) -> None:
-    """Well-spread logits (no greedy near-ties); norms' offsets and decays random too."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            noise = torch.randn(parameter.shape, generator=generator)
-            if "norm" in name:
-                parameter.copy_(0.1 * noise + (1.0 if "linear_attn.norm" in name else 0.0))
-            elif name.endswith(("A_log", "dt_bias")):
-                parameter.copy_(0.5 * noise)
-            elif "embed" in name or "lm_head" in name:
-                parameter.copy_(0.6 * noise)
-            else:
-                parameter.copy_(noise * parameter.shape[-1] ** -0.5)
-
-
 def write_checkpoint(architecture: str, tmp_path_factory):
-    directory = tmp_path_factory.mktemp(architecture)
-    torch.manual_seed(0)
-    model = hybrid_model(architecture)
-    randomise(model, seed=len(architecture))
-    model.save_pretrained(directory)
-    return directory
+    return saved(random_hybrid_model(architecture), tmp_path_factory.mktemp(architecture))[0]
 
 
 @pytest.fixture(scope="module", params=ARCHITECTURES)
@@ -115,11 +78,7 @@ def engine_config(directory, *, device="cpu", dtype="float32") -> EngineConfig:
 def cuda_executor(directory, *, device=DEVICE, dtype="float32", use_cuda_graphs=True,
                   max_num_batched_tokens=64) -> CudaModelExecutor:
     loaded = load_executor_model(engine_config(directory, device=device, dtype=dtype))
-    executor = CudaModelExecutor(loaded.model, model_path=loaded.model_path,
-                                 num_kv_blocks=loaded.num_kv_blocks,
-                                 block_size=loaded.block_size,
-                                 max_model_len=loaded.max_model_len,
-                                 num_state_slots=loaded.num_state_slots)
+    executor = CudaModelExecutor.from_loaded(loaded)
     executor.start(CudaExecutorOptions(max_num_seqs=4,
                                        max_num_batched_tokens=max_num_batched_tokens,
                                        use_cuda_graphs=use_cuda_graphs, use_fused_kernels=True))
@@ -127,9 +86,7 @@ def cuda_executor(directory, *, device=DEVICE, dtype="float32", use_cuda_graphs=
 
 
 def driver_requests(*, preempt: bool = False) -> list[DriverRequest]:
-    rng = random.Random(1)
-    prompts = [[rng.randrange(VOCAB_SIZE) for _ in range(length)]
-               for length in PROMPT_LENGTHS]
+    prompts = random_prompts()
     return [DriverRequest(request_id=f"r{index}", prompt_token_ids=prompt,
                           max_tokens=NUM_NEW_TOKENS, chunk_sizes=CHUNK_PLANS[index],
                           arrival_step=ARRIVAL_STEPS[index],

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 import trio
 import trio.testing
 from test_http_support import open_raw_request, openai_clients, running_server
+from test_model_support import random_causal_lm
 
 from trio_llm.actors.config import EngineConfig
 from trio_llm.actors.errors import RequestRejected
@@ -72,19 +73,6 @@ PROMPTS = ["The cat sat by the fire and", "Once upon a time", "A",
 MATRYOSHKA_DIMENSIONS = [16, 32, 64]
 
 
-def _randomise(model: Any, seed: int) -> None:
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            noise = torch.randn(parameter.shape, generator=generator)
-            if "norm" in name:
-                parameter.copy_(1.0 + 0.1 * noise)
-            elif "embed" in name or "lm_head" in name:
-                parameter.copy_(0.6 * noise)
-            else:
-                parameter.copy_(noise * parameter.shape[1] ** -0.5)
-
-
 def _with_files(source: Path, target: Path, files: dict[str, Any]) -> Path:
     """A copy of checkpoint ``source`` with ``files`` (relative path -> JSON) added."""
     shutil.copytree(source, target)
@@ -120,9 +108,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         vocab_size=2048, hidden_size=HIDDEN_SIZE, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
         bos_token_id=0, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    _randomise(model, seed=7)
+    model = random_causal_lm(config, seed=7)
     root = tmp_path_factory.mktemp("embedding")
     plain = root / "plain"
     model.save_pretrained(plain)

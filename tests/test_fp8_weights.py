@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_model import _family_config, _randomise
-from test_moe_models import moe_config, randomise
+from test_model_support import dense_config, moe_config, random_causal_lm
 from test_quantization import write_fp8_checkpoint
 
 from trio_llm.gpu import fp8_weights
@@ -32,16 +31,8 @@ def cpu_keeps_fp8(monkeypatch):
 
 
 def _tiny(family: str):
-    import transformers
-
-    torch.manual_seed(0)
-    if family == "qwen3_moe":
-        model = transformers.AutoModelForCausalLM.from_config(moe_config(family))
-        randomise(model, seed=3)
-    else:
-        model = transformers.AutoModelForCausalLM.from_config(_family_config(family))
-        _randomise(model, seed=3)
-    return model.eval()
+    return random_causal_lm(moe_config(family) if family == "qwen3_moe" else dense_config(family),
+                            seed=3)
 
 
 def _kept(model) -> dict[str, Fp8Linear]:

@@ -11,11 +11,19 @@ linear attention's state carries from chunk to chunk and step to step); two
 ranks over gloo generate what one does.
 """
 
-import random
-
 import pytest
 import torch
-from test_model import NUM_NEW_TOKENS, PROMPT_LENGTHS, _reference, _run_executor
+from test_model_support import (
+    HYBRID_ARCHITECTURES,
+    HYBRID_TEXT,
+    NUM_NEW_TOKENS,
+    assert_generates_as_transformers,
+    assert_same_bits_alone_or_batched,
+    random_hybrid_model,
+    random_prompts,
+    run_executor,
+    saved,
+)
 
 from trio_llm.actors.config import EngineConfig
 from trio_llm.actors.messages import NewRequestData, ScheduledBatch, ScheduledRequest
@@ -30,81 +38,21 @@ from trio_llm.gpu.tp_executor import TensorParallelExecutor
 
 transformers = pytest.importorskip("transformers")
 
-VOCAB_SIZE = 384
 # transformers prefills the delta rule in its chunked form (sums over 64-token chunks),
 # trio-llm computes the recurrent form token by token: the same function, summed in
 # another order (a few 1e-4 after five layers; the dense families' 1e-4 otherwise)
 LOGITS_TOLERANCE = 5e-4
-ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM",
-                 "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
-# layers 0-2 linear attention, 3 full attention, 4 linear (as full_attention_interval 4)
-TEXT = dict(vocab_size=VOCAB_SIZE, hidden_size=64, num_hidden_layers=5,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-            linear_value_head_dim=16, max_position_embeddings=256, eos_token_id=None,
-            bos_token_id=None, pad_token_id=0)
-EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-               shared_expert_intermediate_size=48)
-VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
-              patch_size=4, temporal_patch_size=2, spatial_merge_size=2)
 
 
-def hybrid_model(architecture: str):
-    """A tiny random model of ``architecture``, built by transformers."""
-    if architecture == "Qwen3_5ForCausalLM":
-        return transformers.Qwen3_5ForCausalLM(
-            transformers.Qwen3_5TextConfig(**TEXT, intermediate_size=96))
-    if architecture == "Qwen3_5MoeForCausalLM":
-        return transformers.Qwen3_5MoeForCausalLM(
-            transformers.Qwen3_5MoeTextConfig(**TEXT, **EXPERTS))
-    if architecture == "Qwen3NextForCausalLM":
-        # layer 1 a dense MLP (mlp_only_layers), the others experts, top-k renormalised
-        return transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(
-            **TEXT, **EXPERTS, intermediate_size=96, mlp_only_layers=[1],
-            norm_topk_prob=True))
-    if architecture == "Qwen3_5ForConditionalGeneration":
-        return transformers.Qwen3_5ForConditionalGeneration(transformers.Qwen3_5Config(
-            text_config={**TEXT, "intermediate_size": 96}, vision_config=VISION))
-    return transformers.Qwen3_5MoeForConditionalGeneration(transformers.Qwen3_5MoeConfig(
-        text_config={**TEXT, **EXPERTS}, vision_config=VISION))
-
-
-def randomise(model, seed: int) -> None:
-    """Weights with well-spread logits (greedy choices are never near-ties); the norms'
-    offsets from one and the decay parameters random too."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            noise = torch.randn(parameter.shape, generator=generator)
-            if "norm" in name:
-                parameter.copy_(0.1 * noise + (1.0 if "linear_attn.norm" in name else 0.0))
-            elif name.endswith(("A_log", "dt_bias")):
-                parameter.copy_(0.5 * noise)
-            elif "embed" in name or "lm_head" in name:
-                parameter.copy_(0.6 * noise)
-            else:
-                parameter.copy_(noise * parameter.shape[-1] ** -0.5)
-
-
-def write_checkpoint(architecture: str, directory):
-    torch.manual_seed(0)
-    model = hybrid_model(architecture)
-    randomise(model, seed=len(architecture))
-    model.save_pretrained(directory)
-    return model.eval()
-
-
-@pytest.fixture(scope="module", params=ARCHITECTURES)
+@pytest.fixture(scope="module", params=HYBRID_ARCHITECTURES)
 def checkpoint(request, tmp_path_factory):
     """(directory, transformers model) for a random checkpoint of one architecture."""
-    directory = tmp_path_factory.mktemp(request.param)
-    return directory, write_checkpoint(request.param, directory)
+    return saved(random_hybrid_model(request.param), tmp_path_factory.mktemp(request.param))
 
 
 @pytest.fixture(scope="module")
 def prompts():
-    rng = random.Random(1)
-    return [[rng.randrange(VOCAB_SIZE) for _ in range(length)] for length in PROMPT_LENGTHS]
+    return random_prompts()
 
 
 def test_the_config_names_the_layers_and_the_vision_tower(checkpoint):
@@ -122,13 +70,8 @@ def test_the_config_names_the_layers_and_the_vision_tower(checkpoint):
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_greedy_generation_matches_transformers(checkpoint, prompts, block_size):
     directory, model = checkpoint
-    requests, recorded = _run_executor(directory, prompts, block_size=block_size)
-    for request, prompt in zip(requests, prompts, strict=True):
-        expected_tokens, expected_logits = _reference(model, prompt)
-        assert request.output_token_ids == expected_tokens
-        ours = torch.stack([recorded[(request.request_id, index)]
-                            for index in range(NUM_NEW_TOKENS)])
-        torch.testing.assert_close(ours, expected_logits, rtol=0, atol=LOGITS_TOLERANCE)
+    requests, recorded = run_executor(directory, prompts, block_size=block_size)
+    assert_generates_as_transformers(model, prompts, requests, recorded, atol=LOGITS_TOLERANCE)
 
 
 def _executor(directory, **overrides) -> ModelExecutor:
@@ -174,18 +117,8 @@ def test_a_requests_logits_are_the_same_bits_alone_batched_or_preempted(checkpoi
     different steps, prefilled in odd chunks, one preempted and recomputed (into
     another slot): every logit the same bits."""
     directory, _ = checkpoint
-    alone: dict = {}
-    for index, prompt in enumerate(prompts):
-        alone |= _recorded_logits(directory, [DriverRequest(
-            request_id=f"r{index}", prompt_token_ids=prompt, max_tokens=NUM_NEW_TOKENS)])
-    batched = _recorded_logits(directory, [
-        DriverRequest(request_id=f"r{index}", prompt_token_ids=prompt,
-                      max_tokens=NUM_NEW_TOKENS, chunk_sizes=[3, 7, 1 << 30],
-                      arrival_step=index % 2, preempt_at_steps=[4] if index == 1 else [])
-        for index, prompt in enumerate(prompts)])
-    assert alone.keys() == batched.keys()
-    for key, logits in alone.items():
-        assert torch.equal(batched[key], logits), key
+    assert_same_bits_alone_or_batched(lambda requests: _recorded_logits(directory, requests),
+                                      prompts)
 
 
 @pytest.mark.parametrize("chunk_size", [1, 2, 5, 16])
@@ -324,7 +257,7 @@ def test_a_request_without_a_slot_is_refused_by_name(checkpoint, prompts):
 
 def _config_data(**changes) -> dict:
     """A Qwen3.5 text config.json's contents, with ``changes``."""
-    data = transformers.Qwen3_5TextConfig(**TEXT, intermediate_size=96).to_dict()
+    data = transformers.Qwen3_5TextConfig(**HYBRID_TEXT, intermediate_size=96).to_dict()
     data["architectures"] = ["Qwen3_5ForCausalLM"]
     return data | changes
 
@@ -371,7 +304,7 @@ def test_cuda_greedy_generation_matches_the_cpu(checkpoint, prompts):
     which the tests above hold to transformers'. (transformers itself is no reference
     here: with fla-core installed it sends CPU tensors to fla's CUDA kernels.)"""
     directory, _ = checkpoint
-    on_cuda, _ = _run_executor(directory, prompts, block_size=16, device="cuda")
-    on_cpu, _ = _run_executor(directory, prompts, block_size=16)
+    on_cuda, _ = run_executor(directory, prompts, block_size=16, device="cuda")
+    on_cpu, _ = run_executor(directory, prompts, block_size=16)
     assert [request.output_token_ids for request in on_cuda] == [
         request.output_token_ids for request in on_cpu]

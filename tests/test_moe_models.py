@@ -9,16 +9,19 @@ same bits alone or batched, and preempted or not; ties between experts resolve
 as transformers resolves them.
 """
 
-import random
-
 import pytest
 import torch
-from test_model import (
-    CUDA_LOGITS_TOLERANCE,
+from test_model import CUDA_LOGITS_TOLERANCE
+from test_model_support import (
     NUM_NEW_TOKENS,
-    PROMPT_LENGTHS,
-    _reference,
-    _run_executor,
+    assert_generates_as_transformers,
+    assert_same_bits_alone_or_batched,
+    moe_config,
+    random_causal_lm,
+    random_prompts,
+    reference,
+    run_executor,
+    saved,
 )
 
 from trio_llm.actors.config import EngineConfig
@@ -33,66 +36,19 @@ from trio_llm.gpu.tp_executor import TensorParallelExecutor
 
 transformers = pytest.importorskip("transformers")
 
-VOCAB_SIZE = 384
 FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
-
-
-def moe_config(family: str):
-    """A tiny config of ``family``: 8 (Qwen3) or 4 experts, top-2, hidden and head sizes
-    the fused CPU kernels take (multiples of 16)."""
-    common = dict(vocab_size=VOCAB_SIZE, hidden_size=64, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=256, eos_token_id=None,
-                  bos_token_id=None, pad_token_id=0, num_experts_per_tok=2)
-    if family == "qwen3_moe":
-        # layer 1 dense (mlp_only_layers), the experts' top-2 renormalised
-        return transformers.Qwen3MoeConfig(**common, head_dim=16, num_hidden_layers=3,
-                                           intermediate_size=96, moe_intermediate_size=32,
-                                           num_experts=8, norm_topk_prob=True,
-                                           mlp_only_layers=[1])
-    if family == "qwen2_moe":
-        return transformers.Qwen2MoeConfig(**common, num_hidden_layers=2,
-                                           intermediate_size=96, moe_intermediate_size=32,
-                                           shared_expert_intermediate_size=48, num_experts=4)
-    return transformers.MixtralConfig(**common, head_dim=16, num_hidden_layers=2,
-                                      intermediate_size=32, num_local_experts=4)
-
-
-def randomise(model, seed: int) -> None:
-    """Weights with well-spread logits (greedy choices are never near-ties), and router
-    logits spread enough that the experts' choice changes from token to token."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            noise = torch.randn(parameter.shape, generator=generator)
-            if "norm" in name:
-                parameter.copy_(1.0 + 0.1 * noise)
-            elif name.endswith("bias"):
-                parameter.copy_(0.1 * noise)
-            elif "embed" in name or "lm_head" in name:
-                parameter.copy_(0.6 * noise)
-            else:
-                parameter.copy_(noise * parameter.shape[-1] ** -0.5)
-
-
-def write_checkpoint(family: str, directory) -> object:
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(moe_config(family))
-    randomise(model, seed=len(family))
-    model.save_pretrained(directory)
-    return model.eval()
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def checkpoint(request, tmp_path_factory):
     """(directory, transformers model) for a random checkpoint of one MoE family."""
-    directory = tmp_path_factory.mktemp(request.param)
-    return directory, write_checkpoint(request.param, directory)
+    model = random_causal_lm(moe_config(request.param), seed=len(request.param))
+    return saved(model, tmp_path_factory.mktemp(request.param))
 
 
 @pytest.fixture(scope="module")
 def prompts():
-    rng = random.Random(1)
-    return [[rng.randrange(VOCAB_SIZE) for _ in range(length)] for length in PROMPT_LENGTHS]
+    return random_prompts()
 
 
 def test_the_config_names_the_experts(checkpoint):
@@ -107,16 +63,11 @@ def test_the_config_names_the_experts(checkpoint):
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_greedy_generation_matches_transformers(checkpoint, prompts, block_size):
     directory, model = checkpoint
-    requests, recorded = _run_executor(directory, prompts, block_size=block_size)
+    requests, recorded = run_executor(directory, prompts, block_size=block_size)
     executor_model = ModelExecutor.create(EngineConfig(
         model=str(directory), num_kv_blocks=8, device="cpu", dtype="float32")).model
     assert isinstance(executor_model, CpuFusedCausalLM)  # the engine's CPU path
-    for request, prompt in zip(requests, prompts, strict=True):
-        expected_tokens, expected_logits = _reference(model, prompt)
-        assert request.output_token_ids == expected_tokens
-        ours = torch.stack([recorded[(request.request_id, index)]
-                            for index in range(NUM_NEW_TOKENS)])
-        torch.testing.assert_close(ours, expected_logits, rtol=0, atol=1e-4)
+    assert_generates_as_transformers(model, prompts, requests, recorded, atol=1e-4)
 
 
 def _recorded_logits(directory, requests) -> dict:
@@ -133,18 +84,8 @@ def test_a_requests_logits_are_the_same_bits_alone_batched_or_preempted(checkpoi
     different steps, prefilled in odd chunks, one preempted and recomputed: every
     logit the same bits (the experts see other tokens in every step of the batch)."""
     directory, _ = checkpoint
-    alone: dict = {}
-    for index, prompt in enumerate(prompts):
-        alone |= _recorded_logits(directory, [DriverRequest(
-            request_id=f"r{index}", prompt_token_ids=prompt, max_tokens=NUM_NEW_TOKENS)])
-    batched = _recorded_logits(directory, [
-        DriverRequest(request_id=f"r{index}", prompt_token_ids=prompt,
-                      max_tokens=NUM_NEW_TOKENS, chunk_sizes=[3, 7, 1 << 30],
-                      arrival_step=index % 2, preempt_at_steps=[4] if index == 1 else [])
-        for index, prompt in enumerate(prompts)])
-    assert alone.keys() == batched.keys()
-    for key, logits in alone.items():
-        assert torch.equal(batched[key], logits), key
+    assert_same_bits_alone_or_batched(lambda requests: _recorded_logits(directory, requests),
+                                      prompts)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
@@ -276,14 +217,14 @@ def test_cuda_greedy_generation_matches_transformers(checkpoint, prompts):
     from trio_llm.gpu.rank_executor import create_rank_executor
 
     directory, model = checkpoint
-    requests, recorded = _run_executor(directory, prompts, block_size=16, device="cuda")
+    requests, recorded = run_executor(directory, prompts, block_size=16, device="cuda")
     config = EngineConfig(model=str(directory), block_size=16, num_kv_blocks=512,
                           device="cuda", dtype="float32", max_num_seqs=8)
     fused = [DriverRequest(request_id=f"r{index}", prompt_token_ids=prompt,
                            max_tokens=NUM_NEW_TOKENS) for index, prompt in enumerate(prompts)]
     ExecutorDriver(create_rank_executor(config)).run(fused)  # type: ignore[arg-type]
     for request, fused_request, prompt in zip(requests, fused, prompts, strict=True):
-        expected_tokens, expected_logits = _reference(model, prompt)
+        expected_tokens, expected_logits = reference(model, prompt)
         assert request.output_token_ids == expected_tokens
         assert fused_request.output_token_ids == expected_tokens
         ours = torch.stack([recorded[(request.request_id, index)].cpu()

@@ -13,8 +13,15 @@ import math
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_model import NUM_NEW_TOKENS, _family_config, _randomise, _reference, _run_executor
-from test_moe_models import moe_config, randomise
+from test_model_support import (
+    NUM_NEW_TOKENS,
+    assert_generates_as_transformers,
+    assert_same_bits_alone_or_batched,
+    dense_config,
+    moe_config,
+    random_causal_lm,
+    run_executor,
+)
 
 from trio_llm.actors.config import EngineConfig
 from trio_llm.api.cli import check_model
@@ -23,7 +30,7 @@ from trio_llm.gpu.loader import load_model
 from trio_llm.gpu.models import ModelLoadError, parse_model_config
 from trio_llm.gpu.quantization import E4M3, E4M3_MAX, is_quantizable
 from trio_llm.gpu.tensor_parallel import TensorParallel
-from trio_llm.gpu.testing import DriverRequest, ExecutorDriver, record_logits
+from trio_llm.gpu.testing import ExecutorDriver, record_logits
 
 transformers = pytest.importorskip("transformers")
 
@@ -185,14 +192,8 @@ def write_fp8_checkpoint(model, fp8_directory, plain_directory, scheme: str,
 
 
 def _tiny_model(family: str):
-    torch.manual_seed(0)
-    if family in ("qwen3_moe", "mixtral"):
-        model = transformers.AutoModelForCausalLM.from_config(moe_config(family))
-        randomise(model, seed=len(family))
-    else:
-        model = transformers.AutoModelForCausalLM.from_config(_family_config(family))
-        _randomise(model, seed=len(family))
-    return model.eval()
+    config = moe_config(family) if family in ("qwen3_moe", "mixtral") else dense_config(family)
+    return random_causal_lm(config, seed=len(family))
 
 
 def _prompts():
@@ -204,8 +205,8 @@ def _prompts():
 
 def _assert_same_generation(fp8_directory, plain_directory):
     prompts = _prompts()
-    ours, ours_logits = _run_executor(fp8_directory, prompts, block_size=16)
-    plain, plain_logits = _run_executor(plain_directory, prompts, block_size=16)
+    ours, ours_logits = run_executor(fp8_directory, prompts, block_size=16)
+    plain, plain_logits = run_executor(plain_directory, prompts, block_size=16)
     assert [r.output_token_ids for r in ours] == [r.output_token_ids for r in plain]
     assert all(len(r.output_token_ids) == NUM_NEW_TOKENS for r in ours)
     assert ours_logits.keys() == plain_logits.keys()
@@ -250,13 +251,8 @@ def test_transformers_loading_the_fp8_checkpoint_generates_what_trio_llm_does(
     theirs = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path / "fp8", dtype=torch.float32).eval()
     prompts = _prompts()
-    requests, recorded = _run_executor(tmp_path / "fp8", prompts, block_size=16)
-    for request, prompt in zip(requests, prompts, strict=True):
-        expected_tokens, expected_logits = _reference(theirs, prompt)
-        assert request.output_token_ids == expected_tokens
-        ours = torch.stack([recorded[(request.request_id, index)]
-                            for index in range(NUM_NEW_TOKENS)])
-        torch.testing.assert_close(ours, expected_logits, rtol=0, atol=1e-4)
+    requests, recorded = run_executor(tmp_path / "fp8", prompts, block_size=16)
+    assert_generates_as_transformers(theirs, prompts, requests, recorded, atol=1e-4)
 
 
 def test_the_dequantized_weights_are_not_the_float_ones(tmp_path):
@@ -355,18 +351,7 @@ def test_online_fp8_keeps_every_row_batch_invariant(float_checkpoint):
         ExecutorDriver(executor).run(requests)
         return logits
 
-    alone: dict = {}
-    for index, prompt in enumerate(prompts):
-        alone |= recorded([DriverRequest(request_id=f"r{index}", prompt_token_ids=prompt,
-                                         max_tokens=NUM_NEW_TOKENS)])
-    batched = recorded([
-        DriverRequest(request_id=f"r{index}", prompt_token_ids=prompt,
-                      max_tokens=NUM_NEW_TOKENS, chunk_sizes=[3, 7, 1 << 30],
-                      arrival_step=index % 2, preempt_at_steps=[4] if index == 1 else [])
-        for index, prompt in enumerate(prompts)])
-    assert alone.keys() == batched.keys()
-    for key, logits in alone.items():
-        assert torch.equal(batched[key], logits), key
+    assert_same_bits_alone_or_batched(recorded, prompts)
 
 
 def test_online_fp8_is_refused_for_a_quantized_checkpoint(tmp_path):

@@ -368,6 +368,29 @@ def _step_scales(scale_ptr, expert, weight_rows, start, scale_expert_stride, sca
                    + (weight_rows // GROUP_N).to(tl.int64) * scale_row_stride + start // GROUP_K)
 
 
+@triton.jit
+def _load_rows(ptrs, row_mask, depth, start, DEPTH: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A reduction step's [BLOCK_M, BLOCK_K] tile of the block's rows: rows past the plan,
+    and columns past ``DEPTH`` where BLOCK_K does not divide it, read as zero."""
+    if DEPTH % BLOCK_K == 0:
+        tile = tl.load(ptrs, mask=row_mask[:, None], other=0.0)
+    else:
+        tile = tl.load(ptrs, mask=row_mask[:, None] & (depth < DEPTH - start)[None, :],
+                       other=0.0)
+    return tile
+
+
+@triton.jit
+def _load_weights(ptrs, depth, start, DEPTH: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A reduction step's [BLOCK_K, BLOCK_N] weight tile, zero past ``DEPTH`` where
+    BLOCK_K does not divide it."""
+    if DEPTH % BLOCK_K == 0:
+        tile = tl.load(ptrs)
+    else:
+        tile = tl.load(ptrs, mask=(depth < DEPTH - start)[:, None], other=0.0)
+    return tile
+
+
 @triton.jit(do_not_specialize=["num_rows", "num_m_blocks", "group_m"])
 def _gate_up_kernel(hidden_ptr, w13_ptr, activation_ptr, sorted_rows_ptr, block_experts_ptr,
                     num_padded_ptr, num_rows, num_m_blocks, group_m, hidden_row_stride,
@@ -397,15 +420,9 @@ def _gate_up_kernel(hidden_ptr, w13_ptr, activation_ptr, sorted_rows_ptr, block_
     gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for start in range(0, HIDDEN, BLOCK_K):
-        if HIDDEN % BLOCK_K == 0:
-            x = tl.load(x_ptrs, mask=row_mask[:, None], other=0.0)
-            gate_weights = tl.load(gate_ptrs)
-            up_weights = tl.load(up_ptrs)
-        else:
-            depth_mask = depth < HIDDEN - start
-            x = tl.load(x_ptrs, mask=row_mask[:, None] & depth_mask[None, :], other=0.0)
-            gate_weights = tl.load(gate_ptrs, mask=depth_mask[:, None], other=0.0)
-            up_weights = tl.load(up_ptrs, mask=depth_mask[:, None], other=0.0)
+        x = _load_rows(x_ptrs, row_mask, depth, start, HIDDEN, BLOCK_K)
+        gate_weights = _load_weights(gate_ptrs, depth, start, HIDDEN, BLOCK_K)
+        up_weights = _load_weights(up_ptrs, depth, start, HIDDEN, BLOCK_K)
         if HAS_SCALES:  # e4m3 weights: widened, each step scaled by its blocks' scales
             gate += tl.dot(x, gate_weights.to(x.dtype)) * _step_scales(
                 scale_ptr, expert, weight_rows, start, scale_expert_stride, scale_row_stride,
@@ -449,13 +466,8 @@ def _down_kernel(activation_ptr, w2_ptr, out_ptr, topk_weights_ptr, sorted_rows_
               + depth[:, None])
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for start in range(0, INTERMEDIATE, BLOCK_K):
-        if INTERMEDIATE % BLOCK_K == 0:
-            a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
-            w = tl.load(w_ptrs)
-        else:
-            depth_mask = depth < INTERMEDIATE - start
-            a = tl.load(a_ptrs, mask=row_mask[:, None] & depth_mask[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=depth_mask[:, None], other=0.0)
+        a = _load_rows(a_ptrs, row_mask, depth, start, INTERMEDIATE, BLOCK_K)
+        w = _load_weights(w_ptrs, depth, start, INTERMEDIATE, BLOCK_K)
         if HAS_SCALES:
             acc += tl.dot(a, w.to(a.dtype)) * _step_scales(
                 scale_ptr, expert, weight_rows, start, scale_expert_stride, scale_row_stride,

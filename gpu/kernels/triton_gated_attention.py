@@ -18,20 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
+from trio_llm.gpu.kernels.triton_layers import rotate_halves
+
 GATE_BLOCK = 1024
-
-
-@triton.jit
-def _rotate_halves(first, second, cos, sin):
-    """Rotate-half RoPE in the activations' dtype, each product rounded (as torch's)."""
-    dtype = first.dtype
-    first32 = first.to(tl.float32)
-    second32 = second.to(tl.float32)
-    new_first = ((first32 * cos).to(dtype).to(tl.float32)
-                 + (-second32 * sin).to(dtype).to(tl.float32)).to(dtype)
-    new_second = ((second32 * cos).to(dtype).to(tl.float32)
-                  + (first32 * sin).to(dtype).to(tl.float32)).to(dtype)
-    return new_first, new_second
 
 
 @triton.jit
@@ -65,7 +54,7 @@ def _gated_qk_kernel(qkv_ptr, positions_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_nor
     # the table repeats its ROTARY_DIM // 2 angles: both halves use the first
     cos = tl.load(cos_ptr + position * ROTARY_DIM + half_dims).to(dtype).to(tl.float32)
     sin = tl.load(sin_ptr + position * ROTARY_DIM + half_dims).to(dtype).to(tl.float32)
-    first, second = _rotate_halves(first, second, cos, sin)
+    first, second = rotate_halves(first, second, cos, sin)
     passes = dims >= ROTARY_DIM
     if is_query:
         target = query_out_ptr + (token * NUM_HEADS + head) * HEAD_DIM

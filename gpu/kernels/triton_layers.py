@@ -4,7 +4,8 @@ A decode step of a small model is bound by kernel launches, not bytes: plain
 torch spends about fifty kernels per layer on norms, rotary embeddings and
 activations. These kernels do the same arithmetic in three:
 
-- ``add_rms_norm``: residual add and RMSNorm in one pass;
+- ``add_rms_norm``: residual add and RMSNorm in one pass (also of the ``(1 + weight)``
+  form, gpu/kernels/triton_offset_norm.py's);
 - ``qk_norm_rope_write_kv``: Qwen3's q/k RMSNorm, the rotary embedding, and
   the store of keys and values into the paged cache, straight from the fused
   qkv projection's output (into an FP8 cache: divided by the layer's scales and
@@ -38,7 +39,8 @@ SILU_BLOCK = 1024
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, eps,
                      x_row_stride, residual_row_stride, scale_ptr, HIDDEN: tl.constexpr,
                      HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
-                     LAUNCH_DEPENDENTS: tl.constexpr, QUANTIZE: tl.constexpr = False):
+                     LAUNCH_DEPENDENTS: tl.constexpr, QUANTIZE: tl.constexpr = False,
+                     OFFSET: tl.constexpr = False):
     if LAUNCH_DEPENDENTS:
         # the GEMV after the norm may launch now and fetch its weights (gpu/kernels/pdl.py)
         gdc_launch_dependents()
@@ -52,8 +54,15 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
         x = (x.to(tl.float32) + residual.to(tl.float32)).to(residual_out_ptr.dtype.element_ty)
         tl.store(residual_out_ptr + row * HIDDEN + columns, x, mask=mask)
     x32 = x.to(tl.float32)
-    variance = tl.sum(x32 * x32, 0) / HIDDEN
-    normed = (x32 * tl.rsqrt(variance + eps)).to(x.dtype)
+    inverse = tl.rsqrt(tl.sum(x32 * x32, 0) / HIDDEN + eps)
+    if OFFSET:
+        # the (1 + weight) form (OffsetRMSNorm): scaled in float32, rounded once
+        gain = 1.0 + tl.load(weight_ptr + columns, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * HIDDEN + columns,
+                 (x32 * inverse * gain).to(out_ptr.dtype.element_ty), mask=mask)
+        return
+    # Qwen3's RMSNorm rounds the normed value before the weight
+    normed = (x32 * inverse).to(x.dtype)
     weight = tl.load(weight_ptr + columns, mask=mask, other=0.0)
     if QUANTIZE:
         # the norm's output as the model rounds it, then in e4m3 with the row's scale:
@@ -100,7 +109,7 @@ def _rms_norm_heads(first, second, weight_ptr, half_dims, eps, HEAD_DIM: tl.cons
 
 
 @triton.jit
-def _rotate(first, second, cos, sin):
+def rotate_halves(first, second, cos, sin):
     """Rotate-half RoPE: (a, b) -> (a cos - b sin, b cos + a sin), rounding each product."""
     dtype = first.dtype
     first32 = first.to(tl.float32)
@@ -148,7 +157,7 @@ def _qk_norm_rope_write_kv_kernel(
     # The table repeats its HEAD_DIM // 2 angles: both halves use the first.
     cos = tl.load(cos_ptr + position * HEAD_DIM + half_dims).to(first.dtype).to(tl.float32)
     sin = tl.load(sin_ptr + position * HEAD_DIM + half_dims).to(first.dtype).to(tl.float32)
-    first, second = _rotate(first, second, cos, sin)
+    first, second = rotate_halves(first, second, cos, sin)
     if is_query:
         target = query_out_ptr + (token * NUM_HEADS + head) * HEAD_DIM
         tl.store(target + half_dims, first.to(query_out_ptr.dtype.element_ty))
@@ -170,17 +179,26 @@ def _qk_norm_rope_write_kv_kernel(
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dimension of a 2-D ``x``."""
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    _launch_rms_norm(x, None, weight, eps, out, None)
-    return out
+    return rms_norm_rows(x, None, weight, eps, offset=False)[0]
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(norm(x + residual), x + residual)``, the sum rounded to the activation dtype."""
+    return rms_norm_rows(x, residual, weight, eps, offset=False)
+
+
+def rms_norm_rows(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                  eps: float, *, offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(norm(x + residual), x + residual)``, or ``(norm(x), x)`` without ``residual``;
+    ``offset``: the ``(1 + weight)`` form, scaled in float32 and rounded once, instead of
+    Qwen3's (the normed value rounded before the weight)."""
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if residual is None:
+        _launch_rms_norm(x, None, weight, eps, out, None, offset=offset)
+        return out, x
     new_residual = torch.empty(x.shape, dtype=residual.dtype, device=x.device)
-    _launch_rms_norm(x, residual, weight, eps, out, new_residual)
+    _launch_rms_norm(x, residual, weight, eps, out, new_residual, offset=offset)
     return out, new_residual
 
 
@@ -200,7 +218,7 @@ def rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     return Fp8Activation(values, scales, x.dtype), new_residual
 
 
-def _launch_rms_norm(x, residual, weight, eps, out, new_residual, scales=None):
+def _launch_rms_norm(x, residual, weight, eps, out, new_residual, scales=None, offset=False):
     num_rows, hidden = x.shape
     if num_rows == 0:
         return
@@ -211,7 +229,9 @@ def _launch_rms_norm(x, residual, weight, eps, out, new_residual, scales=None):
         x.stride(0), residual.stride(0) if residual is not None else 0,
         scales if scales is not None else out, QUANTIZE=scales is not None,
         HIDDEN=hidden, HAS_RESIDUAL=residual is not None,
-        BLOCK=triton.next_power_of_2(hidden), LAUNCH_DEPENDENTS=pdl_enabled(x.device),
+        BLOCK=triton.next_power_of_2(hidden),
+        # the offset form launches without PDL, as it did as a kernel of its own
+        LAUNCH_DEPENDENTS=pdl_enabled(x.device) and not offset, OFFSET=offset,
         num_warps=4 if hidden <= 2048 else 8,
     )
 

@@ -18,7 +18,7 @@ from trio_llm.gpu.layers.rotary import SUPPORTED_ROPE_TYPES, RopeConfig
 from trio_llm.gpu.quantization import CheckpointQuantization
 
 __all__ = ["HybridConfig", "ModelConfig", "ModelLoadError", "MoeConfig", "RopeConfig",
-           "common_fields", "moe_fields", "parse_rope", "read_config_json"]
+           "common_fields", "moe_fields", "parse_rope", "qwen_moe_fields", "read_config_json"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +159,17 @@ def moe_fields(data: dict[str, Any], source: str, *, num_experts_key: str) -> di
         "num_experts_per_tok": top_k,
         "decoder_sparse_step": step,
         "mlp_only_layers": tuple(int(index) for index in data.get("mlp_only_layers") or ()),
+    }
+
+
+def qwen_moe_fields(data: dict[str, Any], source: str, *,
+                    default_norm_topk_prob: bool = False) -> dict[str, Any]:
+    """The Qwen MoE families' expert fields (Qwen2-MoE, Qwen3-MoE, the hybrid family):
+    ``moe_fields`` of ``num_experts``, each expert's ``moe_intermediate_size``, and
+    whether the top-k probabilities are renormalised."""
+    return moe_fields(data, source, num_experts_key="num_experts") | {
+        "moe_intermediate_size": int(data["moe_intermediate_size"]),
+        "norm_topk_prob": bool(data.get("norm_topk_prob", default_norm_topk_prob)),
     }
 
 

@@ -25,7 +25,7 @@ from trio_llm.gpu.models.config import (
     check_no_sliding_window,
     common_fields,
 )
-from trio_llm.gpu.models.weights import TargetMap, bias_suffixes
+from trio_llm.gpu.models.weights import TargetMap, mlp_targets
 from trio_llm.gpu.tensor_parallel import TensorParallel
 
 ARCHITECTURE_FAMILIES = {
@@ -33,7 +33,6 @@ ARCHITECTURE_FAMILIES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
-INTERMEDIATE = "the intermediate size"
 
 
 def parse_config(data: dict[str, Any], source: str, architecture: str) -> ModelConfig:
@@ -51,19 +50,6 @@ def feed_forward(config: ModelConfig, layer_index: int, *, dtype: torch.dtype,
                  device: torch.device, parallel: TensorParallel) -> nn.Module:
     return MLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias,
                dtype=dtype, device=device, parallel=parallel)
-
-
-def mlp_targets(targets: TargetMap, hidden_prefix: str, ours: str, intermediate_size: int,
-                has_bias: bool) -> None:
-    """A SwiGLU MLP's checkpoint tensors ``hidden_prefix`` + gate_proj, up_proj (fused into
-    ``ours`` + gate_up_proj, each split by rows) and down_proj (split by columns)."""
-    gate_up_parts = [("gate_proj", intermediate_size, INTERMEDIATE),
-                     ("up_proj", intermediate_size, INTERMEDIATE)]
-    for suffix in bias_suffixes(has_bias):
-        targets.column_parallel(hidden_prefix, ours + f"gate_up_proj.{suffix}", gate_up_parts,
-                                suffix)
-        targets.row_parallel(hidden_prefix + f"down_proj.{suffix}", ours + f"down_proj.{suffix}",
-                             intermediate_size, INTERMEDIATE)
 
 
 def feed_forward_targets(targets: TargetMap, config: ModelConfig, layer_index: int, ours: str,

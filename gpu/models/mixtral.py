@@ -21,7 +21,7 @@ from trio_llm.gpu.models.config import (
     common_fields,
     moe_fields,
 )
-from trio_llm.gpu.models.weights import TargetMap, expert_targets
+from trio_llm.gpu.models.weights import TargetMap, moe_block_targets
 
 
 def parse_config(data: dict[str, Any], source: str, architecture: str) -> ModelConfig:
@@ -39,10 +39,8 @@ def parse_config(data: dict[str, Any], source: str, architecture: str) -> ModelC
 def feed_forward_targets(targets: TargetMap, config: ModelConfig, layer_index: int, ours: str,
                          theirs: str) -> None:
     assert isinstance(config, MoeConfig)
-    block = theirs + "block_sparse_moe."
-    targets.whole(block + "gate.weight", ours + "mlp.gate.weight")
-    expert_targets(targets, ours + "mlp.", block + "experts.", config.num_experts,
-                   config.moe_intermediate_size, ("w1", "w3", "w2"))
+    moe_block_targets(targets, ours + "mlp.", theirs + "block_sparse_moe.", config.num_experts,
+                      config.moe_intermediate_size, ("w1", "w3", "w2"))
 
 
 FAMILY = register_family(ModelFamily(

@@ -18,10 +18,9 @@ from trio_llm.gpu.models.config import (
     check_activation,
     check_no_sliding_window,
     common_fields,
-    moe_fields,
+    qwen_moe_fields,
 )
-from trio_llm.gpu.models.dense import mlp_targets
-from trio_llm.gpu.models.weights import TargetMap, expert_targets
+from trio_llm.gpu.models.weights import TargetMap, moe_or_mlp_targets
 
 
 def parse_config(data: dict[str, Any], source: str, architecture: str) -> ModelConfig:
@@ -30,23 +29,19 @@ def parse_config(data: dict[str, Any], source: str, architecture: str) -> ModelC
     fields = common_fields(data, source, architecture=architecture, family="qwen2_moe")
     fields |= {"qkv_bias": bool(data.get("qkv_bias", True)), "o_proj_bias": False,
                "mlp_bias": False}
-    return MoeConfig(**fields, **moe_fields(data, source, num_experts_key="num_experts"),
-                     moe_intermediate_size=int(data["moe_intermediate_size"]),
-                     norm_topk_prob=bool(data.get("norm_topk_prob", False)),
+    return MoeConfig(**fields, **qwen_moe_fields(data, source),
                      shared_expert_intermediate_size=int(
                          data["shared_expert_intermediate_size"]))
 
 
 def feed_forward_targets(targets: TargetMap, config: ModelConfig, layer_index: int, ours: str,
                          theirs: str) -> None:
+    """Qwen3-MoE's tensors and, in a sparse layer, the shared expert's."""
+    moe_or_mlp_targets(targets, config, layer_index, ours, theirs)
     assert isinstance(config, MoeConfig)
-    block, ours_block = theirs + "mlp.", ours + "mlp."
     if not config.is_moe_layer(layer_index):
-        mlp_targets(targets, block, ours_block, config.intermediate_size, False)
         return
-    targets.whole(block + "gate.weight", ours_block + "gate.weight")
-    expert_targets(targets, ours_block, block + "experts.", config.num_experts,
-                   config.moe_intermediate_size, ("gate_proj", "up_proj", "down_proj"))
+    block, ours_block = theirs + "mlp.", ours + "mlp."
     shared = "the shared expert's intermediate size"
     size = config.shared_expert_intermediate_size
     targets.column_parallel(block + "shared_expert.", ours_block + "shared_expert_gate_up.weight",

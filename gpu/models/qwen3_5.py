@@ -38,7 +38,7 @@ from trio_llm.gpu.models.config import (
     ModelLoadError,
     check_activation,
     common_fields,
-    moe_fields,
+    qwen_moe_fields,
 )
 from trio_llm.gpu.models.qwen2_moe import feed_forward_targets
 from trio_llm.gpu.models.weights import TargetMap, gathered
@@ -103,11 +103,9 @@ def hybrid_fields(data: dict[str, Any], source: str, *, architecture: str,
                              f"({fields['linear_num_value_heads']}) must be a multiple of "
                              f"linear_num_key_heads ({fields['linear_num_key_heads']})")
     if int(data.get("num_experts") or 0):
-        fields |= moe_fields(data, source, num_experts_key="num_experts")
-        fields |= {"moe_intermediate_size": int(data["moe_intermediate_size"]),
-                   "norm_topk_prob": bool(data.get("norm_topk_prob", True)),
-                   "shared_expert_intermediate_size": int(
-                       data.get("shared_expert_intermediate_size") or 0)}
+        fields |= qwen_moe_fields(data, source, default_norm_topk_prob=True)
+        fields["shared_expert_intermediate_size"] = int(
+            data.get("shared_expert_intermediate_size") or 0)
     elif not fields["intermediate_size"]:
         raise ModelLoadError(f"{source}: missing field intermediate_size (a model without "
                              f"experts needs its MLP's size)")

@@ -19,10 +19,9 @@ from trio_llm.gpu.models.config import (
     check_activation,
     check_no_sliding_window,
     common_fields,
-    moe_fields,
+    qwen_moe_fields,
 )
-from trio_llm.gpu.models.dense import mlp_targets
-from trio_llm.gpu.models.weights import TargetMap, expert_targets
+from trio_llm.gpu.models.weights import moe_or_mlp_targets
 
 
 def parse_config(data: dict[str, Any], source: str, architecture: str) -> ModelConfig:
@@ -30,20 +29,7 @@ def parse_config(data: dict[str, Any], source: str, architecture: str) -> ModelC
     check_no_sliding_window(data, source)
     fields = common_fields(data, source, architecture=architecture, family="qwen3_moe")
     return MoeConfig(**fields | {"qk_norm": True, "mlp_bias": False},
-                     **moe_fields(data, source, num_experts_key="num_experts"),
-                     moe_intermediate_size=int(data["moe_intermediate_size"]),
-                     norm_topk_prob=bool(data.get("norm_topk_prob", False)))
-
-
-def feed_forward_targets(targets: TargetMap, config: ModelConfig, layer_index: int, ours: str,
-                         theirs: str) -> None:
-    assert isinstance(config, MoeConfig)
-    if not config.is_moe_layer(layer_index):
-        mlp_targets(targets, theirs + "mlp.", ours + "mlp.", config.intermediate_size, False)
-        return
-    targets.whole(theirs + "mlp.gate.weight", ours + "mlp.gate.weight")
-    expert_targets(targets, ours + "mlp.", theirs + "mlp.experts.", config.num_experts,
-                   config.moe_intermediate_size, ("gate_proj", "up_proj", "down_proj"))
+                     **qwen_moe_fields(data, source))
 
 
 FAMILY = register_family(ModelFamily(
@@ -51,6 +37,6 @@ FAMILY = register_family(ModelFamily(
     architectures=("Qwen3MoeForCausalLM",),
     parse_config=parse_config,
     feed_forward=moe_or_mlp,
-    feed_forward_targets=feed_forward_targets,
+    feed_forward_targets=moe_or_mlp_targets,
     model_types={"qwen3_moe": "Qwen3MoeForCausalLM"},
 ))

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from trio_llm.gpu.models.config import ModelConfig, MoeConfig
 from trio_llm.gpu.tensor_parallel import TensorParallel
 
 
@@ -146,18 +147,49 @@ def bias_suffixes(has_bias: bool) -> tuple[str, ...]:
     return ("weight", "bias") if has_bias else ("weight",)
 
 
-def expert_targets(targets: TargetMap, ours: str, theirs: str, num_experts: int,
-                   intermediate_size: int, names: tuple[str, str, str]) -> None:
-    """Every expert's checkpoint tensors ``theirs`` + ``{expert}.{gate}``, ``{up}``,
+INTERMEDIATE = "the intermediate size"
+
+
+def mlp_targets(targets: TargetMap, hidden_prefix: str, ours: str, intermediate_size: int,
+                has_bias: bool) -> None:
+    """A SwiGLU MLP's checkpoint tensors ``hidden_prefix`` + gate_proj, up_proj (fused into
+    ``ours`` + gate_up_proj, each split by rows) and down_proj (split by columns)."""
+    gate_up_parts = [("gate_proj", intermediate_size, INTERMEDIATE),
+                     ("up_proj", intermediate_size, INTERMEDIATE)]
+    for suffix in bias_suffixes(has_bias):
+        targets.column_parallel(hidden_prefix, ours + f"gate_up_proj.{suffix}", gate_up_parts,
+                                suffix)
+        targets.row_parallel(hidden_prefix + f"down_proj.{suffix}", ours + f"down_proj.{suffix}",
+                             intermediate_size, INTERMEDIATE)
+
+
+def moe_block_targets(targets: TargetMap, ours: str, theirs: str, num_experts: int,
+                      intermediate_size: int, names: tuple[str, str, str]) -> None:
+    """An MoE block's checkpoint tensors: the router ``theirs`` + gate.weight into ``ours``
+    + gate.weight, and every expert's ``theirs`` + ``experts.{expert}.{gate}``, ``{up}``,
     ``{down}`` (``names``) into the stacked ``ours`` + experts_gate_up (gate rows, then
     up rows, each this rank's slice of ``intermediate_size``) and experts_down (its
     columns)."""
+    targets.whole(theirs + "gate.weight", ours + "gate.weight")
     what = "the experts' intermediate size"
     gate, up, down = names
     for expert in range(num_experts):
-        prefix = f"{theirs}{expert}."
+        prefix = f"{theirs}experts.{expert}."
         targets.column_parallel(prefix, ours + "experts_gate_up",
                                 [(gate, intermediate_size, what), (up, intermediate_size, what)],
                                 "weight", expert=expert)
         targets.row_parallel(f"{prefix}{down}.weight", ours + "experts_down", intermediate_size,
                              what, expert=expert)
+
+
+def moe_or_mlp_targets(targets: TargetMap, config: ModelConfig, layer_index: int, ours: str,
+                       theirs: str) -> None:
+    """Layer ``layer_index``'s feed-forward tensors (``mlp.``) in the Qwen MoE families:
+    the router and experts, or a dense MLP where the config says so (what
+    gpu/layers/moe.py's ``moe_or_mlp`` builds)."""
+    assert isinstance(config, MoeConfig)
+    if not config.is_moe_layer(layer_index):
+        mlp_targets(targets, theirs + "mlp.", ours + "mlp.", config.intermediate_size, False)
+        return
+    moe_block_targets(targets, ours + "mlp.", theirs + "mlp.", config.num_experts,
+                      config.moe_intermediate_size, ("gate_proj", "up_proj", "down_proj"))
