@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from cuda_timing import event_times_ms
 
 from trio_llm.gpu.kernels import fp8_gemm, triton_gemv
 from trio_llm.gpu.quantization import Fp8Weight, quantize_blocks, quantize_rows
@@ -55,15 +56,7 @@ def device_microseconds(run: Callable[[], object], *, repeats: int = 50) -> floa
         started = time.perf_counter()
         run()
         return 1e6 * (time.perf_counter() - started)
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(1000 * start.elapsed_time(end))
-    return statistics.median(times)
+    return 1000 * statistics.median(event_times_ms(run, repeats))
 
 
 def measure(num_out: int, num_in: int, num_rows: int, device: torch.device) -> dict[str, float]:
