@@ -10,9 +10,10 @@ the code (varlen_config, gemv_config, fused_moe's CONFIGS and tuned tables, ...)
 
 The compiles run in two child processes without TRITON_INTERPRET (conftest.py turns
 the interpreter on for this process, and an interpreted kernel cannot be compiled);
-Triton's on-disk cache makes a second run fast. What this cannot see: timing,
-numerics on the device, register spills' cost, and anything decided by the driver at
-load time other than the shared-memory budget checked here.
+Triton's on-disk cache makes a second run fast. Checked: the compile, the shared
+memory (227 KiB a block) and the registers of a block (64K, from cuobjdump). What
+this cannot see: timing, numerics on the device, what register spills cost, and the
+driver's other load-time checks.
 """
 
 from __future__ import annotations
@@ -34,11 +35,16 @@ triton = pytest.importorskip("triton")
 
 # The H200's (and H100's) largest shared memory of one block, opted in: 227 KiB.
 SHARED_MEMORY_LIMIT = 232_448
-PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+NVIDIA_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+PTXAS = NVIDIA_BIN / "ptxas"
+# A block's registers (64K of 32 bits on sm_90): registers a thread x threads must fit.
+REGISTERS_PER_BLOCK = 65_536
 MODELS = ("qwen3-0.6b", "qwen3-8b", "qwen3-30b-a3b", "qwen3.5-27b", "qwen3.5-35b-a3b")
 # The H200's SM count, for decode_num_splits' rule (the split count is a constexpr).
 H200_SMS = 132
 NUM_CHILDREN = 2
+# The models of the PDL experiment's device runs (benchmarks/device_run.sh decode-pdl-*).
+PDL_MODELS = ("qwen3-8b", "qwen3-30b-a3b")
 META = torch.device("meta")
 BF16 = torch.bfloat16
 E4M3 = torch.float8_e4m3fn
@@ -284,6 +290,23 @@ def _linear_attention(model: str) -> None:
     linear.gated_rms_norm(x, x, _empty(value_dim), 1e-6)
 
 
+def _pdl(model: str) -> None:
+    """With TRIO_LLM_PDL=1 on the device (benchmarks/device_run.sh decode-pdl-*): the
+    norms that signal their dependents and the GEMVs that wait for them."""
+    from trio_llm.gpu.kernels import triton_gemv, triton_layers
+
+    hidden = _config(model)["hidden_size"]
+    originals = triton_gemv.pdl_enabled, triton_layers.pdl_enabled
+    triton_gemv.pdl_enabled = triton_layers.pdl_enabled = lambda device: True  # type: ignore
+    try:
+        x, weight = _empty(1, hidden), _empty(hidden)
+        triton_layers.rms_norm(x, weight, 1e-6)
+        triton_layers.add_rms_norm(x, x, weight, 1e-6)
+        _gemv(model)
+    finally:
+        triton_gemv.pdl_enabled, triton_layers.pdl_enabled = originals  # type: ignore
+
+
 def _scenarios() -> dict[str, Callable[[], None]]:
     """Scenario id -> a call of the project's wrappers; a failure names the id."""
     from functools import partial
@@ -297,6 +320,8 @@ def _scenarios() -> dict[str, Callable[[], None]]:
         if "num_experts" in config:
             scenarios[f"fused-moe-bf16[{model}]"] = partial(_fused_moe, model, BF16)
             scenarios[f"fused-moe-fp8[{model}]"] = partial(_fused_moe, model, E4M3)
+        if model in PDL_MODELS:
+            scenarios[f"pdl[{model}]"] = partial(_pdl, model)
         if _is_hybrid(config):
             scenarios[f"linear-attention[{model}]"] = partial(_linear_attention, model)
     scenarios[PAST_BUG] = _large_varlen_tile_at_head_dim_256
@@ -353,6 +378,7 @@ def _compile_scenarios(names: list[str]) -> dict[str, list[dict[str, Any]]]:
                 binary = triton.compile(ASTSource(kernel, signature, constexprs, attrs),
                                         target=target, options=options.__dict__)
                 record["shared"] = binary.metadata.shared
+                record |= _resource_usage(binary.asm["cubin"])
             except Exception as error:  # a compile error is the finding itself
                 record["error"] = f"{type(error).__name__}: {error}"[:2000]
             compiled[key] = record
@@ -370,6 +396,27 @@ def _compile_scenarios(names: list[str]) -> dict[str, list[dict[str, Any]]]:
                              "error": f"{type(error).__name__}: {error}"[:2000]})
         results[name] = launches
     return results
+
+
+def _resource_usage(cubin: bytes) -> dict[str, int]:
+    """Registers a thread, stack and local memory (spills) from cuobjdump, which the wheel
+    ships beside ptxas ({} where it is missing)."""
+    import re
+    import tempfile
+
+    cuobjdump = NVIDIA_BIN / "cuobjdump"
+    if not cuobjdump.is_file():
+        return {}
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
+        file.write(cubin)
+        file.flush()
+        report = subprocess.run([str(cuobjdump), "--dump-resource-usage", file.name],
+                                capture_output=True, text=True, check=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", report)
+    if found is None:
+        return {}
+    registers, stack, local = map(int, found.groups())
+    return {"registers": registers, "stack": stack, "local": local}
 
 
 # -- the test ------------------------------------------------------------------------------
@@ -400,7 +447,7 @@ def sm90_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dic
 def _describe(launch: dict[str, Any]) -> str:
     constexprs = ", ".join(f"{name}={value}" for name, value in launch["constexprs"].items())
     return (f"{launch['kernel']}({constexprs}) num_warps={launch.get('num_warps')} "
-            f"num_stages={launch.get('num_stages')}")
+            f"num_stages={launch.get('num_stages')} registers={launch.get('registers')}")
 
 
 @pytest.mark.parametrize("scenario", SCENARIO_IDS)
@@ -412,6 +459,10 @@ def test_kernels_compile_for_sm90_within_shared_memory(scenario, sm90_results):
     failures += [f"{_describe(launch)}: {launch['shared']} bytes of shared memory, past "
                  f"{SHARED_MEMORY_LIMIT}" for launch in launches
                  if launch.get("shared", 0) > SHARED_MEMORY_LIMIT]
+    failures += [f"{_describe(launch)}: {launch['registers']} registers x "
+                 f"{32 * launch['num_warps']} threads, past {REGISTERS_PER_BLOCK}"
+                 for launch in launches
+                 if launch.get("registers", 0) * 32 * launch["num_warps"] > REGISTERS_PER_BLOCK]
     assert not failures, "\n".join(failures)
 
 
@@ -427,6 +478,8 @@ def test_the_check_catches_the_large_varlen_tile_at_head_dim_256(sm90_results):
 
 if __name__ == "__main__":
     started = time.monotonic()
-    output = _compile_scenarios(sys.argv[2:])
+    # (run by hand: ``env -u TRITON_INTERPRET python tests/test_sm90_compile.py OUT.json``
+    # writes every launch's shared memory, registers and stack (spills) to OUT.json)
+    output = _compile_scenarios(sys.argv[2:] or ALL_SCENARIOS)
     Path(sys.argv[1]).write_text(json.dumps(output, indent=1))
-    print(f"{len(sys.argv) - 2} scenarios in {time.monotonic() - started:.1f} s", file=sys.stderr)
+    print(f"{len(output)} scenarios in {time.monotonic() - started:.1f} s", file=sys.stderr)
