@@ -45,6 +45,9 @@ H200_SMS = 132
 NUM_CHILDREN = 2
 # The models of the PDL experiment's device runs (benchmarks/device_run.sh decode-pdl-*).
 PDL_MODELS = ("qwen3-8b", "qwen3-30b-a3b")
+# One rank's shapes of the tensor-parallel device runs (device_run.sh tp2-*); the
+# sampler sees the gathered vocabulary, as without a split.
+TP_MODELS = {"qwen3-0.6b": 2, "qwen3-8b": 2}
 META = torch.device("meta")
 BF16 = torch.bfloat16
 E4M3 = torch.float8_e4m3fn
@@ -54,9 +57,17 @@ E4M3 = torch.float8_e4m3fn
 
 
 def _config(model: str) -> dict[str, Any]:
+    """A built-in model's config.json; ``NAME,tp=N``: one rank's shard of it under tensor
+    parallelism (gpu/tensor_parallel.py: its heads, intermediate and vocabulary slices)."""
     from trio_llm.gpu.builtin import DUMMY_ONLY_CONFIGS
 
-    return DUMMY_ONLY_CONFIGS[model]
+    name, _, shard = model.partition(",tp=")
+    config = DUMMY_ONLY_CONFIGS[name]
+    if not shard:
+        return config
+    ranks = int(shard)
+    return config | {key: triton.cdiv(config[key], ranks) for key in (
+        "num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")}
 
 
 def _empty(*shape: int, dtype: torch.dtype = BF16) -> torch.Tensor:
@@ -320,6 +331,11 @@ def _scenarios() -> dict[str, Callable[[], None]]:
         if "num_experts" in config:
             scenarios[f"fused-moe-bf16[{model}]"] = partial(_fused_moe, model, BF16)
             scenarios[f"fused-moe-fp8[{model}]"] = partial(_fused_moe, model, E4M3)
+        if model in TP_MODELS:
+            shard = f"{model},tp={TP_MODELS[model]}"
+            for name, run in (("attention", _attention), ("qk-and-norms", _qk_and_norms),
+                              ("gemv", _gemv), ("fp8-gemm", _fp8_gemm)):
+                scenarios[f"{name}[{shard}]"] = partial(run, shard)
         if model in PDL_MODELS:
             scenarios[f"pdl[{model}]"] = partial(_pdl, model)
         if _is_hybrid(config):
@@ -366,8 +382,9 @@ def _compile_scenarios(names: list[str]) -> dict[str, list[dict[str, Any]]]:
         bound, specialization, options = binder(*args, **kwargs)
         options, signature, constexprs, attrs = kernel._pack_args(
             backend, kwargs, bound, specialization, options)
-        names = {(param.num,): param.name for param in kernel.params}
-        values = {names.get(path, str(path)): value for path, value in constexprs.items()}
+        param_names = {(param.num,): param.name for param in kernel.params}
+        values = {param_names.get(path, str(path)): value
+                  for path, value in constexprs.items()}
         key = repr((kernel.fn.__qualname__, signature, constexprs, attrs, options))
         if key not in compiled:
             record: dict[str, Any] = {
