@@ -8,7 +8,7 @@ compile of exactly what the launch would have compiled (Triton's own binder pick
 signature, the specialisations and the constexprs). The tile rules therefore come from
 the code (varlen_config, gemv_config, fused_moe's CONFIGS and tuned tables, ...).
 
-The compiles run in two child processes without TRITON_INTERPRET (conftest.py turns
+The compiles run in child processes (one a core) without TRITON_INTERPRET (conftest.py turns
 the interpreter on for this process, and an interpreted kernel cannot be compiled);
 Triton's on-disk cache makes a second run fast. Checked: the compile, the shared
 memory (227 KiB a block) and the registers of a block (64K, from cuobjdump). What
@@ -42,7 +42,8 @@ REGISTERS_PER_BLOCK = 65_536
 MODELS = ("qwen3-0.6b", "qwen3-8b", "qwen3-30b-a3b", "qwen3.5-27b", "qwen3.5-35b-a3b")
 # The H200's SM count, for decode_num_splits' rule (the split count is a constexpr).
 H200_SMS = 132
-NUM_CHILDREN = 2
+# Compiling processes: one a core, up to four (a cold cache is minutes of CPU).
+NUM_CHILDREN = max(1, min(4, len(os.sched_getaffinity(0))))
 # The models of the PDL experiment's device runs (benchmarks/device_run.sh decode-pdl-*).
 PDL_MODELS = ("qwen3-8b", "qwen3-30b-a3b")
 # One rank's shapes of the tensor-parallel device runs (device_run.sh tp2-*); the
