@@ -152,7 +152,8 @@ for part in "$@"; do
     kernels) run kernels 300 python3 benchmarks/kernel_bench.py ;;
     # the hybrid family: kernels against references, the model on CUDA against the CPU
     hybrid-tests) run hybrid-tests 420 python3 -m pytest -q -s -p no:cacheprovider -rs \
-             tests/test_triton_linear_attention.py tests/test_cuda_hybrid.py ;;
+             tests/test_triton_linear_attention.py tests/test_cuda_hybrid.py \
+             tests/test_state_store.py ;;
     hybrid-kernels) run hybrid-kernels 240 python3 benchmarks/hybrid_kernel_bench.py ;;
     # hybrid prefix caching on CUDA (state snapshots, decode snapshots): caching on against off
     hybrid-prefix-tests) run hybrid-prefix-tests 480 python3 -m pytest -q -s -p no:cacheprovider \

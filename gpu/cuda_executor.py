@@ -597,9 +597,9 @@ class CudaModelExecutor(ExecutorCore):
     def _copy_states(self, step: HostStep) -> None:
         """The batch's state copies, in order, on the compute stream (the current one):
         after every step launched before, before this step's forward."""
-        if step.state_copies:
+        if step.state_copies and self.state_store is not None:
             with self.compute.context(), torch.inference_mode():
-                copy_state_slots(self.state_caches, step.state_copies, self.num_state_slots)
+                copy_state_slots(self.state_store, step.state_copies)
 
     def _apply_table_updates(self, ints: Segments) -> None:
         if ints.length("update_indices"):

@@ -37,7 +37,7 @@ from trio_llm.actors.messages import (
 from trio_llm.gpu.builtin import is_dummy_only, resolve_model
 from trio_llm.gpu.loader import load_model, resolve_device, resolve_dtype
 from trio_llm.gpu.models import ModelConfig, ModelLoadError, read_model_config
-from trio_llm.gpu.models.base import AttentionMetadata, CausalLM, StateCache
+from trio_llm.gpu.models.base import AttentionMetadata, CausalLM, StateCache, StateStore
 from trio_llm.gpu.pooling import PoolingChunk, pool, pooling_chunk
 from trio_llm.gpu.request_table import RequestState, RequestTable
 from trio_llm.gpu.sampler import (
@@ -128,7 +128,9 @@ class ExecutorCore:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.num_state_slots = num_state_slots
-        self.kv_caches = model.allocate_caches(num_kv_blocks, block_size, num_state_slots)
+        # every linear-attention layer's states, slot-major (None without such layers)
+        self.state_store = model.allocate_state_store(num_state_slots)
+        self.kv_caches = model.allocate_caches(num_kv_blocks, block_size, self.state_store)
         self.state_caches = [cache for cache in self.kv_caches if isinstance(cache, StateCache)]
         self.table = RequestTable(vocab_size=self.vocab_size, device=self.device,
                                   block_size=block_size,
@@ -209,8 +211,8 @@ class ModelExecutor(ExecutorCore):
             table.register_penalties(new_request, self._token_ids_on_device)
         for scheduled in batch.requests:
             table.state(scheduled.request_id).block_ids.extend(scheduled.new_block_ids)
-        if self.state_caches:
-            copy_state_slots(self.state_caches, batch.state_copies, self.num_state_slots)
+        if self.state_store is not None:
+            copy_state_slots(self.state_store, batch.state_copies)
             self.table.check_restored_states(batch)
 
     def _token_ids_on_device(self, token_ids: list[int]) -> torch.Tensor:
@@ -285,16 +287,16 @@ class ModelExecutor(ExecutorCore):
                           self.kv_caches, metadata)
 
 
-def copy_state_slots(state_caches: list[StateCache], copies: Sequence[tuple[int, int]],
-                     num_state_slots: int) -> None:
-    """Make a batch's ``state_copies`` (source slot, destination slot), in order, in every
-    linear-attention layer's states."""
+def copy_state_slots(state_store: StateStore, copies: Sequence[tuple[int, int]]) -> None:
+    """Make a batch's ``state_copies`` (source slot, destination slot) in order (a copy
+    may read a slot an earlier one wrote): each one copy per state tensor, every
+    linear-attention layer's states at once."""
+    num_slots = state_store.num_slots
     for source, destination in copies:
-        if not (0 <= source < num_state_slots and 0 <= destination < num_state_slots):
+        if not (0 <= source < num_slots and 0 <= destination < num_slots):
             raise ValueError(f"state copy {source} -> {destination} names a slot outside "
-                             f"0..{num_state_slots - 1}")
-        for cache in state_caches:
-            cache.copy_slot(source, destination)
+                             f"0..{num_slots - 1}")
+        state_store.copy_slot(source, destination)
 
 
 @dataclass(frozen=True, slots=True)

@@ -62,7 +62,8 @@ def gated_delta_recurrence(query: torch.Tensor, key: torch.Tensor, value: torch.
                            decay: torch.Tensor, beta: torch.Tensor,
                            state: torch.Tensor) -> torch.Tensor:
     """The outputs [tokens, heads, value dim] of the recurrence over float32 CPU tensors
-    (see ``_recurrence``); ``state`` (contiguous) is updated in place."""
+    (see ``_recurrence``); ``state`` (a contiguous slot of a layer's StateCache) is
+    updated in place: ``numpy()`` shares its memory, never copies it."""
     # contiguous, as warm_up's: one compiled signature
     out = torch.empty(value.shape, dtype=torch.float32)
     inputs = [tensor.contiguous().numpy() for tensor in (query, key, value, decay, beta)]

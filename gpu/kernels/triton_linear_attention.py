@@ -7,7 +7,10 @@ kernel - 1]`` in the activations' dtype, and the recurrent state of the gated
 delta rule, ``[slots, value heads, key dim, value dim]`` in float32. A sequence
 starts from zeros when it has computed no token yet (its context length equals
 its query length) and from its slot's states otherwise; a slot below zero is a
-padding sequence's, read as zeros and never written.
+padding sequence's, read as zeros and never written. Each slot's states are
+contiguous, but the slots need not be: a layer's state cache is a view of the
+model's slot-major StateStore (gpu/layers/linear_attention.py), so every kernel
+steps between slots by the cache's ``stride(0)``.
 
 - ``causal_conv1d_varlen``: the conv1d with SiLU over a step's sequences (prefill
   chunks and decode rows packed by ``query_start_loc``), then each sequence's last
@@ -45,6 +48,13 @@ DECODE_BLOCK_VALUES = 8
 GATE_BLOCK = 256
 # fla's l2norm epsilon (transformers' l2norm: x * rsqrt(sum(x * x) + 1e-6))
 L2NORM_EPS = 1e-6
+
+
+def _slots_are_contiguous(states: torch.Tensor) -> bool:
+    """Whether each slot of ``states`` [slots, ...] is contiguous: the kernels index a
+    slot as ``slot * stride(0)`` plus an offset within it (a StateStore's layer view
+    has its slots a whole StateStore slot apart)."""
+    return states[0].is_contiguous()
 
 
 # -- causal depthwise conv1d -------------------------------------------------------------
@@ -352,7 +362,7 @@ def gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a
     kernel's: fla_gated_delta_rule.py)."""
     num_rows, key_heads, key_dim = q.shape
     _, value_heads, value_dim = v.shape
-    assert recurrent_state.dtype == torch.float32 and recurrent_state.is_contiguous()
+    assert recurrent_state.dtype == torch.float32 and _slots_are_contiguous(recurrent_state)
     assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1
     assert q.stride(1) == key_dim and k.stride(1) == key_dim and v.stride(1) == value_dim
     varlen = query_start_loc is not None
@@ -412,7 +422,7 @@ def gather_states(states: torch.Tensor, query_start_loc: torch.Tensor,
     [slots, ...]: zeros for a sequence that computed nothing yet, or a padding one."""
     num_seqs = slots.shape[0]
     slot_size = states[0].numel()
-    assert states.is_contiguous()
+    assert _slots_are_contiguous(states)
     dense = torch.empty((num_seqs, *states.shape[1:]), dtype=states.dtype, device=states.device)
     if num_seqs:
         _gather_states_kernel[(num_seqs, triton.cdiv(slot_size, STATE_BLOCK))](
@@ -426,7 +436,7 @@ def scatter_states(dense: torch.Tensor, states: torch.Tensor, slots: torch.Tenso
     sequences, slot < 0, write nothing)."""
     num_seqs = slots.shape[0]
     slot_size = states[0].numel()
-    assert states.is_contiguous() and dense.is_contiguous()
+    assert _slots_are_contiguous(states) and dense.is_contiguous()
     if num_seqs:
         _scatter_states_kernel[(num_seqs, triton.cdiv(slot_size, STATE_BLOCK))](
             dense, states, slots, states.stride(0), SLOT_SIZE=slot_size, BLOCK=STATE_BLOCK)

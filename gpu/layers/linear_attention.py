@@ -10,9 +10,11 @@ token by token; its output is normed per head, gated by ``silu(z)``
 
 What a request carries from step to step lives in its slot of the layer's
 StateCache: the conv's last ``kernel - 1`` inputs and the recurrent state
-(float32). A sequence of the step starts from zeros unless the step's metadata
-says it continues (``AttentionMetadata.continues_state``: it has computed tokens
-before), and leaves its slot holding the state after its last token.
+(float32). The layers' StateCaches are views of one StateStore, slot-major: a
+slot's states over every layer are one block, copied whole. A sequence of the
+step starts from zeros unless the step's metadata says it continues
+(``AttentionMetadata.continues_state``: it has computed tokens before), and
+leaves its slot holding the state after its last token.
 
 The CPU math is transformers' torch fallback (``torch_recurrent_gated_delta_rule``,
 ``causal_conv1d_update``), computed one sequence and one token at a time in the
@@ -59,12 +61,37 @@ L2NORM_EPS = 1e-6
 class StateCache:
     """One linear-attention layer's states, one slot per running request (or snapshot):
     ``conv`` [num_slots, conv channels, kernel - 1] in the model's dtype, ``recurrent``
-    [num_slots, value heads, key dim, value dim] in float32 (this rank's heads)."""
+    [num_slots, value heads, key dim, value dim] in float32 (this rank's heads). Views
+    of a StateStore: each slot's states are contiguous, the slots themselves a whole
+    StateStore slot apart (index by slot, or pass ``stride(0)``; never flatten)."""
 
     conv: torch.Tensor
     recurrent: torch.Tensor
 
+
+@dataclass(slots=True)
+class StateStore:
+    """Every linear-attention layer's states, slot-major: ``conv`` [num_slots, layers,
+    conv channels, kernel - 1] in the model's dtype, ``recurrent`` [num_slots, layers,
+    value heads, key dim, value dim] in float32. A slot's states over all the layers
+    are one contiguous block of each tensor, so copying a slot (a prefix-cache
+    snapshot saved or restored) is one copy per tensor, one launch on CUDA, whatever
+    the number of layers; each layer computes on its StateCache, views ``[:, layer]``."""
+
+    conv: torch.Tensor
+    recurrent: torch.Tensor
+
+    @property
+    def num_slots(self) -> int:
+        return self.conv.shape[0]
+
+    def layer_caches(self) -> list[StateCache]:
+        """The StateCache of each linear-attention layer, in layer order (views)."""
+        return [StateCache(conv=self.conv[:, index], recurrent=self.recurrent[:, index])
+                for index in range(self.conv.shape[1])]
+
     def copy_slot(self, source: int, destination: int) -> None:
+        """Slot ``source``'s states, every layer's, into slot ``destination``."""
         self.conv[destination].copy_(self.conv[source])
         self.recurrent[destination].copy_(self.recurrent[source])
 
@@ -105,13 +132,15 @@ class LinearAttentionShape:
         recurrent_entries = self.num_value_heads * self.key_head_dim * self.value_head_dim
         return conv_entries * dtype.itemsize + recurrent_entries * 4
 
-    def allocate(self, num_slots: int, *, dtype: torch.dtype,
-                 device: torch.device) -> StateCache:
-        """A StateCache of ``num_slots`` slots; zeroed, though no slot is read before a
-        step writes it (a sequence starting from scratch reads zeros)."""
-        return StateCache(
-            conv=torch.zeros(num_slots, *self.conv_state_shape, dtype=dtype, device=device),
-            recurrent=torch.zeros(num_slots, *self.recurrent_state_shape,
+    def allocate(self, num_slots: int, num_layers: int, *, dtype: torch.dtype,
+                 device: torch.device) -> StateStore:
+        """A StateStore of ``num_slots`` slots for ``num_layers`` layers of this shape;
+        zeroed, though no slot is read before a step writes it (a sequence starting
+        from scratch reads zeros)."""
+        return StateStore(
+            conv=torch.zeros(num_slots, num_layers, *self.conv_state_shape, dtype=dtype,
+                             device=device),
+            recurrent=torch.zeros(num_slots, num_layers, *self.recurrent_state_shape,
                                   dtype=torch.float32, device=device))
 
 

@@ -40,7 +40,12 @@ from trio_llm.gpu.layers.attention import AttentionMetadata, KVCache
 from trio_llm.gpu.layers.decoder import DecoderLayer
 from trio_llm.gpu.layers.fused_ops import FusedOps
 from trio_llm.gpu.layers.linear import INVARIANT_ROWS_PER_CHUNK, Linear
-from trio_llm.gpu.layers.linear_attention import GatedDeltaNet, StateCache, local_shape
+from trio_llm.gpu.layers.linear_attention import (
+    GatedDeltaNet,
+    StateCache,
+    StateStore,
+    local_shape,
+)
 from trio_llm.gpu.layers.moe import SparseMoeBlock
 from trio_llm.gpu.layers.norm import OffsetRMSNorm, RMSNorm
 from trio_llm.gpu.layers.rotary import RotaryEmbedding
@@ -49,7 +54,7 @@ from trio_llm.gpu.models.weights import Target, TargetMap, bias_suffixes
 from trio_llm.gpu.tensor_parallel import TensorParallel
 
 __all__ = ["AttentionMetadata", "CausalLM", "DecoderLayer", "KVCache", "LayerCache",
-           "ModelFamily", "StateCache", "register_family"]
+           "ModelFamily", "StateCache", "StateStore", "register_family"]
 
 # What a layer reads and writes besides its weights: the paged KV cache of an attention
 # layer, the state slots of a linear-attention one.
@@ -283,16 +288,30 @@ class CausalLM(nn.Module):
                  allocate(shape, dtype=dtype, device=self.device))
                 for _ in range(self.num_attention_layers)]
 
+    def allocate_state_store(self, num_slots: int) -> StateStore | None:
+        """Every linear-attention layer's states, ``num_slots`` slots of them, slot-major
+        (one copy moves a slot's states over all the layers); None for a model
+        without linear-attention layers."""
+        shapes = {layer.linear_attn.shape for layer in self.decoder_layers
+                  if layer.linear_attn is not None}
+        if not shapes:
+            return None
+        assert len(shapes) == 1, "every linear-attention layer has the same shape"
+        return shapes.pop().allocate(num_slots, self.num_linear_attention_layers,
+                                     dtype=self.dtype, device=self.device)
+
     def allocate_caches(self, num_blocks: int, block_size: int,
-                        num_state_slots: int) -> list[LayerCache]:
+                        state_store: StateStore | None) -> list[LayerCache]:
         """Every layer's cache, in layer order: ``allocate_kv_caches``' pair for an
-        attention layer, a StateCache of ``num_state_slots`` slots for a linear-attention
-        one (``num_state_slots`` unused by a model without them)."""
+        attention layer, its StateCache (views of ``state_store``, from
+        ``allocate_state_store``) for a linear-attention one."""
         kv_caches = iter(self.allocate_kv_caches(num_blocks, block_size))
-        return [layer.linear_attn.shape.allocate(num_state_slots, dtype=self.dtype,
-                                                 device=self.device)
-                if layer.linear_attn is not None else next(kv_caches)
-                for layer in self.decoder_layers]
+        state_caches = iter(state_store.layer_caches() if state_store is not None else [])
+        caches: list[LayerCache] = [
+            next(state_caches) if layer.linear_attn is not None else next(kv_caches)
+            for layer in self.decoder_layers]
+        assert next(state_caches, None) is None, "one StateCache per linear-attention layer"
+        return caches
 
 
 HEADS, KV_HEADS = "the number of attention heads", "the number of KV heads"
