@@ -19,8 +19,8 @@
 #   bash benchmarks/device_run.sh tp2-decode-8b
 #   bash benchmarks/device_run.sh tp2-throughput-8b
 # The MoE single stream, tuned then measured in one call (moe-tune's table is read by
-# every later part of the call through TRIO_LLM_MOE_CONFIGS; commit it from
-# $OUT/moe_configs/ to gpu/kernels/moe_configs/):
+# every later part of the call through TRIO_LLM_MOE_CONFIGS; it comes back as
+# $OUT/moe_table_*.json: commit it to gpu/kernels/moe_configs/ under its own name):
 #   bash benchmarks/device_run.sh moe-tests moe-tune decode-30b-a3b graph-profile-30b-a3b
 #   bash benchmarks/device_run.sh moe-tune-batched moe-kernel  # 64-8192 tokens, then the table
 #   bash benchmarks/device_run.sh gpu-tests decode-30b-a3b decode-pdl-30b-a3b  # PDL on, A/B
@@ -136,6 +136,8 @@ for part in "$@"; do
     moe-tune-qwen3.5-35b-a3b) run moe-tune-35b 150 python3 benchmarks/moe_kernel_bench.py --tune \
              --model qwen3.5-35b-a3b --tokens 1 2 4 8 --budget-s 100 --repeats 10 ;;
     moe-kernel) run moe-kernel 300 python3 benchmarks/moe_kernel_bench.py --graph ;;
+    # FP8 experts (per-row and 128x128 block scales) beside bf16, in graphs
+    moe-kernel-fp8) run moe-kernel-fp8 300 python3 benchmarks/moe_kernel_bench.py --graph --fp8 ;;
     graph-profile-*) run "$part" 300 python3 benchmarks/graph_profile.py --model "$(model_of "${part#graph-profile-}")" ;;
     profile-*) run "$part" 200 python3 benchmarks/step_profile.py --model "$(model_of "${part#profile-}")" ;;
     # programmatic dependent launch on (gpu/kernels/pdl.py, an experiment): beside decode-*
@@ -180,6 +182,7 @@ for part in "$@"; do
              SERVE_SECONDS=120 serve_bench "$(model_of "${part#fp8-serve-}")" fp8 --quantization fp8
              SERVE_SECONDS=120 serve_bench "$(model_of "${part#fp8-serve-}")" fp8-fp8kv \
                --quantization fp8 --kv-cache-dtype fp8 ;;
+    serve-fp8-*) serve_bench "$(model_of "${part#serve-fp8-}")" fp8 --quantization fp8 ;;
     serve-*) serve_bench "$(model_of "${part#serve-}")" ;;
     prefix-serve-*) prefix_serve_bench "$(model_of "${part#prefix-serve-}")" ;;
     # tensor parallelism 2: needs the nvidia-h200-x2 kind (NCCL; NVLS multicast off)
@@ -194,4 +197,9 @@ for part in "$@"; do
     prefix-match-*) run "$part" 300 python3 benchmarks/prefix_match.py --model "$(model_of "${part#prefix-match-}")" --load-format dummy ;;
     *) echo "unknown part $part" ;;
   esac
+done
+# A tuned table's name holds ',' and '=', which do not come back from $OUT: a copy does,
+# named with '_' (rename it to fused_moe.tuned_table_name's form to commit it).
+for table in "$OUT"/moe_configs/*.json; do
+  if [ -e "$table" ]; then cp "$table" "$OUT/moe_table_$(basename "$table" | tr ',=' '__')"; fi
 done

@@ -188,11 +188,43 @@ def bench_size(shape: MoeShape, num_tokens: int, args) -> dict:
     moe_bytes = bytes_moved(shape, layer, layer.topk_ids.unique().numel())
     traffic = {"fused": moe_bytes, "torch_loop": moe_bytes,
                "dense": bytes_moved(shape, layer, shape.top_k)}
+    if args.fp8:
+        for name, block in (("fp8_rows", None), ("fp8_blocks", (128, 128))):
+            record.update(bench_fp8(layer, block, name, args))
+            traffic[name] = moe_bytes / 2  # e4m3 experts: half the bytes (scales aside)
     for name, num_bytes in traffic.items():
         seconds = record[f"{name}_us"] * 1e-6
         record[f"{name}_tflops"] = flops(shape, num_tokens) / seconds / 1e12
         record[f"{name}_gbps"] = num_bytes / seconds / 1e9
     return record
+
+
+def bench_fp8(layer: Layer, block: tuple[int, int] | None, name: str, args) -> dict:
+    """The kernel with the layer's experts in e4m3 (one scale a row, or per ``block``):
+    its time, and its error against the reference over the dequantized experts."""
+    from trio_llm.gpu.quantization import quantize_blocks, quantize_rows
+
+    def quantize(stacked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        parts = [quantize_rows(w) if block is None else quantize_blocks(w, block)
+                 for w in stacked]
+        return (torch.stack([p.values for p in parts]), torch.stack([p.scale for p in parts]),
+                torch.stack([p.dequantize() for p in parts]).to(DTYPE))
+
+    experts = []
+    for w13, w2 in zip(layer.w13, layer.w2, strict=True):
+        (w13_values, w13_scale, w13_plain), (w2_values, w2_scale, w2_plain) = (
+            quantize(w13), quantize(w2))
+        experts.append((w13_values, w2_values, moe.ExpertScales(w13_scale, w2_scale, block)))
+    common = (layer.topk_weights, layer.topk_ids)
+    calls = [lambda e=e: moe.fused_moe(layer.hidden, e[0], e[1], *common, scales=e[2])
+             for e in experts]
+    # the last copy's e4m3 experts against the reference over its dequantized ones
+    error = relative_error(calls[-1](), moe.fused_moe_reference(
+        layer.hidden, w13_plain, w2_plain, *common))
+    if not error < TOLERANCE:
+        raise ValueError(f"{name}: relative error {error:.3g} >= {TOLERANCE}")
+    return {f"{name}_relative_error": error,
+            f"{name}_us": time_per_call(calls, graph=args.graph, repeats=args.repeats)}
 
 
 def dense_mlp(hidden, gate_up_weight, down_weight) -> torch.Tensor:
@@ -204,17 +236,19 @@ def dense_mlp(hidden, gate_up_weight, down_weight) -> torch.Tensor:
 def print_table(model: str, records: list[dict]) -> None:
     print(f"\n{model}: per call, {'CUDA graph' if ARGS.graph else 'eager'} "
           "(torch loop always eager)")
+    names = [name for name in ("fused", "torch_loop", "dense", "fp8_rows", "fp8_blocks")
+             if any(f"{name}_us" in record for record in records)]
     header = f"{'tokens':>6} {'rel.err':>8}"
-    for name in ("fused", "torch loop", "dense"):
-        header += f" | {name + ' us':>14} {'TFLOP/s':>8} {'GB/s':>7}"
+    for name in names:
+        header += f" | {name + ' us':>16} {'TFLOP/s':>8} {'GB/s':>7}"
     print(header)
     for record in records:
         if "error" in record:
             print(f"{record['tokens']:>6} failed: {record['error']}")
             continue
         line = f"{record['tokens']:>6} {record['relative_error']:8.1e}"
-        for name in ("fused", "torch_loop", "dense"):
-            line += (f" | {record[f'{name}_us']:14.1f} {record[f'{name}_tflops']:8.1f}"
+        for name in names:
+            line += (f" | {record[f'{name}_us']:16.1f} {record[f'{name}_tflops']:8.1f}"
                      f" {record[f'{name}_gbps']:7.0f}")
         print(line)
 
@@ -456,6 +490,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=4,
                         help="weight copies cycled through (keeps the experts out of L2)")
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--fp8", action="store_true",
+                        help="also time FP8 experts (per-row and 128x128 block scales)")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="--tune: stop timing new candidates after this many seconds")
     return parser.parse_args(argv)

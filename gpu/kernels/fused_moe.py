@@ -45,7 +45,9 @@ expert's weight (128 x 128 in Qwen's FP8 releases; per output row: blocks of one
 and the whole depth). Each reduction step of every path widens its weight tile to the
 activations' dtype (exact: e4m3 values are bf16 values), multiplies it in, and scales
 the step's float32 partial product by its blocks' scales: FP8 weights, bf16 activations
-(half the weight bytes of every decode step; prefill keeps bf16 tensor cores).
+(half the weight bytes of every decode step; prefill keeps bf16 tensor cores). With
+one scale a row, the grouped GEMMs chain their MMAs unscaled and scale each sum once:
+a scale between steps would make every step wait for its MMA.
 
 The GPU path is not batch invariant (the path and tiles, hence the float32 sum
 order, depend on the token count); the batch-invariant path is the CPU one.
@@ -423,19 +425,24 @@ def _gate_up_kernel(hidden_ptr, w13_ptr, activation_ptr, sorted_rows_ptr, block_
         x = _load_rows(x_ptrs, row_mask, depth, start, HIDDEN, BLOCK_K)
         gate_weights = _load_weights(gate_ptrs, depth, start, HIDDEN, BLOCK_K)
         up_weights = _load_weights(up_ptrs, depth, start, HIDDEN, BLOCK_K)
-        if HAS_SCALES:  # e4m3 weights: widened, each step scaled by its blocks' scales
+        if HAS_SCALES and GROUP_K < HIDDEN:  # block scales: each step scaled by its own
             gate += tl.dot(x, gate_weights.to(x.dtype)) * _step_scales(
                 scale_ptr, expert, weight_rows, start, scale_expert_stride, scale_row_stride,
                 GROUP_N, GROUP_K)[None, :]
             up += tl.dot(x, up_weights.to(x.dtype)) * _step_scales(
                 scale_ptr, expert, weight_rows + INTERMEDIATE, start, scale_expert_stride,
                 scale_row_stride, GROUP_N, GROUP_K)[None, :]
-        else:
-            gate = tl.dot(x, gate_weights, gate)
-            up = tl.dot(x, up_weights, up)
+        else:  # e4m3 weights are widened (exact); one scale a row is applied after the sum
+            gate = tl.dot(x, gate_weights.to(x.dtype), gate)
+            up = tl.dot(x, up_weights.to(x.dtype), up)
         x_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
+    if HAS_SCALES and GROUP_K >= HIDDEN:  # one scale a row: the MMAs above chain unscaled
+        gate *= _step_scales(scale_ptr, expert, weight_rows, 0, scale_expert_stride,
+                             scale_row_stride, GROUP_N, GROUP_K)[None, :]
+        up *= _step_scales(scale_ptr, expert, weight_rows + INTERMEDIATE, 0,
+                           scale_expert_stride, scale_row_stride, GROUP_N, GROUP_K)[None, :]
     activated = gate * tl.sigmoid(gate) * up
     out_ptrs = activation_ptr + rows.to(tl.int64)[:, None] * INTERMEDIATE + columns[None, :]
     tl.store(out_ptrs, activated.to(activation_ptr.dtype.element_ty),
@@ -468,14 +475,17 @@ def _down_kernel(activation_ptr, w2_ptr, out_ptr, topk_weights_ptr, sorted_rows_
     for start in range(0, INTERMEDIATE, BLOCK_K):
         a = _load_rows(a_ptrs, row_mask, depth, start, INTERMEDIATE, BLOCK_K)
         w = _load_weights(w_ptrs, depth, start, INTERMEDIATE, BLOCK_K)
-        if HAS_SCALES:
+        if HAS_SCALES and GROUP_K < INTERMEDIATE:  # block scales: each step its own
             acc += tl.dot(a, w.to(a.dtype)) * _step_scales(
                 scale_ptr, expert, weight_rows, start, scale_expert_stride, scale_row_stride,
                 GROUP_N, GROUP_K)[None, :]
-        else:
-            acc = tl.dot(a, w, acc)
+        else:  # as in the gate/up kernel: a row's one scale is applied after the sum
+            acc = tl.dot(a, w.to(a.dtype), acc)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if HAS_SCALES and GROUP_K >= INTERMEDIATE:
+        acc *= _step_scales(scale_ptr, expert, weight_rows, 0, scale_expert_stride,
+                            scale_row_stride, GROUP_N, GROUP_K)[None, :]
     routing = tl.load(topk_weights_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
     acc = acc * routing[:, None]
     out_ptrs = out_ptr + rows[:, None] * HIDDEN + columns[None, :]
