@@ -26,14 +26,14 @@ bf16's, and multiplies the activations as they are (weight-only: no rounding of 
 to e4m3). Per output channel the scale multiplies each output's float32 sum; per
 128 x 128 block it multiplies the weight tile, each span of the tile by its block's
 scale (a tile and a block are powers of two, so one divides the other), which is
-``Fp8Weight.dequantize``'s product. An e4m3 tile is twice as many columns as a bf16
-one (``gemv_config``), so as many bytes are in flight. benchmarks/fp8_gemm_bench.py
-``--decode`` times it beside bf16 and the FP8 GEMMs.
+``Fp8Weight.dequantize``'s product. An e4m3 weight takes the bf16 rule's tile
+(``gemv_config``). benchmarks/fp8_gemm_bench.py ``--decode`` times it beside bf16 and
+the FP8 GEMMs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -188,7 +188,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         return out
     if x.stride(1) != 1:
         x = x.contiguous()
-    config = config or gemv_config(num_outputs, num_inputs, weight_size=weight.element_size())
+    config = config or gemv_config(num_outputs, num_inputs)
     use_pdl = pdl_enabled(x.device)
     _gemv_kernel[(triton.cdiv(num_outputs, config.block_n),)](
         x, weight, weight if weight_scale is None else weight_scale,
@@ -220,16 +220,15 @@ def _scale_layout(weight: torch.Tensor, weight_scale: torch.Tensor | None,
     return BLOCK_SCALES.value, group_n, group_k, weight_scale.stride(0)
 
 
-def gemv_config(num_outputs: int, num_inputs: int, candidate: str = DEFAULT_CANDIDATE, *,
-                weight_size: int = 2) -> GemvConfig:
-    """The launch for an [N = num_outputs, K = num_inputs] weight of ``weight_size``
-    bytes a value under one of ``CANDIDATES``; it never depends on the number of rows
-    (batch invariance). A one-byte (e4m3) weight takes K tiles twice as wide: as many
-    bytes in flight as a bfloat16 tile."""
-    config = CANDIDATES[candidate](num_outputs, num_inputs)
-    if weight_size == 1:
-        return replace(config, block_k=_block_k(num_inputs, 2 * config.block_k))
-    return config
+def gemv_config(num_outputs: int, num_inputs: int,
+                candidate: str = DEFAULT_CANDIDATE) -> GemvConfig:
+    """The launch for an [N = num_outputs, K = num_inputs] weight under one of
+    ``CANDIDATES``; it never depends on the number of rows (batch invariance), nor on
+    the weight's dtype: an e4m3 weight takes bf16's tile, half its bytes. K tiles twice
+    as wide (as many bytes in flight) were slower at qwen3-8b's shapes on an H100: the
+    four projections' GEMVs of 36 layers at one row summed to 7,604 us against 5,124
+    (benchmarks/fp8_gemm_bench.py --decode, docs/performance.md)."""
+    return CANDIDATES[candidate](num_outputs, num_inputs)
 
 
 def _block_n(num_outputs: int, widest: int) -> int:
