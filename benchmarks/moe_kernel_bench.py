@@ -218,9 +218,14 @@ def bench_fp8(layer: Layer, block: tuple[int, int] | None, name: str, args) -> d
     common = (layer.topk_weights, layer.topk_ids)
     calls = [lambda e=e: moe.fused_moe(layer.hidden, e[0], e[1], *common, scales=e[2])
              for e in experts]
-    # the last copy's e4m3 experts against the reference over its dequantized ones
+    # the last copy's e4m3 experts against the reference over its dequantized ones (the
+    # grouped path's activations in e4m3 per row and scale group, as the kernel has them)
+    w13_values, w2_values, scales = experts[-1]
+    path = moe.config_for(layer.hidden.shape[0], moe.tuned_table(w13_values))
+    groups = None if isinstance(path, moe.RowwiseConfig) else (
+        scales.groups(w13_values.shape[2])[1], scales.groups(w2_values.shape[2])[1])
     error = relative_error(calls[-1](), moe.fused_moe_reference(
-        layer.hidden, w13_plain, w2_plain, *common))
+        layer.hidden, w13_plain, w2_plain, *common, fp8_groups=groups))
     if not error < TOLERANCE:
         raise ValueError(f"{name}: relative error {error:.3g} >= {TOLERANCE}")
     return {f"{name}_relative_error": error,

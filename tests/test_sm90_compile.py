@@ -222,9 +222,10 @@ def _moe_tables(num_experts: int, hidden: int, intermediate: int,
     return entries
 
 
-def _fused_moe(model: str, dtype: torch.dtype) -> None:
+def _fused_moe(model: str, dtype: torch.dtype, block: tuple[int, int] | None = None) -> None:
     """Every configuration of the MoE tables at a token count it serves (the row-wise
-    and grouped paths, the alignment at both sizes), bf16 or FP8 (128 x 128 blocks)."""
+    and grouped paths, the alignment at both sizes), bf16 or FP8 (``block`` scales, or
+    one a row: None)."""
     from trio_llm.gpu.kernels import fused_moe, moe_routing
 
     config = _config(model)
@@ -235,11 +236,13 @@ def _fused_moe(model: str, dtype: torch.dtype) -> None:
         experts, hidden, intermediate, dtype=dtype)
     scales = None
     if dtype == E4M3:
+        rows, columns = block or (1, 0)
         scales = fused_moe.ExpertScales(
-            _empty(experts, triton.cdiv(2 * intermediate, 128), triton.cdiv(hidden, 128),
-                   dtype=torch.float32),
-            _empty(experts, triton.cdiv(hidden, 128), triton.cdiv(intermediate, 128),
-                   dtype=torch.float32), (128, 128))
+            _empty(experts, triton.cdiv(2 * intermediate, rows),
+                   triton.cdiv(hidden, columns) if block else 1, dtype=torch.float32),
+            _empty(experts, triton.cdiv(hidden, rows),
+                   triton.cdiv(intermediate, columns) if block else 1, dtype=torch.float32),
+            block)
     for max_tokens, moe_config in _moe_tables(experts, hidden, intermediate, dtype):
         tokens = min(max_tokens, 8192)
         logits = _empty(tokens, experts)
@@ -331,7 +334,8 @@ def _scenarios() -> dict[str, Callable[[], None]]:
             scenarios[f"{name}[{model}]"] = partial(run, model)
         if "num_experts" in config:
             scenarios[f"fused-moe-bf16[{model}]"] = partial(_fused_moe, model, BF16)
-            scenarios[f"fused-moe-fp8[{model}]"] = partial(_fused_moe, model, E4M3)
+            scenarios[f"fused-moe-fp8[{model}]"] = partial(_fused_moe, model, E4M3, (128, 128))
+            scenarios[f"fused-moe-fp8-rows[{model}]"] = partial(_fused_moe, model, E4M3)
         if model in TP_MODELS:
             shard = f"{model},tp={TP_MODELS[model]}"
             for name, run in (("attention", _attention), ("qk-and-norms", _qk_and_norms),

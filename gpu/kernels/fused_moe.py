@@ -42,12 +42,19 @@ many column blocks, prefill long row blocks).
 FP8 experts (an FP8 checkpoint's, or ``--quantization fp8``): ``w13`` and ``w2`` in
 e4m3 with ``ExpertScales``, one float32 scale per (row block, column block) of each
 expert's weight (128 x 128 in Qwen's FP8 releases; per output row: blocks of one row
-and the whole depth). Each reduction step of every path widens its weight tile to the
-activations' dtype (exact: e4m3 values are bf16 values), multiplies it in, and scales
-the step's float32 partial product by its blocks' scales: FP8 weights, bf16 activations
-(half the weight bytes of every decode step; prefill keeps bf16 tensor cores). With
-one scale a row, the grouped GEMMs chain their MMAs unscaled and scale each sum once:
-a scale between steps would make every step wait for its MMA.
+and the whole depth).
+
+- The row-wise path (a few tokens, bound by the weights' bytes) widens each weight
+  tile to the activations' dtype (exact: e4m3 values are bf16 values) and scales each
+  step's float32 partial sum: FP8 weights, bf16 activations, half the bytes.
+- The grouped path (bound by the tensor cores from a few hundred tokens) runs the
+  FP8 tensor cores, as the dense block GEMM does (gpu/kernels/fp8_gemm.py): each
+  GEMM's input is quantized first (``quantize_groups``: one scale per row and group
+  of the weight's scale columns; per token with one scale a row), and each step's
+  product is scaled by both scales. With one scale a row the MMAs chain unscaled and
+  each sum is scaled once (a scale between steps makes every step wait for its MMA).
+  Widened weights with bf16 tensor cores were measured before: at 8,192 tokens 1.7
+  (per row) and 3.6 (128 x 128 blocks) times bf16's time (docs/performance.md).
 
 The GPU path is not batch invariant (the path and tiles, hence the float32 sum
 order, depend on the token count); the batch-invariant path is the CPU one.
@@ -67,6 +74,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from trio_llm.gpu.kernels.fp8_gemm import quantize_groups
 
 # The alignment's planning kernel is one program that reads the routing table in
 # chunks of this many entries; up to this many rows it also places them itself,
@@ -371,6 +380,14 @@ def _step_scales(scale_ptr, expert, weight_rows, start, scale_expert_stride, sca
 
 
 @triton.jit
+def _row_scales(scale_ptr, rows, scale_row_stride, row_mask, start, GROUP_K: tl.constexpr):
+    """The e4m3 activations' scales of ``rows`` for the reduction step at ``start``, as a
+    [BLOCK_M, 1] column (0 for rows past the plan, whose values are zeros)."""
+    return tl.load(scale_ptr + rows * scale_row_stride + start // GROUP_K, mask=row_mask,
+                   other=0.0)[:, None]
+
+
+@triton.jit
 def _load_rows(ptrs, row_mask, depth, start, DEPTH: tl.constexpr, BLOCK_K: tl.constexpr):
     """A reduction step's [BLOCK_M, BLOCK_K] tile of the block's rows: rows past the plan,
     and columns past ``DEPTH`` where BLOCK_K does not divide it, read as zero."""
@@ -397,12 +414,13 @@ def _load_weights(ptrs, depth, start, DEPTH: tl.constexpr, BLOCK_K: tl.constexpr
 def _gate_up_kernel(hidden_ptr, w13_ptr, activation_ptr, sorted_rows_ptr, block_experts_ptr,
                     num_padded_ptr, num_rows, num_m_blocks, group_m, hidden_row_stride,
                     w13_expert_stride, w13_row_stride, scale_ptr, scale_expert_stride,
-                    scale_row_stride,
+                    scale_row_stride, x_scale_ptr, x_scale_row_stride,
                     TOP_K: tl.constexpr, HIDDEN: tl.constexpr, INTERMEDIATE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     HAS_SCALES: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr):
     """activation[row, n] = silu(x . gate_e[n]) * (x . up_e[n]) for one block of rows
-    (all of expert e) and BLOCK_N columns n; x is the row's token's hidden state."""
+    (all of expert e) and BLOCK_N columns n; x is the row's token's hidden state (with
+    HAS_SCALES in e4m3, one scale per token and group of GROUP_K columns)."""
     pid_m, pid_n = _tile(tl.program_id(0), num_m_blocks, tl.cdiv(INTERMEDIATE, BLOCK_N),
                          group_m)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -426,23 +444,27 @@ def _gate_up_kernel(hidden_ptr, w13_ptr, activation_ptr, sorted_rows_ptr, block_
         gate_weights = _load_weights(gate_ptrs, depth, start, HIDDEN, BLOCK_K)
         up_weights = _load_weights(up_ptrs, depth, start, HIDDEN, BLOCK_K)
         if HAS_SCALES and GROUP_K < HIDDEN:  # block scales: each step scaled by its own
-            gate += tl.dot(x, gate_weights.to(x.dtype)) * _step_scales(
+            x_scale = _row_scales(x_scale_ptr, tokens, x_scale_row_stride, row_mask, start,
+                                  GROUP_K)
+            gate += tl.dot(x, gate_weights) * x_scale * _step_scales(
                 scale_ptr, expert, weight_rows, start, scale_expert_stride, scale_row_stride,
                 GROUP_N, GROUP_K)[None, :]
-            up += tl.dot(x, up_weights.to(x.dtype)) * _step_scales(
+            up += tl.dot(x, up_weights) * x_scale * _step_scales(
                 scale_ptr, expert, weight_rows + INTERMEDIATE, start, scale_expert_stride,
                 scale_row_stride, GROUP_N, GROUP_K)[None, :]
-        else:  # e4m3 weights are widened (exact); one scale a row is applied after the sum
-            gate = tl.dot(x, gate_weights.to(x.dtype), gate)
-            up = tl.dot(x, up_weights.to(x.dtype), up)
+        else:  # bf16, or e4m3 with one scale a row (and a token): scaled after the sum
+            gate = tl.dot(x, gate_weights, gate)
+            up = tl.dot(x, up_weights, up)
         x_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
-    if HAS_SCALES and GROUP_K >= HIDDEN:  # one scale a row: the MMAs above chain unscaled
-        gate *= _step_scales(scale_ptr, expert, weight_rows, 0, scale_expert_stride,
-                             scale_row_stride, GROUP_N, GROUP_K)[None, :]
-        up *= _step_scales(scale_ptr, expert, weight_rows + INTERMEDIATE, 0,
-                           scale_expert_stride, scale_row_stride, GROUP_N, GROUP_K)[None, :]
+    if HAS_SCALES and GROUP_K >= HIDDEN:  # the MMAs above chained unscaled
+        x_scale = _row_scales(x_scale_ptr, tokens, x_scale_row_stride, row_mask, 0, GROUP_K)
+        gate *= x_scale * _step_scales(scale_ptr, expert, weight_rows, 0, scale_expert_stride,
+                                       scale_row_stride, GROUP_N, GROUP_K)[None, :]
+        up *= x_scale * _step_scales(scale_ptr, expert, weight_rows + INTERMEDIATE, 0,
+                                     scale_expert_stride, scale_row_stride, GROUP_N,
+                                     GROUP_K)[None, :]
     activated = gate * tl.sigmoid(gate) * up
     out_ptrs = activation_ptr + rows.to(tl.int64)[:, None] * INTERMEDIATE + columns[None, :]
     tl.store(out_ptrs, activated.to(activation_ptr.dtype.element_ty),
@@ -453,12 +475,13 @@ def _gate_up_kernel(hidden_ptr, w13_ptr, activation_ptr, sorted_rows_ptr, block_
 def _down_kernel(activation_ptr, w2_ptr, out_ptr, topk_weights_ptr, sorted_rows_ptr,
                  block_experts_ptr, num_padded_ptr, num_rows, num_m_blocks, group_m,
                  w2_expert_stride, w2_row_stride, scale_ptr, scale_expert_stride,
-                 scale_row_stride,
+                 scale_row_stride, a_scale_ptr, a_scale_row_stride,
                  HIDDEN: tl.constexpr, INTERMEDIATE: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SCALES: tl.constexpr,
                  GROUP_N: tl.constexpr, GROUP_K: tl.constexpr):
     """out[row, n] = weight[row] * (activation[row] . down_e[n]) for one block of rows
-    (all of expert e) and BLOCK_N hidden columns n."""
+    (all of expert e) and BLOCK_N hidden columns n (with HAS_SCALES the activation in
+    e4m3, one scale per row and group of GROUP_K columns)."""
     pid_m, pid_n = _tile(tl.program_id(0), num_m_blocks, tl.cdiv(HIDDEN, BLOCK_N), group_m)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
@@ -476,16 +499,19 @@ def _down_kernel(activation_ptr, w2_ptr, out_ptr, topk_weights_ptr, sorted_rows_
         a = _load_rows(a_ptrs, row_mask, depth, start, INTERMEDIATE, BLOCK_K)
         w = _load_weights(w_ptrs, depth, start, INTERMEDIATE, BLOCK_K)
         if HAS_SCALES and GROUP_K < INTERMEDIATE:  # block scales: each step its own
-            acc += tl.dot(a, w.to(a.dtype)) * _step_scales(
+            acc += tl.dot(a, w) * _row_scales(
+                a_scale_ptr, rows, a_scale_row_stride, row_mask, start, GROUP_K) * _step_scales(
                 scale_ptr, expert, weight_rows, start, scale_expert_stride, scale_row_stride,
                 GROUP_N, GROUP_K)[None, :]
-        else:  # as in the gate/up kernel: a row's one scale is applied after the sum
-            acc = tl.dot(a, w.to(a.dtype), acc)
+        else:  # as in the gate/up kernel: one scale a row, applied after the sum
+            acc = tl.dot(a, w, acc)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if HAS_SCALES and GROUP_K >= INTERMEDIATE:
-        acc *= _step_scales(scale_ptr, expert, weight_rows, 0, scale_expert_stride,
-                            scale_row_stride, GROUP_N, GROUP_K)[None, :]
+        acc *= _row_scales(a_scale_ptr, rows, a_scale_row_stride, row_mask, 0,
+                           GROUP_K) * _step_scales(scale_ptr, expert, weight_rows, 0,
+                                                   scale_expert_stride, scale_row_stride,
+                                                   GROUP_N, GROUP_K)[None, :]
     routing = tl.load(topk_weights_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
     acc = acc * routing[:, None]
     out_ptrs = out_ptr + rows[:, None] * HIDDEN + columns[None, :]
@@ -710,11 +736,13 @@ def launch_gate_up(hidden: torch.Tensor, w13: torch.Tensor, activation: torch.Te
     num_rows, intermediate = activation.shape
     tile = config.gate_up
     grid = (plan.num_blocks * triton.cdiv(intermediate, tile.block_n),)
+    hidden, hidden_scales = _fp8_activations(hidden, w13, scales)
     _gate_up_kernel[grid](
         hidden, w13, activation, plan.sorted_rows, plan.block_experts, plan.num_padded_rows,
         num_rows, plan.num_blocks, config.group_m, hidden.stride(0), w13.stride(0),
         w13.stride(1), *_scale_arguments(w13, scales.w13 if scales else None, scales)[:3],
-        TOP_K=top_k, HIDDEN=hidden.shape[1], INTERMEDIATE=intermediate,
+        hidden_scales, hidden_scales.stride(0), TOP_K=top_k, HIDDEN=hidden.shape[1],
+        INTERMEDIATE=intermediate,
         BLOCK_M=plan.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         **_scale_flags(w13, scales), num_warps=tile.num_warps, num_stages=tile.num_stages)
 
@@ -726,13 +754,26 @@ def launch_down(activation: torch.Tensor, w2: torch.Tensor, per_slot: torch.Tens
     num_rows, hidden_size = per_slot.shape
     tile = config.down
     grid = (plan.num_blocks * triton.cdiv(hidden_size, tile.block_n),)
+    intermediate = activation.shape[1]
+    activation, activation_scales = _fp8_activations(activation, w2, scales)
     _down_kernel[grid](
         activation, w2, per_slot, topk_weights, plan.sorted_rows, plan.block_experts,
         plan.num_padded_rows, num_rows, plan.num_blocks, config.group_m, w2.stride(0),
         w2.stride(1), *_scale_arguments(w2, scales.w2 if scales else None, scales)[:3],
-        HIDDEN=hidden_size, INTERMEDIATE=activation.shape[1],
+        activation_scales, activation_scales.stride(0), HIDDEN=hidden_size,
+        INTERMEDIATE=intermediate,
         BLOCK_M=plan.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         **_scale_flags(w2, scales), num_warps=tile.num_warps, num_stages=tile.num_stages)
+
+
+def _fp8_activations(x: torch.Tensor, weight: torch.Tensor, scales: ExpertScales | None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A grouped GEMM's input [rows, depth] for ``weight``: with FP8 experts in e4m3,
+    one scale per row and group of the weight's scale columns (per token for per-row
+    scales), and the scales; else ``x`` as it is (and ``x`` again, unread)."""
+    if scales is None:
+        return x, x
+    return quantize_groups(x, scales.groups(weight.shape[2])[1])
 
 
 def dequantized_experts(w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScales,
@@ -747,13 +788,19 @@ def dequantized_experts(w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScale
 
 
 def fused_moe_reference(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                        topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+                        topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
+                        fp8_groups: tuple[int, int] | None = None) -> torch.Tensor:
     """``fused_moe`` as a per-expert loop of float32 torch (it synchronises with the
     host). The activation is rounded to the input dtype, where the kernel hands it
-    from one GEMM to the next; everything else stays in float32 until the output."""
+    from one GEMM to the next; everything else stays in float32 until the output.
+    ``fp8_groups`` (hidden's, the activation's): each GEMM's input goes through e4m3
+    with one scale per row and group of that many columns first, as the grouped path
+    of FP8 experts computes (the weights given here are the dequantized ones)."""
     _check_inputs(hidden, w13, w2, topk_weights, topk_ids)
     intermediate = w13.shape[1] // 2
     x = hidden.float()
+    if fp8_groups is not None:
+        x = _through_e4m3(x, fp8_groups[0])
     out = torch.zeros(x.shape, dtype=torch.float32, device=hidden.device)
     for expert in range(w13.shape[0]):
         tokens, slots = torch.where(topk_ids == expert)
@@ -762,6 +809,17 @@ def fused_moe_reference(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tenso
         gate_up = x[tokens] @ w13[expert].float().T
         gate, up = gate_up[:, :intermediate], gate_up[:, intermediate:]
         activated = (F.silu(gate) * up).to(hidden.dtype).float()
+        if fp8_groups is not None:
+            activated = _through_e4m3(activated, fp8_groups[1])
         expert_out = activated @ w2[expert].float().T
         out.index_add_(0, tokens, expert_out * topk_weights[tokens, slots, None].float())
     return out.to(hidden.dtype)
+
+
+def _through_e4m3(x: torch.Tensor, group: int) -> torch.Tensor:
+    """float32 ``x`` [rows, columns] quantized to e4m3 per row and group of ``group``
+    columns, and back: by the grouped path's own quantizer (whose bits are
+    ``quantize_row_groups``'s on CUDA, tests/test_fp8_gemm.py; Triton's interpreter
+    rounds some values to e4m3 without the carry into the exponent)."""
+    values, scales = quantize_groups(x, group)
+    return values.float() * scales.repeat_interleave(group, 1)[:, :x.shape[1]]
