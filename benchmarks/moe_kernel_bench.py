@@ -38,11 +38,16 @@ and Triton's cache keeps them for a later call.
 
     python benchmarks/moe_kernel_bench.py --tune --tokens 1 2 4 8 --budget-s 270
     python benchmarks/moe_kernel_bench.py --tune --tokens 64 256 1024 8192 --budget-s 500
+
+``--fp8`` adds FP8 experts (per-row and 128 x 128 block scales) to the timed table;
+with ``--tune`` it tunes FP8 experts (per-row scales, as ``--quantization fp8`` makes
+them) instead, into the table fused_moe reads for e4m3 experts (``dtype=float8_e4m3fn``).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import itertools
 import json
@@ -54,6 +59,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -61,6 +67,9 @@ import triton
 from cuda_timing import event_times_ms
 
 from trio_llm.gpu.kernels import fused_moe as moe
+from trio_llm.gpu.quantization import E4M3
+
+MoeConfigT = TypeVar("MoeConfigT", moe.RowwiseConfig, moe.GroupedConfig)
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,33 +208,49 @@ def bench_size(shape: MoeShape, num_tokens: int, args) -> dict:
     return record
 
 
+Experts = tuple[torch.Tensor, torch.Tensor, moe.ExpertScales | None]
+
+
+def fp8_experts(layer: Layer, block: tuple[int, int] | None) -> list[Experts]:
+    """Each copy of the layer's experts in e4m3 (one scale a row, or per ``block``)."""
+    from trio_llm.gpu.quantization import quantize_blocks, quantize_rows
+
+    def quantize(stacked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        parts = [quantize_rows(w) if block is None else quantize_blocks(w, block)
+                 for w in stacked]
+        return torch.stack([p.values for p in parts]), torch.stack([p.scale for p in parts])
+
+    experts: list[Experts] = []
+    for w13, w2 in zip(layer.w13, layer.w2, strict=True):
+        (w13_values, w13_scale), (w2_values, w2_scale) = quantize(w13), quantize(w2)
+        experts.append((w13_values, w2_values, moe.ExpertScales(w13_scale, w2_scale, block)))
+    return experts
+
+
+def fp8_error(layer: Layer, experts: Experts, config: moe.MoeConfig) -> float:
+    """The kernel's relative error with e4m3 ``experts`` under ``config`` against the
+    reference over the dequantized experts (the grouped path's inputs in e4m3 per row
+    and scale group, as the kernel has them)."""
+    w13, w2, scales = experts
+    assert scales is not None
+    common = (layer.topk_weights, layer.topk_ids)
+    out = moe.fused_moe(layer.hidden, w13, w2, *common, config=config, scales=scales)
+    w13_plain, w2_plain = moe.dequantized_experts(w13, w2, scales, DTYPE)
+    groups = None if isinstance(config, moe.RowwiseConfig) else (
+        scales.groups(w13.shape[2])[1], scales.groups(w2.shape[2])[1])
+    return relative_error(out, moe.fused_moe_reference(layer.hidden, w13_plain, w2_plain,
+                                                       *common, fp8_groups=groups))
+
+
 def bench_fp8(layer: Layer, block: tuple[int, int] | None, name: str, args) -> dict:
     """The kernel with the layer's experts in e4m3 (one scale a row, or per ``block``):
     its time, and its error against the reference over the dequantized experts."""
-    from trio_llm.gpu.quantization import quantize_blocks, quantize_rows
-
-    def quantize(stacked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        parts = [quantize_rows(w) if block is None else quantize_blocks(w, block)
-                 for w in stacked]
-        return (torch.stack([p.values for p in parts]), torch.stack([p.scale for p in parts]),
-                torch.stack([p.dequantize() for p in parts]).to(DTYPE))
-
-    experts = []
-    for w13, w2 in zip(layer.w13, layer.w2, strict=True):
-        (w13_values, w13_scale, w13_plain), (w2_values, w2_scale, w2_plain) = (
-            quantize(w13), quantize(w2))
-        experts.append((w13_values, w2_values, moe.ExpertScales(w13_scale, w2_scale, block)))
+    experts = fp8_experts(layer, block)
     common = (layer.topk_weights, layer.topk_ids)
     calls = [lambda e=e: moe.fused_moe(layer.hidden, e[0], e[1], *common, scales=e[2])
              for e in experts]
-    # the last copy's e4m3 experts against the reference over its dequantized ones (the
-    # grouped path's activations in e4m3 per row and scale group, as the kernel has them)
-    w13_values, w2_values, scales = experts[-1]
-    path = moe.config_for(layer.hidden.shape[0], moe.tuned_table(w13_values))
-    groups = None if isinstance(path, moe.RowwiseConfig) else (
-        scales.groups(w13_values.shape[2])[1], scales.groups(w2_values.shape[2])[1])
-    error = relative_error(calls[-1](), moe.fused_moe_reference(
-        layer.hidden, w13_plain, w2_plain, *common, fp8_groups=groups))
+    config = moe.config_for(layer.hidden.shape[0], moe.tuned_table(experts[0][0]))
+    error = fp8_error(layer, experts[-1], config)
     if not error < TOLERANCE:
         raise ValueError(f"{name}: relative error {error:.3g} >= {TOLERANCE}")
     return {f"{name}_relative_error": error,
@@ -298,19 +323,32 @@ FEW_ROWS_TILES = [moe.GemmConfig(n, k, 4, stages) for n, k, stages in
                   itertools.product((32, 64), (128, 256), (3, 4))]
 
 
-def tile_candidates(gemm: str, block_m: int, few_rows: bool = False) -> list[moe.GemmConfig]:
-    """The grouped tiles worth compiling: their pipelined operands fit in shared memory
-    and their float32 accumulators (two for gate/up) in the registers of their warps."""
+def tile_candidates(gemm: str, block_m: int, few_rows: bool = False,
+                    fp8: bool = False) -> list[moe.GemmConfig]:
+    """The grouped tiles worth compiling: their pipelined operands (one byte a value
+    with FP8 experts: e4m3 inputs too) fit in shared memory and their float32
+    accumulators (two for gate/up) in the registers of their warps."""
     num_weight_tiles = 2 if gemm == "gate_up" else 1
     fitting = []
     tiles = FEW_ROWS_TILES if few_rows else DECODE_TILES if block_m <= 32 else PREFILL_TILES
     for tile in tiles:
-        operand_bytes = 2 * tile.block_k * (block_m + num_weight_tiles * tile.block_n)
+        operand_bytes = ((1 if fp8 else 2) * tile.block_k
+                         * (block_m + num_weight_tiles * tile.block_n))
         accumulators = num_weight_tiles * block_m * tile.block_n
         if (operand_bytes * tile.num_stages <= SHARED_MEMORY
                 and accumulators <= 128 * tile.num_warps * 32):
             fitting.append(tile)
     return fitting
+
+
+def fitting(config: MoeConfigT, experts: Experts) -> MoeConfigT:
+    """``config`` as fused_moe runs it for ``experts`` (FP8 block scales bound the
+    reduction step: ExpertScales.tile)."""
+    w13, w2, scales = experts
+    if scales is None:
+        return config
+    return dataclasses.replace(config, gate_up=scales.tile(config.gate_up, w13.shape[2]),
+                               down=scales.tile(config.down, w2.shape[2]))
 
 
 class Budget:
@@ -343,6 +381,7 @@ class Tuning:
 
     shape: MoeShape
     layer: Layer
+    experts: list[Experts]  # the layer's copies as the kernel takes them (FP8: --fp8)
     activation: torch.Tensor
     per_slot: torch.Tensor
     out: torch.Tensor
@@ -358,8 +397,8 @@ class Tuning:
         """The row-wise path (its two launches are all of it): the gate/up tile swept
         under a fixed down tile, then the down tile under the best gate/up one."""
         def both(config: moe.RowwiseConfig) -> list[Callable[[], object]]:
-            return [functools.partial(self.launch_rowwise, w13, w2, config)
-                    for w13, w2 in zip(self.layer.w13, self.layer.w2, strict=True)]
+            return [functools.partial(self.launch_rowwise, experts, config)
+                    for experts in self.experts]
 
         default = moe.CONFIGS[0][1]
         assert isinstance(default, moe.RowwiseConfig)
@@ -373,11 +412,10 @@ class Tuning:
         print(f"  row-wise: {total:.1f} us", flush=True)
         return total, moe.RowwiseConfig(gate_up_tile, down_tile)
 
-    def launch_rowwise(self, w13: torch.Tensor, w2: torch.Tensor,
-                       config: moe.RowwiseConfig) -> None:
-        layer = self.layer
+    def launch_rowwise(self, experts: Experts, config: moe.RowwiseConfig) -> None:
+        layer, (w13, w2, scales) = self.layer, experts
         moe.launch_rowwise(layer.hidden, w13, w2, layer.topk_weights, layer.topk_ids,
-                           self.activation, self.out, config)
+                           self.activation, self.out, fitting(config, experts), scales)
 
     def grouped(self, block_m: int, group_m: int) -> tuple[float, moe.MoeConfig]:
         """Each GEMM timed alone over the alignment for ``block_m``, plus the alignment
@@ -387,17 +425,21 @@ class Tuning:
         def gate_up(tile: moe.GemmConfig) -> list[Callable[[], object]]:
             config = moe.GroupedConfig(block_m, group_m, tile, tile)
             return [functools.partial(moe.launch_gate_up, layer.hidden, w13, self.activation,
-                                      plan, self.shape.top_k, config) for w13 in layer.w13]
+                                      plan, self.shape.top_k, fitting(config, experts), scales)
+                    for experts in self.experts for w13, _, scales in [experts]]
 
         def down(tile: moe.GemmConfig) -> list[Callable[[], object]]:
             config = moe.GroupedConfig(block_m, group_m, tile, tile)
             return [functools.partial(moe.launch_down, self.activation, w2, self.per_slot,
-                                      layer.topk_weights, plan, config) for w2 in layer.w2]
+                                      layer.topk_weights, plan, fitting(config, experts),
+                                      scales)
+                    for experts in self.experts for _, w2, scales in [experts]]
 
         few_rows = self.layer.topk_ids.numel() <= self.shape.num_experts
+        fp8 = self.experts[0][2] is not None
         gate_up_us, gate_up_tile = self.fastest(
-            gate_up, tile_candidates("gate_up", block_m, few_rows))
-        down_us, down_tile = self.fastest(down, tile_candidates("down", block_m, few_rows))
+            gate_up, tile_candidates("gate_up", block_m, few_rows, fp8))
+        down_us, down_tile = self.fastest(down, tile_candidates("down", block_m, few_rows, fp8))
         overhead_us = time_launches([self.align_and_sum_for(block_m)], self.repeats)
         print(f"  block_m {block_m} group_m {group_m}: gate/up {gate_up_us:.1f} us, down "
               f"{down_us:.1f} us, alignment and sum {overhead_us:.1f} us", flush=True)
@@ -419,8 +461,11 @@ def tune_size(shape: MoeShape, num_tokens: int, args) -> dict:
     against the grouped one at each BLOCK_M and group size."""
     layer = make_layer(shape, num_tokens, args.layers)
     num_rows = num_tokens * shape.top_k
+    experts: list[Experts] = (fp8_experts(layer, None) if args.fp8 else
+                              [(w13, w2, None) for w13, w2 in zip(layer.w13, layer.w2,
+                                                                  strict=True)])
     tuning = Tuning(
-        shape, layer,
+        shape, layer, experts,
         activation=torch.randn(num_rows, shape.intermediate, device=DEVICE).to(DTYPE),
         per_slot=torch.empty(num_rows, shape.hidden, device=DEVICE, dtype=DTYPE),
         out=torch.empty(num_tokens, shape.hidden, device=DEVICE, dtype=DTYPE),
@@ -434,11 +479,14 @@ def tune_size(shape: MoeShape, num_tokens: int, args) -> dict:
     for total, config in candidates:
         print(f"  tokens {num_tokens}: {total:.1f} us {config_literal(config)}", flush=True)
     total, config = min(candidates, key=lambda candidate: candidate[0])
-    inputs = (layer.hidden, layer.w13[0], layer.w2[0], layer.topk_weights, layer.topk_ids)
-    out = moe.fused_moe(*inputs, config=config)
+    if args.fp8:
+        error = fp8_error(layer, experts[0], config)
+    else:
+        inputs = (layer.hidden, layer.w13[0], layer.w2[0], layer.topk_weights, layer.topk_ids)
+        error = relative_error(moe.fused_moe(*inputs, config=config),
+                               moe.fused_moe_reference(*inputs))
     return {"tokens": num_tokens, "layer_us": total, "config": moe.config_to_json(config),
-            "relative_error": relative_error(out, moe.fused_moe_reference(*inputs)),
-            "literal": config_literal(config)}
+            "relative_error": error, "literal": config_literal(config)}
 
 
 def config_literal(config: moe.MoeConfig) -> str:
@@ -450,11 +498,11 @@ def config_literal(config: moe.MoeConfig) -> str:
             f"{tile(config.down)})")
 
 
-def write_tuned(shape: MoeShape, tuned: list[dict]) -> Path:
+def write_tuned(shape: MoeShape, tuned: list[dict], dtype: torch.dtype) -> Path:
     """Merge the counts tuned now into the shape's tuned table (the counts tuned before,
     from the target folder or gpu/kernels/moe_configs/, stay unless re-tuned); return its
     path. A count covers the counts above the previous tuned one (fused_moe.config_for)."""
-    name = moe.tuned_table_name(shape.num_experts, shape.hidden, shape.intermediate, DTYPE,
+    name = moe.tuned_table_name(shape.num_experts, shape.hidden, shape.intermediate, dtype,
                                 torch.cuda.get_device_name())
     folder = Path(os.environ.get(moe.MOE_CONFIGS_ENV)
                   or Path(os.environ.get("OUT", ".")) / "moe_configs")
@@ -496,7 +544,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="weight copies cycled through (keeps the experts out of L2)")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--fp8", action="store_true",
-                        help="also time FP8 experts (per-row and 128x128 block scales)")
+                        help="also time FP8 experts (per-row and 128x128 block scales); "
+                        "with --tune, tune FP8 experts (per-row scales) instead of bf16")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="--tune: stop timing new candidates after this many seconds")
     return parser.parse_args(argv)
@@ -541,7 +590,8 @@ def main() -> None:
             print(f"\n{model}:")
             print_tuned(tuned)
             if tuned:
-                print(f"tuned table: {write_tuned(SHAPES[model], tuned)} (commit it to "
+                path = write_tuned(SHAPES[model], tuned, E4M3 if args.fp8 else DTYPE)
+                print(f"tuned table: {path} (commit it to "
                       f"gpu/kernels/moe_configs/); {Budget.skipped} candidates skipped "
                       "past the budget")
         else:
