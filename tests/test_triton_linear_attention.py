@@ -423,15 +423,21 @@ def test_mixed_step_replays_from_a_cuda_graph():
         return mixed_gated_delta_rule(q, k, v, a, b, a_log, dt_bias, state, query_start_loc,
                                       context_lens, slots, dim ** -0.5, MAX_CHUNKED_SEQS)
 
+    assert_replays_as_eager(step, state, (query_start_loc, context_lens, slots), layouts)
+
+
+def assert_replays_as_eager(step, state, buffers, layouts):
+    """``step`` captured once in a CUDA graph, then for each layout (values for the
+    static ``buffers``, in order) replayed from the same ``state``: the output and the
+    state the eager call gives."""
     saved = state.clone()
     step()  # compiles and autotunes outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = step()
-    for starts, contexts, seat_slots in layouts:
-        query_start_loc.copy_(ints(starts))
-        context_lens.copy_(ints(contexts))
-        slots.copy_(ints(seat_slots))
+    for layout in layouts:
+        for buffer, values in zip(buffers, layout, strict=True):
+            buffer.copy_(ints(values))
         state.copy_(saved)
         graph.replay()
         replayed, replayed_state = out.clone(), state.clone()
@@ -492,20 +498,8 @@ def test_chunked_gated_delta_rule_replays_from_a_cuda_graph():
         return chunked_gated_delta_rule(q, k, v, g, beta, state, query_start_loc,
                                         context_lens, slots, dim ** -0.5)
 
-    saved = state.clone()
-    step()  # compiles and autotunes outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
-    for starts, contexts in (([0, 5, 200, 256], [5, 200, 56]), ([0, 1, 2, 256], [4, 1, 254])):
-        query_start_loc.copy_(ints(starts))
-        context_lens.copy_(ints(contexts))
-        state.copy_(saved)
-        graph.replay()
-        replayed, replayed_state = out.clone(), state.clone()
-        state.copy_(saved)
-        eager = step()
-        assert torch.equal(replayed, eager) and torch.equal(replayed_state, state)
+    assert_replays_as_eager(step, state, (query_start_loc, context_lens), [
+        ([0, 5, 200, 256], [5, 200, 56]), ([0, 1, 2, 256], [4, 1, 254])])
 
 
 def test_decode_kernel_agrees_with_fla_fused_recurrent():
