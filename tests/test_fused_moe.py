@@ -26,6 +26,7 @@ from trio_llm.gpu.kernels.fused_moe import (  # noqa: E402
     fused_moe,
     fused_moe_reference,
     max_sorted_rows,
+    quantizes_inputs,
 )
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -34,6 +35,9 @@ TOLERANCE = 2e-2 if HAS_CUDA else 1e-5
 # The smallest tiles tl.dot takes; every block edge here cuts the test shapes unevenly.
 SMALL = GroupedConfig(block_m=16, group_m=2, gate_up=GemmConfig(16, 16, 1, 1),
                       down=GemmConfig(32, 16, 1, 1))
+# Row blocks long enough for the FP8 tensor cores (fused_moe.FP8_INPUTS_MIN_BLOCK_M).
+LONG_BLOCKS = GroupedConfig(block_m=64, group_m=1, gate_up=GemmConfig(16, 16, 1, 1),
+                            down=GemmConfig(32, 16, 1, 1))
 # Few programs (the interpreter runs each in Python), several reduction steps each.
 ROWWISE = RowwiseConfig(gate_up=GemmConfig(32, 16, 1, 1), down=GemmConfig(32, 16, 1, 1))
 PATHS = pytest.mark.parametrize("config", [SMALL, ROWWISE], ids=["grouped", "rowwise"])
@@ -289,16 +293,17 @@ def fp8_layer(layer, block):
 
 
 @pytest.mark.parametrize("block", [(16, 16), (8, 32), None], ids=["16x16", "8x32", "per-row"])
-@pytest.mark.parametrize("num_tokens,config", [(3, SMALL), (17, SMALL), (2, ROWWISE)],
-                         ids=["3-grouped", "17-grouped", "2-rowwise"])
+@pytest.mark.parametrize("num_tokens,config", [
+    (3, SMALL), (17, SMALL), (17, LONG_BLOCKS), (2, ROWWISE)],
+    ids=["3-grouped", "17-grouped", "17-grouped-fp8-inputs", "2-rowwise"])
 def test_fp8_experts_compute_their_dequantized_weights_product(block, num_tokens, config):
     """e4m3 experts with block (partial at the edges: 40 and 24 are no multiples of 16
     or 32) or per-row scales = the reference over the dequantized weights: with the
-    activations as they are on the row-wise path (weight-only), through e4m3 per row
-    and scale group on the grouped path (the FP8 tensor cores)."""
+    activations as they are on the row-wise path and in short row blocks (weight-only),
+    through e4m3 per row and scale group in long row blocks (the FP8 tensor cores)."""
     layer, scales, plain = fp8_layer(random_layer(num_tokens, 4, 2, seed=num_tokens), block)
     out = fused_moe(*layer, config=config, scales=scales)
-    if isinstance(config, RowwiseConfig):
+    if isinstance(config, RowwiseConfig) or not quantizes_inputs(config, scales):
         expected = fused_moe_reference(*plain)
     else:
         x, w13, w2 = layer[:3]
@@ -308,7 +313,7 @@ def test_fp8_experts_compute_their_dequantized_weights_product(block, num_tokens
         # reference's to the last bits (float32 on the CPU), not the weight-only one's
         assert relative_error(out, fused_moe_reference(*plain)) > 10 * relative_error(
             out, expected)
-    assert relative_error(out, expected) < (TOLERANCE if HAS_CUDA else 1e-5)
+    assert relative_error(out, expected) < TOLERANCE
     # the scales matter: the e4m3 values alone give another output
     unscaled = fused_moe(*layer, config=config, scales=dataclasses.replace(
         scales, w13=torch.ones_like(scales.w13), w2=torch.ones_like(scales.w2)))

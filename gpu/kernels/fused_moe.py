@@ -44,17 +44,20 @@ e4m3 with ``ExpertScales``, one float32 scale per (row block, column block) of e
 expert's weight (128 x 128 in Qwen's FP8 releases; per output row: blocks of one row
 and the whole depth).
 
-- The row-wise path (a few tokens, bound by the weights' bytes) widens each weight
-  tile to the activations' dtype (exact: e4m3 values are bf16 values) and scales each
-  step's float32 partial sum: FP8 weights, bf16 activations, half the bytes.
-- The grouped path (bound by the tensor cores from a few hundred tokens) runs the
-  FP8 tensor cores, as the dense block GEMM does (gpu/kernels/fp8_gemm.py): each
-  GEMM's input is quantized first (``quantize_groups``: one scale per row and group
-  of the weight's scale columns; per token with one scale a row), and each step's
-  product is scaled by both scales. With one scale a row the MMAs chain unscaled and
-  each sum is scaled once (a scale between steps makes every step wait for its MMA).
-  Widened weights with bf16 tensor cores were measured before: at 8,192 tokens 1.7
-  (per row) and 3.6 (128 x 128 blocks) times bf16's time (docs/performance.md).
+- The row-wise path (a few tokens, bound by the weights' bytes), and the grouped one
+  with short row blocks, widen each weight tile to the activations' dtype (exact:
+  e4m3 values are bf16 values) and scale each step's float32 partial sum: FP8 weights,
+  bf16 activations, half the bytes.
+- The grouped path with row blocks of ``FP8_INPUTS_MIN_BLOCK_M`` rows or more (bound
+  by the tensor cores) runs the FP8 tensor cores, as the dense block GEMM does
+  (gpu/kernels/fp8_gemm.py): each GEMM's input is quantized first (``quantize_groups``:
+  one scale per row and group of the weight's scale columns; per token with one scale
+  a row), and each step's product is scaled by both scales.
+
+With one scale a row the grouped GEMMs chain their MMAs unscaled and scale each sum
+once (a scale between steps makes every step wait for its MMA). Widened weights on
+bf16 tensor cores at every block size were measured before: at 8,192 tokens 1.7 (per
+row) and 3.6 (128 x 128 blocks) times bf16's time (docs/performance.md).
 
 The GPU path is not batch invariant (the path and tiles, hence the float32 sum
 order, depend on the token count); the batch-invariant path is the CPU one.
@@ -380,11 +383,16 @@ def _step_scales(scale_ptr, expert, weight_rows, start, scale_expert_stride, sca
 
 
 @triton.jit
-def _row_scales(scale_ptr, rows, scale_row_stride, row_mask, start, GROUP_K: tl.constexpr):
-    """The e4m3 activations' scales of ``rows`` for the reduction step at ``start``, as a
-    [BLOCK_M, 1] column (0 for rows past the plan, whose values are zeros)."""
-    return tl.load(scale_ptr + rows * scale_row_stride + start // GROUP_K, mask=row_mask,
-                   other=0.0)[:, None]
+def _row_scales(scale_ptr, rows, scale_row_stride, row_mask, start, GROUP_K: tl.constexpr,
+                FP8_INPUTS: tl.constexpr):
+    """The e4m3 inputs' scales of ``rows`` for the reduction step at ``start``, as a
+    [BLOCK_M, 1] column (0 for rows past the plan, whose values are zeros); 1 where the
+    inputs are not e4m3."""
+    scales = 1.0
+    if FP8_INPUTS:
+        scales = tl.load(scale_ptr + rows * scale_row_stride + start // GROUP_K,
+                         mask=row_mask, other=0.0)[:, None]
+    return scales
 
 
 @triton.jit
@@ -417,10 +425,11 @@ def _gate_up_kernel(hidden_ptr, w13_ptr, activation_ptr, sorted_rows_ptr, block_
                     scale_row_stride, x_scale_ptr, x_scale_row_stride,
                     TOP_K: tl.constexpr, HIDDEN: tl.constexpr, INTERMEDIATE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    HAS_SCALES: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr):
+                    HAS_SCALES: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
+                    FP8_INPUTS: tl.constexpr):
     """activation[row, n] = silu(x . gate_e[n]) * (x . up_e[n]) for one block of rows
     (all of expert e) and BLOCK_N columns n; x is the row's token's hidden state (with
-    HAS_SCALES in e4m3, one scale per token and group of GROUP_K columns)."""
+    FP8_INPUTS in e4m3, one scale per token and group of GROUP_K columns)."""
     pid_m, pid_n = _tile(tl.program_id(0), num_m_blocks, tl.cdiv(INTERMEDIATE, BLOCK_N),
                          group_m)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -445,21 +454,22 @@ def _gate_up_kernel(hidden_ptr, w13_ptr, activation_ptr, sorted_rows_ptr, block_
         up_weights = _load_weights(up_ptrs, depth, start, HIDDEN, BLOCK_K)
         if HAS_SCALES and GROUP_K < HIDDEN:  # block scales: each step scaled by its own
             x_scale = _row_scales(x_scale_ptr, tokens, x_scale_row_stride, row_mask, start,
-                                  GROUP_K)
-            gate += tl.dot(x, gate_weights) * x_scale * _step_scales(
+                                  GROUP_K, FP8_INPUTS)
+            gate += tl.dot(x, gate_weights.to(x.dtype)) * x_scale * _step_scales(
                 scale_ptr, expert, weight_rows, start, scale_expert_stride, scale_row_stride,
                 GROUP_N, GROUP_K)[None, :]
-            up += tl.dot(x, up_weights) * x_scale * _step_scales(
+            up += tl.dot(x, up_weights.to(x.dtype)) * x_scale * _step_scales(
                 scale_ptr, expert, weight_rows + INTERMEDIATE, start, scale_expert_stride,
                 scale_row_stride, GROUP_N, GROUP_K)[None, :]
         else:  # bf16, or e4m3 with one scale a row (and a token): scaled after the sum
-            gate = tl.dot(x, gate_weights, gate)
-            up = tl.dot(x, up_weights, up)
+            gate = tl.dot(x, gate_weights.to(x.dtype), gate)
+            up = tl.dot(x, up_weights.to(x.dtype), up)
         x_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
     if HAS_SCALES and GROUP_K >= HIDDEN:  # the MMAs above chained unscaled
-        x_scale = _row_scales(x_scale_ptr, tokens, x_scale_row_stride, row_mask, 0, GROUP_K)
+        x_scale = _row_scales(x_scale_ptr, tokens, x_scale_row_stride, row_mask, 0, GROUP_K,
+                              FP8_INPUTS)
         gate *= x_scale * _step_scales(scale_ptr, expert, weight_rows, 0, scale_expert_stride,
                                        scale_row_stride, GROUP_N, GROUP_K)[None, :]
         up *= x_scale * _step_scales(scale_ptr, expert, weight_rows + INTERMEDIATE, 0,
@@ -478,9 +488,9 @@ def _down_kernel(activation_ptr, w2_ptr, out_ptr, topk_weights_ptr, sorted_rows_
                  scale_row_stride, a_scale_ptr, a_scale_row_stride,
                  HIDDEN: tl.constexpr, INTERMEDIATE: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SCALES: tl.constexpr,
-                 GROUP_N: tl.constexpr, GROUP_K: tl.constexpr):
+                 GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, FP8_INPUTS: tl.constexpr):
     """out[row, n] = weight[row] * (activation[row] . down_e[n]) for one block of rows
-    (all of expert e) and BLOCK_N hidden columns n (with HAS_SCALES the activation in
+    (all of expert e) and BLOCK_N hidden columns n (with FP8_INPUTS the activation in
     e4m3, one scale per row and group of GROUP_K columns)."""
     pid_m, pid_n = _tile(tl.program_id(0), num_m_blocks, tl.cdiv(HIDDEN, BLOCK_N), group_m)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -499,17 +509,18 @@ def _down_kernel(activation_ptr, w2_ptr, out_ptr, topk_weights_ptr, sorted_rows_
         a = _load_rows(a_ptrs, row_mask, depth, start, INTERMEDIATE, BLOCK_K)
         w = _load_weights(w_ptrs, depth, start, INTERMEDIATE, BLOCK_K)
         if HAS_SCALES and GROUP_K < INTERMEDIATE:  # block scales: each step its own
-            acc += tl.dot(a, w) * _row_scales(
-                a_scale_ptr, rows, a_scale_row_stride, row_mask, start, GROUP_K) * _step_scales(
+            acc += tl.dot(a, w.to(a.dtype)) * _row_scales(
+                a_scale_ptr, rows, a_scale_row_stride, row_mask, start, GROUP_K,
+                FP8_INPUTS) * _step_scales(
                 scale_ptr, expert, weight_rows, start, scale_expert_stride, scale_row_stride,
                 GROUP_N, GROUP_K)[None, :]
         else:  # as in the gate/up kernel: one scale a row, applied after the sum
-            acc = tl.dot(a, w, acc)
+            acc = tl.dot(a, w.to(a.dtype), acc)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if HAS_SCALES and GROUP_K >= INTERMEDIATE:
-        acc *= _row_scales(a_scale_ptr, rows, a_scale_row_stride, row_mask, 0,
-                           GROUP_K) * _step_scales(scale_ptr, expert, weight_rows, 0,
+        acc *= _row_scales(a_scale_ptr, rows, a_scale_row_stride, row_mask, 0, GROUP_K,
+                           FP8_INPUTS) * _step_scales(scale_ptr, expert, weight_rows, 0,
                                                    scale_expert_stride, scale_row_stride,
                                                    GROUP_N, GROUP_K)[None, :]
     routing = tl.load(topk_weights_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
@@ -736,7 +747,8 @@ def launch_gate_up(hidden: torch.Tensor, w13: torch.Tensor, activation: torch.Te
     num_rows, intermediate = activation.shape
     tile = config.gate_up
     grid = (plan.num_blocks * triton.cdiv(intermediate, tile.block_n),)
-    hidden, hidden_scales = _fp8_activations(hidden, w13, scales)
+    fp8_inputs = quantizes_inputs(config, scales)
+    hidden, hidden_scales = _fp8_inputs(hidden, w13, scales) if fp8_inputs else (hidden, hidden)
     _gate_up_kernel[grid](
         hidden, w13, activation, plan.sorted_rows, plan.block_experts, plan.num_padded_rows,
         num_rows, plan.num_blocks, config.group_m, hidden.stride(0), w13.stride(0),
@@ -744,7 +756,8 @@ def launch_gate_up(hidden: torch.Tensor, w13: torch.Tensor, activation: torch.Te
         hidden_scales, hidden_scales.stride(0), TOP_K=top_k, HIDDEN=hidden.shape[1],
         INTERMEDIATE=intermediate,
         BLOCK_M=plan.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        **_scale_flags(w13, scales), num_warps=tile.num_warps, num_stages=tile.num_stages)
+        **_scale_flags(w13, scales), FP8_INPUTS=fp8_inputs, num_warps=tile.num_warps,
+        num_stages=tile.num_stages)
 
 
 def launch_down(activation: torch.Tensor, w2: torch.Tensor, per_slot: torch.Tensor,
@@ -755,7 +768,9 @@ def launch_down(activation: torch.Tensor, w2: torch.Tensor, per_slot: torch.Tens
     tile = config.down
     grid = (plan.num_blocks * triton.cdiv(hidden_size, tile.block_n),)
     intermediate = activation.shape[1]
-    activation, activation_scales = _fp8_activations(activation, w2, scales)
+    fp8_inputs = quantizes_inputs(config, scales)
+    activation, activation_scales = (_fp8_inputs(activation, w2, scales) if fp8_inputs
+                                     else (activation, activation))
     _down_kernel[grid](
         activation, w2, per_slot, topk_weights, plan.sorted_rows, plan.block_experts,
         plan.num_padded_rows, num_rows, plan.num_blocks, config.group_m, w2.stride(0),
@@ -763,16 +778,26 @@ def launch_down(activation: torch.Tensor, w2: torch.Tensor, per_slot: torch.Tens
         activation_scales, activation_scales.stride(0), HIDDEN=hidden_size,
         INTERMEDIATE=intermediate,
         BLOCK_M=plan.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        **_scale_flags(w2, scales), num_warps=tile.num_warps, num_stages=tile.num_stages)
+        **_scale_flags(w2, scales), FP8_INPUTS=fp8_inputs, num_warps=tile.num_warps,
+        num_stages=tile.num_stages)
 
 
-def _fp8_activations(x: torch.Tensor, weight: torch.Tensor, scales: ExpertScales | None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A grouped GEMM's input [rows, depth] for ``weight``: with FP8 experts in e4m3,
-    one scale per row and group of the weight's scale columns (per token for per-row
-    scales), and the scales; else ``x`` as it is (and ``x`` again, unread)."""
-    if scales is None:
-        return x, x
+# The grouped path runs the FP8 tensor cores (wgmma) from this many rows a block: with
+# fewer, Triton lowers an e4m3 dot on sm_90 to mma.sync over operands converted in
+# registers (seen in the compiled PTX), so quantizing the inputs would buy nothing.
+FP8_INPUTS_MIN_BLOCK_M = 64
+
+
+def quantizes_inputs(config: GroupedConfig, scales: ExpertScales | None) -> bool:
+    """Whether the grouped GEMMs under ``config`` take their inputs in e4m3 (FP8 experts
+    and row blocks the FP8 tensor cores take); else FP8 weights meet bf16 inputs."""
+    return scales is not None and config.block_m >= FP8_INPUTS_MIN_BLOCK_M
+
+
+def _fp8_inputs(x: torch.Tensor, weight: torch.Tensor, scales: ExpertScales
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A grouped GEMM's input [rows, depth] for ``weight`` in e4m3, one scale per row and
+    group of the weight's scale columns (per token for per-row scales), and the scales."""
     return quantize_groups(x, scales.groups(weight.shape[2])[1])
 
 
