@@ -15,9 +15,9 @@ Then the decode rows (1 and 2, where the layers take the GEMV: ``GEMV_ROWS``), e
 kernel first checked against float32 ``x W^T`` of its dequantized weight, then timed
 with ``triton.testing.do_bench`` (median; it flushes L2 between runs, so the weights
 come from memory as in a decode step, where the others above may find a small weight
-in L2): the bf16 GEMV and cuBLAS; the FP8 GEMV per channel and per 128 x 128 block (the
-default rule, bf16's tile, and the same with K tiles twice as wide, as many bytes a
-tile as bf16's: the rule until 2026-12-06, slower on an H100); the GEMM paths
+in L2): the bf16 GEMV and cuBLAS; the FP8 GEMV per channel and per 128 x 128 block
+(the default rule, which is bf16's tile, and ``_wide_k``: K tiles twice as wide, as
+many bytes a tile as bf16's, the rule until 2026-12-06 and slower on an H100); the GEMM paths
 they replace (quantization + ``torch._scaled_mm``; quantization + the block GEMM).
 ``decode_step_us`` sums each kernel over qwen3-8b's 36 layers (qkv, o, gate_up, down):
 the projections' share of one token.
