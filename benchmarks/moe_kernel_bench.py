@@ -237,7 +237,8 @@ def fp8_error(layer: Layer, experts: Experts, config: moe.MoeConfig) -> float:
     out = moe.fused_moe(layer.hidden, w13, w2, *common, config=config, scales=scales)
     w13_plain, w2_plain = moe.dequantized_experts(w13, w2, scales, DTYPE)
     groups = None if isinstance(config, moe.RowwiseConfig) or not moe.quantizes_inputs(
-        config, scales) else (scales.groups(w13.shape[2])[1], scales.groups(w2.shape[2])[1])
+        config, scales, w13.shape[2], w2.shape[2]) else (
+        scales.groups(w13.shape[2])[1], scales.groups(w2.shape[2])[1])
     return relative_error(out, moe.fused_moe_reference(layer.hidden, w13_plain, w2_plain,
                                                        *common, fp8_groups=groups))
 

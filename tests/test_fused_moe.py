@@ -35,9 +35,10 @@ TOLERANCE = 2e-2 if HAS_CUDA else 1e-5
 # The smallest tiles tl.dot takes; every block edge here cuts the test shapes unevenly.
 SMALL = GroupedConfig(block_m=16, group_m=2, gate_up=GemmConfig(16, 16, 1, 1),
                       down=GemmConfig(32, 16, 1, 1))
-# Row blocks long enough for the FP8 tensor cores (fused_moe.FP8_INPUTS_MIN_BLOCK_M).
-LONG_BLOCKS = GroupedConfig(block_m=64, group_m=1, gate_up=GemmConfig(16, 16, 1, 1),
-                            down=GemmConfig(32, 16, 1, 1))
+# Row blocks long enough for the FP8 tensor cores (fused_moe.FP8_INPUTS_MIN_BLOCK_M), and
+# reduction steps an e4m3 dot takes (FP8_DOT_MIN_K; 16-column scale blocks bound them to 16)
+LONG_BLOCKS = GroupedConfig(block_m=64, group_m=1, gate_up=GemmConfig(16, 32, 1, 1),
+                            down=GemmConfig(32, 32, 1, 1))
 # Few programs (the interpreter runs each in Python), several reduction steps each.
 ROWWISE = RowwiseConfig(gate_up=GemmConfig(32, 16, 1, 1), down=GemmConfig(32, 16, 1, 1))
 PATHS = pytest.mark.parametrize("config", [SMALL, ROWWISE], ids=["grouped", "rowwise"])
@@ -303,10 +304,11 @@ def test_fp8_experts_compute_their_dequantized_weights_product(block, num_tokens
     through e4m3 per row and scale group in long row blocks (the FP8 tensor cores)."""
     layer, scales, plain = fp8_layer(random_layer(num_tokens, 4, 2, seed=num_tokens), block)
     out = fused_moe(*layer, config=config, scales=scales)
-    if isinstance(config, RowwiseConfig) or not quantizes_inputs(config, scales):
+    x, w13, w2 = layer[:3]
+    if isinstance(config, RowwiseConfig) or not quantizes_inputs(
+            config, scales, x.shape[1], w2.shape[2]):
         expected = fused_moe_reference(*plain)
     else:
-        x, w13, w2 = layer[:3]
         groups = (scales.groups(w13.shape[2])[1], scales.groups(w2.shape[2])[1])
         expected = fused_moe_reference(*plain, fp8_groups=groups)
         # the activations' rounding is no rounding error of the kernel's: it is the

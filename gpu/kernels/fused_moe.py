@@ -747,7 +747,7 @@ def launch_gate_up(hidden: torch.Tensor, w13: torch.Tensor, activation: torch.Te
     num_rows, intermediate = activation.shape
     tile = config.gate_up
     grid = (plan.num_blocks * triton.cdiv(intermediate, tile.block_n),)
-    fp8_inputs = quantizes_inputs(config, scales)
+    fp8_inputs = quantizes_inputs(config, scales, hidden.shape[1], intermediate)
     hidden, hidden_scales = _fp8_inputs(hidden, w13, scales) if fp8_inputs else (hidden, hidden)
     _gate_up_kernel[grid](
         hidden, w13, activation, plan.sorted_rows, plan.block_experts, plan.num_padded_rows,
@@ -768,7 +768,7 @@ def launch_down(activation: torch.Tensor, w2: torch.Tensor, per_slot: torch.Tens
     tile = config.down
     grid = (plan.num_blocks * triton.cdiv(hidden_size, tile.block_n),)
     intermediate = activation.shape[1]
-    fp8_inputs = quantizes_inputs(config, scales)
+    fp8_inputs = quantizes_inputs(config, scales, hidden_size, intermediate)
     activation, activation_scales = (_fp8_inputs(activation, w2, scales) if fp8_inputs
                                      else (activation, activation))
     _down_kernel[grid](
@@ -786,12 +786,19 @@ def launch_down(activation: torch.Tensor, w2: torch.Tensor, per_slot: torch.Tens
 # fewer, Triton lowers an e4m3 dot on sm_90 to mma.sync over operands converted in
 # registers (seen in the compiled PTX), so quantizing the inputs would buy nothing.
 FP8_INPUTS_MIN_BLOCK_M = 64
+# The shallowest reduction step of an e4m3 dot that compiles for sm_90 (16 does not).
+FP8_DOT_MIN_K = 32
 
 
-def quantizes_inputs(config: GroupedConfig, scales: ExpertScales | None) -> bool:
-    """Whether the grouped GEMMs under ``config`` take their inputs in e4m3 (FP8 experts
-    and row blocks the FP8 tensor cores take); else FP8 weights meet bf16 inputs."""
-    return scales is not None and config.block_m >= FP8_INPUTS_MIN_BLOCK_M
+def quantizes_inputs(config: GroupedConfig, scales: ExpertScales | None, hidden_size: int,
+                     intermediate: int) -> bool:
+    """Whether the grouped GEMMs under ``config`` take their inputs in e4m3: FP8 experts,
+    row blocks the FP8 tensor cores take, and reduction steps (as the scale blocks bound
+    them) an e4m3 dot takes. Else FP8 weights meet bf16 inputs."""
+    if scales is None or config.block_m < FP8_INPUTS_MIN_BLOCK_M:
+        return False
+    fitted = _fitting_scales(config, scales, hidden_size, intermediate)
+    return min(fitted.gate_up.block_k, fitted.down.block_k) >= FP8_DOT_MIN_K
 
 
 def _fp8_inputs(x: torch.Tensor, weight: torch.Tensor, scales: ExpertScales
