@@ -33,6 +33,10 @@
 # (bf16 and FP8); the tests in a call of their own:
 #   bash benchmarks/device_run.sh fp8-gemv fp8-decode-8b
 #   bash benchmarks/device_run.sh fp8-tests
+# FP8 experts: the MoE kernel beside bf16 at 1-8192 tokens, one FP8 server, and the
+# FP8 experts' own tuned table (a call of its own):
+#   bash benchmarks/device_run.sh moe-kernel-fp8 serve-fp8-30b-a3b
+#   bash benchmarks/device_run.sh moe-tune-fp8
 # Carry .whl (see benchmarks/device_setup.sh).
 . benchmarks/device_setup.sh >/dev/null 2>&1 || { echo "setup failed"; exit 1; }
 export TOKENIZERS_PARALLELISM=false
