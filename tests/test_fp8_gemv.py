@@ -114,22 +114,6 @@ def test_a_bfloat16_input_and_output_on_any_device():
     assert relative_error(out, dequantized_product(x, weight)) < 1e-2
 
 
-def test_the_default_rule_runs_an_fp8_weight_in_the_bf16_launch(monkeypatch):
-    """An e4m3 weight takes the bf16 rule's launch (gemv_config has no dtype)."""
-    launches = []
-    real = triton_gemv.gemv_config
-
-    def recorded(num_outputs, num_inputs, *args):
-        launches.append(real(num_outputs, num_inputs, *args))
-        return launches[-1]
-
-    monkeypatch.setattr(triton_gemv, "gemv_config", recorded)
-    weight = on_device(fp8_weight(None, num_outputs=37, num_inputs=300, seed=14))
-    x = random(1, 300, seed=15).to(DTYPE).to(DEVICE)
-    assert relative_error(fp8_gemv(x, weight), dequantized_product(x, weight)) < TOLERANCE
-    assert launches == [real(37, 300)]
-
-
 def test_the_default_rule_runs_a_block_layout_in_one_tile_of_many_blocks():
     """A K tile wider than the scale blocks (512 columns over 128-column blocks here)."""
     weight = on_device(fp8_weight((128, 128), num_outputs=5, num_inputs=450, seed=12))
