@@ -326,15 +326,18 @@ FEW_ROWS_TILES = [moe.GemmConfig(n, k, 4, stages) for n, k, stages in
 
 def tile_candidates(gemm: str, block_m: int, few_rows: bool = False,
                     fp8: bool = False) -> list[moe.GemmConfig]:
-    """The grouped tiles worth compiling: their pipelined operands (one byte a value
-    with FP8 experts: e4m3 inputs too) fit in shared memory and their float32
-    accumulators (two for gate/up) in the registers of their warps."""
+    """The grouped tiles worth compiling: their pipelined operands (FP8 experts: one
+    byte a weight, and an input too in row blocks that quantize it) fit in shared
+    memory and their float32 accumulators (two for gate/up) in the registers of their
+    warps."""
     num_weight_tiles = 2 if gemm == "gate_up" else 1
+    weight_bytes = 1 if fp8 else 2
+    input_bytes = 1 if fp8 and block_m >= moe.FP8_INPUTS_MIN_BLOCK_M else 2
     fitting = []
     tiles = FEW_ROWS_TILES if few_rows else DECODE_TILES if block_m <= 32 else PREFILL_TILES
     for tile in tiles:
-        operand_bytes = ((1 if fp8 else 2) * tile.block_k
-                         * (block_m + num_weight_tiles * tile.block_n))
+        operand_bytes = tile.block_k * (input_bytes * block_m
+                                        + weight_bytes * num_weight_tiles * tile.block_n)
         accumulators = num_weight_tiles * block_m * tile.block_n
         if (operand_bytes * tile.num_stages <= SHARED_MEMORY
                 and accumulators <= 128 * tile.num_warps * 32):
