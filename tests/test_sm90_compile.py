@@ -307,19 +307,26 @@ def _linear_attention(model: str) -> None:
 
 def _pdl(model: str) -> None:
     """With TRIO_LLM_PDL=1 on the device (benchmarks/device_run.sh decode-pdl-*): the
-    norms that signal their dependents and the GEMVs that wait for them."""
-    from trio_llm.gpu.kernels import triton_gemv, triton_layers
+    kernels of a decode step's chain launched with PDL (the norms, the GEMVs, and for
+    an MoE model the routing and the MoE kernels)."""
+    from trio_llm.gpu.kernels import fused_moe, moe_routing, triton_gemv, triton_layers
 
-    hidden = _config(model)["hidden_size"]
-    originals = triton_gemv.pdl_enabled, triton_layers.pdl_enabled
-    triton_gemv.pdl_enabled = triton_layers.pdl_enabled = lambda device: True  # type: ignore
+    config = _config(model)
+    hidden = config["hidden_size"]
+    modules = (triton_gemv, triton_layers, moe_routing, fused_moe)
+    originals = [module.pdl_enabled for module in modules]
+    for module in modules:
+        module.pdl_enabled = lambda device: True  # type: ignore[attr-defined]
     try:
         x, weight = _empty(1, hidden), _empty(hidden)
         triton_layers.rms_norm(x, weight, 1e-6)
         triton_layers.add_rms_norm(x, x, weight, 1e-6)
         _gemv(model)
+        if "num_experts" in config:
+            _fused_moe(model, BF16)
     finally:
-        triton_gemv.pdl_enabled, triton_layers.pdl_enabled = originals  # type: ignore
+        for module, original in zip(modules, originals, strict=True):
+            module.pdl_enabled = original  # type: ignore[attr-defined]
 
 
 def _scenarios() -> dict[str, Callable[[], None]]:

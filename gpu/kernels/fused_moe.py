@@ -79,6 +79,7 @@ import triton
 import triton.language as tl
 
 from trio_llm.gpu.kernels.fp8_gemm import quantize_groups
+from trio_llm.gpu.kernels.pdl import launch_options, pdl_enabled, pdl_start
 
 # The alignment's planning kernel is one program that reads the routing table in
 # chunks of this many entries; up to this many rows it also places them itself,
@@ -555,9 +556,10 @@ def _rowwise_gate_up_kernel(hidden_ptr, w13_ptr, activation_ptr, topk_ids_ptr,
                             INTERMEDIATE: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
                             HAS_SCALES: tl.constexpr, GROUP_N: tl.constexpr,
-                            GROUP_K: tl.constexpr):
+                            GROUP_K: tl.constexpr, USE_PDL: tl.constexpr):
     """activation[row, n] = silu(x . gate_e[n]) * (x . up_e[n]) for one (token, slot)
     row, its expert e, and BLOCK_N columns n."""
+    pdl_start(USE_PDL)  # after the routing (gpu/kernels/pdl.py)
     row = tl.program_id(0)
     expert = tl.load(topk_ids_ptr + row).to(tl.int64)
     x_ptr = hidden_ptr + (row // TOP_K).to(tl.int64) * hidden_row_stride
@@ -592,9 +594,10 @@ def _rowwise_down_kernel(activation_ptr, w2_ptr, out_ptr, topk_weights_ptr, topk
                          INTERMEDIATE: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
                          HAS_SCALES: tl.constexpr, GROUP_N: tl.constexpr,
-                         GROUP_K: tl.constexpr):
+                         GROUP_K: tl.constexpr, USE_PDL: tl.constexpr):
     """out[token, n] = sum over the token's slots of weight * (activation[row] . down_e[n]),
     summed in float32, for BLOCK_N hidden columns n."""
+    pdl_start(USE_PDL)  # after the gate/up kernel
     token = tl.program_id(0).to(tl.int64)
     columns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     weight_rows = tl.minimum(columns, HIDDEN - 1).to(tl.int64)
@@ -723,20 +726,23 @@ def launch_rowwise(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     """The row-wise path's two launches: ``activation`` [T * top_k, I], then ``out``."""
     (num_rows, intermediate), (num_tokens, hidden_size) = activation.shape, out.shape
     top_k = topk_ids.shape[1]
+    use_pdl = pdl_enabled(hidden.device)  # a decode step's chain (gpu/kernels/pdl.py)
     tile = config.gate_up
     _rowwise_gate_up_kernel[(num_rows, triton.cdiv(intermediate, tile.block_n))](
         hidden, w13, activation, topk_ids, hidden.stride(0), w13.stride(0), w13.stride(1),
         *_scale_arguments(w13, scales.w13 if scales else None, scales)[:3],
         TOP_K=top_k, HIDDEN=hidden_size, INTERMEDIATE=intermediate, BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages, **_scale_flags(w13, scales),
-        num_warps=tile.num_warps, num_stages=tile.num_stages)
+        USE_PDL=use_pdl, num_warps=tile.num_warps, num_stages=tile.num_stages,
+        **launch_options(use_pdl))
     tile = config.down
     _rowwise_down_kernel[(num_tokens, triton.cdiv(hidden_size, tile.block_n))](
         activation, w2, out, topk_weights, topk_ids, w2.stride(0), w2.stride(1),
         *_scale_arguments(w2, scales.w2 if scales else None, scales)[:3],
         TOP_K=top_k, HIDDEN=hidden_size, INTERMEDIATE=intermediate, BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages, **_scale_flags(w2, scales),
-        num_warps=tile.num_warps, num_stages=tile.num_stages)
+        USE_PDL=use_pdl, num_warps=tile.num_warps, num_stages=tile.num_stages,
+        **launch_options(use_pdl))
 
 
 def launch_gate_up(hidden: torch.Tensor, w13: torch.Tensor, activation: torch.Tensor,
@@ -748,7 +754,8 @@ def launch_gate_up(hidden: torch.Tensor, w13: torch.Tensor, activation: torch.Te
     tile = config.gate_up
     grid = (plan.num_blocks * triton.cdiv(intermediate, tile.block_n),)
     fp8_inputs = quantizes_inputs(config, scales, hidden.shape[1], intermediate)
-    hidden, hidden_scales = _fp8_inputs(hidden, w13, scales) if fp8_inputs else (hidden, hidden)
+    hidden, hidden_scales = (_fp8_inputs(hidden, w13, scales)
+                             if fp8_inputs and scales is not None else (hidden, hidden))
     _gate_up_kernel[grid](
         hidden, w13, activation, plan.sorted_rows, plan.block_experts, plan.num_padded_rows,
         num_rows, plan.num_blocks, config.group_m, hidden.stride(0), w13.stride(0),
@@ -769,7 +776,8 @@ def launch_down(activation: torch.Tensor, w2: torch.Tensor, per_slot: torch.Tens
     grid = (plan.num_blocks * triton.cdiv(hidden_size, tile.block_n),)
     intermediate = activation.shape[1]
     fp8_inputs = quantizes_inputs(config, scales, hidden_size, intermediate)
-    activation, activation_scales = (_fp8_inputs(activation, w2, scales) if fp8_inputs
+    activation, activation_scales = (_fp8_inputs(activation, w2, scales)
+                                     if fp8_inputs and scales is not None
                                      else (activation, activation))
     _down_kernel[grid](
         activation, w2, per_slot, topk_weights, plan.sorted_rows, plan.block_experts,

@@ -38,6 +38,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from trio_llm.gpu.kernels.pdl import launch_options, pdl_enabled, pdl_start
+
 # Triton's interpreter (CI on the CPU) has no libdevice: there the exponential is numpy's.
 _PRECISE_EXP = os.environ.get("TRITON_INTERPRET", "0") != "1"
 # Tokens a program routes when there are many: a [16, experts] tile in four warps.
@@ -48,7 +50,9 @@ _MANY_TOKENS_BLOCK = 16
 def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, logits_row_stride,
                   NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr, EXPERTS_PAD: tl.constexpr,
                   TOP_K_PAD: tl.constexpr, BLOCK_T: tl.constexpr, NORMALIZE: tl.constexpr,
-                  ROUND_TO_INPUT: tl.constexpr, PRECISE_EXP: tl.constexpr):
+                  ROUND_TO_INPUT: tl.constexpr, PRECISE_EXP: tl.constexpr,
+                  USE_PDL: tl.constexpr):
+    pdl_start(USE_PDL)  # after the router's GEMV (gpu/kernels/pdl.py)
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     experts = tl.arange(0, EXPERTS_PAD)
     token_mask = tokens < num_tokens
@@ -104,9 +108,11 @@ def route_topk(logits: torch.Tensor, top_k: int, *, normalize: bool,
     # One token alone (single-stream decode) in one warp: its reductions need no barrier.
     block_t = 1 if num_tokens == 1 else _MANY_TOKENS_BLOCK
     experts_pad = triton.next_power_of_2(num_experts)
+    use_pdl = pdl_enabled(logits.device)
     _route_kernel[(triton.cdiv(num_tokens, block_t),)](
         logits, weights, ids, num_tokens, logits.stride(0), NUM_EXPERTS=num_experts,
         TOP_K=top_k, EXPERTS_PAD=experts_pad, TOP_K_PAD=triton.next_power_of_2(top_k),
         BLOCK_T=block_t, NORMALIZE=normalize, ROUND_TO_INPUT=round_to_input,
-        PRECISE_EXP=_PRECISE_EXP, num_warps=1 if block_t * experts_pad <= 512 else 4)
+        PRECISE_EXP=_PRECISE_EXP, USE_PDL=use_pdl,
+        num_warps=1 if block_t * experts_pad <= 512 else 4, **launch_options(use_pdl))
     return weights, ids

@@ -4,11 +4,15 @@ On Hopper and later a kernel launched with PDL may start while the kernel before
 it on the stream is still running; it must wait (``gdc_wait``) before it reads
 that kernel's output or writes anything, and until then may only read what no
 earlier kernel writes. The GEMVs use it to fetch their first weight tile while
-the norm before them finishes (the weights are constant); the norm signals
-(``gdc_launch_dependents``) at its start that the next kernel may launch. A
-kernel launched without PDL waits for its predecessor as usual, so the two kinds
-mix freely. Off by default until measured on the device (benchmarks/device_run.sh
-``decode-pdl-*``); Triton's interpreter has no PDL, so it is always off there.
+the kernel before them finishes (the weights are constant). The other kernels of
+a decode step's chain (the norms, the MoE routing and the row-wise MoE kernels)
+start with ``pdl_start``: they let the next kernel launch, then wait, so each
+launch overlaps the kernel before it. A kernel signals (``gdc_launch_dependents``)
+only once all its programs started, so a waiting successor never takes the place
+of one of them. A kernel launched without PDL waits for its predecessor as usual,
+so the two kinds mix freely. Off by default until measured on the device
+(benchmarks/device_run.sh ``decode-pdl-*``); Triton's interpreter has no PDL, so it
+is always off there.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import os
 
 import torch
 import triton
+import triton.language as tl
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -34,7 +39,16 @@ except ImportError:  # a Triton without grid dependency control: PDL stays off
     def gdc_launch_dependents():
         pass
 
-__all__ = ["gdc_launch_dependents", "gdc_wait", "pdl_enabled"]
+__all__ = ["gdc_launch_dependents", "gdc_wait", "launch_options", "pdl_enabled", "pdl_start"]
+
+
+@triton.jit
+def pdl_start(USE_PDL: tl.constexpr):
+    """A PDL-launched kernel's first statement: the next kernel may launch, and this
+    one waits for the kernel before it (whose outputs it reads)."""
+    if USE_PDL:
+        gdc_launch_dependents()
+        gdc_wait()
 
 
 @functools.cache
@@ -44,3 +58,8 @@ def pdl_enabled(device: torch.device) -> bool:
             or not HAS_PDL):
         return False
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def launch_options(use_pdl: bool) -> dict[str, bool]:
+    """The launch's keyword for a kernel launched with PDL (none without)."""
+    return {"launch_pdl": True} if use_pdl else {}

@@ -39,7 +39,12 @@ import torch
 import triton
 import triton.language as tl
 
-from trio_llm.gpu.kernels.pdl import gdc_wait, pdl_enabled
+from trio_llm.gpu.kernels.pdl import (
+    gdc_launch_dependents,
+    gdc_wait,
+    launch_options,
+    pdl_enabled,
+)
 from trio_llm.gpu.quantization import E4M3
 
 MAX_GEMV_ROWS = 8
@@ -129,9 +134,10 @@ def _gemv_kernel(x_ptr, weight_ptr, scale_ptr, bias_ptr, out_ptr, N, K, x_row_st
     sums = (tl.zeros([BLOCK_N], dtype=tl.float32),) * NUM_ROWS
     first_step = 0
     if USE_PDL:
-        # Launched while the kernel before runs (gpu/kernels/pdl.py): the first weight
-        # tile, which no kernel writes, is fetched before waiting for it; the sums are
-        # added in the same order as below.
+        # Launched while the kernel before runs (gpu/kernels/pdl.py): the next kernel may
+        # launch too, and the first weight tile, which no kernel writes, is fetched
+        # before waiting; the sums are added in the same order as below.
+        gdc_launch_dependents()
         weight = _weight_tile(weight_rows, scale_rows, output_mask, 0, K, columns, SCALES,
                               GROUP_K)
         gdc_wait()
@@ -197,7 +203,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         SCALES=scales, GROUP_N=group_n, GROUP_K=group_k, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, NUM_STAGES=config.num_stages, USE_PDL=use_pdl,
         num_warps=config.num_warps, num_stages=config.num_stages,
-        **({"launch_pdl": True} if use_pdl else {}))
+        **launch_options(use_pdl))
     return out
 
 

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from trio_llm.gpu.kernels.pdl import gdc_launch_dependents, pdl_enabled
+from trio_llm.gpu.kernels.pdl import launch_options, pdl_enabled, pdl_start
 from trio_llm.gpu.quantization import E4M3, E4M3_MAX, Fp8Activation, KVScales
 
 SILU_BLOCK = 1024
@@ -39,11 +39,10 @@ SILU_BLOCK = 1024
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, eps,
                      x_row_stride, residual_row_stride, scale_ptr, HIDDEN: tl.constexpr,
                      HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
-                     LAUNCH_DEPENDENTS: tl.constexpr, QUANTIZE: tl.constexpr = False,
+                     USE_PDL: tl.constexpr, QUANTIZE: tl.constexpr = False,
                      OFFSET: tl.constexpr = False):
-    if LAUNCH_DEPENDENTS:
-        # the GEMV after the norm may launch now and fetch its weights (gpu/kernels/pdl.py)
-        gdc_launch_dependents()
+    # the GEMV after the norm may launch now and fetch its weights (gpu/kernels/pdl.py)
+    pdl_start(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     columns = tl.arange(0, BLOCK)
     mask = columns < HIDDEN
@@ -223,6 +222,7 @@ def _launch_rms_norm(x, residual, weight, eps, out, new_residual, scales=None, o
     if num_rows == 0:
         return
     assert x.stride(1) == 1 and (residual is None or residual.stride(1) == 1)
+    use_pdl = pdl_enabled(x.device) and not offset
     _rms_norm_kernel[(num_rows,)](
         x, residual if residual is not None else x, weight, out,
         new_residual if new_residual is not None else out, eps,
@@ -231,8 +231,8 @@ def _launch_rms_norm(x, residual, weight, eps, out, new_residual, scales=None, o
         HIDDEN=hidden, HAS_RESIDUAL=residual is not None,
         BLOCK=triton.next_power_of_2(hidden),
         # the offset form launches without PDL, as it did as a kernel of its own
-        LAUNCH_DEPENDENTS=pdl_enabled(x.device) and not offset, OFFSET=offset,
-        num_warps=4 if hidden <= 2048 else 8,
+        USE_PDL=use_pdl, OFFSET=offset, num_warps=4 if hidden <= 2048 else 8,
+        **launch_options(use_pdl),
     )
 
 
