@@ -24,6 +24,7 @@
 #   bash benchmarks/device_run.sh moe-tests moe-tune decode-30b-a3b graph-profile-30b-a3b
 #   bash benchmarks/device_run.sh moe-tune-batched moe-kernel  # 64-8192 tokens, then the table
 #   bash benchmarks/device_run.sh gpu-tests decode-30b-a3b decode-pdl-30b-a3b  # PDL on, A/B
+#   bash benchmarks/device_run.sh pdl-tests decode-pdl-30b-a3b decode-30b-a3b decode-pdl-8b decode-8b
 # FP8 (issue 27), bf16 beside FP8 in each part; each part fits one call with the others
 # of its line (about 500 s each line, the setup included):
 #   bash benchmarks/device_run.sh fp8-tests fp8-decode-8b fp8-throughput-8b
@@ -129,6 +130,10 @@ for part in "$@"; do
              tests/test_triton_attention.py tests/test_triton_layers.py tests/test_triton_sampling.py tests/test_triton_gemv.py \
              tests/test_gpu_executor.py tests/test_token_bitmask.py \
              tests/test_prefix_caching.py::test_gpu_executor_continues_after_a_cached_prefix ;;
+    # PDL on (TRIO_LLM_PDL=1): the decode chain's kernels give the bits of plain launches
+    pdl-tests) run pdl-tests 300 python3 -m pytest -q -p no:cacheprovider -rs tests/test_pdl.py \
+             tests/test_fused_moe.py::test_a_pdl_decode_chain_gives_the_same_bits_inside_a_graph \
+             tests/test_triton_gemv.py::test_a_pdl_launch_gives_the_same_bits_inside_a_graph ;;
     moe-tests) run moe-tests 300 python3 -m pytest -q -p no:cacheprovider -rs \
              tests/test_moe_routing.py tests/test_fused_moe.py ;;
     # qwen3-30b-a3b's layer at 1-8 tokens (row-wise and grouped), bounded to 5 minutes

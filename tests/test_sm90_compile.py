@@ -307,13 +307,20 @@ def _linear_attention(model: str) -> None:
 
 def _pdl(model: str) -> None:
     """With TRIO_LLM_PDL=1 on the device (benchmarks/device_run.sh decode-pdl-*): the
-    kernels of a decode step's chain launched with PDL (the norms, the GEMVs, and for
-    an MoE model the routing and the MoE kernels)."""
-    from trio_llm.gpu.kernels import fused_moe, moe_routing, triton_gemv, triton_layers
+    kernels of a decode step's chain launched with PDL (the norms, the q/k norm and
+    KV write, the attention, the GEMVs, the SwiGLU, and for an MoE model the routing
+    and the MoE kernels)."""
+    from trio_llm.gpu.kernels import (
+        fused_moe,
+        moe_routing,
+        triton_attention,
+        triton_gemv,
+        triton_layers,
+    )
 
     config = _config(model)
     hidden = config["hidden_size"]
-    modules = (triton_gemv, triton_layers, moe_routing, fused_moe)
+    modules = (triton_gemv, triton_layers, triton_attention, moe_routing, fused_moe)
     originals = [module.pdl_enabled for module in modules]
     for module in modules:
         module.pdl_enabled = lambda device: True  # type: ignore[attr-defined]
@@ -322,6 +329,8 @@ def _pdl(model: str) -> None:
         triton_layers.rms_norm(x, weight, 1e-6)
         triton_layers.add_rms_norm(x, x, weight, 1e-6)
         _gemv(model)
+        _qk_and_norms(model)
+        _attention(model)
         if "num_experts" in config:
             _fused_moe(model, BF16)
     finally:

@@ -5,9 +5,10 @@ it on the stream is still running; it must wait (``gdc_wait``) before it reads
 that kernel's output or writes anything, and until then may only read what no
 earlier kernel writes. The GEMVs use it to fetch their first weight tile while
 the kernel before them finishes (the weights are constant). The other kernels of
-a decode step's chain (the norms, the MoE routing and the row-wise MoE kernels)
-start with ``pdl_start``: they let the next kernel launch, then wait, so each
-launch overlaps the kernel before it. A kernel signals (``gdc_launch_dependents``)
+a decode step's chain (the norms, the q/k norm and KV write, the decode attention
+and its merge, the SwiGLU, the MoE routing and the row-wise MoE kernels) start with
+``pdl_start``: they let the next kernel launch, then wait, so each launch overlaps
+the kernel before it. A kernel signals (``gdc_launch_dependents``)
 only once all its programs started, so a waiting successor never takes the place
 of one of them. A kernel launched without PDL waits for its predecessor as usual,
 so the two kinds mix freely. Off by default until measured on the device

@@ -80,7 +80,8 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
 
 @triton.jit
 def _silu_and_mul_kernel(gate_up_ptr, out_ptr, row_stride, INTERMEDIATE: tl.constexpr,
-                         BLOCK: tl.constexpr):
+                         BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_start(USE_PDL)  # gpu/kernels/pdl.py
     row = tl.program_id(0).to(tl.int64)
     columns = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = columns < INTERMEDIATE
@@ -137,8 +138,9 @@ def _qk_norm_rope_write_kv_kernel(
     qkv_ptr, positions_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, eps,
     query_out_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, qkv_row_stride, k_scale,
     v_scale, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HAS_QK_NORM: tl.constexpr, QUANTIZE_KV: tl.constexpr,
+    HAS_QK_NORM: tl.constexpr, QUANTIZE_KV: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_start(USE_PDL)  # gpu/kernels/pdl.py
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     half_dims = tl.arange(0, HEAD_DIM // 2)
@@ -244,8 +246,10 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if num_rows:
         assert gate_up.stride(1) == 1
         block = min(SILU_BLOCK, triton.next_power_of_2(intermediate))
+        use_pdl = pdl_enabled(gate_up.device)
         _silu_and_mul_kernel[(num_rows, triton.cdiv(intermediate, block))](
-            gate_up, out, gate_up.stride(0), INTERMEDIATE=intermediate, BLOCK=block)
+            gate_up, out, gate_up.stride(0), INTERMEDIATE=intermediate, BLOCK=block,
+            USE_PDL=use_pdl, **launch_options(use_pdl))
     return out
 
 
@@ -266,12 +270,14 @@ def qk_norm_rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch
     assert qkv.stride(1) == 1 and cos.is_contiguous() and k_cache.is_contiguous()
     assert head_dim % 2 == 0 and triton.next_power_of_2(head_dim) == head_dim
     has_qk_norm = q_norm is not None and k_norm is not None
+    use_pdl = pdl_enabled(qkv.device)
     _qk_norm_rope_write_kv_kernel[(num_tokens, num_heads + num_kv_heads)](
         qkv, positions, cos, sin, q_norm if has_qk_norm else cos,
         k_norm if has_qk_norm else cos, eps, query, k_cache, v_cache, slot_mapping,
         qkv.stride(0), kv_scales.k_scale, kv_scales.v_scale, NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HAS_QK_NORM=has_qk_norm,
-        QUANTIZE_KV=k_cache.dtype == E4M3, num_warps=1,
+        QUANTIZE_KV=k_cache.dtype == E4M3, USE_PDL=use_pdl, num_warps=1,
+        **launch_options(use_pdl),
     )
     return query
 

@@ -1,0 +1,43 @@
+"""Programmatic dependent launch (``TRIO_LLM_PDL=1``, gpu/kernels/pdl.py) changes when a
+decode step's kernels launch, never what they compute: a model's steps give the same
+tokens and logprobs with it on and off, captured in CUDA graphs and run at depth 2."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+@pytest.mark.parametrize("model", ["tiny", "qwen3-moe-small"])
+def test_a_model_gives_the_same_results_with_pdl_on_and_off(model, monkeypatch):
+    from test_gpu_executor import assert_same_results, scripted_batches
+
+    from trio_llm.gpu.builtin import resolve_model
+    from trio_llm.gpu.cuda_executor import CudaExecutorOptions, CudaModelExecutor
+    from trio_llm.gpu.kernels import pdl
+    from trio_llm.gpu.loader import load_model
+    from trio_llm.gpu.testing import run_depth_2
+
+    def run():
+        path = resolve_model(model)
+        weights = load_model(path, dtype=torch.bfloat16, device=torch.device("cuda"),
+                             load_format="dummy")
+        executor = CudaModelExecutor(weights, model_path=path, num_kv_blocks=64,
+                                     block_size=16, max_model_len=256)
+        executor.start(CudaExecutorOptions(max_num_seqs=4, use_cuda_graphs=True,
+                                           use_fused_kernels=True))
+        assert executor.graphs
+        return run_depth_2(executor, scripted_batches())
+
+    expected = run()
+    monkeypatch.setenv("TRIO_LLM_PDL", "1")
+    pdl.pdl_enabled.cache_clear()
+    try:
+        if not pdl.pdl_enabled(torch.device("cuda")):
+            pytest.skip("PDL needs SM 9.0 or later and Triton's grid dependency control")
+        assert_same_results(run(), expected)
+    finally:
+        pdl.pdl_enabled.cache_clear()
