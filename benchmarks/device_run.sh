@@ -133,6 +133,7 @@ for part in "$@"; do
     # PDL on (TRIO_LLM_PDL=1): the decode chain's kernels give the bits of plain launches
     pdl-tests) run pdl-tests 300 python3 -m pytest -q -p no:cacheprovider -rs tests/test_pdl.py \
              tests/test_fused_moe.py::test_a_pdl_decode_chain_gives_the_same_bits_inside_a_graph \
+             "tests/test_cuda_hybrid.py::test_gpu_pdl_launches_give_the_plain_launches_tokens" \
              tests/test_triton_gemv.py::test_a_pdl_launch_gives_the_same_bits_inside_a_graph ;;
     moe-tests) run moe-tests 300 python3 -m pytest -q -p no:cacheprovider -rs \
              tests/test_moe_routing.py tests/test_fused_moe.py ;;

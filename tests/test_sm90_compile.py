@@ -45,7 +45,7 @@ H200_SMS = 132
 # Compiling processes: one a core, up to four (a cold cache is minutes of CPU).
 NUM_CHILDREN = max(1, min(4, len(os.sched_getaffinity(0))))
 # The models of the PDL experiment's device runs (benchmarks/device_run.sh decode-pdl-*).
-PDL_MODELS = ("qwen3-8b", "qwen3-30b-a3b")
+PDL_MODELS = ("qwen3-8b", "qwen3-30b-a3b", "qwen3.5-35b-a3b")
 # One rank's shapes of the tensor-parallel device runs (device_run.sh tp2-*); the
 # sampler sees the gathered vocabulary, as without a split.
 TP_MODELS = {"qwen3-0.6b": 2, "qwen3-8b": 2}
@@ -308,19 +308,22 @@ def _linear_attention(model: str) -> None:
 def _pdl(model: str) -> None:
     """With TRIO_LLM_PDL=1 on the device (benchmarks/device_run.sh decode-pdl-*): the
     kernels of a decode step's chain launched with PDL (the norms, the q/k norm and
-    KV write, the attention, the GEMVs, the SwiGLU, and for an MoE model the routing
-    and the MoE kernels)."""
+    KV write, the attention, the GEMVs, the SwiGLU; for an MoE model the routing and
+    the MoE kernels; for a hybrid one the linear attention's)."""
     from trio_llm.gpu.kernels import (
         fused_moe,
         moe_routing,
         triton_attention,
+        triton_gated_attention,
         triton_gemv,
         triton_layers,
+        triton_linear_attention,
     )
 
     config = _config(model)
     hidden = config["hidden_size"]
-    modules = (triton_gemv, triton_layers, triton_attention, moe_routing, fused_moe)
+    modules = (triton_gemv, triton_layers, triton_attention, moe_routing, fused_moe,
+               triton_gated_attention, triton_linear_attention)
     originals = [module.pdl_enabled for module in modules]
     for module in modules:
         module.pdl_enabled = lambda device: True  # type: ignore[attr-defined]
@@ -333,6 +336,8 @@ def _pdl(model: str) -> None:
         _attention(model)
         if "num_experts" in config:
             _fused_moe(model, BF16)
+        if _is_hybrid(config):
+            _linear_attention(model)
     finally:
         for module, original in zip(modules, originals, strict=True):
             module.pdl_enabled = original  # type: ignore[attr-defined]

@@ -6,7 +6,8 @@ that kernel's output or writes anything, and until then may only read what no
 earlier kernel writes. The GEMVs use it to fetch their first weight tile while
 the kernel before them finishes (the weights are constant). The other kernels of
 a decode step's chain (the norms, the q/k norm and KV write, the decode attention
-and its merge, the SwiGLU, the MoE routing and the row-wise MoE kernels) start with
+and its merge, the SwiGLU, the MoE routing and the row-wise MoE kernels; the hybrid
+family's conv, recurrence, gated norm, gated q/k kernel and output gate) start with
 ``pdl_start``: they let the next kernel launch, then wait, so each launch overlaps
 the kernel before it. A kernel signals (``gdc_launch_dependents``)
 only once all its programs started, so a waiting successor never takes the place

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from trio_llm.gpu.kernels.pdl import launch_options, pdl_enabled, pdl_start
 from trio_llm.gpu.kernels.triton_layers import rotate_halves
 
 GATE_BLOCK = 1024
@@ -27,7 +28,9 @@ GATE_BLOCK = 1024
 def _gated_qk_kernel(qkv_ptr, positions_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, eps,
                      query_out_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, qkv_row_stride,
                      NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-                     HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr):
+                     HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr,
+                     USE_PDL: tl.constexpr):
+    pdl_start(USE_PDL)  # gpu/kernels/pdl.py
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     is_query = head < NUM_HEADS
@@ -93,16 +96,19 @@ def gated_qk_norm_rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos:
     assert qkv.stride(1) == 1 and cos.is_contiguous() and k_cache.is_contiguous()
     assert triton.next_power_of_2(head_dim) == head_dim and rotary_dim % 2 == 0
     assert triton.next_power_of_2(rotary_dim) == rotary_dim and rotary_dim <= head_dim
+    use_pdl = pdl_enabled(qkv.device)
     _gated_qk_kernel[(num_tokens, num_heads + num_kv_heads)](
         qkv, positions, cos, sin, q_norm, k_norm, eps, query, k_cache, v_cache, slot_mapping,
         qkv.stride(0), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        ROTARY_DIM=rotary_dim, num_warps=2)
+        ROTARY_DIM=rotary_dim, USE_PDL=use_pdl, num_warps=2, **launch_options(use_pdl))
     return query
 
 
 @triton.jit
 def _sigmoid_gate_kernel(attended_ptr, qkv_ptr, out_ptr, num_entries, qkv_row_stride,
-                         NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+                         NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+                         USE_PDL: tl.constexpr):
+    pdl_start(USE_PDL)  # gpu/kernels/pdl.py
     index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = index < num_entries
     token = index // (NUM_HEADS * HEAD_DIM)
@@ -126,7 +132,8 @@ def sigmoid_gate(attended: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
                       device=attended.device)
     num_entries = out.numel()
     if num_entries:
+        use_pdl = pdl_enabled(qkv.device)
         _sigmoid_gate_kernel[(triton.cdiv(num_entries, GATE_BLOCK),)](
             attended, qkv, out, num_entries, qkv.stride(0), NUM_HEADS=num_heads,
-            HEAD_DIM=head_dim, BLOCK=GATE_BLOCK)
+            HEAD_DIM=head_dim, BLOCK=GATE_BLOCK, USE_PDL=use_pdl, **launch_options(use_pdl))
     return out

@@ -224,7 +224,7 @@ def _launch_rms_norm(x, residual, weight, eps, out, new_residual, scales=None, o
     if num_rows == 0:
         return
     assert x.stride(1) == 1 and (residual is None or residual.stride(1) == 1)
-    use_pdl = pdl_enabled(x.device) and not offset
+    use_pdl = pdl_enabled(x.device)
     _rms_norm_kernel[(num_rows,)](
         x, residual if residual is not None else x, weight, out,
         new_residual if new_residual is not None else out, eps,
@@ -232,7 +232,6 @@ def _launch_rms_norm(x, residual, weight, eps, out, new_residual, scales=None, o
         scales if scales is not None else out, QUANTIZE=scales is not None,
         HIDDEN=hidden, HAS_RESIDUAL=residual is not None,
         BLOCK=triton.next_power_of_2(hidden),
-        # the offset form launches without PDL, as it did as a kernel of its own
         USE_PDL=use_pdl, OFFSET=offset, num_warps=4 if hidden <= 2048 else 8,
         **launch_options(use_pdl),
     )

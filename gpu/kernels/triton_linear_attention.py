@@ -40,6 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
+from trio_llm.gpu.kernels.pdl import launch_options, pdl_enabled, pdl_start
+
 CONV_BLOCK_TOKENS = 16
 CONV_BLOCK_CHANNELS = 128
 # value columns of the recurrent state per program of the decode kernel: at one
@@ -183,7 +185,8 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 def _conv_decode_kernel(x_ptr, weight_ptr, bias_ptr, state_ptr, out_ptr, context_lens_ptr,
                         slots_ptr, x_row_stride, state_slot_stride, state_channel_stride,
                         CHANNELS: tl.constexpr, WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        BLOCK_CHANNELS: tl.constexpr):
+                        BLOCK_CHANNELS: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_start(USE_PDL)  # gpu/kernels/pdl.py
     row = tl.program_id(0).to(tl.int64)
     channels = tl.program_id(1) * BLOCK_CHANNELS + tl.arange(0, BLOCK_CHANNELS)
     channel_mask = channels < CHANNELS
@@ -243,10 +246,12 @@ def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     out = torch.empty((num_seqs, channels), dtype=x.dtype, device=x.device)
     if num_seqs == 0:
         return out
+    use_pdl = pdl_enabled(x.device)
     _conv_decode_kernel[(num_seqs, triton.cdiv(channels, CONV_BLOCK_CHANNELS))](
         x, weight, bias if bias is not None else weight, conv_state, out, context_lens, slots,
         x.stride(0), conv_state.stride(0), conv_state.stride(1), CHANNELS=channels,
-        WIDTH=width, HAS_BIAS=bias is not None, BLOCK_CHANNELS=CONV_BLOCK_CHANNELS)
+        WIDTH=width, HAS_BIAS=bias is not None, BLOCK_CHANNELS=CONV_BLOCK_CHANNELS,
+        USE_PDL=use_pdl, **launch_options(use_pdl))
     return out
 
 
@@ -300,7 +305,9 @@ def _gated_delta_rule_decode_kernel(
         context_lens_ptr, slots_ptr, query_start_loc_ptr, scale, q_row_stride, k_row_stride,
         v_row_stride, a_row_stride, b_row_stride, state_slot_stride, KEY_HEADS: tl.constexpr,
         VALUE_HEADS: tl.constexpr, KEY_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
-        BLOCK_KEYS: tl.constexpr, BLOCK_VALUES: tl.constexpr, VARLEN: tl.constexpr):
+        BLOCK_KEYS: tl.constexpr, BLOCK_VALUES: tl.constexpr, VARLEN: tl.constexpr,
+        USE_PDL: tl.constexpr):
+    pdl_start(USE_PDL)  # gpu/kernels/pdl.py
     sequence_head = tl.program_id(0).to(tl.int64)
     sequence, value_head = sequence_head // VALUE_HEADS, sequence_head % VALUE_HEADS
     key_head = value_head // (VALUE_HEADS // KEY_HEADS)
@@ -373,13 +380,14 @@ def gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a
         return out
     block_values = min(DECODE_BLOCK_VALUES, triton.next_power_of_2(value_dim))
     grid = (num_seqs * value_heads, triton.cdiv(value_dim, block_values))
+    use_pdl = pdl_enabled(q.device)
     _gated_delta_rule_decode_kernel[grid](
         q, k, v, a, b, a_log, dt_bias, recurrent_state, out, context_lens, slots,
         query_start_loc if varlen else slots, scale, q.stride(0), k.stride(0), v.stride(0),
         a.stride(0), b.stride(0), recurrent_state.stride(0), KEY_HEADS=key_heads,
         VALUE_HEADS=value_heads, KEY_DIM=key_dim, VALUE_DIM=value_dim,
         BLOCK_KEYS=triton.next_power_of_2(key_dim), BLOCK_VALUES=block_values, VARLEN=varlen,
-        num_warps=1)
+        USE_PDL=use_pdl, num_warps=1, **launch_options(use_pdl))
     return out
 
 
@@ -448,7 +456,8 @@ def scatter_states(dense: torch.Tensor, states: torch.Tensor, slots: torch.Tenso
 @triton.jit
 def _gated_rms_norm_kernel(x_ptr, z_ptr, weight_ptr, out_ptr, eps, x_token_stride,
                            x_head_stride, z_token_stride, z_head_stride, HEADS: tl.constexpr,
-                           DIM: tl.constexpr, BLOCK: tl.constexpr):
+                           DIM: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_start(USE_PDL)  # gpu/kernels/pdl.py
     row = tl.program_id(0).to(tl.int64)
     token, head = row // HEADS, row % HEADS
     columns = tl.arange(0, BLOCK)
@@ -474,7 +483,9 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     assert x.stride(2) == 1 and z.stride(2) == 1 and z.shape == x.shape
     out = torch.empty((num_tokens, heads, dim), dtype=x.dtype, device=x.device)
     if num_tokens:
+        use_pdl = pdl_enabled(x.device)
         _gated_rms_norm_kernel[(num_tokens * heads,)](
             x, z, weight, out, eps, x.stride(0), x.stride(1), z.stride(0), z.stride(1),
-            HEADS=heads, DIM=dim, BLOCK=triton.next_power_of_2(dim))
+            HEADS=heads, DIM=dim, BLOCK=triton.next_power_of_2(dim), USE_PDL=use_pdl,
+            **launch_options(use_pdl))
     return out
