@@ -9,12 +9,12 @@ a decode step's chain (the norms, the q/k norm and KV write, the decode attentio
 and its merge, the SwiGLU, the MoE routing and the row-wise MoE kernels; the hybrid
 family's conv, recurrence, gated norm, gated q/k kernel and output gate) start with
 ``pdl_start``: they let the next kernel launch, then wait, so each launch overlaps
-the kernel before it. A kernel signals (``gdc_launch_dependents``)
-only once all its programs started, so a waiting successor never takes the place
-of one of them. A kernel launched without PDL waits for its predecessor as usual,
-so the two kinds mix freely. Off by default until measured on the device
-(benchmarks/device_run.sh ``decode-pdl-*``); Triton's interpreter has no PDL, so it
-is always off there.
+the kernel before it. The next kernel launches only once every program of this one
+has signalled (``gdc_launch_dependents``, first thing) or exited, so its waiting
+programs never take the place of one of this kernel's. A kernel launched without
+PDL waits for its predecessor as usual, so the two kinds mix freely. Off by default
+until measured on the device (benchmarks/device_run.sh ``decode-pdl-*``); Triton's
+interpreter has no PDL, so it is always off there.
 """
 
 from __future__ import annotations
