@@ -172,10 +172,10 @@ def main() -> None:
         decode[name] = measure_decode(num_out, num_in, device)
         for key, record in decode[name].items():
             print(f"decode {name} {key}", json.dumps(record), flush=True)
+    step_us = decode_step(decode)
     results["decode"] = decode
-    results["decode_step_us"] = decode_step(decode)
-    for key, microseconds in sorted(results["decode_step_us"].items(),
-                                    key=lambda item: item[1]):
+    results["decode_step_us"] = step_us
+    for key, microseconds in sorted(step_us.items(), key=lambda item: item[1]):
         print(f"decode step {key}: {microseconds:.0f} us", flush=True)
     name = "fp8_gemm_bench_decode.json" if args.decode else "fp8_gemm_bench.json"
     (OUT / name).write_text(json.dumps(results, indent=1))
