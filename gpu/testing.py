@@ -269,3 +269,24 @@ def device_sampling_inputs(plan: SamplingPlan, device: torch.device) -> DeviceSa
         logit_bias_values=floats(plan.logit_bias_values), penalty_rows=ints(plan.penalty_rows),
         penalty_slots=ints(plan.penalty_slots), presences=floats(plan.presences),
         frequencies=floats(plan.frequencies), repetitions=floats(plan.repetitions))
+
+
+def assert_graph_replays_plain_results(step: Any, x: torch.Tensor,
+                                       inputs: Sequence[torch.Tensor], change: Any) -> None:
+    """``step`` run plainly on each of ``inputs`` (copied into ``x``); then ``change()``
+    (what the test varies), ``step`` captured in a CUDA graph (after a call outside the
+    capture, which compiles) and replayed on each input: the plain results, bit for
+    bit."""
+    expected = []
+    for values in inputs:
+        x.copy_(values)
+        expected.append(step())
+    change()
+    step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for values, bits in zip(inputs, expected, strict=True):
+        x.copy_(values)
+        graph.replay()
+        assert torch.equal(out, bits)

@@ -8,6 +8,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # The models under test are tiny: one intra-op thread is faster than two, and
 # leaves the other core to the trio thread and to pytest.
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
@@ -23,9 +24,24 @@ def pytest_collection_modifyitems(config, items):
     test modules carry the one marker and no skip condition of their own."""
     if torch.cuda.is_available():
         return
-    import pytest
-
     needs_cuda = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(needs_cuda)
+
+
+@pytest.fixture
+def enable_pdl(monkeypatch):
+    """A function that turns programmatic dependent launch on (``TRIO_LLM_PDL=1``,
+    gpu/kernels/pdl.py) for the rest of the test, or skips the test where the device
+    or Triton cannot launch with it."""
+    from trio_llm.gpu.kernels import pdl
+
+    def enable() -> None:
+        monkeypatch.setenv("TRIO_LLM_PDL", "1")
+        pdl.pdl_enabled.cache_clear()
+        if not pdl.pdl_enabled(torch.device("cuda")):
+            pytest.skip("PDL needs SM 9.0 or later and Triton's grid dependency control")
+
+    yield enable
+    pdl.pdl_enabled.cache_clear()

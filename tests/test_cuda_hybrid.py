@@ -252,21 +252,13 @@ def test_gpu_graphs_give_the_eager_steps_tokens(checkpoint):
 
 
 @pytest.mark.gpu
-def test_gpu_pdl_launches_give_the_plain_launches_tokens(checkpoint, monkeypatch):
+def test_gpu_pdl_launches_give_the_plain_launches_tokens(checkpoint, enable_pdl):
     """TRIO_LLM_PDL=1 (gpu/kernels/pdl.py): the linear attention's decode kernels, the
     gated attention's and the norms launched while the kernel before runs, in graphs:
     the tokens of plain launches."""
-    from trio_llm.gpu.kernels import pdl
-
     plain = generate(cuda_executor(checkpoint, device="cuda"))
-    monkeypatch.setenv("TRIO_LLM_PDL", "1")
-    pdl.pdl_enabled.cache_clear()
-    try:
-        if not pdl.pdl_enabled(torch.device("cuda")):
-            pytest.skip("PDL needs SM 9.0 or later and Triton's grid dependency control")
-        assert generate(cuda_executor(checkpoint, device="cuda")) == plain
-    finally:
-        pdl.pdl_enabled.cache_clear()
+    enable_pdl()
+    assert generate(cuda_executor(checkpoint, device="cuda")) == plain
 
 
 @pytest.mark.gpu

@@ -269,13 +269,14 @@ def test_fused_moe_is_captured_in_a_cuda_graph(num_tokens):
 
 
 @pytest.mark.gpu
-def test_a_pdl_decode_chain_gives_the_same_bits_inside_a_graph(monkeypatch):
+def test_a_pdl_decode_chain_gives_the_same_bits_inside_a_graph(enable_pdl):
     """TRIO_LLM_PDL=1 (gpu/kernels/pdl.py): a norm, the router's GEMV, the routing, the
     row-wise MoE kernels and the next norm, each launched while the one before runs,
     captured in a CUDA graph and replayed on new inputs: the bits of plain launches."""
-    from trio_llm.gpu.kernels import pdl, triton_layers
+    from trio_llm.gpu.kernels import triton_layers
     from trio_llm.gpu.kernels.moe_routing import route_topk
     from trio_llm.gpu.kernels.triton_gemv import gemv
+    from trio_llm.gpu.testing import assert_graph_replays_plain_results
 
     x, w13, w2, _, _ = random_layer(1, 8, 2, seed=21)
     residual, norm_weight = torch.randn_like(x), torch.ones(x.shape[1], device=DEVICE,
@@ -290,25 +291,7 @@ def test_a_pdl_decode_chain_gives_the_same_bits_inside_a_graph(monkeypatch):
         out = fused_moe(normed, w13, w2, weights, ids, config=config_for(1))
         return triton_layers.add_rms_norm(out, summed, norm_weight, 1e-6)[0]
 
-    expected = []
-    for values in inputs:
-        x.copy_(values)
-        expected.append(step())
-    monkeypatch.setenv("TRIO_LLM_PDL", "1")
-    pdl.pdl_enabled.cache_clear()
-    try:
-        if not pdl.pdl_enabled(torch.device(DEVICE)):
-            pytest.skip("PDL needs SM 9.0 or later and Triton's grid dependency control")
-        step()  # compiles the PDL variants outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = step()
-        for values, bits in zip(inputs, expected, strict=True):
-            x.copy_(values)
-            graph.replay()
-            assert torch.equal(out, bits)
-    finally:
-        pdl.pdl_enabled.cache_clear()
+    assert_graph_replays_plain_results(step, x, inputs, enable_pdl)
 
 
 # -- FP8 experts ----------------------------------------------------------------------------

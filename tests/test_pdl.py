@@ -7,17 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("model", ["tiny", "qwen3-moe-small"])
-def test_a_model_gives_the_same_results_with_pdl_on_and_off(model, monkeypatch):
+def test_a_model_gives_the_same_results_with_pdl_on_and_off(model, enable_pdl):
     from test_gpu_executor import assert_same_results, scripted_batches
 
     from trio_llm.gpu.builtin import resolve_model
     from trio_llm.gpu.cuda_executor import CudaExecutorOptions, CudaModelExecutor
-    from trio_llm.gpu.kernels import pdl
     from trio_llm.gpu.loader import load_model
     from trio_llm.gpu.testing import run_depth_2
 
@@ -33,11 +31,5 @@ def test_a_model_gives_the_same_results_with_pdl_on_and_off(model, monkeypatch):
         return run_depth_2(executor, scripted_batches())
 
     expected = run()
-    monkeypatch.setenv("TRIO_LLM_PDL", "1")
-    pdl.pdl_enabled.cache_clear()
-    try:
-        if not pdl.pdl_enabled(torch.device("cuda")):
-            pytest.skip("PDL needs SM 9.0 or later and Triton's grid dependency control")
-        assert_same_results(run(), expected)
-    finally:
-        pdl.pdl_enabled.cache_clear()
+    enable_pdl()
+    assert_same_results(run(), expected)

@@ -196,11 +196,12 @@ def test_fused_model_with_gemv_matches_the_plain_model_on_a_decode_batch(
 
 
 @pytest.mark.gpu
-def test_a_pdl_launch_gives_the_same_bits_inside_a_graph(monkeypatch):
+def test_a_pdl_launch_gives_the_same_bits_inside_a_graph(enable_pdl):
     """TRIO_LLM_PDL=1 (gpu/kernels/pdl.py): a norm that lets the next kernel launch early,
     then a gemv launched with PDL, captured in a CUDA graph and replayed on new inputs:
     the same bits as the plain launches."""
-    from trio_llm.gpu.kernels import pdl, triton_layers
+    from trio_llm.gpu.kernels import triton_layers
+    from trio_llm.gpu.testing import assert_graph_replays_plain_results
 
     x, residual = random(1, 2048, seed=15), random(1, 2048, seed=16)
     norm_weight, weight = random(2048, seed=17), random(5120, 2048, seed=18)
@@ -210,22 +211,4 @@ def test_a_pdl_launch_gives_the_same_bits_inside_a_graph(monkeypatch):
         normed, _ = triton_layers.add_rms_norm(x, residual, norm_weight, 1e-6)
         return gemv(normed, weight)
 
-    expected = []
-    for values in inputs:
-        x.copy_(values)
-        expected.append(step())
-    monkeypatch.setenv("TRIO_LLM_PDL", "1")
-    pdl.pdl_enabled.cache_clear()
-    try:
-        if not pdl.pdl_enabled(DEVICE):
-            pytest.skip("PDL needs SM 9.0 or later and Triton's grid dependency control")
-        step()  # compiles the PDL variants outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = step()
-        for values, bits in zip(inputs, expected, strict=True):
-            x.copy_(values)
-            graph.replay()
-            assert torch.equal(out, bits)
-    finally:
-        pdl.pdl_enabled.cache_clear()
+    assert_graph_replays_plain_results(step, x, inputs, enable_pdl)
