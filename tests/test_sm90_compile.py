@@ -310,23 +310,12 @@ def _pdl(model: str) -> None:
     kernels of a decode step's chain launched with PDL (the norms, the q/k norm and
     KV write, the attention, the GEMVs, the SwiGLU; for an MoE model the routing and
     the MoE kernels; for a hybrid one the linear attention's)."""
-    from trio_llm.gpu.kernels import (
-        fused_moe,
-        moe_routing,
-        triton_attention,
-        triton_gated_attention,
-        triton_gemv,
-        triton_layers,
-        triton_linear_attention,
-    )
+    from trio_llm.gpu.kernels import pdl, triton_layers
 
     config = _config(model)
     hidden = config["hidden_size"]
-    modules = (triton_gemv, triton_layers, triton_attention, moe_routing, fused_moe,
-               triton_gated_attention, triton_linear_attention)
-    originals = [module.pdl_enabled for module in modules]
-    for module in modules:
-        module.pdl_enabled = lambda device: True  # type: ignore[attr-defined]
+    original = pdl.pdl_enabled
+    pdl.pdl_enabled = lambda device: True  # type: ignore[assignment]  (pdl_launch reads it)
     try:
         x, weight = _empty(1, hidden), _empty(hidden)
         triton_layers.rms_norm(x, weight, 1e-6)
@@ -339,8 +328,7 @@ def _pdl(model: str) -> None:
         if _is_hybrid(config):
             _linear_attention(model)
     finally:
-        for module, original in zip(modules, originals, strict=True):
-            module.pdl_enabled = original  # type: ignore[attr-defined]
+        pdl.pdl_enabled = original  # type: ignore[assignment]
 
 
 def _scenarios() -> dict[str, Callable[[], None]]:

@@ -79,7 +79,7 @@ import triton
 import triton.language as tl
 
 from trio_llm.gpu.kernels.fp8_gemm import quantize_groups
-from trio_llm.gpu.kernels.pdl import launch_options, pdl_enabled, pdl_start
+from trio_llm.gpu.kernels.pdl import pdl_launch, pdl_start
 
 # The alignment's planning kernel is one program that reads the routing table in
 # chunks of this many entries; up to this many rows it also places them itself,
@@ -726,23 +726,23 @@ def launch_rowwise(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     """The row-wise path's two launches: ``activation`` [T * top_k, I], then ``out``."""
     (num_rows, intermediate), (num_tokens, hidden_size) = activation.shape, out.shape
     top_k = topk_ids.shape[1]
-    use_pdl = pdl_enabled(hidden.device)  # a decode step's chain (gpu/kernels/pdl.py)
+    pdl = pdl_launch(hidden.device)
     tile = config.gate_up
     _rowwise_gate_up_kernel[(num_rows, triton.cdiv(intermediate, tile.block_n))](
         hidden, w13, activation, topk_ids, hidden.stride(0), w13.stride(0), w13.stride(1),
         *_scale_arguments(w13, scales.w13 if scales else None, scales)[:3],
         TOP_K=top_k, HIDDEN=hidden_size, INTERMEDIATE=intermediate, BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages, **_scale_flags(w13, scales),
-        USE_PDL=use_pdl, num_warps=tile.num_warps, num_stages=tile.num_stages,
-        **launch_options(use_pdl))
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
+        **pdl)
     tile = config.down
     _rowwise_down_kernel[(num_tokens, triton.cdiv(hidden_size, tile.block_n))](
         activation, w2, out, topk_weights, topk_ids, w2.stride(0), w2.stride(1),
         *_scale_arguments(w2, scales.w2 if scales else None, scales)[:3],
         TOP_K=top_k, HIDDEN=hidden_size, INTERMEDIATE=intermediate, BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages, **_scale_flags(w2, scales),
-        USE_PDL=use_pdl, num_warps=tile.num_warps, num_stages=tile.num_stages,
-        **launch_options(use_pdl))
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
+        **pdl)
 
 
 def launch_gate_up(hidden: torch.Tensor, w13: torch.Tensor, activation: torch.Tensor,

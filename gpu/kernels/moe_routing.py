@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from trio_llm.gpu.kernels.pdl import launch_options, pdl_enabled, pdl_start
+from trio_llm.gpu.kernels.pdl import pdl_launch, pdl_start
 
 # Triton's interpreter (CI on the CPU) has no libdevice: there the exponential is numpy's.
 _PRECISE_EXP = os.environ.get("TRITON_INTERPRET", "0") != "1"
@@ -108,11 +108,10 @@ def route_topk(logits: torch.Tensor, top_k: int, *, normalize: bool,
     # One token alone (single-stream decode) in one warp: its reductions need no barrier.
     block_t = 1 if num_tokens == 1 else _MANY_TOKENS_BLOCK
     experts_pad = triton.next_power_of_2(num_experts)
-    use_pdl = pdl_enabled(logits.device)
+    pdl = pdl_launch(logits.device)
     _route_kernel[(triton.cdiv(num_tokens, block_t),)](
         logits, weights, ids, num_tokens, logits.stride(0), NUM_EXPERTS=num_experts,
         TOP_K=top_k, EXPERTS_PAD=experts_pad, TOP_K_PAD=triton.next_power_of_2(top_k),
         BLOCK_T=block_t, NORMALIZE=normalize, ROUND_TO_INPUT=round_to_input,
-        PRECISE_EXP=_PRECISE_EXP, USE_PDL=use_pdl,
-        num_warps=1 if block_t * experts_pad <= 512 else 4, **launch_options(use_pdl))
+        PRECISE_EXP=_PRECISE_EXP, num_warps=1 if block_t * experts_pad <= 512 else 4, **pdl)
     return weights, ids

@@ -41,7 +41,7 @@ except ImportError:  # a Triton without grid dependency control: PDL stays off
     def gdc_launch_dependents():
         pass
 
-__all__ = ["gdc_launch_dependents", "gdc_wait", "launch_options", "pdl_enabled", "pdl_start"]
+__all__ = ["gdc_launch_dependents", "gdc_wait", "pdl_enabled", "pdl_launch", "pdl_start"]
 
 
 @triton.jit
@@ -62,6 +62,8 @@ def pdl_enabled(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
-def launch_options(use_pdl: bool) -> dict[str, bool]:
-    """The launch's keyword for a kernel launched with PDL (none without)."""
-    return {"launch_pdl": True} if use_pdl else {}
+def pdl_launch(device: torch.device) -> dict[str, bool]:
+    """A chain kernel's launch keywords on ``device``: its ``USE_PDL`` constexpr, and
+    ``launch_pdl`` where PDL is on."""
+    on = pdl_enabled(device)
+    return {"USE_PDL": on, "launch_pdl": True} if on else {"USE_PDL": False}

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from trio_llm.gpu.kernels.pdl import launch_options, pdl_enabled, pdl_start
+from trio_llm.gpu.kernels.pdl import pdl_launch, pdl_start
 from trio_llm.gpu.kernels.triton_layers import as_cached
 from trio_llm.gpu.quantization import E4M3
 
@@ -474,7 +474,7 @@ def _decode(query, k_cache, v_cache, block_tables, context_lens, scales, out, nu
     else:
         partial_acc = partial_max = partial_sum = out  # unused by the kernel
     block_d = triton.next_power_of_2(head_dim)
-    use_pdl = pdl_enabled(query.device)
+    pdl = pdl_launch(query.device)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, k_cache, v_cache, block_tables, context_lens,
         out, partial_acc, partial_max, partial_sum, qk_scale, v_scale,
@@ -483,15 +483,15 @@ def _decode(query, k_cache, v_cache, block_tables, context_lens, scales, out, nu
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
         BLOCK_H=max(MIN_DOT_ROWS, triton.next_power_of_2(group_size)),
         BLOCK_N=config.block_n, BLOCK_D=block_d, EVEN_D=block_d == head_dim,
-        USE_PDL=use_pdl, num_warps=config.num_warps, num_stages=config.num_stages,
-        **launch_options(use_pdl),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+        **pdl,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](
             out, partial_acc, partial_max, partial_sum, context_lens, v_scale, out.stride(0),
             out.stride(1), NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
             BLOCK_SPLITS=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
-            BLOCK_N=config.block_n, USE_PDL=use_pdl, num_warps=2, **launch_options(use_pdl),
+            BLOCK_N=config.block_n, num_warps=2, **pdl,
         )
 
 

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from trio_llm.gpu.kernels.pdl import launch_options, pdl_enabled, pdl_start
+from trio_llm.gpu.kernels.pdl import pdl_launch, pdl_start
 from trio_llm.gpu.kernels.triton_layers import rotate_halves
 
 GATE_BLOCK = 1024
@@ -96,11 +96,11 @@ def gated_qk_norm_rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos:
     assert qkv.stride(1) == 1 and cos.is_contiguous() and k_cache.is_contiguous()
     assert triton.next_power_of_2(head_dim) == head_dim and rotary_dim % 2 == 0
     assert triton.next_power_of_2(rotary_dim) == rotary_dim and rotary_dim <= head_dim
-    use_pdl = pdl_enabled(qkv.device)
+    pdl = pdl_launch(qkv.device)
     _gated_qk_kernel[(num_tokens, num_heads + num_kv_heads)](
         qkv, positions, cos, sin, q_norm, k_norm, eps, query, k_cache, v_cache, slot_mapping,
         qkv.stride(0), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        ROTARY_DIM=rotary_dim, USE_PDL=use_pdl, num_warps=2, **launch_options(use_pdl))
+        ROTARY_DIM=rotary_dim, num_warps=2, **pdl)
     return query
 
 
@@ -132,8 +132,8 @@ def sigmoid_gate(attended: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
                       device=attended.device)
     num_entries = out.numel()
     if num_entries:
-        use_pdl = pdl_enabled(qkv.device)
+        pdl = pdl_launch(qkv.device)
         _sigmoid_gate_kernel[(triton.cdiv(num_entries, GATE_BLOCK),)](
             attended, qkv, out, num_entries, qkv.stride(0), NUM_HEADS=num_heads,
-            HEAD_DIM=head_dim, BLOCK=GATE_BLOCK, USE_PDL=use_pdl, **launch_options(use_pdl))
+            HEAD_DIM=head_dim, BLOCK=GATE_BLOCK, **pdl)
     return out

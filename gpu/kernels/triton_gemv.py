@@ -42,8 +42,7 @@ import triton.language as tl
 from trio_llm.gpu.kernels.pdl import (
     gdc_launch_dependents,
     gdc_wait,
-    launch_options,
-    pdl_enabled,
+    pdl_launch,
 )
 from trio_llm.gpu.quantization import E4M3
 
@@ -195,15 +194,14 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if x.stride(1) != 1:
         x = x.contiguous()
     config = config or gemv_config(num_outputs, num_inputs)
-    use_pdl = pdl_enabled(x.device)
+    pdl = pdl_launch(x.device)
     _gemv_kernel[(triton.cdiv(num_outputs, config.block_n),)](
         x, weight, weight if weight_scale is None else weight_scale,
         bias if bias is not None else weight, out, num_outputs, num_inputs, x.stride(0),
         weight.stride(0), scale_row_stride, NUM_ROWS=num_rows, HAS_BIAS=bias is not None,
         SCALES=scales, GROUP_N=group_n, GROUP_K=group_k, BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k, NUM_STAGES=config.num_stages, USE_PDL=use_pdl,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-        **launch_options(use_pdl))
+        BLOCK_K=config.block_k, NUM_STAGES=config.num_stages, num_warps=config.num_warps,
+        num_stages=config.num_stages, **pdl)
     return out
 
 

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from trio_llm.gpu.kernels.pdl import launch_options, pdl_enabled, pdl_start
+from trio_llm.gpu.kernels.pdl import pdl_launch, pdl_start
 from trio_llm.gpu.quantization import E4M3, E4M3_MAX, Fp8Activation, KVScales
 
 SILU_BLOCK = 1024
@@ -224,7 +224,7 @@ def _launch_rms_norm(x, residual, weight, eps, out, new_residual, scales=None, o
     if num_rows == 0:
         return
     assert x.stride(1) == 1 and (residual is None or residual.stride(1) == 1)
-    use_pdl = pdl_enabled(x.device)
+    pdl = pdl_launch(x.device)
     _rms_norm_kernel[(num_rows,)](
         x, residual if residual is not None else x, weight, out,
         new_residual if new_residual is not None else out, eps,
@@ -232,8 +232,8 @@ def _launch_rms_norm(x, residual, weight, eps, out, new_residual, scales=None, o
         scales if scales is not None else out, QUANTIZE=scales is not None,
         HIDDEN=hidden, HAS_RESIDUAL=residual is not None,
         BLOCK=triton.next_power_of_2(hidden),
-        USE_PDL=use_pdl, OFFSET=offset, num_warps=4 if hidden <= 2048 else 8,
-        **launch_options(use_pdl),
+        OFFSET=offset, num_warps=4 if hidden <= 2048 else 8,
+        **pdl,
     )
 
 
@@ -245,10 +245,10 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if num_rows:
         assert gate_up.stride(1) == 1
         block = min(SILU_BLOCK, triton.next_power_of_2(intermediate))
-        use_pdl = pdl_enabled(gate_up.device)
+        pdl = pdl_launch(gate_up.device)
         _silu_and_mul_kernel[(num_rows, triton.cdiv(intermediate, block))](
             gate_up, out, gate_up.stride(0), INTERMEDIATE=intermediate, BLOCK=block,
-            USE_PDL=use_pdl, **launch_options(use_pdl))
+            **pdl)
     return out
 
 
@@ -269,14 +269,14 @@ def qk_norm_rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch
     assert qkv.stride(1) == 1 and cos.is_contiguous() and k_cache.is_contiguous()
     assert head_dim % 2 == 0 and triton.next_power_of_2(head_dim) == head_dim
     has_qk_norm = q_norm is not None and k_norm is not None
-    use_pdl = pdl_enabled(qkv.device)
+    pdl = pdl_launch(qkv.device)
     _qk_norm_rope_write_kv_kernel[(num_tokens, num_heads + num_kv_heads)](
         qkv, positions, cos, sin, q_norm if has_qk_norm else cos,
         k_norm if has_qk_norm else cos, eps, query, k_cache, v_cache, slot_mapping,
         qkv.stride(0), kv_scales.k_scale, kv_scales.v_scale, NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HAS_QK_NORM=has_qk_norm,
-        QUANTIZE_KV=k_cache.dtype == E4M3, USE_PDL=use_pdl, num_warps=1,
-        **launch_options(use_pdl),
+        QUANTIZE_KV=k_cache.dtype == E4M3, num_warps=1,
+        **pdl,
     )
     return query
 

@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from trio_llm.gpu.kernels.pdl import launch_options, pdl_enabled, pdl_start
+from trio_llm.gpu.kernels.pdl import pdl_launch, pdl_start
 
 CONV_BLOCK_TOKENS = 16
 CONV_BLOCK_CHANNELS = 128
@@ -246,12 +246,12 @@ def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     out = torch.empty((num_seqs, channels), dtype=x.dtype, device=x.device)
     if num_seqs == 0:
         return out
-    use_pdl = pdl_enabled(x.device)
+    pdl = pdl_launch(x.device)
     _conv_decode_kernel[(num_seqs, triton.cdiv(channels, CONV_BLOCK_CHANNELS))](
         x, weight, bias if bias is not None else weight, conv_state, out, context_lens, slots,
         x.stride(0), conv_state.stride(0), conv_state.stride(1), CHANNELS=channels,
         WIDTH=width, HAS_BIAS=bias is not None, BLOCK_CHANNELS=CONV_BLOCK_CHANNELS,
-        USE_PDL=use_pdl, **launch_options(use_pdl))
+        **pdl)
     return out
 
 
@@ -380,14 +380,14 @@ def gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a
         return out
     block_values = min(DECODE_BLOCK_VALUES, triton.next_power_of_2(value_dim))
     grid = (num_seqs * value_heads, triton.cdiv(value_dim, block_values))
-    use_pdl = pdl_enabled(q.device)
+    pdl = pdl_launch(q.device)
     _gated_delta_rule_decode_kernel[grid](
         q, k, v, a, b, a_log, dt_bias, recurrent_state, out, context_lens, slots,
         query_start_loc if varlen else slots, scale, q.stride(0), k.stride(0), v.stride(0),
         a.stride(0), b.stride(0), recurrent_state.stride(0), KEY_HEADS=key_heads,
         VALUE_HEADS=value_heads, KEY_DIM=key_dim, VALUE_DIM=value_dim,
         BLOCK_KEYS=triton.next_power_of_2(key_dim), BLOCK_VALUES=block_values, VARLEN=varlen,
-        USE_PDL=use_pdl, num_warps=1, **launch_options(use_pdl))
+        num_warps=1, **pdl)
     return out
 
 
@@ -483,9 +483,8 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     assert x.stride(2) == 1 and z.stride(2) == 1 and z.shape == x.shape
     out = torch.empty((num_tokens, heads, dim), dtype=x.dtype, device=x.device)
     if num_tokens:
-        use_pdl = pdl_enabled(x.device)
+        pdl = pdl_launch(x.device)
         _gated_rms_norm_kernel[(num_tokens * heads,)](
             x, z, weight, out, eps, x.stride(0), x.stride(1), z.stride(0), z.stride(1),
-            HEADS=heads, DIM=dim, BLOCK=triton.next_power_of_2(dim), USE_PDL=use_pdl,
-            **launch_options(use_pdl))
+            HEADS=heads, DIM=dim, BLOCK=triton.next_power_of_2(dim), **pdl)
     return out
