@@ -47,7 +47,6 @@ them) instead, into the table fused_moe reads for e4m3 experts (``dtype=float8_e
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import itertools
 import json
@@ -59,7 +58,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -346,13 +345,11 @@ def tile_candidates(gemm: str, block_m: int, few_rows: bool = False,
 
 
 def fitting(config: MoeConfigT, experts: Experts) -> MoeConfigT:
-    """``config`` as fused_moe runs it for ``experts`` (FP8 block scales bound the
-    reduction step: ExpertScales.tile)."""
+    """``config`` as fused_moe runs it for ``experts`` (ExpertScales.fit)."""
     w13, w2, scales = experts
     if scales is None:
         return config
-    return dataclasses.replace(config, gate_up=scales.tile(config.gate_up, w13.shape[2]),
-                               down=scales.tile(config.down, w2.shape[2]))
+    return cast(MoeConfigT, scales.fit(config, w13.shape[2], w2.shape[2]))
 
 
 class Budget:

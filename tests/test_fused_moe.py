@@ -338,14 +338,38 @@ def test_fp8_experts_compute_their_dequantized_weights_product(block, num_tokens
         groups = (scales.groups(w13.shape[2])[1], scales.groups(w2.shape[2])[1])
         expected = fused_moe_reference(*plain, fp8_groups=groups)
         # the activations' rounding is no rounding error of the kernel's: it is the
-        # reference's to the last bits (float32 on the CPU), not the weight-only one's
-        assert relative_error(out, fused_moe_reference(*plain)) > 10 * relative_error(
+        # reference's to the last bits in float32 on the CPU. In bf16 on the GPU the
+        # intermediate's own rounding flips a few of its e4m3 roundings (the H100 gave
+        # 4x, not 10x, closer to this reference than to the weight-only one)
+        closer = 10 if DTYPE == torch.float32 else 3
+        assert relative_error(out, fused_moe_reference(*plain)) > closer * relative_error(
             out, expected)
     assert relative_error(out, expected) < TOLERANCE
     # the scales matter: the e4m3 values alone give another output
     unscaled = fused_moe(*layer, config=config, scales=dataclasses.replace(
         scales, w13=torch.ones_like(scales.w13), w2=torch.ones_like(scales.w2)))
     assert relative_error(unscaled, expected) > 0.5
+
+
+def test_block_scaled_experts_take_tiles_whose_scaled_products_fit_the_registers():
+    """Block scales scale each step's product before adding it, so the grouped path's
+    columns are halved until twice the accumulators fit (a spilling tile ran 3.9x slower
+    on the H100); per-row scales chain their MMAs and keep the tile, as does the row-wise
+    path (one row a program)."""
+    from trio_llm.gpu.kernels.fused_moe import ExpertScales
+
+    prefill = CONFIGS[-1][1]  # 128-row blocks, 8 warps: 128 x 128 gate/up, 256-wide down
+    assert isinstance(prefill, GroupedConfig)
+    none = torch.empty(0)
+    blocks = ExpertScales(none, none, (128, 128)).fit(prefill, 2048, 768)
+    assert (blocks.gate_up.block_n, blocks.down.block_n) == (prefill.gate_up.block_n // 2,
+                                                             prefill.down.block_n // 2)
+    assert blocks.gate_up.block_k == prefill.gate_up.block_k  # 64 divides the 128 columns
+    assert ExpertScales(none, none).fit(prefill, 2048, 768) == prefill
+    assert ExpertScales(none, none, (128, 128)).fit(ROWWISE, 2048, 768) == ROWWISE
+    # a tile that fits already is kept: 16 rows of 128 columns over 4 warps
+    decode = CONFIGS[1][1]
+    assert ExpertScales(none, none, (128, 128)).fit(decode, 2048, 768) == decode
 
 
 def test_fp8_experts_with_scales_of_the_wrong_shape_are_refused():
