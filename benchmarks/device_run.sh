@@ -149,7 +149,7 @@ for part in "$@"; do
     # FP8 experts (per-row scales) tuned at 1-8192 tokens (their own table), served sizes
     # first (a count reached past the budget is left out), bounded to leave a serve room
     moe-tune-fp8) run moe-tune-fp8 400 python3 benchmarks/moe_kernel_bench.py --tune --fp8 \
-             --tokens 64 8192 1024 256 1 2 4 8 --budget-s 320 --repeats 10 ;;
+             --tokens 64 8192 1024 256 1 2 4 8 --budget-s 320 --repeats 10 --layers 8 ;;
     # FP8 experts (per-row and 128x128 block scales) beside bf16, in graphs
     moe-kernel-fp8) run moe-kernel-fp8 300 python3 benchmarks/moe_kernel_bench.py --graph --fp8 ;;
     graph-profile-*) run "$part" 300 python3 benchmarks/graph_profile.py --model "$(model_of "${part#graph-profile-}")" ;;
