@@ -23,8 +23,7 @@
 # $OUT/moe_table_*.json: commit it to gpu/kernels/moe_configs/ under its own name):
 #   bash benchmarks/device_run.sh moe-tests moe-tune decode-30b-a3b graph-profile-30b-a3b
 #   bash benchmarks/device_run.sh moe-tune-batched moe-kernel  # 64-8192 tokens, then the table
-#   bash benchmarks/device_run.sh gpu-tests decode-30b-a3b decode-pdl-30b-a3b  # PDL on, A/B
-#   bash benchmarks/device_run.sh pdl-tests decode-pdl-30b-a3b decode-30b-a3b decode-pdl-8b decode-8b
+#   bash benchmarks/device_run.sh pdl-tests decode-nopdl-30b-a3b decode-30b-a3b  # PDL off, A/B
 # FP8 (issue 27), bf16 beside FP8 in each part; each part fits one call with the others
 # of its line (about 500 s each line, the setup included):
 #   bash benchmarks/device_run.sh fp8-tests fp8-decode-8b fp8-throughput-8b
@@ -154,8 +153,8 @@ for part in "$@"; do
     moe-kernel-fp8) run moe-kernel-fp8 300 python3 benchmarks/moe_kernel_bench.py --graph --fp8 ;;
     graph-profile-*) run "$part" 300 python3 benchmarks/graph_profile.py --model "$(model_of "${part#graph-profile-}")" ;;
     profile-*) run "$part" 200 python3 benchmarks/step_profile.py --model "$(model_of "${part#profile-}")" ;;
-    # programmatic dependent launch on (gpu/kernels/pdl.py, an experiment): beside decode-*
-    decode-pdl-*) TRIO_LLM_PDL=1 run "$part" 240 python3 benchmarks/gpu_bench.py decode --model "$(model_of "${part#decode-pdl-}")" ;;
+    # programmatic dependent launch (gpu/kernels/pdl.py, on by default) off: beside decode-*
+    decode-nopdl-*) TRIO_LLM_PDL=0 run "$part" 240 python3 benchmarks/gpu_bench.py decode --model "$(model_of "${part#decode-nopdl-}")" ;;
     decode-*) run "$part" 240 python3 benchmarks/gpu_bench.py decode --model "$(model_of "${part#decode-}")" ;;
     mixed-*) run "$part" 300 python3 benchmarks/gpu_bench.py mixed --model "$(model_of "${part#mixed-}")" ;;
     long-*) run "$part" 200 python3 benchmarks/gpu_bench.py long --model "$(model_of "${part#long-}")" ;;

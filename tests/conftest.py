@@ -34,8 +34,12 @@ def pytest_collection_modifyitems(config, items):
 def enable_pdl(monkeypatch):
     """A function that turns programmatic dependent launch on (``TRIO_LLM_PDL=1``,
     gpu/kernels/pdl.py) for the rest of the test, or skips the test where the device
-    or Triton cannot launch with it."""
+    or Triton cannot launch with it. Until it is called, PDL is off (``TRIO_LLM_PDL=0``,
+    the plain launches a test compares with)."""
     from trio_llm.gpu.kernels import pdl
+
+    monkeypatch.setenv("TRIO_LLM_PDL", "0")
+    pdl.pdl_enabled.cache_clear()
 
     def enable() -> None:
         monkeypatch.setenv("TRIO_LLM_PDL", "1")

@@ -44,7 +44,7 @@ MODELS = ("qwen3-0.6b", "qwen3-8b", "qwen3-30b-a3b", "qwen3.5-27b", "qwen3.5-35b
 H200_SMS = 132
 # Compiling processes: one a core, up to four (a cold cache is minutes of CPU).
 NUM_CHILDREN = max(1, min(4, len(os.sched_getaffinity(0))))
-# The models of the PDL experiment's device runs (benchmarks/device_run.sh decode-pdl-*).
+# The models whose decode the device measured with PDL on and off (device_run.sh decode-nopdl-*).
 PDL_MODELS = ("qwen3-8b", "qwen3-30b-a3b", "qwen3.5-35b-a3b")
 # One rank's shapes of the tensor-parallel device runs (device_run.sh tp2-*); the
 # sampler sees the gathered vocabulary, as without a split.
@@ -306,7 +306,7 @@ def _linear_attention(model: str) -> None:
 
 
 def _pdl(model: str) -> None:
-    """With TRIO_LLM_PDL=1 on the device (benchmarks/device_run.sh decode-pdl-*): the
+    """With PDL on, as on the device by default (gpu/kernels/pdl.py): the
     kernels of a decode step's chain launched with PDL (the norms, the q/k norm and
     KV write, the attention, the GEMVs, the SwiGLU; for an MoE model the routing and
     the MoE kernels; for a hybrid one the linear attention's)."""

@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (PDL), an opt-in experiment: ``TRIO_LLM_PDL=1``.
+"""Programmatic dependent launch (PDL), on by default on Hopper; ``TRIO_LLM_PDL=0`` turns it off.
 
 On Hopper and later a kernel launched with PDL may start while the kernel before
 it on the stream is still running; it must wait (``gdc_wait``) before it reads
@@ -12,9 +12,11 @@ family's conv, recurrence, gated norm, gated q/k kernel and output gate) start w
 the kernel before it. The next kernel launches only once every program of this one
 has signalled (``gdc_launch_dependents``, first thing) or exited, so its waiting
 programs never take the place of one of this kernel's. A kernel launched without
-PDL waits for its predecessor as usual, so the two kinds mix freely. Off by default
-until measured on the device (benchmarks/device_run.sh ``decode-pdl-*``); Triton's
-interpreter has no PDL, so it is always off there.
+PDL waits for its predecessor as usual, so the two kinds mix freely. On by default
+since the H100 measured it (docs/performance.md, "the eighth session"): single-stream
+decode 7.5% faster for qwen3.5-35b-a3b, 3.7% for qwen3-30b-a3b, 1.2% for FP8 qwen3-8b,
+1.0% slower for bf16 qwen3-8b (benchmarks/device_run.sh ``decode-nopdl-*`` beside
+``decode-*``). Triton's interpreter has no PDL, so it is always off there.
 """
 
 from __future__ import annotations
@@ -55,8 +57,9 @@ def pdl_start(USE_PDL: tl.constexpr):
 
 @functools.cache
 def pdl_enabled(device: torch.device) -> bool:
-    """Whether kernels on ``device`` launch with PDL: asked for, compiled, SM 9.0 or later."""
-    if (os.environ.get("TRIO_LLM_PDL") != "1" or os.environ.get("TRITON_INTERPRET") == "1"
+    """Whether kernels on ``device`` launch with PDL: not turned off, compiled, SM 9.0 or
+    later."""
+    if (os.environ.get("TRIO_LLM_PDL") == "0" or os.environ.get("TRITON_INTERPRET") == "1"
             or not HAS_PDL):
         return False
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
