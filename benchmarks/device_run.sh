@@ -37,6 +37,7 @@
 # FP8 experts' own tuned table (a call of its own):
 #   bash benchmarks/device_run.sh moe-kernel-fp8 serve-fp8-30b-a3b
 #   bash benchmarks/device_run.sh moe-tune-fp8
+#   bash benchmarks/device_run.sh moe-tune-fp8-blocks moe-kernel-fp8  # block scales' table, then timed
 # Carry .whl (see benchmarks/device_setup.sh).
 . benchmarks/device_setup.sh >/dev/null 2>&1 || { echo "setup failed"; exit 1; }
 export TOKENIZERS_PARALLELISM=false
@@ -149,6 +150,10 @@ for part in "$@"; do
     # first (a count reached past the budget is left out), bounded to leave a serve room
     moe-tune-fp8) run moe-tune-fp8 400 python3 benchmarks/moe_kernel_bench.py --tune --fp8 \
              --tokens 64 8192 1024 256 1 2 4 8 --budget-s 320 --repeats 10 --layers 8 ;;
+    # FP8 experts with 128x128 block scales (Qwen's FP8 releases), their own table
+    moe-tune-fp8-blocks) run moe-tune-fp8-blocks 400 python3 benchmarks/moe_kernel_bench.py \
+             --tune --fp8 --fp8-block 128 128 --tokens 64 8192 1024 256 1 2 4 8 \
+             --budget-s 320 --repeats 10 --layers 8 ;;
     # FP8 experts (per-row and 128x128 block scales) beside bf16, in graphs
     moe-kernel-fp8) run moe-kernel-fp8 300 python3 benchmarks/moe_kernel_bench.py --graph --fp8 ;;
     graph-profile-*) run "$part" 300 python3 benchmarks/graph_profile.py --model "$(model_of "${part#graph-profile-}")" ;;

@@ -41,7 +41,10 @@ and Triton's cache keeps them for a later call.
 
 ``--fp8`` adds FP8 experts (per-row and 128 x 128 block scales) to the timed table;
 with ``--tune`` it tunes FP8 experts (per-row scales, as ``--quantization fp8`` makes
-them) instead, into the table fused_moe reads for e4m3 experts (``dtype=float8_e4m3fn``).
+them) instead, into the table fused_moe reads for e4m3 experts (``dtype=float8_e4m3fn``);
+``--fp8-block 128 128`` tunes block-scaled ones (Qwen's FP8 releases) into a table of
+their own (``dtype=float8_e4m3fn,block=128x128``): each reduction step's product is
+scaled before it is added, so other tiles win.
 """
 
 from __future__ import annotations
@@ -249,7 +252,7 @@ def bench_fp8(layer: Layer, block: tuple[int, int] | None, name: str, args) -> d
     common = (layer.topk_weights, layer.topk_ids)
     calls = [lambda e=e: moe.fused_moe(layer.hidden, e[0], e[1], *common, scales=e[2])
              for e in experts]
-    config = moe.config_for(layer.hidden.shape[0], moe.tuned_table(experts[0][0]))
+    config = moe.config_for(layer.hidden.shape[0], moe.tuned_table(*experts[0][::2]))
     error = fp8_error(layer, experts[-1], config)
     if not error < TOLERANCE:
         raise ValueError(f"{name}: relative error {error:.3g} >= {TOLERANCE}")
@@ -294,11 +297,15 @@ PREFILL_TILES = [moe.GemmConfig(n, k, warps, stages) for n, k, warps, stages in
 # Row-wise tiles: 16 to 64 weights a thread per step (enough loads in flight, few
 # enough registers), plain loads or three steps in flight; one-warp programs down to
 # a single output (the dense GEMV's fastest shape), wider ones from four outputs.
-ROWWISE_TILES = [moe.GemmConfig(n, k, warps, stages) for n, k, warps, stages in
-                 itertools.product((1, 2, 4, 8, 16, 32), (256, 512, 1024), (1, 2, 4, 8),
-                                   (1, 3))
-                 if 16 <= n * k // (32 * warps) <= 64 and n * k <= 8192
-                 and (warps == 1 or n >= 4)]
+# Block-scaled experts step no deeper than a scale block: their steps are its columns.
+
+
+def rowwise_tiles(block_columns: int | None = None) -> list[moe.GemmConfig]:
+    depths = (256, 512, 1024) if block_columns is None else (block_columns,)
+    return [moe.GemmConfig(n, k, warps, stages) for n, k, warps, stages in
+            itertools.product((1, 2, 4, 8, 16, 32), depths, (1, 2, 4, 8), (1, 3))
+            if 16 <= n * k // (32 * warps) <= 64 and n * k <= 8192
+            and (warps == 1 or n >= 4)]
 ROWWISE_MAX_TOKENS = 16
 SHARED_MEMORY = 227 * 1024  # an H100/H200 SM's, per block
 
@@ -324,22 +331,27 @@ FEW_ROWS_TILES = [moe.GemmConfig(n, k, 4, stages) for n, k, stages in
 
 
 def tile_candidates(gemm: str, block_m: int, few_rows: bool = False,
-                    fp8: bool = False) -> list[moe.GemmConfig]:
+                    fp8: bool = False, block_columns: int | None = None
+                    ) -> list[moe.GemmConfig]:
     """The grouped tiles worth compiling: their pipelined operands (FP8 experts: one
     byte a weight, and an input too in row blocks that quantize it) fit in shared
     memory and their float32 accumulators (two for gate/up) in the registers of their
-    warps."""
+    warps. Block-scaled experts (``block_columns`` a scale block's columns) hold each
+    step's product beside its accumulator, twice the registers (ExpertScales.fit), and
+    take steps no deeper than a block."""
     num_weight_tiles = 2 if gemm == "gate_up" else 1
     weight_bytes = 1 if fp8 else 2
     input_bytes = 1 if fp8 and block_m >= moe.FP8_INPUTS_MIN_BLOCK_M else 2
+    live_copies = 2 if block_columns is not None else 1
     fitting = []
     tiles = FEW_ROWS_TILES if few_rows else DECODE_TILES if block_m <= 32 else PREFILL_TILES
     for tile in tiles:
         operand_bytes = tile.block_k * (input_bytes * block_m
                                         + weight_bytes * num_weight_tiles * tile.block_n)
-        accumulators = num_weight_tiles * block_m * tile.block_n
+        accumulators = live_copies * num_weight_tiles * block_m * tile.block_n
         if (operand_bytes * tile.num_stages <= SHARED_MEMORY
-                and accumulators <= 128 * tile.num_warps * 32):
+                and accumulators <= moe.ACCUMULATOR_REGISTERS * tile.num_warps * 32
+                and (block_columns is None or block_columns % tile.block_k == 0)):
             fitting.append(tile)
     return fitting
 
@@ -389,6 +401,12 @@ class Tuning:
     plans: dict[int, moe.ExpertPlan]
     repeats: int
 
+    @property
+    def block_columns(self) -> int | None:
+        """A scale block's columns for block-scaled FP8 experts, else None."""
+        scales = self.experts[0][2]
+        return scales.block_size[1] if scales is not None and scales.block_size else None
+
     def fastest(self, launches: Callable[[moe.GemmConfig], list[Callable[[], object]]],
                 tiles: list[moe.GemmConfig]) -> tuple[float, moe.GemmConfig]:
         timed = [(time_launches(launches(tile), self.repeats), tile) for tile in tiles]
@@ -406,10 +424,10 @@ class Tuning:
         # The default's own tiles first: a budget cut short still has them to beat.
         _, gate_up_tile = self.fastest(
             lambda tile: both(moe.RowwiseConfig(tile, default.down)),
-            [default.gate_up, *ROWWISE_TILES])
+            [default.gate_up, *rowwise_tiles(self.block_columns)])
         total, down_tile = self.fastest(
             lambda tile: both(moe.RowwiseConfig(gate_up_tile, tile)),
-            [default.down, *ROWWISE_TILES])
+            [default.down, *rowwise_tiles(self.block_columns)])
         print(f"  row-wise: {total:.1f} us", flush=True)
         return total, moe.RowwiseConfig(gate_up_tile, down_tile)
 
@@ -439,8 +457,9 @@ class Tuning:
         few_rows = self.layer.topk_ids.numel() <= self.shape.num_experts
         fp8 = self.experts[0][2] is not None
         gate_up_us, gate_up_tile = self.fastest(
-            gate_up, tile_candidates("gate_up", block_m, few_rows, fp8))
-        down_us, down_tile = self.fastest(down, tile_candidates("down", block_m, few_rows, fp8))
+            gate_up, tile_candidates("gate_up", block_m, few_rows, fp8, self.block_columns))
+        down_us, down_tile = self.fastest(
+            down, tile_candidates("down", block_m, few_rows, fp8, self.block_columns))
         overhead_us = time_launches([self.align_and_sum_for(block_m)], self.repeats)
         print(f"  block_m {block_m} group_m {group_m}: gate/up {gate_up_us:.1f} us, down "
               f"{down_us:.1f} us, alignment and sum {overhead_us:.1f} us", flush=True)
@@ -462,7 +481,8 @@ def tune_size(shape: MoeShape, num_tokens: int, args) -> dict:
     against the grouped one at each BLOCK_M and group size."""
     layer = make_layer(shape, num_tokens, args.layers)
     num_rows = num_tokens * shape.top_k
-    experts: list[Experts] = (fp8_experts(layer, None) if args.fp8 else
+    block = (args.fp8_block[0], args.fp8_block[1]) if args.fp8_block else None
+    experts: list[Experts] = (fp8_experts(layer, block) if args.fp8 else
                               [(w13, w2, None) for w13, w2 in zip(layer.w13, layer.w2,
                                                                   strict=True)])
     tuning = Tuning(
@@ -499,12 +519,13 @@ def config_literal(config: moe.MoeConfig) -> str:
             f"{tile(config.down)})")
 
 
-def write_tuned(shape: MoeShape, tuned: list[dict], dtype: torch.dtype) -> Path:
+def write_tuned(shape: MoeShape, tuned: list[dict], dtype: torch.dtype,
+                block: tuple[int, int] | None = None) -> Path:
     """Merge the counts tuned now into the shape's tuned table (the counts tuned before,
     from the target folder or gpu/kernels/moe_configs/, stay unless re-tuned); return its
     path. A count covers the counts above the previous tuned one (fused_moe.config_for)."""
     name = moe.tuned_table_name(shape.num_experts, shape.hidden, shape.intermediate, dtype,
-                                torch.cuda.get_device_name())
+                                torch.cuda.get_device_name(), block)
     folder = Path(os.environ.get(moe.MOE_CONFIGS_ENV)
                   or Path(os.environ.get("OUT", ".")) / "moe_configs")
     folder.mkdir(parents=True, exist_ok=True)
@@ -547,6 +568,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--fp8", action="store_true",
                         help="also time FP8 experts (per-row and 128x128 block scales); "
                         "with --tune, tune FP8 experts (per-row scales) instead of bf16")
+    parser.add_argument("--fp8-block", type=int, nargs=2, metavar=("ROWS", "COLUMNS"),
+                        help="with --tune --fp8: experts with block scales of this size "
+                        "(Qwen's FP8 releases: 128 128), a table of their own")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="--tune: stop timing new candidates after this many seconds")
     return parser.parse_args(argv)
@@ -591,7 +615,8 @@ def main() -> None:
             print(f"\n{model}:")
             print_tuned(tuned)
             if tuned:
-                path = write_tuned(SHAPES[model], tuned, E4M3 if args.fp8 else DTYPE)
+                block = (args.fp8_block[0], args.fp8_block[1]) if args.fp8_block else None
+                path = write_tuned(SHAPES[model], tuned, E4M3 if args.fp8 else DTYPE, block)
                 print(f"tuned table: {path} (commit it to "
                       f"gpu/kernels/moe_configs/); {Budget.skipped} candidates skipped "
                       "past the budget")

@@ -153,11 +153,11 @@ def test_the_configuration_table_covers_every_token_count():
     assert [bound for bound, _ in CONFIGS] == sorted(bound for bound, _ in CONFIGS)
 
 
-def write_tuned_table(folder, w13, entries) -> None:
+def write_tuned_table(folder, w13, entries, block=None) -> None:
     num_experts, two_intermediate, hidden = w13.shape
     name = fused_moe_module.tuned_table_name(
         num_experts, hidden, two_intermediate // 2, w13.dtype,
-        torch.cuda.get_device_name(w13.device) if HAS_CUDA else "cpu")
+        torch.cuda.get_device_name(w13.device) if HAS_CUDA else "cpu", block)
     (folder / name).write_text(json.dumps({"configs": [
         {"tokens": tokens, "config": fused_moe_module.config_to_json(config)}
         for tokens, config in entries]}))
@@ -370,6 +370,29 @@ def test_block_scaled_experts_take_tiles_whose_scaled_products_fit_the_registers
     # a tile that fits already is kept: 16 rows of 128 columns over 4 warps
     decode = CONFIGS[1][1]
     assert ExpertScales(none, none, (128, 128)).fit(decode, 2048, 768) == decode
+
+
+def test_block_scaled_experts_read_a_tuned_table_of_their_own(tmp_path, monkeypatch):
+    """FP8 experts with block scales want other tiles than per-row ones (each step's
+    product is scaled): each kind reads the table tuned for it (moe_kernel_bench.py
+    --tune --fp8 [--fp8-block R C]), and the kernel runs the configuration read."""
+    monkeypatch.setenv(fused_moe_module.MOE_CONFIGS_ENV, str(tmp_path))
+    layer, blocks, plain = fp8_layer(random_layer(3, 4, 2, seed=11, hidden=56), (16, 16))
+    _, rows, _ = fp8_layer(random_layer(3, 4, 2, seed=11, hidden=56), None)
+    w13 = layer[1]
+    write_tuned_table(tmp_path, w13, [(4, ROWWISE)], block=(16, 16))
+    write_tuned_table(tmp_path, w13, [(4, SMALL)])
+    assert "block=16x16" in fused_moe_module.tuned_table_name(4, 56, 24, w13.dtype, "x",
+                                                              (16, 16))
+    assert fused_moe_module.tuned_table(w13, blocks) == ((4, ROWWISE),)
+    assert fused_moe_module.tuned_table(w13, rows) == ((4, SMALL),)
+    paths = []
+    launch = fused_moe_module.launch_rowwise
+    monkeypatch.setattr(fused_moe_module, "launch_rowwise",
+                        lambda *args: (paths.append("rowwise"), launch(*args)))
+    out = fused_moe(*layer, scales=blocks)  # 3 tokens: the block table's row-wise entry
+    assert paths == ["rowwise"]
+    assert relative_error(out, fused_moe_reference(*plain)) < TOLERANCE
 
 
 def test_fp8_experts_with_scales_of_the_wrong_shape_are_refused():

@@ -210,13 +210,14 @@ def _fp8_gemm(model: str) -> None:
             (128, 128), None)
 
 
-def _moe_tables(num_experts: int, hidden: int, intermediate: int,
-                dtype: torch.dtype) -> list[tuple[int, Any]]:
-    """The default table and every tuned table of this layer shape and dtype (any device)."""
+def _moe_tables(num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype,
+                block: tuple[int, int] | None = None) -> list[tuple[int, Any]]:
+    """The default table and every tuned table of this layer shape, dtype and FP8 scale
+    blocks (any device)."""
     from trio_llm.gpu.kernels import fused_moe
 
     entries = list(fused_moe.CONFIGS)
-    pattern = fused_moe.tuned_table_name(num_experts, hidden, intermediate, dtype, "*")
+    pattern = fused_moe.tuned_table_name(num_experts, hidden, intermediate, dtype, "*", block)
     for path in sorted(fused_moe.BUILTIN_CONFIGS.glob(pattern)):
         entries += fused_moe.read_table(path)
     return entries
@@ -243,7 +244,7 @@ def _fused_moe(model: str, dtype: torch.dtype, block: tuple[int, int] | None = N
             _empty(experts, triton.cdiv(hidden, rows),
                    triton.cdiv(intermediate, columns) if block else 1, dtype=torch.float32),
             block)
-    for max_tokens, moe_config in _moe_tables(experts, hidden, intermediate, dtype):
+    for max_tokens, moe_config in _moe_tables(experts, hidden, intermediate, dtype, block):
         tokens = min(max_tokens, 8192)
         logits = _empty(tokens, experts)
         for round_to_input in (False, True):

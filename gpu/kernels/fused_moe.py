@@ -208,12 +208,14 @@ BUILTIN_CONFIGS = Path(__file__).parent / "moe_configs"
 
 
 def tuned_table_name(num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype,
-                     device_name: str) -> str:
+                     device_name: str, block_size: tuple[int, int] | None = None) -> str:
     """The file name of a tuned table: one per layer shape (this rank's intermediate
-    size), weight dtype and device model."""
+    size), weight dtype, FP8 scale blocks (block-scaled experts scale every reduction
+    step, so they want other tiles than per-row ones) and device model."""
     dtype_name = str(dtype).removeprefix("torch.")
+    block = f",block={block_size[0]}x{block_size[1]}" if block_size is not None else ""
     return (f"experts={num_experts},hidden={hidden},intermediate={intermediate},"
-            f"dtype={dtype_name},device={device_name.replace(' ', '_')}.json")
+            f"dtype={dtype_name}{block},device={device_name.replace(' ', '_')}.json")
 
 
 @functools.cache
@@ -221,12 +223,13 @@ def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
-def tuned_table(w13: torch.Tensor) -> ConfigTable:
+def tuned_table(w13: torch.Tensor, scales: ExpertScales | None = None) -> ConfigTable:
     """The tuned table for the layer whose gate/up weights are ``w13`` [E, 2I, H] on its
-    device, or () where none was tuned."""
+    device (FP8 experts: with ``scales``), or () where none was tuned."""
     num_experts, two_intermediate, hidden = w13.shape
     name = tuned_table_name(num_experts, hidden, two_intermediate // 2, w13.dtype,
-                            _device_name(w13.device))
+                            _device_name(w13.device),
+                            scales.block_size if scales is not None else None)
     return _find_table(name, os.environ.get(MOE_CONFIGS_ENV, ""))
 
 
@@ -717,7 +720,7 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     out = torch.empty((num_tokens, hidden_size), dtype=hidden.dtype, device=hidden.device)
     if num_tokens == 0 or top_k == 0:
         return out.zero_()
-    config = config or config_for(num_tokens, tuned_table(w13))
+    config = config or config_for(num_tokens, tuned_table(w13, scales))
     if scales is not None:
         config = scales.fit(config, hidden_size, intermediate)
     topk_weights, topk_ids = topk_weights.contiguous(), topk_ids.contiguous()
