@@ -33,6 +33,7 @@
 # (bf16 and FP8); the tests in a call of their own:
 #   bash benchmarks/device_run.sh fp8-gemv fp8-decode-8b
 #   bash benchmarks/device_run.sh fp8-tests
+#   bash benchmarks/device_run.sh fp8-gemv-sweep fp8-decode-8b   # the FP8 GEMV's launch in the graph
 # FP8 experts: the MoE kernel beside bf16 at 1-8192 tokens, one FP8 server, and the
 # FP8 experts' own tuned table (a call of its own):
 #   bash benchmarks/device_run.sh moe-kernel-fp8 serve-fp8-30b-a3b
@@ -194,6 +195,9 @@ for part in "$@"; do
              tests/test_fp8_weights.py tests/test_kv_cache_fp8.py ;;
     fp8-gemm) run fp8-gemm 200 python3 benchmarks/fp8_gemm_bench.py ;;
     fp8-gemv) run fp8-gemv 150 python3 benchmarks/fp8_gemm_bench.py --decode ;;
+    # the FP8 GEMV's launch swept inside qwen3-8b's captured decode graph (one row)
+    fp8-gemv-sweep) run fp8-gemv-sweep 300 python3 benchmarks/gemv_sweep.py --model qwen3-8b \
+             --quantization fp8 ;;
     fp8-decode-*) fp8_pair decode "$(model_of "${part#fp8-decode-}")" 120 --engine-only ;;
     fp8-throughput-*) fp8_pair throughput "$(model_of "${part#fp8-throughput-}")" 150 --depths 2 ;;
     fp8-serve-*) SERVE_SECONDS=120 serve_bench "$(model_of "${part#fp8-serve-}")" bf16

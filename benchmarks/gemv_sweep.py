@@ -1,12 +1,14 @@
 """Sweep gemv launch configurations inside a captured batch-1 decode graph.
 
-    python3 benchmarks/gemv_sweep.py [--model qwen3-8b]
+    python3 benchmarks/gemv_sweep.py [--model qwen3-8b] [--quantization fp8]
 
 Each configuration (widest outputs per program, K tile, warps, stages) replaces
-the rule for every single-row linear layer; the decode graph is captured again and
-its replay timed (device time, median). Also reports the executor's device time
-per decode step (CUDA events around each step's compute: the graph plus the work
-outside it). Writes $OUT/gemv_sweep.json.
+the rule for every single-row linear layer (with ``--quantization fp8``, for every
+e4m3 projection: one byte a weight, so a tile holds half bf16's bytes in flight);
+the decode graph is captured again and its replay timed (device time, median).
+Also reports the executor's device time per decode step (CUDA events around each
+step's compute: the graph plus the work outside it). Writes $OUT/gemv_sweep.json
+(gemv_sweep-fp8.json).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import gpu_bench  # benchmarks/ is on sys.path when run as a script
 
 from trio_llm.gpu import cuda_startup
 from trio_llm.gpu.kernels import triton_gemv
+from trio_llm.gpu.layers.fp8_linear import Fp8Linear
 from trio_llm.gpu.layers.linear import Linear
 from trio_llm.gpu.models import cuda_fused
 
@@ -31,26 +34,41 @@ SWEEP = [(4, 512, 1, 1), (4, 256, 1, 1), (2, 512, 1, 1), (8, 512, 1, 1), (8, 256
          (1, 2048, 2, 1), (1, 4096, 4, 1), (1, 2048, 1, 1)]
 
 
-def forward_with(widest: int, block_k: int, num_warps: int, num_stages: int):
+def config_with(weight, widest: int, block_k: int, num_warps: int, num_stages: int):
+    num_outputs, num_inputs = weight.shape
+    return triton_gemv.GemvConfig(triton_gemv._block_n(num_outputs, widest),
+                                  triton_gemv._block_k(num_inputs, block_k),
+                                  num_warps, num_stages)
+
+
+def forward_with(*combo: int):
     def forward(self, x):
         if x.dim() != 2 or x.shape[0] > triton_gemv.GEMV_ROWS:
             return Linear.forward(self, x)
-        num_outputs, num_inputs = self.weight.shape
-        config = triton_gemv.GemvConfig(triton_gemv._block_n(num_outputs, widest),
-                                        triton_gemv._block_k(num_inputs, block_k),
-                                        num_warps, num_stages)
-        return triton_gemv.gemv(x, self.weight, self.bias, config=config)
+        return triton_gemv.gemv(x, self.weight, self.bias,
+                                config=config_with(self.weight, *combo))
     return forward
+
+
+def fp8_weight_only_with(*combo: int):
+    """Fp8Linear's GEMV rows (at most GEMV_ROWS) under the swept configuration."""
+    def weight_only(self, rows):
+        return triton_gemv.gemv(rows, self.weight, self.bias, weight_scale=self.weight_scale,
+                                block_size=self.block_size,
+                                config=config_with(self.weight, *combo))
+    return weight_only
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="qwen3-8b")
+    parser.add_argument("--quantization", choices=["fp8"], default=None,
+                        help="FP8 weights (per channel): sweep the FP8 GEMV instead")
     args = parser.parse_args()
     config = gpu_bench.engine_config(args.model, depth=2, max_num_seqs=1, num_kv_blocks=1024,
-                                     max_model_len=4096)
+                                     max_model_len=4096, quantization=args.quantization)
     executor = gpu_bench.create_executor(config, measure_device_time=True)
-    results: dict[str, object] = {"model": args.model,
+    results: dict[str, object] = {"model": args.model, "quantization": args.quantization,
                                   "default graph": gpu_bench.graph_replay_ms(executor, 1)}
     compute_before, steps_before = executor.stats.device_compute_seconds, executor.stats.num_steps
     results["executor depth 2 ms/token"] = gpu_bench.executor_decode_ms_per_token(
@@ -61,7 +79,10 @@ def main() -> None:
     print(results, flush=True)
     for combo in SWEEP:
         try:
-            cuda_fused.GemvLinear.forward = forward_with(*combo)
+            patched, name = ((Fp8Linear, "_weight_only") if args.quantization
+                             else (cuda_fused.GemvLinear, "forward"))
+            replacement = (fp8_weight_only_with if args.quantization else forward_with)(*combo)
+            setattr(patched, name, replacement)
             executor.graphs.clear()
             cuda_startup.capture_graphs(executor)
             replay: object = gpu_bench.graph_replay_ms(executor, 1)
@@ -69,7 +90,8 @@ def main() -> None:
             replay = repr(error)[:200]
         results[str(combo)] = replay
         print(combo, replay, flush=True)
-    Path(os.environ.get("OUT", "."), "gemv_sweep.json").write_text(json.dumps(results, indent=1))
+    name = f"gemv_sweep{'-fp8' if args.quantization else ''}.json"
+    Path(os.environ.get("OUT", "."), name).write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":
