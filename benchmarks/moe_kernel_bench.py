@@ -573,7 +573,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(Qwen's FP8 releases: 128 128), a table of their own")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="--tune: stop timing new candidates after this many seconds")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.fp8_block and not (args.tune and args.fp8):
+        parser.error("--fp8-block tunes block-scaled experts: it needs --tune --fp8")
+    return args
 
 
 ARGS = parse_args([])
