@@ -41,6 +41,8 @@ LONG_BLOCKS = GroupedConfig(block_m=64, group_m=1, gate_up=GemmConfig(16, 32, 1,
                             down=GemmConfig(32, 32, 1, 1))
 # Few programs (the interpreter runs each in Python), several reduction steps each.
 ROWWISE = RowwiseConfig(gate_up=GemmConfig(32, 16, 1, 1), down=GemmConfig(32, 16, 1, 1))
+# Steps deeper than the FP8 tests' scale blocks: several blocks' spans a step.
+ROWWISE_DEEP = RowwiseConfig(gate_up=GemmConfig(16, 64, 1, 1), down=GemmConfig(16, 64, 1, 1))
 PATHS = pytest.mark.parametrize("config", [SMALL, ROWWISE], ids=["grouped", "rowwise"])
 # Hidden 40 and intermediate 24: neither a multiple of the 16-deep reduction nor of
 # the 16/32-wide column blocks.
@@ -321,8 +323,9 @@ def fp8_layer(layer, block):
 
 @pytest.mark.parametrize("block", [(16, 16), (8, 32), None], ids=["16x16", "8x32", "per-row"])
 @pytest.mark.parametrize("num_tokens,config", [
-    (3, SMALL), (17, SMALL), (17, LONG_BLOCKS), (2, ROWWISE)],
-    ids=["3-grouped", "17-grouped", "17-grouped-fp8-inputs", "2-rowwise"])
+    (3, SMALL), (17, SMALL), (17, LONG_BLOCKS), (2, ROWWISE), (2, ROWWISE_DEEP)],
+    ids=["3-grouped", "17-grouped", "17-grouped-fp8-inputs", "2-rowwise",
+         "2-rowwise-deep-steps"])
 def test_fp8_experts_compute_their_dequantized_weights_product(block, num_tokens, config):
     """e4m3 experts with block (partial at the edges: 40 and 24 are no multiples of 16
     or 32) or per-row scales = the reference over the dequantized weights: with the
@@ -366,7 +369,12 @@ def test_block_scaled_experts_take_tiles_whose_scaled_products_fit_the_registers
                                                              prefill.down.block_n // 2)
     assert blocks.gate_up.block_k == prefill.gate_up.block_k  # 64 divides the 128 columns
     assert ExpertScales(none, none).fit(prefill, 2048, 768) == prefill
-    assert ExpertScales(none, none, (128, 128)).fit(ROWWISE, 2048, 768) == ROWWISE
+    # the row-wise path scales each block's span of a step: deep steps stay where the
+    # blocks' columns are a power of two, and shrink to divide them where they are not
+    deep = RowwiseConfig(GemmConfig(2, 1024, 1, 1), GemmConfig(2, 1024, 1, 3))
+    assert ExpertScales(none, none, (128, 128)).fit(deep, 2048, 768) == deep
+    odd = ExpertScales(none, none, (128, 96)).fit(deep, 2048, 768)
+    assert (odd.gate_up.block_k, odd.down.block_k) == (32, 32)
     # a tile that fits already is kept: 16 rows of 128 columns over 4 warps
     decode = CONFIGS[1][1]
     assert ExpertScales(none, none, (128, 128)).fit(decode, 2048, 768) == decode

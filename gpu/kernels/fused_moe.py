@@ -47,7 +47,9 @@ and the whole depth).
 - The row-wise path (a few tokens, bound by the weights' bytes), and the grouped one
   with short row blocks, widen each weight tile to the activations' dtype (exact:
   e4m3 values are bf16 values) and scale each step's float32 partial sum: FP8 weights,
-  bf16 activations, half the bytes.
+  bf16 activations, half the bytes. With block scales the row-wise path scales each
+  block's span of a step instead (as the FP8 GEMV does), so its steps stay as deep as
+  the tuned ones (1,024 columns, 8 blocks) rather than one block deep.
 - The grouped path with row blocks of ``FP8_INPUTS_MIN_BLOCK_M`` rows or more (bound
   by the tensor cores) runs the FP8 tensor cores, as the dense block GEMM does
   (gpu/kernels/fp8_gemm.py): each GEMM's input is quantized first (``quantize_groups``:
@@ -57,7 +59,8 @@ and the whole depth).
 With one scale a row the grouped GEMMs chain their MMAs unscaled and scale each sum
 once (a scale between steps makes every step wait for its MMA). Widened weights on
 bf16 tensor cores at every block size were measured before: at 8,192 tokens 1.7 (per
-row) and 3.6 (128 x 128 blocks) times bf16's time (docs/performance.md).
+row) and 3.6 (128 x 128 blocks) times bf16's time; on e4m3 wgmma, 0.76 and (with
+``ExpertScales.fit``'s tiles) 1.7 (docs/performance.md, the eighth session).
 
 The GPU path is not batch invariant (the path and tiles, hence the float32 sum
 order, depend on the token count); the batch-invariant path is the CPU one.
@@ -139,7 +142,12 @@ class ExpertScales:
         accumulators fit their registers twice over. Each step's product is scaled before
         it is added there, so it is live beside its accumulator: a tile sized for chained
         MMAs spills (the H100 ran 128 x 128 block-scaled experts 3.9x slower than per-row
-        ones at 8,192 tokens, 4,457 against 1,149 us)."""
+        ones at 8,192 tokens, 4,457 against 1,149 us). The row-wise path scales each
+        block's span of a step (``_block_scaled_products``): its steps stay as deep as
+        tuned where the blocks' columns are a power of two (then one divides the other)."""
+        if isinstance(config, RowwiseConfig) and self.block_size is not None and (
+                self.block_size[1] & (self.block_size[1] - 1) == 0):
+            return config
         gate_up = self.tile(config.gate_up, hidden_size)
         down = self.tile(config.down, intermediate)
         if self.block_size is not None and isinstance(config, GroupedConfig):
@@ -406,12 +414,20 @@ def _block_rows(sorted_rows_ptr, block_experts_ptr, pid_m, BLOCK_M: tl.constexpr
 
 
 @triton.jit
+def _scale_rows(scale_ptr, expert, weight_rows, scale_expert_stride, scale_row_stride,
+                GROUP_N: tl.constexpr):
+    """Pointers to the FP8 scales of ``weight_rows`` of ``expert`` (their first column)."""
+    return (scale_ptr + expert * scale_expert_stride
+            + (weight_rows // GROUP_N).to(tl.int64) * scale_row_stride)
+
+
+@triton.jit
 def _step_scales(scale_ptr, expert, weight_rows, start, scale_expert_stride, scale_row_stride,
                  GROUP_N: tl.constexpr, GROUP_K: tl.constexpr):
     """The FP8 scales of ``weight_rows`` of ``expert`` for the reduction step at ``start``
     (one per row: a step never crosses a scale's columns, ExpertScales.tile)."""
-    return tl.load(scale_ptr + expert * scale_expert_stride
-                   + (weight_rows // GROUP_N).to(tl.int64) * scale_row_stride + start // GROUP_K)
+    return tl.load(_scale_rows(scale_ptr, expert, weight_rows, scale_expert_stride,
+                               scale_row_stride, GROUP_N) + start // GROUP_K)
 
 
 @triton.jit
@@ -563,9 +579,9 @@ def _down_kernel(activation_ptr, w2_ptr, out_ptr, topk_weights_ptr, sorted_rows_
 
 
 @triton.jit
-def _row_products(x_ptr, weight_ptrs, start, DEPTH: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One reduction step of a GEMV: the float32 products of ``x[start:start + BLOCK_K]``
-    with the same columns of the weight rows that ``weight_ptrs`` point to, summed."""
+def _step_tiles(x_ptr, weight_ptrs, start, DEPTH: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One reduction step of a GEMV, in float32: ``x[start:start + BLOCK_K]`` and the same
+    columns of the weight rows that ``weight_ptrs`` point to (zeros past DEPTH)."""
     depth = start + tl.arange(0, BLOCK_K)
     if DEPTH % BLOCK_K == 0:
         x = tl.load(x_ptr + depth)
@@ -576,7 +592,34 @@ def _row_products(x_ptr, weight_ptrs, start, DEPTH: tl.constexpr, BLOCK_K: tl.co
         x = tl.load(x_ptr + depth, mask=depth_mask, other=0.0)
         w = tl.load(weight_ptrs[:, None] + depth[None, :], mask=depth_mask[None, :], other=0.0,
                     eviction_policy="evict_first")
-    return tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], 1)
+    return x.to(tl.float32), w.to(tl.float32)
+
+
+@triton.jit
+def _row_products(x_ptr, weight_ptrs, start, DEPTH: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One reduction step of a GEMV: the products of ``_step_tiles``, summed per row."""
+    x, w = _step_tiles(x_ptr, weight_ptrs, start, DEPTH, BLOCK_K)
+    return tl.sum(w * x[None, :], 1)
+
+
+@triton.jit
+def _block_scaled_products(x_ptr, weight_ptrs, scale_rows, start, DEPTH: tl.constexpr,
+                           BLOCK_K: tl.constexpr, GROUP_K: tl.constexpr):
+    """``_row_products`` for e4m3 weights with block scales (``scale_rows`` each row's
+    scales): each span of the step's columns that one block covers is scaled by that
+    block's scale before the sum, as the FP8 GEMV does (gpu/kernels/triton_gemv.py), so a
+    step may cover several blocks (BLOCK_K and GROUP_K are powers of two: one divides the
+    other, ExpertScales.fit)."""
+    x, w = _step_tiles(x_ptr, weight_ptrs, start, DEPTH, BLOCK_K)
+    BLOCK_N: tl.constexpr = w.shape[0]
+    SPAN: tl.constexpr = BLOCK_K if BLOCK_K < GROUP_K else GROUP_K
+    spans = start + tl.arange(0, BLOCK_K // SPAN) * SPAN
+    scales = tl.load(scale_rows[:, None] + (spans // GROUP_K)[None, :],
+                     mask=(spans < DEPTH)[None, :], other=0.0)
+    w = tl.reshape(tl.reshape(w, [BLOCK_N, BLOCK_K // SPAN, SPAN]) * scales[:, :, None],
+                   [BLOCK_N, BLOCK_K])
+    return tl.sum(w * x[None, :], 1)
+
 
 
 @triton.jit
@@ -600,9 +643,18 @@ def _rowwise_gate_up_kernel(hidden_ptr, w13_ptr, activation_ptr, topk_ids_ptr,
     up_ptrs = gate_ptrs + INTERMEDIATE * w13_row_stride
     gate = tl.zeros([BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_N], dtype=tl.float32)
+    gate_scales = _scale_rows(scale_ptr, expert, weight_rows, scale_expert_stride,
+                              scale_row_stride, GROUP_N)
+    up_scales = _scale_rows(scale_ptr, expert, weight_rows + INTERMEDIATE,
+                            scale_expert_stride, scale_row_stride, GROUP_N)
     # num_stages on the loop: without a tl.dot the pipeliner prefetches only when asked.
     for start in tl.range(0, HIDDEN, BLOCK_K, num_stages=NUM_STAGES):
-        if HAS_SCALES:
+        if HAS_SCALES and GROUP_K < HIDDEN:  # block scales: each span of a step its own
+            gate += _block_scaled_products(x_ptr, gate_ptrs, gate_scales, start, HIDDEN,
+                                           BLOCK_K, GROUP_K)
+            up += _block_scaled_products(x_ptr, up_ptrs, up_scales, start, HIDDEN, BLOCK_K,
+                                         GROUP_K)
+        elif HAS_SCALES:  # one scale a row
             gate += _row_products(x_ptr, gate_ptrs, start, HIDDEN, BLOCK_K) * _step_scales(
                 scale_ptr, expert, weight_rows, start, scale_expert_stride, scale_row_stride,
                 GROUP_N, GROUP_K)
@@ -641,9 +693,15 @@ def _rowwise_down_kernel(activation_ptr, w2_ptr, out_ptr, topk_weights_ptr, topk
         expert = tl.load(topk_ids_ptr + row).to(tl.int64)
         down_ptrs = w2_ptr + expert * w2_expert_stride + weight_rows * w2_row_stride
         start = (step % STEPS_PER_SLOT) * BLOCK_K
-        products = _row_products(activation_ptr + row * INTERMEDIATE, down_ptrs, start,
-                                 INTERMEDIATE, BLOCK_K)
-        if HAS_SCALES:
+        if HAS_SCALES and GROUP_K < INTERMEDIATE:  # block scales: each span its own
+            products = _block_scaled_products(
+                activation_ptr + row * INTERMEDIATE, down_ptrs,
+                _scale_rows(scale_ptr, expert, weight_rows, scale_expert_stride,
+                            scale_row_stride, GROUP_N), start, INTERMEDIATE, BLOCK_K, GROUP_K)
+        else:
+            products = _row_products(activation_ptr + row * INTERMEDIATE, down_ptrs, start,
+                                     INTERMEDIATE, BLOCK_K)
+        if HAS_SCALES and GROUP_K >= INTERMEDIATE:  # one scale a row
             products *= _step_scales(scale_ptr, expert, weight_rows, start, scale_expert_stride,
                                      scale_row_stride, GROUP_N, GROUP_K)
         total += products * tl.load(topk_weights_ptr + row).to(tl.float32)
