@@ -64,6 +64,18 @@ def dequantized_product(x, weight: Fp8Weight, bias=None):
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_a_weight_the_tiles_cover_exactly_loads_unmasked_to_the_same_product(layout):
+    """64 outputs of 256 inputs under 16 x 128 tiles: the launch drops the loads' masks
+    (the shape of every decode projection of the built-in models); the product is the
+    same as the masked launch's function."""
+    weight = on_device(fp8_weight(LAYOUTS[layout], num_outputs=64, num_inputs=256))
+    x = random(2, 256, seed=2).to(DTYPE).to(DEVICE)
+    bias = random(64, seed=3).to(DTYPE).to(DEVICE)
+    out = fp8_gemv(x, weight, bias, GemvConfig(16, 128, 1, 1))
+    assert relative_error(out, dequantized_product(x, weight, bias)) < TOLERANCE
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("has_bias", [True, False], ids=["bias", "no-bias"])
 def test_fp8_gemv_is_the_product_with_the_dequantized_weight(layout, has_bias):
     weight = on_device(fp8_weight(LAYOUTS[layout]))

@@ -55,6 +55,18 @@ def test_gemv_matches_float32_linear_for_every_row_count(has_bias):
         assert relative_error(out, float32_linear(x[:num_rows], weight, bias)) < 1e-2
 
 
+def test_a_weight_the_tiles_cover_exactly_gives_the_masked_launchs_bits():
+    """64 x 256 under 16 x 32 tiles loads without masks; padded to 65 x 257 (masked
+    loads, the padding's products are zeros) the first 64 outputs are the same bits."""
+    x = random(2, 256, seed=7)
+    weight, bias = random(64, 256, seed=8), random(64, seed=9)
+    even = gemv(x, weight, bias, config=SMALL_BLOCKS)
+    padded = gemv(torch.nn.functional.pad(x, (0, 1)), torch.nn.functional.pad(weight, (0, 1, 0, 1)),
+                  torch.nn.functional.pad(bias, (0, 1)), config=SMALL_BLOCKS)
+    assert torch.equal(even, padded[:, :64])
+    assert relative_error(even, float32_linear(x, weight, bias)) < 1e-2
+
+
 def test_a_row_is_bitwise_the_same_whatever_rows_share_the_launch():
     x = random(MAX_GEMV_ROWS, NUM_INPUTS, seed=4)
     weight, bias = random(NUM_OUTPUTS, NUM_INPUTS, seed=5), random(NUM_OUTPUTS, seed=6)

@@ -83,9 +83,11 @@ BLOCK_SCALES: tl.constexpr = tl.constexpr(2)
 
 @triton.jit
 def _weight_tile(weight_rows, scale_rows, output_mask, start, K, columns, SCALES: tl.constexpr,
-                 GROUP_K: tl.constexpr):
+                 GROUP_K: tl.constexpr, EVEN: tl.constexpr):
     """The float32 weight tile of columns ``start + columns``; block-scaled weights come out
-    dequantized (each e4m3 value times its block's scale, as Fp8Weight.dequantize does)."""
+    dequantized (each e4m3 value times its block's scale, as Fp8Weight.dequantize does).
+    EVEN: the tiles cover the weight exactly, so the loads need no mask (a masked load
+    costs a select a weight: an eighth of the FP8 loop's instructions in sm_90 SASS)."""
     k = start + columns
     if weight_rows.dtype.element_ty.primitive_bitwidth == 8:
         # Loads of 8 e4m3 values a lane (a warp still reads 256 contiguous bytes): the
@@ -93,8 +95,13 @@ def _weight_tile(weight_rows, scale_rows, output_mask, start, K, columns, SCALES
         # weights (16 a lane cost a shuffle per weight and row, and more registers).
         k = tl.max_contiguous(k, 8)
     # Each weight is read once: let it leave the caches first, the activations last.
-    weight = tl.load(weight_rows + k[None, :], mask=output_mask[:, None] & (k < K)[None, :],
-                     other=0.0, eviction_policy="evict_first").to(tl.float32)
+    if EVEN:
+        weight = tl.load(weight_rows + k[None, :], eviction_policy="evict_first")
+    else:
+        weight = tl.load(weight_rows + k[None, :],
+                         mask=output_mask[:, None] & (k < K)[None, :], other=0.0,
+                         eviction_policy="evict_first")
+    weight = weight.to(tl.float32)
     if SCALES == BLOCK_SCALES:
         # The tile's columns in spans of one scale each (a tile and a block are powers of
         # two, so one divides the other); the tile's shape is kept, only viewed by span.
@@ -110,11 +117,14 @@ def _weight_tile(weight_rows, scale_rows, output_mask, start, K, columns, SCALES
 
 
 @triton.jit
-def _row_products(weight, x_ptr, start, K, columns):
+def _row_products(weight, x_ptr, start, K, columns, EVEN: tl.constexpr):
     """One row's products with one weight tile, summed per output."""
     k = start + columns
-    x = tl.load(x_ptr + k, mask=k < K, other=0.0, eviction_policy="evict_last").to(tl.float32)
-    return tl.sum(weight * x[None, :], axis=1)
+    if EVEN:
+        x = tl.load(x_ptr + k, eviction_policy="evict_last")
+    else:
+        x = tl.load(x_ptr + k, mask=k < K, other=0.0, eviction_policy="evict_last")
+    return tl.sum(weight * x.to(tl.float32)[None, :], axis=1)
 
 
 @triton.jit
@@ -122,7 +132,7 @@ def _gemv_kernel(x_ptr, weight_ptr, scale_ptr, bias_ptr, out_ptr, N, K, x_row_st
                  weight_row_stride, scale_row_stride, NUM_ROWS: tl.constexpr,
                  HAS_BIAS: tl.constexpr, SCALES: tl.constexpr, GROUP_N: tl.constexpr,
                  GROUP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr):
+                 NUM_STAGES: tl.constexpr, EVEN: tl.constexpr, USE_PDL: tl.constexpr):
     outputs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     output_mask = outputs < N
     columns = tl.arange(0, BLOCK_K)
@@ -138,21 +148,21 @@ def _gemv_kernel(x_ptr, weight_ptr, scale_ptr, bias_ptr, out_ptr, N, K, x_row_st
         # before waiting; the sums are added in the same order as below.
         gdc_launch_dependents()
         weight = _weight_tile(weight_rows, scale_rows, output_mask, 0, K, columns, SCALES,
-                              GROUP_K)
+                              GROUP_K, EVEN)
         gdc_wait()
         for row in tl.static_range(NUM_ROWS):
             row_sum = sums[row] + _row_products(weight, x_ptr + row * x_row_stride, 0, K,
-                                                columns)
+                                                columns, EVEN)
             sums = sums[:row] + (row_sum,) + sums[row + 1:]
         first_step = BLOCK_K
     # num_stages on the loop itself: the pipeliner only prefetches loads that feed
     # no tl.dot when the loop asks for it.
     for start in tl.range(first_step, K, BLOCK_K, num_stages=NUM_STAGES):
         weight = _weight_tile(weight_rows, scale_rows, output_mask, start, K, columns, SCALES,
-                              GROUP_K)
+                              GROUP_K, EVEN)
         for row in tl.static_range(NUM_ROWS):
             row_sum = sums[row] + _row_products(weight, x_ptr + row * x_row_stride, start, K,
-                                                columns)
+                                                columns, EVEN)
             sums = sums[:row] + (row_sum,) + sums[row + 1:]
     if SCALES == ROW_SCALES:
         row_scales = tl.load(scale_ptr + outputs * scale_row_stride, mask=output_mask,
@@ -200,8 +210,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         bias if bias is not None else weight, out, num_outputs, num_inputs, x.stride(0),
         weight.stride(0), scale_row_stride, NUM_ROWS=num_rows, HAS_BIAS=bias is not None,
         SCALES=scales, GROUP_N=group_n, GROUP_K=group_k, BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k, NUM_STAGES=config.num_stages, num_warps=config.num_warps,
-        num_stages=config.num_stages, **pdl)
+        BLOCK_K=config.block_k, NUM_STAGES=config.num_stages,
+        EVEN=num_inputs % config.block_k == 0 and num_outputs % config.block_n == 0,
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl)
     return out
 
 
