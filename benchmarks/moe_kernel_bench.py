@@ -297,15 +297,13 @@ PREFILL_TILES = [moe.GemmConfig(n, k, warps, stages) for n, k, warps, stages in
 # Row-wise tiles: 16 to 64 weights a thread per step (enough loads in flight, few
 # enough registers), plain loads or three steps in flight; one-warp programs down to
 # a single output (the dense GEMV's fastest shape), wider ones from four outputs.
-# Block-scaled experts step no deeper than a scale block: their steps are its columns.
-
-
-def rowwise_tiles(block_columns: int | None = None) -> list[moe.GemmConfig]:
-    depths = (256, 512, 1024) if block_columns is None else (block_columns,)
-    return [moe.GemmConfig(n, k, warps, stages) for n, k, warps, stages in
-            itertools.product((1, 2, 4, 8, 16, 32), depths, (1, 2, 4, 8), (1, 3))
-            if 16 <= n * k // (32 * warps) <= 64 and n * k <= 8192
-            and (warps == 1 or n >= 4)]
+# (Block-scaled experts take them too: the row-wise kernels scale each block's span
+# of a step, fused_moe._block_scaled_products.)
+ROWWISE_TILES = [moe.GemmConfig(n, k, warps, stages) for n, k, warps, stages in
+                 itertools.product((1, 2, 4, 8, 16, 32), (256, 512, 1024), (1, 2, 4, 8),
+                                   (1, 3))
+                 if 16 <= n * k // (32 * warps) <= 64 and n * k <= 8192
+                 and (warps == 1 or n >= 4)]
 ROWWISE_MAX_TOKENS = 16
 SHARED_MEMORY = 227 * 1024  # an H100/H200 SM's, per block
 
@@ -424,10 +422,10 @@ class Tuning:
         # The default's own tiles first: a budget cut short still has them to beat.
         _, gate_up_tile = self.fastest(
             lambda tile: both(moe.RowwiseConfig(tile, default.down)),
-            [default.gate_up, *rowwise_tiles(self.block_columns)])
+            [default.gate_up, *ROWWISE_TILES])
         total, down_tile = self.fastest(
             lambda tile: both(moe.RowwiseConfig(gate_up_tile, tile)),
-            [default.down, *rowwise_tiles(self.block_columns)])
+            [default.down, *ROWWISE_TILES])
         print(f"  row-wise: {total:.1f} us", flush=True)
         return total, moe.RowwiseConfig(gate_up_tile, down_tile)
 
