@@ -654,16 +654,12 @@ def _rowwise_gate_up_kernel(hidden_ptr, w13_ptr, activation_ptr, topk_ids_ptr,
                                            BLOCK_K, GROUP_K)
             up += _block_scaled_products(x_ptr, up_ptrs, up_scales, start, HIDDEN, BLOCK_K,
                                          GROUP_K)
-        elif HAS_SCALES:  # one scale a row
-            gate += _row_products(x_ptr, gate_ptrs, start, HIDDEN, BLOCK_K) * _step_scales(
-                scale_ptr, expert, weight_rows, start, scale_expert_stride, scale_row_stride,
-                GROUP_N, GROUP_K)
-            up += _row_products(x_ptr, up_ptrs, start, HIDDEN, BLOCK_K) * _step_scales(
-                scale_ptr, expert, weight_rows + INTERMEDIATE, start, scale_expert_stride,
-                scale_row_stride, GROUP_N, GROUP_K)
-        else:
+        else:  # bf16, or one scale a row: applied once, after the sum
             gate += _row_products(x_ptr, gate_ptrs, start, HIDDEN, BLOCK_K)
             up += _row_products(x_ptr, up_ptrs, start, HIDDEN, BLOCK_K)
+    if HAS_SCALES and GROUP_K >= HIDDEN:
+        gate *= tl.load(gate_scales)
+        up *= tl.load(up_scales)
     activated = gate * tl.sigmoid(gate) * up
     tl.store(activation_ptr + row.to(tl.int64) * INTERMEDIATE + columns,
              activated.to(activation_ptr.dtype.element_ty), mask=columns < INTERMEDIATE)
