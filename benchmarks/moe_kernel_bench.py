@@ -232,15 +232,13 @@ def fp8_experts(layer: Layer, block: tuple[int, int] | None) -> list[Experts]:
 def fp8_error(layer: Layer, experts: Experts, config: moe.MoeConfig) -> float:
     """The kernel's relative error with e4m3 ``experts`` under ``config`` against the
     reference over the dequantized experts (the inputs in e4m3 per row and scale group
-    where the kernel quantizes them: fused_moe.quantizes_inputs)."""
+    where the kernel quantizes them: fused_moe.input_groups)."""
     w13, w2, scales = experts
     assert scales is not None
     common = (layer.topk_weights, layer.topk_ids)
     out = moe.fused_moe(layer.hidden, w13, w2, *common, config=config, scales=scales)
     w13_plain, w2_plain = moe.dequantized_experts(w13, w2, scales, DTYPE)
-    groups = None if isinstance(config, moe.RowwiseConfig) or not moe.quantizes_inputs(
-        config, scales, w13.shape[2], w2.shape[2]) else (
-        scales.groups(w13.shape[2])[1], scales.groups(w2.shape[2])[1])
+    groups = moe.input_groups(config, scales, w13.shape[2], w2.shape[2])
     return relative_error(out, moe.fused_moe_reference(layer.hidden, w13_plain, w2_plain,
                                                        *common, fp8_groups=groups))
 

@@ -25,8 +25,8 @@ from trio_llm.gpu.kernels.fused_moe import (  # noqa: E402
     config_for,
     fused_moe,
     fused_moe_reference,
+    input_groups,
     max_sorted_rows,
-    quantizes_inputs,
 )
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -333,13 +333,11 @@ def test_fp8_experts_compute_their_dequantized_weights_product(block, num_tokens
     through e4m3 per row and scale group in long row blocks (the FP8 tensor cores)."""
     layer, scales, plain = fp8_layer(random_layer(num_tokens, 4, 2, seed=num_tokens), block)
     out = fused_moe(*layer, config=config, scales=scales)
-    x, w13, w2 = layer[:3]
-    if isinstance(config, RowwiseConfig) or not quantizes_inputs(
-            config, scales, x.shape[1], w2.shape[2]):
-        expected = fused_moe_reference(*plain)
-    else:
-        groups = (scales.groups(w13.shape[2])[1], scales.groups(w2.shape[2])[1])
-        expected = fused_moe_reference(*plain, fp8_groups=groups)
+    groups = input_groups(config, scales, HIDDEN, INTERMEDIATE)
+    # long row blocks quantize, unless 16-column blocks cut their steps under FP8_DOT_MIN_K
+    assert (groups is not None) == (config is LONG_BLOCKS and block != (16, 16))
+    expected = fused_moe_reference(*plain, fp8_groups=groups)
+    if groups is not None:
         # the activations' rounding is no rounding error of the kernel's: it is the
         # reference's to the last bits in float32 on the CPU. In bf16 on the GPU the
         # intermediate's own rounding flips a few of its e4m3 roundings (the H100 gave

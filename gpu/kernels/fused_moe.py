@@ -885,6 +885,17 @@ def quantizes_inputs(config: GroupedConfig, scales: ExpertScales | None, hidden_
     return min(fitted.gate_up.block_k, fitted.down.block_k) >= FP8_DOT_MIN_K
 
 
+def input_groups(config: MoeConfig, scales: ExpertScales, hidden_size: int,
+                 intermediate: int) -> tuple[int, int] | None:
+    """The groups (hidden's, the activation's) in which the kernel under ``config`` takes
+    each GEMM's input through e4m3 (``fused_moe_reference``'s ``fp8_groups``), or None
+    where it takes the inputs as they are."""
+    if isinstance(config, RowwiseConfig) or not quantizes_inputs(
+            config, scales, hidden_size, intermediate):
+        return None
+    return scales.groups(hidden_size)[1], scales.groups(intermediate)[1]
+
+
 def _fp8_inputs(x: torch.Tensor, weight: torch.Tensor, scales: ExpertScales
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A grouped GEMM's input [rows, depth] for ``weight`` in e4m3, one scale per row and
