@@ -1,15 +1,27 @@
-"""Programmatic dependent launch (``TRIO_LLM_PDL=1``, gpu/kernels/pdl.py) changes when a
-decode step's kernels launch, never what they compute: a model's steps give the same
-tokens and logprobs with it on and off, captured in CUDA graphs and run at depth 2."""
+"""Programmatic dependent launch (gpu/kernels/pdl.py; on unless ``TRIO_LLM_PDL=0``) changes
+when a decode step's kernels launch, never what they compute: a model's steps give the
+same tokens and logprobs with it on and off, captured in CUDA graphs and run at depth 2."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-pytestmark = pytest.mark.gpu
+
+def test_a_pdl_setting_other_than_0_or_1_is_refused_by_name(monkeypatch):
+    from trio_llm.gpu.kernels import pdl
+
+    monkeypatch.setenv("TRIO_LLM_PDL", "off")
+    pdl.pdl_enabled.cache_clear()
+    with pytest.raises(ValueError, match=r"TRIO_LLM_PDL='off': expected 1 .* or 0"):
+        pdl.pdl_enabled(torch.device("cpu"))
+    monkeypatch.setenv("TRIO_LLM_PDL", "0")
+    pdl.pdl_enabled.cache_clear()
+    assert pdl.pdl_launch(torch.device("cpu")) == {"USE_PDL": False}
+    pdl.pdl_enabled.cache_clear()
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("model", ["tiny", "qwen3-moe-small"])
 def test_a_model_gives_the_same_results_with_pdl_on_and_off(model, enable_pdl):
     from test_gpu_executor import assert_same_results, scripted_batches

@@ -59,7 +59,10 @@ def pdl_start(USE_PDL: tl.constexpr):
 def pdl_enabled(device: torch.device) -> bool:
     """Whether kernels on ``device`` launch with PDL: not turned off, compiled, SM 9.0 or
     later."""
-    if (os.environ.get("TRIO_LLM_PDL") == "0" or os.environ.get("TRITON_INTERPRET") == "1"
+    setting = os.environ.get("TRIO_LLM_PDL", "1")
+    if setting not in ("0", "1"):
+        raise ValueError(f"TRIO_LLM_PDL={setting!r}: expected 1 (on, the default) or 0 (off)")
+    if (setting == "0" or os.environ.get("TRITON_INTERPRET") == "1"
             or not HAS_PDL):
         return False
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
