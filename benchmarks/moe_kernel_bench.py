@@ -477,8 +477,7 @@ def tune_size(shape: MoeShape, num_tokens: int, args) -> dict:
     against the grouped one at each BLOCK_M and group size."""
     layer = make_layer(shape, num_tokens, args.layers)
     num_rows = num_tokens * shape.top_k
-    block = (args.fp8_block[0], args.fp8_block[1]) if args.fp8_block else None
-    experts: list[Experts] = (fp8_experts(layer, block) if args.fp8 else
+    experts: list[Experts] = (fp8_experts(layer, args.fp8_block) if args.fp8 else
                               [(w13, w2, None) for w13, w2 in zip(layer.w13, layer.w2,
                                                                   strict=True)])
     tuning = Tuning(
@@ -572,6 +571,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.fp8_block and not (args.tune and args.fp8):
         parser.error("--fp8-block tunes block-scaled experts: it needs --tune --fp8")
+    if args.fp8_block:  # (rows, columns), as ExpertScales keeps it
+        args.fp8_block = tuple(args.fp8_block)
     return args
 
 
@@ -614,8 +615,8 @@ def main() -> None:
             print(f"\n{model}:")
             print_tuned(tuned)
             if tuned:
-                block = (args.fp8_block[0], args.fp8_block[1]) if args.fp8_block else None
-                path = write_tuned(SHAPES[model], tuned, E4M3 if args.fp8 else DTYPE, block)
+                path = write_tuned(SHAPES[model], tuned, E4M3 if args.fp8 else DTYPE,
+                                   args.fp8_block)
                 print(f"tuned table: {path} (commit it to "
                       f"gpu/kernels/moe_configs/); {Budget.skipped} candidates skipped "
                       "past the budget")

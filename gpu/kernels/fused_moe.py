@@ -829,7 +829,7 @@ def launch_gate_up(hidden: torch.Tensor, w13: torch.Tensor, activation: torch.Te
     num_rows, intermediate = activation.shape
     tile = config.gate_up
     grid = (plan.num_blocks * triton.cdiv(intermediate, tile.block_n),)
-    fp8_inputs = quantizes_inputs(config, scales, hidden.shape[1], intermediate)
+    fp8_inputs = quantizes_inputs(config, scales)
     hidden, hidden_scales = (_fp8_inputs(hidden, w13, scales)
                              if fp8_inputs and scales is not None else (hidden, hidden))
     _gate_up_kernel[grid](
@@ -851,7 +851,7 @@ def launch_down(activation: torch.Tensor, w2: torch.Tensor, per_slot: torch.Tens
     tile = config.down
     grid = (plan.num_blocks * triton.cdiv(hidden_size, tile.block_n),)
     intermediate = activation.shape[1]
-    fp8_inputs = quantizes_inputs(config, scales, hidden_size, intermediate)
+    fp8_inputs = quantizes_inputs(config, scales)
     activation, activation_scales = (_fp8_inputs(activation, w2, scales)
                                      if fp8_inputs and scales is not None
                                      else (activation, activation))
@@ -874,15 +874,14 @@ FP8_INPUTS_MIN_BLOCK_M = 64
 FP8_DOT_MIN_K = 32
 
 
-def quantizes_inputs(config: GroupedConfig, scales: ExpertScales | None, hidden_size: int,
-                     intermediate: int) -> bool:
-    """Whether the grouped GEMMs under ``config`` take their inputs in e4m3: FP8 experts,
-    row blocks the FP8 tensor cores take, and reduction steps (as the scale blocks bound
-    them) an e4m3 dot takes. Else FP8 weights meet bf16 inputs."""
+def quantizes_inputs(config: GroupedConfig, scales: ExpertScales | None) -> bool:
+    """Whether the grouped GEMMs under ``config`` (as the experts run it: ExpertScales.fit,
+    which fused_moe applies) take their inputs in e4m3: FP8 experts, row blocks the FP8
+    tensor cores take, and reduction steps an e4m3 dot takes. Else FP8 weights meet bf16
+    inputs."""
     if scales is None or config.block_m < FP8_INPUTS_MIN_BLOCK_M:
         return False
-    fitted = scales.fit(config, hidden_size, intermediate)
-    return min(fitted.gate_up.block_k, fitted.down.block_k) >= FP8_DOT_MIN_K
+    return min(config.gate_up.block_k, config.down.block_k) >= FP8_DOT_MIN_K
 
 
 def input_groups(config: MoeConfig, scales: ExpertScales, hidden_size: int,
@@ -890,8 +889,8 @@ def input_groups(config: MoeConfig, scales: ExpertScales, hidden_size: int,
     """The groups (hidden's, the activation's) in which the kernel under ``config`` takes
     each GEMM's input through e4m3 (``fused_moe_reference``'s ``fp8_groups``), or None
     where it takes the inputs as they are."""
-    if isinstance(config, RowwiseConfig) or not quantizes_inputs(
-            config, scales, hidden_size, intermediate):
+    config = scales.fit(config, hidden_size, intermediate)
+    if isinstance(config, RowwiseConfig) or not quantizes_inputs(config, scales):
         return None
     return scales.groups(hidden_size)[1], scales.groups(intermediate)[1]
 
