@@ -199,7 +199,9 @@ for part in "$@"; do
     fp8-gemv-sweep) run fp8-gemv-sweep 300 python3 benchmarks/gemv_sweep.py --model qwen3-8b \
              --quantization fp8 ;;
     fp8-decode-*) fp8_pair decode "$(model_of "${part#fp8-decode-}")" 120 --engine-only ;;
-    fp8-throughput-*) fp8_pair throughput "$(model_of "${part#fp8-throughput-}")" 150 --depths 2 ;;
+    fp8-throughput-*) fp8_pair throughput "$(model_of "${part#fp8-throughput-}")" 150 --depths 2
+             run "$part-fp8kv" 150 python3 benchmarks/gpu_bench.py throughput --depths 2 \
+               --model "$(model_of "${part#fp8-throughput-}")" --quantization fp8 --kv-cache-dtype fp8 ;;
     fp8-serve-*) SERVE_SECONDS=120 serve_bench "$(model_of "${part#fp8-serve-}")" bf16
              SERVE_SECONDS=120 serve_bench "$(model_of "${part#fp8-serve-}")" fp8 --quantization fp8
              SERVE_SECONDS=120 serve_bench "$(model_of "${part#fp8-serve-}")" fp8-fp8kv \
