@@ -32,6 +32,12 @@ SWEEP = [(4, 512, 1, 1), (4, 256, 1, 1), (2, 512, 1, 1), (8, 512, 1, 1), (8, 256
          # one output, up to 2048 or 4096 of K in one step, a warp per 1024 (rule
          # `one_output` gives layers of few outputs, the MoE router, this shape)
          (1, 2048, 2, 1), (1, 4096, 4, 1), (1, 2048, 1, 1)]
+# e4m3 weights: a tile holds half bf16's bytes, so wider tiles and more warps a program
+# (an SM holds at most 32 programs: one-warp programs fill half its 64 warps) come first
+FP8_SWEEP = [(1, 1024, 1, 1), (1, 2048, 1, 1), (1, 2048, 2, 1), (2, 1024, 1, 1),
+             (2, 2048, 1, 1), (1, 4096, 2, 1), (1, 4096, 4, 1), (4, 1024, 1, 1),
+             (2, 2048, 2, 1), (2, 1024, 2, 1), (4, 512, 1, 1), (1, 4096, 1, 1),
+             (1, 2048, 1, 2), (2, 1024, 1, 2)]
 
 
 def config_with(weight, widest: int, block_k: int, num_warps: int, num_stages: int):
@@ -77,7 +83,7 @@ def main() -> None:
     results["device compute ms per step (events, prefill included)"] = (
         1000 * (executor.stats.device_compute_seconds - compute_before) / num_steps)
     print(results, flush=True)
-    for combo in SWEEP:
+    for combo in FP8_SWEEP if args.quantization else SWEEP:
         try:
             patched, name = ((Fp8Linear, "_weight_only") if args.quantization
                              else (cuda_fused.GemvLinear, "forward"))
