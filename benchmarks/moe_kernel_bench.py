@@ -77,14 +77,18 @@ MoeConfigT = TypeVar("MoeConfigT", moe.RowwiseConfig, moe.GroupedConfig)
 @dataclass(frozen=True, slots=True)
 class MoeShape:
     hidden: int
-    num_experts: int
-    top_k: int
+    num_experts: int  # stacked: a stacked shared expert counts
+    top_k: int  # picks a token: a stacked shared expert counts
     intermediate: int
+    # the last expert is a stacked shared expert (gpu/layers/moe.py), in every token's picks
+    shared: bool = False
 
 
 SHAPES = {
     "qwen3-30b-a3b": MoeShape(hidden=2048, num_experts=128, top_k=8, intermediate=768),
-    "qwen3.5-35b-a3b": MoeShape(hidden=2048, num_experts=256, top_k=8, intermediate=512),
+    # 256 routed experts, top-8, and the shared expert of the same width stacked
+    "qwen3.5-35b-a3b": MoeShape(hidden=2048, num_experts=257, top_k=9, intermediate=512,
+                                shared=True),
 }
 TOKEN_COUNTS = (1, 64, 256, 8192)
 TOLERANCE = 2e-2  # relative error of bf16 operands and a bf16 activation
@@ -115,9 +119,13 @@ def make_layer(shape: MoeShape, num_tokens: int, copies: int) -> Layer:
     w2 = [random_bf16(shape.num_experts, shape.hidden, shape.intermediate,
                       scale=shape.intermediate**-0.5) for _ in range(copies)]
     hidden = random_bf16(num_tokens, shape.hidden)
-    logits = torch.randn(num_tokens, shape.num_experts, device=DEVICE, generator=generator)
-    weights, ids = logits.softmax(-1).topk(shape.top_k, dim=-1)
+    num_routed = shape.num_experts - shape.shared
+    logits = torch.randn(num_tokens, num_routed, device=DEVICE, generator=generator)
+    weights, ids = logits.softmax(-1).topk(shape.top_k - shape.shared, dim=-1)
     weights = weights / weights.sum(-1, keepdim=True)
+    if shape.shared:  # its sigmoid gate's weight: a half
+        weights = torch.cat([weights, torch.full_like(weights[:, :1], 0.5)], dim=1)
+        ids = torch.cat([ids, torch.full_like(ids[:, :1], num_routed)], dim=1)
     return Layer(hidden, w13, w2, weights, ids.to(torch.int32))
 
 

@@ -33,8 +33,9 @@ TEXT = dict(vocab_size=VOCAB_SIZE, hidden_size=64, num_hidden_layers=4,
             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
             linear_value_head_dim=16, max_position_embeddings=512, eos_token_id=None,
             bos_token_id=None, pad_token_id=0)
+# the shared expert as wide as a routed one, as published: stacked (gpu/layers/moe.py)
 EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-               shared_expert_intermediate_size=48)
+               shared_expert_intermediate_size=32)
 
 
 def tiny_model(architecture: str):

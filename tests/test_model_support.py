@@ -39,8 +39,10 @@ HYBRID_TEXT = dict(vocab_size=VOCAB_SIZE, hidden_size=64, num_hidden_layers=5,
                    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
                    linear_value_head_dim=16, max_position_embeddings=256, eos_token_id=None,
                    bos_token_id=None, pad_token_id=0)
+# the shared expert as wide as a routed one, as Qwen3.5-MoE and Qwen3-Next publish it:
+# stacked as one more expert (gpu/layers/moe.py); Qwen2-MoE's below is wider (its own layers)
 HYBRID_EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                      shared_expert_intermediate_size=48)
+                      shared_expert_intermediate_size=32)
 VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
               patch_size=4, temporal_patch_size=2, spatial_merge_size=2)
 
@@ -73,10 +75,14 @@ def moe_config(family: str):
                                            intermediate_size=96, moe_intermediate_size=32,
                                            num_experts=8, norm_topk_prob=True,
                                            mlp_only_layers=[1])
-    if family == "qwen2_moe":
+    if family in ("qwen2_moe", "qwen2_moe_stacked"):
+        # a shared expert wider than a routed one has layers of its own; one as wide is
+        # stacked as one more expert (gpu/layers/moe.py)
+        shared = 32 if family == "qwen2_moe_stacked" else 48
         return transformers.Qwen2MoeConfig(**common, num_hidden_layers=2,
                                            intermediate_size=96, moe_intermediate_size=32,
-                                           shared_expert_intermediate_size=48, num_experts=4)
+                                           shared_expert_intermediate_size=shared,
+                                           num_experts=4)
     return transformers.MixtralConfig(**common, head_dim=16, num_hidden_layers=2,
                                       intermediate_size=32, num_local_experts=4)
 

@@ -36,7 +36,7 @@ from trio_llm.gpu.tp_executor import TensorParallelExecutor
 
 transformers = pytest.importorskip("transformers")
 
-FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
+FAMILIES = ("qwen3_moe", "qwen2_moe", "qwen2_moe_stacked", "mixtral")
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

@@ -130,9 +130,43 @@ def test_a_strided_view_and_no_tokens():
     assert weights.shape == ids.shape == (0, 2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens,num_experts,top_k", [(1, 256, 8), (37, 4, 2)],
+                         ids=["decode-256x8", "37-tokens-4x2"])
+def test_a_stacked_shared_expert_is_every_tokens_last_pick(num_tokens, num_experts, top_k,
+                                                           dtype):
+    """Qwen3.5-MoE's router (its top-k renormalised) with the shared expert's gate as the
+    logits' last column: the routed picks as without it, then expert ``num_experts``
+    weighted by the sigmoid of that column, rounded to the logits' dtype
+    (layers/moe.py's ``torch_route``, transformers' arithmetic)."""
+    shape = MoeShape(hidden_size=16, num_experts=num_experts, top_k=top_k,
+                     intermediate_size=16, normalize=True, shared_intermediate_size=16)
+    assert shape.stacks_shared_expert and shape.num_stacked_experts == num_experts + 1
+    generator = torch.Generator().manual_seed(num_tokens)
+    logits = (2 * torch.randn(num_tokens, num_experts + 1, generator=generator)).to(dtype)
+    weights, ids = route_topk(logits.to(DEVICE), top_k, normalize=True, round_to_input=True,
+                              shared=True)
+    assert weights.shape == ids.shape == (num_tokens, top_k + 1)
+    routed = route_topk(logits[:, :-1].to(DEVICE), top_k, normalize=True, round_to_input=True)
+    assert torch.equal(ids[:, :-1].cpu(), routed[1].cpu())
+    assert torch.equal(weights[:, :-1].cpu(), routed[0].cpu())
+    # (bf16 logits of 256 experts tie exactly, and torch.topk on the CPU breaks ties its
+    # own way: the rule for the routed picks, transformers' code for the shared one)
+    routed_shape = MoeShape(hidden_size=16, num_experts=num_experts, top_k=top_k,
+                            intermediate_size=16, normalize=True)
+    assert_routes_equal(routed, rule_route(logits[:, :-1], routed_shape), dtype)
+    expected_weights, expected_ids = torch_route(logits, shape)
+    assert ids[:, -1].tolist() == expected_ids[:, -1].tolist() == [num_experts] * num_tokens
+    torch.testing.assert_close(weights[:, -1].cpu(), expected_weights[:, -1].float(),
+                               rtol=2 ** -7 if dtype == torch.bfloat16 else 1e-6, atol=0)
+
+
 def test_top_k_beyond_the_experts_is_refused():
     with pytest.raises(ValueError, match="top_k 9"):
         route_topk(torch.zeros(1, 8, device=DEVICE), 9, normalize=True, round_to_input=False)
+    with pytest.raises(ValueError, match=r"top_k 8 must be in \[1, 7\]"):  # one a shared gate
+        route_topk(torch.zeros(1, 8, device=DEVICE), 8, normalize=True, round_to_input=False,
+                   shared=True)
 
 
 @pytest.mark.gpu

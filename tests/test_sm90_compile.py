@@ -169,7 +169,7 @@ def _linear_shapes(config: dict[str, Any]) -> set[tuple[int, int]]:
         if key in config:
             shapes |= {(2 * config[key], hidden), (hidden, config[key])}
     if "num_experts" in config:
-        shapes.add((config["num_experts"], hidden))
+        shapes.add((_stacked_experts(config), hidden))  # the router
     if _is_hybrid(config):
         keys = config["linear_num_key_heads"] * config["linear_key_head_dim"]
         values = config["linear_num_value_heads"] * config["linear_value_head_dim"]
@@ -223,6 +223,13 @@ def _moe_tables(num_experts: int, hidden: int, intermediate: int, dtype: torch.d
     return entries
 
 
+def _stacked_experts(config: dict[str, Any]) -> int:
+    """The experts an MoE layer stacks: one more where the shared expert is as wide as a
+    routed one (gpu/layers/moe.py)."""
+    shared = config.get("shared_expert_intermediate_size") == config["moe_intermediate_size"]
+    return config["num_experts"] + shared
+
+
 def _fused_moe(model: str, dtype: torch.dtype, block: tuple[int, int] | None = None) -> None:
     """Every configuration of the MoE tables at a token count it serves (the row-wise
     and grouped paths, the alignment at both sizes), bf16 or FP8 (``block`` scales, or
@@ -230,8 +237,9 @@ def _fused_moe(model: str, dtype: torch.dtype, block: tuple[int, int] | None = N
     from trio_llm.gpu.kernels import fused_moe, moe_routing
 
     config = _config(model)
-    experts, top_k, hidden = (config["num_experts"], config["num_experts_per_tok"],
+    experts, top_k, hidden = (_stacked_experts(config), config["num_experts_per_tok"],
                               config["hidden_size"])
+    shared = experts > config["num_experts"]
     intermediate = config["moe_intermediate_size"]
     w13, w2 = _empty(experts, 2 * intermediate, hidden, dtype=dtype), _empty(
         experts, hidden, intermediate, dtype=dtype)
@@ -249,7 +257,7 @@ def _fused_moe(model: str, dtype: torch.dtype, block: tuple[int, int] | None = N
         logits = _empty(tokens, experts)
         for round_to_input in (False, True):
             weights, ids = moe_routing.route_topk(logits, top_k, normalize=True,
-                                                  round_to_input=round_to_input)
+                                                  round_to_input=round_to_input, shared=shared)
         fused_moe.fused_moe(_empty(tokens, hidden), w13, w2, weights, ids, config=moe_config,
                             scales=scales)
 

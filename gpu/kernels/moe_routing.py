@@ -22,7 +22,10 @@ Each program routes ``BLOCK_T`` tokens, a row of all the experts each:
   in descending order, equal values in index order. torch.topk on the CPU
   breaks exact ties at the k-th value its own way (the CPU path keeps it);
 - the renormalising sum and division, and the rounding through the logits'
-  dtype (the activations' dtype of the router's output), follow the flags.
+  dtype (the activations' dtype of the router's output), follow the flags;
+- a stacked shared expert (layers/moe.py: its gate the row's last logit) is
+  appended to every row, expert ``num_experts`` weighted by the sigmoid of that
+  logit, rounded to the logits' dtype as torch's sigmoid of it is.
 
 The probabilities can differ from torch's in the last bit (another order of the
 row's sum), so two experts whose probabilities are within an ulp of each other
@@ -50,8 +53,8 @@ _MANY_TOKENS_BLOCK = 16
 def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, logits_row_stride,
                   NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr, EXPERTS_PAD: tl.constexpr,
                   TOP_K_PAD: tl.constexpr, BLOCK_T: tl.constexpr, NORMALIZE: tl.constexpr,
-                  ROUND_TO_INPUT: tl.constexpr, PRECISE_EXP: tl.constexpr,
-                  USE_PDL: tl.constexpr):
+                  ROUND_TO_INPUT: tl.constexpr, SHARED: tl.constexpr,
+                  PRECISE_EXP: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_start(USE_PDL)  # after the router's GEMV (gpu/kernels/pdl.py)
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     experts = tl.arange(0, EXPERTS_PAD)
@@ -84,25 +87,39 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, logits_row_strid
         weights = tl.math.div_rn(weights, tl.sum(weights, 1)[:, None])
     if ROUND_TO_INPUT:
         weights = weights.to(logits_ptr.dtype.element_ty).to(tl.float32)
-    out_offsets = tokens.to(tl.int64)[:, None] * TOP_K + slots
-    out_mask = token_mask[:, None] & (slots < TOP_K)
+    if SHARED:
+        gate = tl.load(logits_ptr + rows * logits_row_stride + NUM_EXPERTS).to(tl.float32)
+        if PRECISE_EXP:
+            shared = tl.math.div_rn(1.0, 1.0 + libdevice.exp(-gate))
+        else:
+            shared = tl.math.div_rn(1.0, 1.0 + tl.exp(-gate))
+        shared = shared.to(logits_ptr.dtype.element_ty).to(tl.float32)
+        weights = tl.where(slots == TOP_K, shared[:, None], weights)
+        ids = tl.where(slots == TOP_K, NUM_EXPERTS, ids)
+    NUM_PICKS: tl.constexpr = TOP_K + SHARED
+    out_offsets = tokens.to(tl.int64)[:, None] * NUM_PICKS + slots
+    out_mask = token_mask[:, None] & (slots < NUM_PICKS)
     tl.store(weights_ptr + out_offsets, weights, mask=out_mask)
     tl.store(ids_ptr + out_offsets, ids, mask=out_mask)
 
 
-def route_topk(logits: torch.Tensor, top_k: int, *, normalize: bool,
-               round_to_input: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights float32 [T, top_k], expert ids int32 [T, top_k]) for router ``logits``
+def route_topk(logits: torch.Tensor, top_k: int, *, normalize: bool, round_to_input: bool,
+               shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights float32 [T, picks], expert ids int32 [T, picks]) for router ``logits``
     [T, experts]: softmax in float32, the ``top_k`` largest (ties to the lower expert),
     renormalised to sum to one if ``normalize``, rounded to ``logits``' dtype (and
-    held in float32) if ``round_to_input``."""
+    held in float32) if ``round_to_input``. ``shared``: the last logit is a stacked
+    shared expert's gate, not a routed expert's; it is the last pick of every row
+    (``top_k + 1`` picks), weighted by its sigmoid."""
     num_tokens, num_experts = logits.shape
+    num_experts -= shared
     if not 0 < top_k <= num_experts:
         raise ValueError(f"top_k {top_k} must be in [1, {num_experts}] (the experts)")
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=logits.device)
-    ids = torch.empty((num_tokens, top_k), dtype=torch.int32, device=logits.device)
+    num_picks = top_k + shared
+    weights = torch.empty((num_tokens, num_picks), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((num_tokens, num_picks), dtype=torch.int32, device=logits.device)
     if num_tokens == 0:
         return weights, ids
     # One token alone (single-stream decode) in one warp: its reductions need no barrier.
@@ -111,7 +128,7 @@ def route_topk(logits: torch.Tensor, top_k: int, *, normalize: bool,
     pdl = pdl_launch(logits.device)
     _route_kernel[(triton.cdiv(num_tokens, block_t),)](
         logits, weights, ids, num_tokens, logits.stride(0), NUM_EXPERTS=num_experts,
-        TOP_K=top_k, EXPERTS_PAD=experts_pad, TOP_K_PAD=triton.next_power_of_2(top_k),
-        BLOCK_T=block_t, NORMALIZE=normalize, ROUND_TO_INPUT=round_to_input,
+        TOP_K=top_k, EXPERTS_PAD=experts_pad, TOP_K_PAD=triton.next_power_of_2(num_picks),
+        BLOCK_T=block_t, NORMALIZE=normalize, ROUND_TO_INPUT=round_to_input, SHARED=shared,
         PRECISE_EXP=_PRECISE_EXP, num_warps=1 if block_t * experts_pad <= 512 else 4, **pdl)
     return weights, ids

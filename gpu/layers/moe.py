@@ -7,6 +7,15 @@ resolves them), the picked probabilities are renormalised where the family asks
 (``normalize``), and a token's expert outputs are added to zero in ascending
 expert order. Qwen2-MoE adds a shared expert, gated by a sigmoid.
 
+A shared expert as wide as a routed one (Qwen3.5/3.6-MoE, Qwen3-Next: both 512) is
+stacked as one more expert, ``num_experts``, and its gate as one more router row:
+routing then appends it to every token's picks with ``sigmoid(its logit)`` for a
+weight, and the experts' pass computes it with the routed ones (on CUDA no launch of
+its own: a decode step's shared expert cost seven small kernels a layer). It is the
+highest index, so it is still added last, to the routed experts' sum, as
+transformers adds it; the same products in the same order. A wider shared expert
+(Qwen2-MoE: 20,480 against 2,560) keeps layers of its own.
+
 Every expert's weights are stacked: ``experts_gate_up`` [experts, 2 * I, hidden]
 (gate rows, then up rows) and ``experts_down`` [experts, hidden, I], the layout
 of the fused MoE kernel. Under tensor parallelism each rank holds every
@@ -60,6 +69,16 @@ class MoeShape:
     # 0: no shared expert
     shared_intermediate_size: int = 0
 
+    @property
+    def stacks_shared_expert(self) -> bool:
+        """Whether the shared expert is stacked as expert ``num_experts`` (see the module)."""
+        return self.shared_intermediate_size == self.intermediate_size
+
+    @property
+    def num_stacked_experts(self) -> int:
+        """The experts the stacked weights hold: the routed ones, then a stacked shared one."""
+        return self.num_experts + self.stacks_shared_expert
+
 
 class SparseMoeBlock(nn.Module):
     """Routed SwiGLU experts (and a sigmoid-gated shared expert where the shape has one)."""
@@ -71,16 +90,18 @@ class SparseMoeBlock(nn.Module):
         self.parallel = parallel
         hidden = shape.hidden_size
         local_size = parallel.split(shape.intermediate_size, EXPERT_INTERMEDIATE)[1]
-        self.gate = Linear(hidden, shape.num_experts, bias=False, dtype=dtype, device=device)
+        num_stacked = shape.num_stacked_experts
+        # the router's rows (and a stacked shared expert's gate, the last row)
+        self.gate = Linear(hidden, num_stacked, bias=False, dtype=dtype, device=device)
         self.experts_gate_up = nn.Parameter(
-            torch.empty(shape.num_experts, 2 * local_size, hidden, dtype=dtype, device=device),
+            torch.empty(num_stacked, 2 * local_size, hidden, dtype=dtype, device=device),
             requires_grad=False)
         self.experts_down = nn.Parameter(
-            torch.empty(shape.num_experts, hidden, local_size, dtype=dtype, device=device),
+            torch.empty(num_stacked, hidden, local_size, dtype=dtype, device=device),
             requires_grad=False)
         self.shared_expert_gate_up = self.shared_expert_down = None
         self.shared_expert_gate = None
-        if shape.shared_intermediate_size:
+        if shape.shared_intermediate_size and not shape.stacks_shared_expert:
             shared_size = parallel.split(shape.shared_intermediate_size, SHARED_INTERMEDIATE)[1]
             self.shared_expert_gate_up = Linear(hidden, 2 * shared_size, bias=False,
                                                 dtype=dtype, device=device)
@@ -128,7 +149,8 @@ class SparseMoeBlock(nn.Module):
         return dequantized_experts(self.experts_gate_up, self.experts_down, scales, dtype)
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [tokens, top_k], expert ids [tokens, top_k]) as transformers picks them."""
+        """(weights [tokens, picks], expert ids [tokens, picks]) as transformers picks them
+        (``top_k``, and a stacked shared expert)."""
         return torch_route(self.gate(hidden), self.shape)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -156,14 +178,22 @@ class SparseMoeBlock(nn.Module):
 
 
 def torch_route(logits: torch.Tensor, shape: MoeShape) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers' routing of router ``logits`` [tokens, experts]: (weights, expert ids),
-    each [tokens, top_k]."""
-    probabilities = F.softmax(logits, dim=-1, dtype=torch.float32)
+    """transformers' routing of router ``logits`` [tokens, stacked experts]: (weights,
+    expert ids), each [tokens, top_k], and a stacked shared expert last in each row
+    (``num_experts``, weighted by the sigmoid of its gate's logit, in the logits' dtype
+    as transformers computes it)."""
+    routed = logits[:, :shape.num_experts]
+    probabilities = F.softmax(routed, dim=-1, dtype=torch.float32)
     weights, expert_ids = torch.topk(probabilities, shape.top_k, dim=-1)
     if shape.normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     if not shape.weights_in_float32:
         weights = weights.to(logits.dtype)
+    if shape.stacks_shared_expert:
+        shared_weight = torch.sigmoid(logits[:, shape.num_experts:]).to(weights.dtype)
+        weights = torch.cat([weights, shared_weight], dim=1)
+        expert_ids = torch.cat([expert_ids, torch.full_like(expert_ids[:, :1],
+                                                            shape.num_experts)], dim=1)
     return weights, expert_ids
 
 

@@ -52,7 +52,8 @@ class TritonOps:
         """The routing kernel (gpu/kernels/moe_routing.py): one launch, float32 weights and
         int32 ids, the dtypes the fused MoE kernel reads (no casts between them)."""
         return route_topk(logits, shape.top_k, normalize=shape.normalize,
-                          round_to_input=not shape.weights_in_float32)
+                          round_to_input=not shape.weights_in_float32,
+                          shared=shape.stacks_shared_expert)
 
     @staticmethod
     def moe_experts(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,

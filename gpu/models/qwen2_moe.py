@@ -44,6 +44,16 @@ def feed_forward_targets(targets: TargetMap, config: ModelConfig, layer_index: i
     block, ours_block = theirs + "mlp.", ours + "mlp."
     shared = "the shared expert's intermediate size"
     size = config.shared_expert_intermediate_size
+    if size == config.moe_intermediate_size:
+        # stacked as expert num_experts, its gate the router's last row (layers/moe.py)
+        stacked = config.num_experts
+        targets.column_parallel(block + "shared_expert.", ours_block + "experts_gate_up",
+                                [("gate_proj", size, shared), ("up_proj", size, shared)],
+                                "weight", expert=stacked)
+        targets.row_parallel(block + "shared_expert.down_proj.weight",
+                             ours_block + "experts_down", size, shared, expert=stacked)
+        targets.rows(block + "shared_expert_gate.weight", ours_block + "gate.weight", stacked, 1)
+        return
     targets.column_parallel(block + "shared_expert.", ours_block + "shared_expert_gate_up.weight",
                             [("gate_proj", size, shared), ("up_proj", size, shared)], "weight")
     targets.row_parallel(block + "shared_expert.down_proj.weight",

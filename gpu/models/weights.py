@@ -93,6 +93,13 @@ class TargetMap:
         shape = tuple(self.parameters[parameter_name].shape)
         self.targets[checkpoint_name] = Target(parameter_name, 0, shape[0], shape)
 
+    def rows(self, checkpoint_name: str, parameter_name: str, row_start: int,
+             num_rows: int) -> None:
+        """A tensor every rank holds whole, as ``num_rows`` rows from ``row_start`` of a
+        parameter that stacks it with others (the router, a shared expert's gate)."""
+        shape = (num_rows, *self.parameters[parameter_name].shape[1:])
+        self.targets[checkpoint_name] = Target(parameter_name, row_start, num_rows, shape)
+
     def vocabulary(self, checkpoint_name: str, parameter_name: str, *, vocab_size: int,
                    vocab_start: int, num_vocab_rows: int) -> None:
         """The embedding or lm_head: this rank's slice of the vocabulary."""
@@ -165,12 +172,12 @@ def mlp_targets(targets: TargetMap, hidden_prefix: str, ours: str, intermediate_
 
 def moe_block_targets(targets: TargetMap, ours: str, theirs: str, num_experts: int,
                       intermediate_size: int, names: tuple[str, str, str]) -> None:
-    """An MoE block's checkpoint tensors: the router ``theirs`` + gate.weight into ``ours``
-    + gate.weight, and every expert's ``theirs`` + ``experts.{expert}.{gate}``, ``{up}``,
+    """An MoE block's checkpoint tensors: the router ``theirs`` + gate.weight into the
+    first rows of ``ours`` + gate.weight, and every expert's ``theirs`` + ``experts.{expert}.{gate}``, ``{up}``,
     ``{down}`` (``names``) into the stacked ``ours`` + experts_gate_up (gate rows, then
     up rows, each this rank's slice of ``intermediate_size``) and experts_down (its
     columns)."""
-    targets.whole(theirs + "gate.weight", ours + "gate.weight")
+    targets.rows(theirs + "gate.weight", ours + "gate.weight", 0, num_experts)
     what = "the experts' intermediate size"
     gate, up, down = names
     for expert in range(num_experts):
