@@ -173,8 +173,8 @@ def mlp_targets(targets: TargetMap, hidden_prefix: str, ours: str, intermediate_
 def moe_block_targets(targets: TargetMap, ours: str, theirs: str, num_experts: int,
                       intermediate_size: int, names: tuple[str, str, str]) -> None:
     """An MoE block's checkpoint tensors: the router ``theirs`` + gate.weight into the
-    first rows of ``ours`` + gate.weight, and every expert's ``theirs`` + ``experts.{expert}.{gate}``, ``{up}``,
-    ``{down}`` (``names``) into the stacked ``ours`` + experts_gate_up (gate rows, then
+    first rows of ``ours`` + gate.weight, and every expert's ``theirs`` +
+    ``experts.{expert}.{gate}``, ``{up}``, ``{down}`` (``names``) into the stacked ``ours`` + experts_gate_up (gate rows, then
     up rows, each this rank's slice of ``intermediate_size``) and experts_down (its
     columns)."""
     targets.rows(theirs + "gate.weight", ours + "gate.weight", 0, num_experts)
