@@ -174,9 +174,9 @@ def moe_block_targets(targets: TargetMap, ours: str, theirs: str, num_experts: i
                       intermediate_size: int, names: tuple[str, str, str]) -> None:
     """An MoE block's checkpoint tensors: the router ``theirs`` + gate.weight into the
     first rows of ``ours`` + gate.weight, and every expert's ``theirs`` +
-    ``experts.{expert}.{gate}``, ``{up}``, ``{down}`` (``names``) into the stacked ``ours`` + experts_gate_up (gate rows, then
-    up rows, each this rank's slice of ``intermediate_size``) and experts_down (its
-    columns)."""
+    ``experts.{expert}.{gate}``, ``{up}``, ``{down}`` (``names``) into the stacked
+    ``ours`` + experts_gate_up (gate rows, then up rows, each this rank's slice of
+    ``intermediate_size``) and experts_down (its columns)."""
     targets.rows(theirs + "gate.weight", ours + "gate.weight", 0, num_experts)
     what = "the experts' intermediate size"
     gate, up, down = names
