@@ -100,6 +100,34 @@ def test_varlen_over_an_fp8_cache_matches_the_reference(scales):
         assert relative_error(unscaled, expected) > 0.1
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_a_bf16_query_meets_an_fp8_cache_in_float16(num_splits):
+    """A bf16 query (the CUDA models') over an FP8 cache multiplies in float16 (e4m3
+    widens to it in one conversion a pair of values): decode and varlen within a bf16
+    rounding of the reference, and a query past float16's range is clamped to it, so
+    its scores stay finite (no inf, no NaN from inf - inf in the softmax)."""
+    scales = KVScales(0.25, 4.0)
+    generator = torch.Generator().manual_seed(3 + num_splits)
+    shape = dict(context_lens=[1, 37, 130, 64], num_heads=4, num_kv_heads=2, head_dim=32,
+                 block_size=16)
+    for query_lens in ([1] * 4, [1, 9, 30, 2]):
+        batch = _fp8_batch(generator, scales, query_lens=query_lens, **shape)
+        query = batch[0].to(torch.bfloat16)
+        scale = 32**-0.5
+        out = triton_attention.paged_attention(
+            query, *batch[1:], scale, num_splits=num_splits, k_scale=scales.k_scale,
+            v_scale=scales.v_scale, varlen=triton_attention.VarlenConfig(16, 16, 4, 2))
+        assert out.dtype == torch.bfloat16
+        expected = _reference((query, *batch[1:]), scale, scales)
+        assert relative_error(out.to(torch.float64), expected) < 2e-2
+        huge = query.clone()
+        huge[:, 0] *= 1e6  # past float16's 65504
+        out = triton_attention.paged_attention(
+            huge, *batch[1:], scale, num_splits=num_splits, k_scale=scales.k_scale,
+            v_scale=scales.v_scale, varlen=triton_attention.VarlenConfig(16, 16, 4, 2))
+        assert torch.isfinite(out.to(torch.float32)).all()
+
+
 @pytest.mark.parametrize("scales", SCALES, ids=["unit", "scaled"])
 def test_the_fused_norm_rope_write_stores_what_the_reference_writer_would(scales):
     num_heads, num_kv_heads, head_dim, num_tokens = 4, 2, 16, 6

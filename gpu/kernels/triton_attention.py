@@ -151,6 +151,20 @@ def _load_kv_tile(cache_ptr, offsets, position_mask, dims, HEAD_DIM: tl.constexp
 
 
 @triton.jit
+def _dot_query(query, k_cache_ptr):
+    """The query as the tile's dots take it. Over an FP8 cache a bf16 query becomes
+    float16, and so do the keys, values and probabilities it meets: e4m3 widens to
+    float16 in one conversion a pair of values on sm_90, to bfloat16 in three, and the
+    conversions, not the bytes, bounded the decode kernel (docs/performance.md). An e4m3
+    value and a probability are exact in float16, a bf16 query too from 2^-14 to 65504
+    (clamped there: float16 has no larger values)."""
+    operand = query
+    if k_cache_ptr.dtype.element_ty == tl.float8e4nv and query.dtype == tl.bfloat16:
+        operand = tl.clamp(query.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    return operand
+
+
+@triton.jit
 def _tokens_per_split(context_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
     """Each split's share of a context: whole tiles, the last split taking the rest."""
     return tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -226,6 +240,7 @@ def _decode_kernel(
     io_mask = row_mask[:, None] & dim_mask[None, :]
     query = tl.load(query_ptr + seq * query_token_stride + heads[:, None] * query_head_stride
                     + dims[None, :], mask=io_mask, other=0.0)
+    query = _dot_query(query, k_cache_ptr)
     block_table_row_ptr = block_tables_ptr + seq.to(tl.int64) * block_table_stride
 
     running_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -349,6 +364,7 @@ def _varlen_kernel(
     query = tl.load(query_ptr + tokens[:, None] * query_token_stride
                     + heads[:, None] * query_head_stride + dims[None, :], mask=io_mask,
                     other=0.0)
+    query = _dot_query(query, k_cache_ptr)
     block_table_row_ptr = block_tables_ptr + seq.to(tl.int64) * block_table_stride
 
     running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
