@@ -171,6 +171,8 @@ for part in "$@"; do
     structured-*) run "$part" 420 python3 benchmarks/gpu_bench.py structured --model "$(model_of "${part#structured-}")" ;;
     transformers-*) run "$part" 240 python3 benchmarks/gpu_bench.py transformers --model "$(model_of "${part#transformers-}")" --time-limit 120 ;;
     kernels) run kernels 300 python3 benchmarks/kernel_bench.py ;;
+    # the decode kernel alone over bf16 and FP8 caches, 256 sequences, across tiles
+    decode-tiles) run decode-tiles 120 python3 benchmarks/decode_tiles_bench.py ;;
     # the hybrid family: kernels against references, the model on CUDA against the CPU
     hybrid-tests) run hybrid-tests 420 python3 -m pytest -q -s -p no:cacheprovider -rs \
              tests/test_triton_linear_attention.py tests/test_cuda_hybrid.py \
