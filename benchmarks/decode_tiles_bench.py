@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from cuda_timing import event_times_ms  # benchmarks/, the script's folder
 
 from trio_llm.gpu.kernels import triton_attention
 from trio_llm.gpu.quantization import E4M3
@@ -30,17 +31,9 @@ TILES = [(128, 4, 3), (256, 4, 3), (256, 8, 3), (128, 8, 3), (64, 4, 3), (128, 4
 
 
 def median_us(launch: Callable[[], object], repeats: int = 20) -> float:
-    launch()
+    launch()  # compiled outside the timing
     torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        launch()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000)
-    return statistics.median(times)
+    return 1000 * statistics.median(event_times_ms(launch, repeats))
 
 
 def main() -> None:

@@ -4,6 +4,13 @@ a graph). Prints the kernels by total device time with their counts; writes
 $OUT/graph_profile-<model>-<num_seqs>.txt.
 
     python3 benchmarks/graph_profile.py --model qwen3-30b-a3b --num-seqs 1 64 256
+    python3 benchmarks/graph_profile.py --model qwen3-8b --num-seqs 256 --quantization fp8 \
+        --kv-cache-dtype fp8
+
+With programmatic dependent launch on (the default on Hopper) a kernel starts while
+the one before it runs, and its time includes that wait: per-kernel times then
+overlap, and only the batched steps' large kernels read true (TRIO_LLM_PDL=0 for a
+single stream's).
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ import random
 from pathlib import Path
 
 import torch
-from step_profile import decode_inputs  # benchmarks/, the script's folder
+from step_profile import decode_inputs, set_graph_inputs  # benchmarks/, the script's folder
 from torch.profiler import ProfilerActivity, profile
 
 from trio_llm.actors.config import EngineConfig
@@ -31,15 +38,7 @@ def profile_graph(executor: CudaModelExecutor, num_seqs: int, num_replays: int) 
         if not as_captured:
             rng = random.Random(0)
             context_lens = [rng.randint(100, 2048) for _ in range(num_seqs)]
-            token_ids, positions, metadata = decode_inputs(executor, context_lens,
-                                                           shuffled=True)
-            inputs = executor.decode_graphs
-            views = inputs.inputs.segments(num_seqs)
-            for name, values in (("token_ids", token_ids), ("positions", positions),
-                                 ("slot_mapping", metadata.slot_mapping),
-                                 ("context_lens", metadata.context_lens)):
-                views[name].copy_(values)
-            inputs.block_tables[:num_seqs].copy_(metadata.block_tables)
+            set_graph_inputs(executor, *decode_inputs(executor, context_lens, shuffled=True))
         for _ in range(5):
             graph.graph.replay()
         torch.cuda.synchronize()
@@ -58,13 +57,21 @@ def main() -> None:
     parser.add_argument("--model", default="qwen3-30b-a3b")
     parser.add_argument("--num-seqs", type=int, nargs="+", default=[1, 64, 256])
     parser.add_argument("--num-replays", type=int, default=20)
+    parser.add_argument("--quantization", choices=["fp8"], default=None)
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     args = parser.parse_args()
-    executor = CudaModelExecutor.create(EngineConfig(model=args.model, load_format="dummy",
-                                                     device="cuda"))
+    # graphs up to the largest count asked for (a large hybrid model's state slots for
+    # the default 256 sequences can leave no memory for the KV cache)
+    executor = CudaModelExecutor.create(EngineConfig(
+        model=args.model, load_format="dummy", device="cuda",
+        max_num_seqs=max(args.num_seqs), quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype))
+    suffix = ("-fp8" if args.quantization else "") + (
+        "-fp8kv" if args.kv_cache_dtype == "fp8" else "")
     for num_seqs in args.num_seqs:
         text = profile_graph(executor, num_seqs, args.num_replays)
         print(text, flush=True)
-        Path(os.environ.get("OUT", "."), f"graph_profile-{args.model}-{num_seqs}.txt"
+        Path(os.environ.get("OUT", "."), f"graph_profile-{args.model}{suffix}-{num_seqs}.txt"
              ).write_text(text)
 
 

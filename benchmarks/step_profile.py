@@ -60,6 +60,19 @@ def decode_inputs(executor: CudaModelExecutor, context_lens: list[int], shuffled
     return token_ids, positions, metadata
 
 
+def set_graph_inputs(executor: CudaModelExecutor, token_ids: torch.Tensor,
+                     positions: torch.Tensor, metadata: AttentionMetadata) -> None:
+    """Write a decode step's inputs where the captured graph of its size reads them."""
+    num_seqs = token_ids.shape[0]
+    inputs = executor.decode_graphs
+    views = inputs.inputs.segments(num_seqs)
+    for name, values in (("token_ids", token_ids), ("positions", positions),
+                         ("slot_mapping", metadata.slot_mapping),
+                         ("context_lens", metadata.context_lens)):
+        views[name].copy_(values)
+    inputs.block_tables[:num_seqs].copy_(metadata.block_tables)
+
+
 def profile_layout(executor: CudaModelExecutor, context_lens: list[int],
                    shuffled: bool) -> dict[str, float]:
     model = executor.model
@@ -68,15 +81,9 @@ def profile_layout(executor: CudaModelExecutor, context_lens: list[int],
     config = model.config
     result: dict[str, float] = {}
     with torch.inference_mode(), torch.cuda.stream(executor.compute.torch_stream):
-        inputs = executor.decode_graphs
         graph = executor.graphs.get(num_seqs)
         if graph is not None:
-            views = inputs.inputs.segments(num_seqs)
-            for name, values in (("token_ids", token_ids), ("positions", positions),
-                                 ("slot_mapping", metadata.slot_mapping),
-                                 ("context_lens", metadata.context_lens)):
-                views[name].copy_(values)
-            inputs.block_tables[:num_seqs].copy_(metadata.block_tables)
+            set_graph_inputs(executor, token_ids, positions, metadata)
             result["graph_replay_us"] = bench(graph.graph.replay)
         result["eager_forward_us"] = bench(
             lambda: model(token_ids, positions, executor.kv_caches, metadata))
