@@ -31,7 +31,7 @@ def cpu_keeps_fp8(monkeypatch):
 
 
 def _tiny(family: str):
-    return random_causal_lm(moe_config(family) if family == "qwen3_moe" else dense_config(family),
+    return random_causal_lm(moe_config(family) if "moe" in family else dense_config(family),
                             seed=3)
 
 
@@ -81,7 +81,9 @@ def _logits(model, token_ids: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize(("family", "scheme", "block"), [
     ("qwen3", "block", (32, 32)), ("llama", "channel", None), ("qwen2", "tensor", None),
-    ("qwen3_moe", "block", (16, 32))])
+    ("qwen3_moe", "block", (16, 32)),
+    # the shared expert stacked as one more expert (gpu/layers/moe.py): e4m3 with the rest
+    ("qwen2_moe_stacked", "block", (16, 32))])
 def test_a_kept_fp8_checkpoint_holds_its_e4m3_values_and_scales(
         tmp_path, cpu_keeps_fp8, family, scheme, block):
     keep = ("model.layers.1.self_attn.o_proj.weight",)  # left in float32 by the checkpoint
@@ -93,8 +95,10 @@ def test_a_kept_fp8_checkpoint_holds_its_e4m3_values_and_scales(
     assert "layers.0.self_attn.qkv_proj" in kept and "layers.0.self_attn.o_proj" in kept
     assert "layers.1.self_attn.o_proj" not in kept  # the checkpoint's float layer
     assert not any("lm_head" in name for name in kept)
-    if family == "qwen3_moe":  # the stacked experts in e4m3, each expert's scales
+    if "moe" in family:  # the stacked experts in e4m3, each expert's scales
         _assert_kept_experts_hold_the_dequantized_weights(model, plain, block)
+        stacked = model.decoder_layers[0].feed_forward.experts_gate_up.shape[0]
+        assert stacked == model.config.num_experts + family.endswith("stacked")
     else:
         assert "layers.0.mlp.gate_up_proj" in kept
     assert all(module.block_size == block for module in kept.values())
