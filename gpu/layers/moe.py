@@ -72,7 +72,7 @@ class MoeShape:
     @property
     def stacks_shared_expert(self) -> bool:
         """Whether the shared expert is stacked as expert ``num_experts`` (see the module)."""
-        return self.shared_intermediate_size == self.intermediate_size
+        return 0 < self.shared_intermediate_size == self.intermediate_size
 
     @property
     def num_stacked_experts(self) -> int:
