@@ -2,16 +2,25 @@
 
     python3 benchmarks/decode_tiles_bench.py
 
-One decode step of qwen3-8b's attention shape (32 query heads, 8 KV heads of 128) for
-256 sequences of 100-2,048 cached tokens (seeded; graph_profile.py's contexts), their
-blocks scattered over the cache. Each (block_n, num_warps, num_stages) is timed by CUDA
-events (median of 20) and reported with the cache bytes it reads per second: the decode
-kernel is meant to stream the cache, so a tile whose rate falls well under the copy
-bandwidth is bound by something else. Writes $OUT/decode_tiles.json.
+Two cases, each with its own seeded contexts and the split count the engine would use
+(``decode_num_splits``, by batch size):
+
+- ``batch``: one decode step of qwen3-8b's attention (32 query heads, 8 KV heads of
+  128) for 256 sequences of 100-2,048 cached tokens (graph_profile.py's contexts), the
+  throughput workloads' shape;
+- ``single-N``: one sequence of N cached tokens with qwen3-30b-a3b's heads (32 query
+  heads, 4 KV heads), the single-stream decode's shape, where few programs run and a
+  tile's latency, not the bandwidth, may set the time.
+
+The blocks are scattered over the cache. Each (block_n, num_warps, num_stages) is timed
+by CUDA events (median of 20) and reported with the cache bytes it reads per second:
+the decode kernel is meant to stream the cache, so a tile whose rate falls well under
+the copy bandwidth is bound by something else. Writes $OUT/decode_tiles.json.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -25,9 +34,17 @@ from cuda_timing import event_times_ms  # benchmarks/, the script's folder
 from trio_llm.gpu.kernels import triton_attention
 from trio_llm.gpu.quantization import E4M3
 
-NUM_SEQS, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 256, 32, 8, 128, 16
-TILES = [(128, 4, 3), (256, 4, 3), (256, 8, 3), (128, 8, 3), (64, 4, 3), (128, 4, 4),
-         (256, 4, 2), (512, 8, 2)]
+HEAD_DIM, BLOCK_SIZE = 128, 16
+# name: (context lengths, query heads, KV heads, tiles)
+BATCH_TILES = [(128, 4, 3), (256, 4, 3), (256, 8, 3), (128, 8, 3), (64, 4, 3), (128, 4, 4),
+               (256, 4, 2), (512, 8, 2)]
+SINGLE_TILES = [(128, 4, 3), (64, 4, 3), (32, 4, 3), (32, 2, 2), (16, 2, 2), (64, 2, 3)]
+_rng = random.Random(0)
+CASES = {
+    "batch": ([_rng.randint(100, 2048) for _ in range(256)], 32, 8, BATCH_TILES),
+    "single-384": ([384], 32, 4, SINGLE_TILES),
+    "single-4096": ([4096], 32, 4, SINGLE_TILES),
+}
 
 
 def median_us(launch: Callable[[], object], repeats: int = 20) -> float:
@@ -36,45 +53,47 @@ def median_us(launch: Callable[[], object], repeats: int = 20) -> float:
     return 1000 * statistics.median(event_times_ms(launch, repeats))
 
 
-def main() -> None:
-    torch.manual_seed(0)
-    rng = random.Random(0)
-    context_lens = [rng.randint(100, 2048) for _ in range(NUM_SEQS)]
+def paged_inputs(context_lens: list[int], num_heads: int, num_kv_heads: int):
+    """(query, keys, values, block tables, context lens, query_start_loc), the blocks of
+    each sequence scattered over the cache."""
+    num_seqs = len(context_lens)
     blocks = [-(-length // BLOCK_SIZE) for length in context_lens]
-    order = torch.randperm(sum(blocks))
-    block_tables = torch.zeros(NUM_SEQS, max(blocks), dtype=torch.int32)
+    order = torch.randperm(sum(blocks), generator=torch.Generator().manual_seed(0))
+    block_tables = torch.zeros(num_seqs, max(blocks), dtype=torch.int32)
     taken = 0
     for seq, count in enumerate(blocks):
         block_tables[seq, :count] = order[taken:taken + count]
         taken += count
-    block_tables = block_tables.cuda()
-    lens = torch.tensor(context_lens, dtype=torch.int32, device="cuda")
-    query_start_loc = torch.arange(NUM_SEQS + 1, dtype=torch.int32, device="cuda")
-    query = torch.randn(NUM_SEQS, NUM_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-    keys = torch.randn(sum(blocks), BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, device="cuda",
+    query = torch.randn(num_seqs, num_heads, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    keys = torch.randn(sum(blocks), BLOCK_SIZE, num_kv_heads, HEAD_DIM, device="cuda",
                        dtype=torch.bfloat16)
-    values = torch.randn_like(keys)
-    caches = {"bf16": (keys, values), "fp8": (keys.to(E4M3), values.to(E4M3))}
-    elements = sum(context_lens) * NUM_KV_HEADS * HEAD_DIM * 2  # keys and values read
-    results: dict[str, object] = {"num_seqs": NUM_SEQS, "context_lens": "100-2048",
-                                  "device": torch.cuda.get_device_name()}
-    for name, (k_cache, v_cache) in caches.items():
-        for tile in TILES:
-            config = triton_attention.DecodeConfig(*tile)
+    return (query, keys, torch.randn_like(keys), block_tables.cuda(),
+            torch.tensor(context_lens, dtype=torch.int32, device="cuda"),
+            torch.arange(num_seqs + 1, dtype=torch.int32, device="cuda"))
 
-            def launch(k_cache=k_cache, v_cache=v_cache, config=config) -> object:
-                return triton_attention.paged_attention(
-                    query, k_cache, v_cache, block_tables, lens, query_start_loc,
-                    HEAD_DIM**-0.5, decode=config)
 
-            key = f"{name} {tile}"
-            try:
-                us = median_us(launch)
-                results[key] = {"us": us,
-                                "gb_per_s": elements * k_cache.element_size() / us / 1e3}
-            except Exception as error:  # a tile past the shared memory
-                results[key] = repr(error)[:120]
-            print(key, results[key], flush=True)
+def main() -> None:
+    torch.manual_seed(0)
+    results: dict[str, object] = {"device": torch.cuda.get_device_name()}
+    for case, (context_lens, num_heads, num_kv_heads, tiles) in CASES.items():
+        query, keys, values, block_tables, lens, query_start_loc = paged_inputs(
+            context_lens, num_heads, num_kv_heads)
+        elements = sum(context_lens) * num_kv_heads * HEAD_DIM * 2  # keys and values read
+        for name, k_cache, v_cache in (("bf16", keys, values),
+                                       ("fp8", keys.to(E4M3), values.to(E4M3))):
+            for tile in tiles:
+                launch = functools.partial(
+                    triton_attention.paged_attention, query, k_cache, v_cache, block_tables,
+                    lens, query_start_loc, HEAD_DIM**-0.5,
+                    decode=triton_attention.DecodeConfig(*tile))
+                key = f"{case} {name} {tile}"
+                try:
+                    us = median_us(launch)
+                    results[key] = {"us": us,
+                                    "gb_per_s": elements * k_cache.element_size() / us / 1e3}
+                except Exception as error:  # a tile past the shared memory
+                    results[key] = repr(error)[:120]
+                print(key, results[key], flush=True)
     Path(os.environ.get("OUT", "."), "decode_tiles.json").write_text(json.dumps(results,
                                                                                 indent=1))
 
