@@ -53,6 +53,12 @@ EXPERT_INTERMEDIATE = "the experts' intermediate size"
 SHARED_INTERMEDIATE = "the shared expert's intermediate size"
 
 
+def stacks_shared_expert(intermediate_size: int, shared_intermediate_size: int) -> bool:
+    """Whether a shared expert of this size is stacked with the routed experts of
+    ``intermediate_size`` (see the module): it exists and is as wide as one of them."""
+    return 0 < shared_intermediate_size == intermediate_size
+
+
 @dataclass(frozen=True, slots=True)
 class MoeShape:
     """What one MoE block is: its experts and how the router weighs them."""
@@ -72,7 +78,7 @@ class MoeShape:
     @property
     def stacks_shared_expert(self) -> bool:
         """Whether the shared expert is stacked as expert ``num_experts`` (see the module)."""
-        return 0 < self.shared_intermediate_size == self.intermediate_size
+        return stacks_shared_expert(self.intermediate_size, self.shared_intermediate_size)
 
     @property
     def num_stacked_experts(self) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from trio_llm.gpu.layers.moe import moe_or_mlp
+from trio_llm.gpu.layers.moe import moe_or_mlp, stacks_shared_expert
 from trio_llm.gpu.models.base import ModelFamily, register_family
 from trio_llm.gpu.models.config import (
     ModelConfig,
@@ -44,21 +44,21 @@ def feed_forward_targets(targets: TargetMap, config: ModelConfig, layer_index: i
     block, ours_block = theirs + "mlp.", ours + "mlp."
     shared = "the shared expert's intermediate size"
     size = config.shared_expert_intermediate_size
-    if size == config.moe_intermediate_size:
-        # stacked as expert num_experts, its gate the router's last row (layers/moe.py)
-        stacked = config.num_experts
-        targets.column_parallel(block + "shared_expert.", ours_block + "experts_gate_up",
-                                [("gate_proj", size, shared), ("up_proj", size, shared)],
-                                "weight", expert=stacked)
-        targets.row_parallel(block + "shared_expert.down_proj.weight",
-                             ours_block + "experts_down", size, shared, expert=stacked)
-        targets.rows(block + "shared_expert_gate.weight", ours_block + "gate.weight", stacked, 1)
-        return
-    targets.column_parallel(block + "shared_expert.", ours_block + "shared_expert_gate_up.weight",
-                            [("gate_proj", size, shared), ("up_proj", size, shared)], "weight")
-    targets.row_parallel(block + "shared_expert.down_proj.weight",
-                         ours_block + "shared_expert_down.weight", size, shared)
-    targets.whole(block + "shared_expert_gate.weight", ours_block + "shared_expert_gate.weight")
+    if stacks_shared_expert(config.moe_intermediate_size, size):
+        # expert num_experts of the stacked weights, its gate the router's last row
+        gate_up, down = "experts_gate_up", "experts_down"
+        expert: int | None = config.num_experts
+        targets.rows(block + "shared_expert_gate.weight", ours_block + "gate.weight",
+                     config.num_experts, 1)
+    else:
+        gate_up, down, expert = "shared_expert_gate_up.weight", "shared_expert_down.weight", None
+        targets.whole(block + "shared_expert_gate.weight",
+                      ours_block + "shared_expert_gate.weight")
+    targets.column_parallel(block + "shared_expert.", ours_block + gate_up,
+                            [("gate_proj", size, shared), ("up_proj", size, shared)], "weight",
+                            expert=expert)
+    targets.row_parallel(block + "shared_expert.down_proj.weight", ours_block + down, size,
+                         shared, expert=expert)
 
 
 FAMILY = register_family(ModelFamily(
