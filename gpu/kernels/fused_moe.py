@@ -83,6 +83,7 @@ import triton.language as tl
 
 from trio_llm.gpu.kernels.fp8_gemm import quantize_groups
 from trio_llm.gpu.kernels.pdl import pdl_launch, pdl_start
+from trio_llm.gpu.kernels.triton_gemv import scale_block_spans
 
 # The alignment's planning kernel is one program that reads the routing table in
 # chunks of this many entries; up to this many rows it also places them itself,
@@ -611,15 +612,9 @@ def _block_scaled_products(x_ptr, weight_ptrs, scale_rows, start, DEPTH: tl.cons
     step may cover several blocks (BLOCK_K and GROUP_K are powers of two: one divides the
     other, ExpertScales.fit)."""
     x, w = _step_tiles(x_ptr, weight_ptrs, start, DEPTH, BLOCK_K)
-    BLOCK_N: tl.constexpr = w.shape[0]
-    SPAN: tl.constexpr = BLOCK_K if BLOCK_K < GROUP_K else GROUP_K
-    spans = start + tl.arange(0, BLOCK_K // SPAN) * SPAN
-    scales = tl.load(scale_rows[:, None] + (spans // GROUP_K)[None, :],
-                     mask=(spans < DEPTH)[None, :], other=0.0)
-    w = tl.reshape(tl.reshape(w, [BLOCK_N, BLOCK_K // SPAN, SPAN]) * scales[:, :, None],
-                   [BLOCK_N, BLOCK_K])
+    every_row = tl.full([w.shape[0]], 1, tl.int1)  # (the rows are clamped in bounds)
+    w = scale_block_spans(w, scale_rows, every_row, start, DEPTH, GROUP_K)
     return tl.sum(w * x[None, :], 1)
-
 
 
 @triton.jit

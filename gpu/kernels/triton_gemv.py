@@ -103,17 +103,26 @@ def _weight_tile(weight_rows, scale_rows, output_mask, start, K, columns, SCALES
                          eviction_policy="evict_first")
     weight = weight.to(tl.float32)
     if SCALES == BLOCK_SCALES:
-        # The tile's columns in spans of one scale each (a tile and a block are powers of
-        # two, so one divides the other); the tile's shape is kept, only viewed by span.
-        BLOCK_N: tl.constexpr = weight.shape[0]
-        BLOCK_K: tl.constexpr = weight.shape[1]
-        SPAN: tl.constexpr = BLOCK_K if BLOCK_K < GROUP_K else GROUP_K
-        spans = start + tl.arange(0, BLOCK_K // SPAN) * SPAN
-        scales = tl.load(scale_rows[:, None] + (spans // GROUP_K)[None, :],
-                         mask=output_mask[:, None] & (spans < K)[None, :], other=0.0)
-        weight = tl.reshape(tl.reshape(weight, [BLOCK_N, BLOCK_K // SPAN, SPAN])
-                            * scales[:, :, None], [BLOCK_N, BLOCK_K])
+        weight = scale_block_spans(weight, scale_rows, output_mask, start, K, GROUP_K)
     return weight
+
+
+@triton.jit
+def scale_block_spans(weight, scale_rows, row_mask, start, depth, GROUP_K: tl.constexpr):
+    """A float32 tile of block-scaled e4m3 weights [rows, BLOCK_K] from column ``start``,
+    each span of its columns that one block covers times that block's scale
+    (``scale_rows``: each row's scales; rows off ``row_mask`` and columns past ``depth``
+    read none): ``Fp8Weight.dequantize``'s product. A tile and a block are powers of two,
+    so one divides the other; the tile's shape is kept, only viewed by span. (The MoE
+    kernel's row-wise path scales its steps with it too.)"""
+    BLOCK_N: tl.constexpr = weight.shape[0]
+    BLOCK_K: tl.constexpr = weight.shape[1]
+    SPAN: tl.constexpr = BLOCK_K if BLOCK_K < GROUP_K else GROUP_K
+    spans = start + tl.arange(0, BLOCK_K // SPAN) * SPAN
+    scales = tl.load(scale_rows[:, None] + (spans // GROUP_K)[None, :],
+                     mask=row_mask[:, None] & (spans < depth)[None, :], other=0.0)
+    return tl.reshape(tl.reshape(weight, [BLOCK_N, BLOCK_K // SPAN, SPAN])
+                      * scales[:, :, None], [BLOCK_N, BLOCK_K])
 
 
 @triton.jit
