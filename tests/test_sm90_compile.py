@@ -226,8 +226,10 @@ def _moe_tables(num_experts: int, hidden: int, intermediate: int, dtype: torch.d
 def _stacked_experts(config: dict[str, Any]) -> int:
     """The experts an MoE layer stacks: one more where the shared expert is as wide as a
     routed one (gpu/layers/moe.py)."""
-    shared = config.get("shared_expert_intermediate_size") == config["moe_intermediate_size"]
-    return config["num_experts"] + shared
+    from trio_llm.gpu.layers.moe import stacks_shared_expert
+
+    return config["num_experts"] + stacks_shared_expert(
+        config["moe_intermediate_size"], config.get("shared_expert_intermediate_size", 0))
 
 
 def _fused_moe(model: str, dtype: torch.dtype, block: tuple[int, int] | None = None) -> None:
