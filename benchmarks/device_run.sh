@@ -195,6 +195,9 @@ for part in "$@"; do
     fp8-tests) run fp8-tests 200 python3 -m pytest -q -p no:cacheprovider -rs \
              tests/test_fp8_gemm.py tests/test_fp8_gemv.py tests/test_triton_kv_fp8.py \
              tests/test_fp8_weights.py tests/test_kv_cache_fp8.py ;;
+    # the FP8 cache's attention alone (the float16 dots of a bf16 query over e4m3)
+    fp8-kv-tests) run fp8-kv-tests 100 python3 -m pytest -q -p no:cacheprovider -rs \
+             tests/test_triton_kv_fp8.py ;;
     fp8-gemm) run fp8-gemm 200 python3 benchmarks/fp8_gemm_bench.py ;;
     fp8-gemv) run fp8-gemv 150 python3 benchmarks/fp8_gemm_bench.py --decode ;;
     # the FP8 GEMV's launch swept inside qwen3-8b's captured decode graph (one row)
