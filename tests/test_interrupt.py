@@ -3,6 +3,7 @@ gets SIGINT while it works."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -14,6 +15,20 @@ import trio
 from trio_llm.api.cli import EXIT_INTERRUPTED, is_interrupt
 
 TIMEOUT = 120
+
+
+@pytest.fixture(autouse=True)
+def _sigint_not_ignored():
+    """A test runner started with SIGINT ignored (a background job of a shell without job
+    control) passes the ignoring on to every child through exec, and Python then installs
+    no Ctrl-C handler in the command under test. A Python handler here is reset to the
+    default in the child instead."""
+    ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    if ignored:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    if ignored:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 async def _read_all(stream: trio.abc.ReceiveStream, into: bytearray, marker: bytes,
@@ -29,8 +44,11 @@ async def _interrupted_while_working(command: list[str], *, stdout_marker: bytes
     """Start ``command``, SIGINT it once a marker shows on stdout or stderr (it is
     working then), and return its exit code and stderr."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # a session of its own: what it starts (bench serve's client processes, which ignore
+    # Ctrl-C) is ended with it below should the interrupt not stop it
     process = await trio.lowlevel.open_process(command, stdout=subprocess.PIPE,
-                                               stderr=subprocess.PIPE, env=env)
+                                               stderr=subprocess.PIPE, env=env,
+                                               start_new_session=True)
     assert process.stdout is not None and process.stderr is not None
     stdout, stderr, working = bytearray(), bytearray(), trio.Event()
     try:
@@ -45,6 +63,8 @@ async def _interrupted_while_working(command: list[str], *, stdout_marker: bytes
     finally:
         if process.returncode is None:
             process.kill()
+        with contextlib.suppress(ProcessLookupError):  # none left: the usual case
+            os.killpg(process.pid, signal.SIGKILL)
     return process.returncode, stderr.decode()
 
 
