@@ -61,9 +61,8 @@ async def _interrupted_while_working(command: list[str], *, stdout_marker: bytes
             process.send_signal(signal.SIGINT)
             await process.wait()
     finally:
-        if process.returncode is None:
-            process.kill()
-        with contextlib.suppress(ProcessLookupError):  # none left: the usual case
+        # the command and all it started, if any is left (none, the usual case)
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
     return process.returncode, stderr.decode()
 
