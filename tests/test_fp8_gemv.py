@@ -106,6 +106,22 @@ def test_an_fp8_row_is_bitwise_the_same_whatever_rows_share_the_launch(layout):
     assert torch.equal(fp8_gemv(x, weight, bias, config), full)  # run to run
 
 
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_an_fp8_swiglu_launch_is_bitwise_the_projection_then_silu_and_mul(layout):
+    """The up rows take their own scales: per channel the second half's rows, per block
+    those of rows N + j (at 37 outputs a 32-row block holds gate and up rows both)."""
+    from trio_llm.gpu.kernels import triton_layers
+
+    weight = on_device(fp8_weight(LAYOUTS[layout], num_outputs=2 * NUM_OUTPUTS, seed=7))
+    x = random(2, NUM_INPUTS, seed=8).to(DTYPE).to(DEVICE)
+    bias = random(2 * NUM_OUTPUTS, seed=9).to(DTYPE).to(DEVICE)
+    for config in CONFIGS[:2]:
+        out = gemv(x, weight.values, bias, weight_scale=weight.scale,
+                   block_size=weight.block_size, swiglu=True, config=config)
+        product = fp8_gemv(x, weight, bias, config)
+        assert torch.equal(out, triton_layers.silu_and_mul(product)), config
+
+
 def test_the_scales_are_applied_not_just_the_e4m3_values():
     """Scales far from one (and different per block) change the output accordingly; blocks
     of 24 rows (not a power of two: a program's outputs straddle two of them)."""

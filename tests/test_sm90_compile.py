@@ -180,18 +180,25 @@ def _linear_shapes(config: dict[str, Any]) -> set[tuple[int, int]]:
 
 def _gemv(model: str) -> None:
     """gemv for each linear layer's shape, at 1 to GEMV_ROWS rows: bf16, and e4m3 with
-    per-channel and 128 x 128 block scales."""
+    per-channel and 128 x 128 block scales; a gate/up projection's with its SwiGLU too."""
     from trio_llm.gpu.kernels import triton_gemv
 
-    for outputs, inputs in sorted(_linear_shapes(_config(model))):
+    config = _config(model)
+    gate_ups = {(2 * config[key], config["hidden_size"])
+                for key in ("intermediate_size", "shared_expert_intermediate_size")
+                if key in config}
+    for outputs, inputs in sorted(_linear_shapes(config)):
         for rows in range(1, triton_gemv.GEMV_ROWS + 1):
-            x = _empty(rows, inputs)
-            triton_gemv.gemv(x, _empty(outputs, inputs))
-            fp8 = _empty(outputs, inputs, dtype=E4M3)
-            triton_gemv.gemv(x, fp8, weight_scale=_empty(outputs, 1, dtype=torch.float32))
-            block_scales = _empty(triton.cdiv(outputs, 128), triton.cdiv(inputs, 128),
-                                  dtype=torch.float32)
-            triton_gemv.gemv(x, fp8, weight_scale=block_scales, block_size=(128, 128))
+            for swiglu in (False, True) if (outputs, inputs) in gate_ups else (False,):
+                x = _empty(rows, inputs)
+                triton_gemv.gemv(x, _empty(outputs, inputs), swiglu=swiglu)
+                fp8 = _empty(outputs, inputs, dtype=E4M3)
+                triton_gemv.gemv(x, fp8, weight_scale=_empty(outputs, 1, dtype=torch.float32),
+                                 swiglu=swiglu)
+                block_scales = _empty(triton.cdiv(outputs, 128), triton.cdiv(inputs, 128),
+                                      dtype=torch.float32)
+                triton_gemv.gemv(x, fp8, weight_scale=block_scales, block_size=(128, 128),
+                                 swiglu=swiglu)
 
 
 def _fp8_gemm(model: str) -> None:

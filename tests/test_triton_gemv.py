@@ -15,7 +15,7 @@ import torch.nn.functional as F
 HAS_CUDA = torch.cuda.is_available()  # without it, conftest.py runs Triton's interpreter
 
 from trio_llm.gpu.builtin import resolve_model  # noqa: E402
-from trio_llm.gpu.kernels import triton_gemv  # noqa: E402
+from trio_llm.gpu.kernels import triton_gemv, triton_layers  # noqa: E402
 from trio_llm.gpu.kernels.triton_gemv import MAX_GEMV_ROWS, GemvConfig, gemv  # noqa: E402
 from trio_llm.gpu.layers.linear import Linear, chunked_linear  # noqa: E402
 from trio_llm.gpu.loader import load_model  # noqa: E402
@@ -75,6 +75,25 @@ def test_a_row_is_bitwise_the_same_whatever_rows_share_the_launch():
         assert torch.equal(gemv(x[:num_rows], weight, bias, config=SMALL_BLOCKS),
                            full[:num_rows])
     assert torch.equal(gemv(x, weight, bias, config=SMALL_BLOCKS), full)  # run to run
+
+
+@pytest.mark.parametrize("has_bias", [True, False])
+def test_a_swiglu_launch_is_bitwise_the_projection_then_silu_and_mul(has_bias):
+    """The gate/up projection's SwiGLU in the GEMV's epilogue (a program owns gate row j
+    and up row j, each rounded as a plain launch stores it): the bits of the plain
+    launch then ``silu_and_mul``, under small tiles (the last partly masked) and the
+    default rule, which the launch takes from the whole weight's shape."""
+    x = random(3, NUM_INPUTS, seed=21)
+    weight = random(2 * NUM_OUTPUTS, NUM_INPUTS, seed=22)
+    bias = random(2 * NUM_OUTPUTS, seed=23) if has_bias else None
+    for config in (SMALL_BLOCKS, None):
+        for num_rows in (1, 2, 3):
+            out = gemv(x[:num_rows], weight, bias, swiglu=True, config=config)
+            assert out.shape == (num_rows, NUM_OUTPUTS) and out.dtype == torch.bfloat16
+            product = gemv(x[:num_rows], weight, bias, config=config)
+            assert torch.equal(out, triton_layers.silu_and_mul(product)), (config, num_rows)
+            gate, up = float32_linear(x[:num_rows], weight, bias).chunk(2, dim=-1)
+            assert relative_error(out, F.silu(gate) * up) < 2e-2  # three bf16 roundings
 
 
 @pytest.mark.parametrize("candidate", sorted(triton_gemv.CANDIDATES))
@@ -137,12 +156,13 @@ def large_blocks_on_cpu(monkeypatch):
                             lambda num_outputs, num_inputs, **_: GemvConfig(256, 128, 1, 1))
 
 
-def count_gemv_calls(monkeypatch) -> list[int]:
-    """Record the row count of every gemv the fused layers launch."""
-    calls: list[int] = []
+def count_gemv_calls(monkeypatch) -> list[tuple[int, bool]]:
+    """Record (the row count, whether a SwiGLU launch) of every gemv the fused layers
+    launch."""
+    calls: list[tuple[int, bool]] = []
 
     def counting_gemv(x, weight, bias=None, **options):
-        calls.append(x.shape[0])
+        calls.append((x.shape[0], options.get("swiglu", False)))
         return gemv(x, weight, bias, **options)
 
     monkeypatch.setattr(cuda_fused, "gemv", counting_gemv)
@@ -160,12 +180,12 @@ def test_gemv_linear_takes_only_small_unchunked_batches(monkeypatch, large_block
     x = random(rows + 1, NUM_INPUTS, seed=15, dtype=torch.float32)
     with torch.no_grad():
         out = linear(x[:rows])
-        assert calls == [rows]
+        assert calls == [(rows, False)]
         assert relative_error(out, F.linear(x[:rows], linear.weight, linear.bias)) < 1e-5
         assert torch.equal(linear(x), F.linear(x, linear.weight, linear.bias))
         linear.num_rows_per_chunk = 4  # batch-invariant mode keeps its row chunks
         assert torch.equal(linear(x[:1]), chunked_linear(x[:1], linear.weight, linear.bias, 4))
-    assert calls == [rows]
+    assert calls == [(rows, False)]
 
 
 def tiny_model() -> CausalLM:
@@ -200,7 +220,8 @@ def test_fused_model_with_gemv_matches_the_plain_model_on_a_decode_batch(
         out = fused(token_ids, positions, caches[1], metadata)
         expected_logits, logits = plain.compute_logits(expected), fused.compute_logits(out)
     num_layers = plain.config.num_layers
-    assert calls == [3] * (4 * num_layers + 1)  # qkv, o, gate_up, down per layer; lm_head
+    # qkv, o, down per layer and the lm_head; gate_up with its SwiGLU in one launch
+    assert sorted(calls) == [(3, False)] * (3 * num_layers + 1) + [(3, True)] * num_layers
     tolerance = 1e-3 if HAS_CUDA else 1e-4  # float32 throughout
     assert relative_error(out, expected) < tolerance
     assert relative_error(logits, expected_logits) < tolerance
@@ -210,9 +231,8 @@ def test_fused_model_with_gemv_matches_the_plain_model_on_a_decode_batch(
 @pytest.mark.gpu
 def test_a_pdl_launch_gives_the_same_bits_inside_a_graph(enable_pdl):
     """TRIO_LLM_PDL=1 (gpu/kernels/pdl.py): a norm that lets the next kernel launch early,
-    then a gemv launched with PDL, captured in a CUDA graph and replayed on new inputs:
-    the same bits as the plain launches."""
-    from trio_llm.gpu.kernels import triton_layers
+    then gemv launched with PDL (plain and SwiGLU), captured in a CUDA graph and replayed
+    on new inputs: the same bits as the plain launches."""
     from trio_llm.gpu.testing import assert_graph_replays_plain_results
 
     x, residual = random(1, 2048, seed=15), random(1, 2048, seed=16)
@@ -221,6 +241,6 @@ def test_a_pdl_launch_gives_the_same_bits_inside_a_graph(enable_pdl):
 
     def step() -> torch.Tensor:
         normed, _ = triton_layers.add_rms_norm(x, residual, norm_weight, 1e-6)
-        return gemv(normed, weight)
+        return torch.cat([gemv(normed, weight), gemv(normed, weight, swiglu=True)], dim=1)
 
     assert_graph_replays_plain_results(step, x, inputs, enable_pdl)

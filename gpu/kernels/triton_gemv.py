@@ -137,42 +137,22 @@ def _row_products(weight, x_ptr, start, K, columns, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, weight_ptr, scale_ptr, bias_ptr, out_ptr, N, K, x_row_stride,
-                 weight_row_stride, scale_row_stride, NUM_ROWS: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, SCALES: tl.constexpr, GROUP_N: tl.constexpr,
-                 GROUP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 NUM_STAGES: tl.constexpr, EVEN: tl.constexpr, USE_PDL: tl.constexpr):
-    outputs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    output_mask = outputs < N
-    columns = tl.arange(0, BLOCK_K)
-    weight_rows = weight_ptr + outputs.to(tl.int64)[:, None] * weight_row_stride
-    # (the rows of block scales; unread unless SCALES is BLOCK_SCALES)
-    scale_rows = scale_ptr + (outputs // GROUP_N).to(tl.int64) * scale_row_stride
-    # One accumulator per row, each updated by the same code whatever NUM_ROWS is.
-    sums = (tl.zeros([BLOCK_N], dtype=tl.float32),) * NUM_ROWS
-    first_step = 0
-    if USE_PDL:
-        # Launched while the kernel before runs (gpu/kernels/pdl.py): the next kernel may
-        # launch too, and the first weight tile, which no kernel writes, is fetched
-        # before waiting; the sums are added in the same order as below.
-        gdc_launch_dependents()
-        weight = _weight_tile(weight_rows, scale_rows, output_mask, 0, K, columns, SCALES,
-                              GROUP_K, EVEN)
-        gdc_wait()
-        for row in tl.static_range(NUM_ROWS):
-            row_sum = sums[row] + _row_products(weight, x_ptr + row * x_row_stride, 0, K,
-                                                columns, EVEN)
-            sums = sums[:row] + (row_sum,) + sums[row + 1:]
-        first_step = BLOCK_K
-    # num_stages on the loop itself: the pipeliner only prefetches loads that feed
-    # no tl.dot when the loop asks for it.
-    for start in tl.range(first_step, K, BLOCK_K, num_stages=NUM_STAGES):
-        weight = _weight_tile(weight_rows, scale_rows, output_mask, start, K, columns, SCALES,
-                              GROUP_K, EVEN)
-        for row in tl.static_range(NUM_ROWS):
-            row_sum = sums[row] + _row_products(weight, x_ptr + row * x_row_stride, start, K,
-                                                columns, EVEN)
-            sums = sums[:row] + (row_sum,) + sums[row + 1:]
+def _add_row_products(sums, weight, x_ptr, x_row_stride, start, K, columns,
+                      NUM_ROWS: tl.constexpr, EVEN: tl.constexpr):
+    """``sums`` (one accumulator per row) plus each row's products with a weight tile."""
+    for row in tl.static_range(NUM_ROWS):
+        row_sum = sums[row] + _row_products(weight, x_ptr + row * x_row_stride, start, K,
+                                            columns, EVEN)
+        sums = sums[:row] + (row_sum,) + sums[row + 1:]
+    return sums
+
+
+@triton.jit
+def _scaled_outputs(sums, scale_ptr, scale_row_stride, bias_ptr, outputs, output_mask,
+                    out_dtype: tl.constexpr, NUM_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    SCALES: tl.constexpr):
+    """Each row's sums times the rows' scales (per channel), plus the bias, rounded to
+    the output's dtype, as a plain launch stores them."""
     if SCALES == ROW_SCALES:
         row_scales = tl.load(scale_ptr + outputs * scale_row_stride, mask=output_mask,
                              other=0.0)
@@ -184,15 +164,86 @@ def _gemv_kernel(x_ptr, weight_ptr, scale_ptr, bias_ptr, out_ptr, N, K, x_row_st
             result *= row_scales
         if HAS_BIAS:
             result += bias
-        tl.store(out_ptr + row * N + outputs, result.to(out_ptr.dtype.element_ty),
-                 mask=output_mask)
+        sums = sums[:row] + (result.to(out_dtype),) + sums[row + 1:]
+    return sums
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, weight_ptr, scale_ptr, bias_ptr, out_ptr, N, K, x_row_stride,
+                 weight_row_stride, scale_row_stride, NUM_ROWS: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, SCALES: tl.constexpr, GROUP_N: tl.constexpr,
+                 GROUP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 NUM_STAGES: tl.constexpr, EVEN: tl.constexpr, SWIGLU: tl.constexpr,
+                 USE_PDL: tl.constexpr):
+    """out = x W^T + b, [NUM_ROWS, N]; SWIGLU: W is [2 N, K], gate rows then up rows, and
+    out = silu(gate) * up, each half rounded to the output's dtype first (the product a
+    plain launch and ``silu_and_mul`` make: a program owns gate row j and up row j)."""
+    outputs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    output_mask = outputs < N
+    columns = tl.arange(0, BLOCK_K)
+    weight_rows = weight_ptr + outputs.to(tl.int64)[:, None] * weight_row_stride
+    up_rows = weight_rows + N.to(tl.int64) * weight_row_stride  # (read only if SWIGLU)
+    # (the rows of block scales; unread unless SCALES is BLOCK_SCALES)
+    scale_rows = scale_ptr + (outputs // GROUP_N).to(tl.int64) * scale_row_stride
+    up_scale_rows = scale_ptr + ((N + outputs) // GROUP_N).to(tl.int64) * scale_row_stride
+    # One accumulator per row, each updated by the same code whatever NUM_ROWS is.
+    sums = (tl.zeros([BLOCK_N], dtype=tl.float32),) * NUM_ROWS
+    up_sums = sums
+    first_step = 0
+    if USE_PDL:
+        # Launched while the kernel before runs (gpu/kernels/pdl.py): the next kernel may
+        # launch too, and the first weight tile, which no kernel writes, is fetched
+        # before waiting; the sums are added in the same order as below.
+        gdc_launch_dependents()
+        weight = _weight_tile(weight_rows, scale_rows, output_mask, 0, K, columns, SCALES,
+                              GROUP_K, EVEN)
+        if SWIGLU:
+            up = _weight_tile(up_rows, up_scale_rows, output_mask, 0, K, columns, SCALES,
+                              GROUP_K, EVEN)
+        gdc_wait()
+        sums = _add_row_products(sums, weight, x_ptr, x_row_stride, 0, K, columns, NUM_ROWS,
+                                 EVEN)
+        if SWIGLU:
+            up_sums = _add_row_products(up_sums, up, x_ptr, x_row_stride, 0, K, columns,
+                                        NUM_ROWS, EVEN)
+        first_step = BLOCK_K
+    # num_stages on the loop itself: the pipeliner only prefetches loads that feed
+    # no tl.dot when the loop asks for it.
+    for start in tl.range(first_step, K, BLOCK_K, num_stages=NUM_STAGES):
+        weight = _weight_tile(weight_rows, scale_rows, output_mask, start, K, columns, SCALES,
+                              GROUP_K, EVEN)
+        sums = _add_row_products(sums, weight, x_ptr, x_row_stride, start, K, columns,
+                                 NUM_ROWS, EVEN)
+        if SWIGLU:
+            up = _weight_tile(up_rows, up_scale_rows, output_mask, start, K, columns, SCALES,
+                              GROUP_K, EVEN)
+            up_sums = _add_row_products(up_sums, up, x_ptr, x_row_stride, start, K, columns,
+                                        NUM_ROWS, EVEN)
+    out_dtype: tl.constexpr = out_ptr.dtype.element_ty
+    results = _scaled_outputs(sums, scale_ptr, scale_row_stride, bias_ptr, outputs,
+                              output_mask, out_dtype, NUM_ROWS, HAS_BIAS, SCALES)
+    if SWIGLU:
+        ups = _scaled_outputs(up_sums, scale_ptr + N * scale_row_stride, scale_row_stride,
+                              bias_ptr + N, outputs, output_mask, out_dtype, NUM_ROWS,
+                              HAS_BIAS, SCALES)
+    for row in tl.static_range(NUM_ROWS):
+        result = results[row]
+        if SWIGLU:
+            # silu_and_mul's rounding (gpu/kernels/triton_layers.py)
+            gate = result.to(tl.float32)
+            activated = (gate * tl.sigmoid(gate)).to(out_dtype)
+            result = (activated.to(tl.float32) * ups[row].to(tl.float32)).to(out_dtype)
+        tl.store(out_ptr + row * N + outputs, result, mask=output_mask)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
          weight_scale: torch.Tensor | None = None, block_size: tuple[int, int] | None = None,
-         config: GemvConfig | None = None) -> torch.Tensor:
+         swiglu: bool = False, config: GemvConfig | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x`` [num_rows <= MAX_GEMV_ROWS, K] and
     ``weight`` [N, K]: float32 sums, the result [num_rows, N] in ``x``'s dtype.
+    ``swiglu``: ``silu_and_mul`` of that product instead, [num_rows, N / 2], in the same
+    launch and bitwise the same (a SwiGLU block's gate/up projection: one kernel fewer
+    a layer, and the [rows, N] product never stored).
 
     An e4m3 ``weight`` comes with its float32 ``weight_scale``: [N, 1] (one per output
     row, ``block_size`` None) or [ceil(N / block_n), ceil(K / block_k)] (``block_size``
@@ -202,8 +253,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     e4m3. ``config`` overrides the default rule (benchmarks and tests).
     """
     num_rows, num_inputs = x.shape
-    num_outputs = weight.shape[0]
+    num_outputs = weight.shape[0] // 2 if swiglu else weight.shape[0]
     assert num_rows <= MAX_GEMV_ROWS and weight.shape[1] == num_inputs
+    assert not swiglu or weight.shape[0] % 2 == 0
     assert weight.stride(1) == 1
     scales, group_n, group_k, scale_row_stride = _scale_layout(weight, weight_scale, block_size)
     assert scales != NO_SCALES or weight.dtype == x.dtype
@@ -212,7 +264,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         return out
     if x.stride(1) != 1:
         x = x.contiguous()
-    config = config or gemv_config(num_outputs, num_inputs)
+    # (a SwiGLU launch sums as the plain launch of the whole weight does: its rule)
+    config = config or gemv_config(weight.shape[0], num_inputs)
     pdl = pdl_launch(x.device)
     _gemv_kernel[(triton.cdiv(num_outputs, config.block_n),)](
         x, weight, weight if weight_scale is None else weight_scale,
@@ -221,7 +274,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         SCALES=scales, GROUP_N=group_n, GROUP_K=group_k, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, NUM_STAGES=config.num_stages,
         EVEN=num_inputs % config.block_k == 0 and num_outputs % config.block_n == 0,
-        num_warps=config.num_warps, num_stages=config.num_stages, **pdl)
+        SWIGLU=swiglu, num_warps=config.num_warps, num_stages=config.num_stages, **pdl)
     return out
 
 

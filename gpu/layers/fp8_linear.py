@@ -61,6 +61,13 @@ class Fp8Linear(Linear):
         return (self.block_size is None and self.weight.device.type == "cuda"
                 and num_rows > triton_gemv.GEMV_ROWS)
 
+    def takes_gemv(self, x: torch.Tensor) -> bool:
+        """Whether this layer multiplies ``x`` with the FP8 GEMV (CUDA decode rows)."""
+        from trio_llm.gpu.kernels import triton_gemv
+
+        return (x.device.type == "cuda" and x.dim() == 2
+                and x.shape[0] <= triton_gemv.GEMV_ROWS)
+
     def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
         if isinstance(x, Fp8Activation):
             assert self.takes_fp8_rows(x.shape[0])

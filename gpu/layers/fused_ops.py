@@ -17,6 +17,7 @@ import torch
 from trio_llm.gpu.quantization import Fp8Activation, KVScales
 
 if TYPE_CHECKING:
+    from trio_llm.gpu.layers.linear import Linear
     from trio_llm.gpu.layers.moe import MoeShape
 
 
@@ -36,8 +37,10 @@ class FusedOps(Protocol):
         with one scale per row (for a per-channel FP8 layer), and the residual stream."""
         ...
 
-    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """SwiGLU: the first half of each row gates the second half."""
+    def gate_up_silu(self, hidden: torch.Tensor | Fp8Activation,
+                     gate_up_proj: Linear) -> torch.Tensor:
+        """SwiGLU of a gate/up projection (layers/mlp.py's ``gate_up_silu``): the first
+        half of each output row gates the second half."""
         ...
 
     def qk_norm_rope_write_kv(self, qkv: torch.Tensor, positions: torch.Tensor,

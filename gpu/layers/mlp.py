@@ -18,6 +18,11 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gate_up_silu(hidden: torch.Tensor, gate_up_proj: Linear) -> torch.Tensor:
+    """SwiGLU of a fused gate/up projection of ``hidden``."""
+    return silu_and_mul(gate_up_proj(hidden))
+
+
 class MLP(nn.Module):
     """SwiGLU feed-forward with fused gate/up projection; under tensor parallelism a
     slice of the intermediate size, the down projection's partial sums reduced."""
@@ -32,9 +37,9 @@ class MLP(nn.Module):
         self.down_proj = Linear(local_size, hidden_size, bias=bias, dtype=dtype, device=device)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.parallel.reduce(self.down_proj(silu_and_mul(self.gate_up_proj(hidden))))
+        return self.parallel.reduce(self.down_proj(gate_up_silu(hidden, self.gate_up_proj)))
 
     def fused(self, hidden: torch.Tensor | Fp8Activation, ops: FusedOps) -> torch.Tensor:
         """``forward`` with the activation through ``ops``' kernel (``hidden`` already in
         e4m3 where ``gate_up_proj`` is a per-channel FP8 layer: decoder.py)."""
-        return self.parallel.reduce(self.down_proj(ops.silu_and_mul(self.gate_up_proj(hidden))))
+        return self.parallel.reduce(self.down_proj(ops.gate_up_silu(hidden, self.gate_up_proj)))

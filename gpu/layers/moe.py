@@ -42,7 +42,7 @@ from torch import nn
 
 from trio_llm.gpu.layers.fused_ops import FusedOps
 from trio_llm.gpu.layers.linear import Linear, chunked_linear
-from trio_llm.gpu.layers.mlp import MLP, silu_and_mul
+from trio_llm.gpu.layers.mlp import MLP, gate_up_silu, silu_and_mul
 from trio_llm.gpu.tensor_parallel import TensorParallel
 
 if TYPE_CHECKING:
@@ -164,22 +164,24 @@ class SparseMoeBlock(nn.Module):
         gate_up, down = self.float_experts(hidden.dtype)
         routed = expert_loop(hidden, gate_up, down, weights, expert_ids, silu_and_mul,
                              self.num_rows_per_chunk)
-        return self.parallel.reduce(self._with_shared_expert(hidden, routed, silu_and_mul))
+        return self.parallel.reduce(self._with_shared_expert(hidden, routed, gate_up_silu))
 
     def fused(self, hidden: torch.Tensor, ops: FusedOps) -> torch.Tensor:
         """``forward`` with the routing, experts (and activations) through ``ops``' kernels."""
         weights, expert_ids = ops.moe_route(self.gate(hidden), self.shape)
         routed = ops.moe_experts(hidden, self.experts_gate_up, self.experts_down, weights,
                                  expert_ids, self.num_rows_per_chunk, self.expert_scales())
-        return self.parallel.reduce(self._with_shared_expert(hidden, routed, ops.silu_and_mul))
+        return self.parallel.reduce(self._with_shared_expert(hidden, routed, ops.gate_up_silu))
 
     def _with_shared_expert(self, hidden: torch.Tensor, routed: torch.Tensor,
-                            activation: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """The routed experts' (partial) output plus the gated shared expert's, if any."""
+                            activation: Callable[[torch.Tensor, Linear], torch.Tensor]
+                            ) -> torch.Tensor:
+        """The routed experts' (partial) output plus the gated shared expert's, if any
+        (``activation``: the SwiGLU of its gate/up projection, mlp.py's ``gate_up_silu``)."""
         if (self.shared_expert_gate_up is None or self.shared_expert_down is None
                 or self.shared_expert_gate is None):
             return routed
-        shared = self.shared_expert_down(activation(self.shared_expert_gate_up(hidden)))
+        shared = self.shared_expert_down(activation(hidden, self.shared_expert_gate_up))
         return routed + torch.sigmoid(self.shared_expert_gate(hidden)) * shared
 
 

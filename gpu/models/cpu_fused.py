@@ -28,6 +28,7 @@ from trio_llm.gpu.kernels.cpu_attention import LANES
 from trio_llm.gpu.kernels.cpu_blas import ROWS_PER_CHUNK, sgemm_address
 from trio_llm.gpu.kernels.cpu_layers import _forward_layers, _linear_chunks
 from trio_llm.gpu.layers.attention import AttentionMetadata, KVCache
+from trio_llm.gpu.layers.linear import Linear
 from trio_llm.gpu.layers.mlp import MLP
 from trio_llm.gpu.layers.moe import expert_loop, torch_route
 from trio_llm.gpu.models.base import CausalLM
@@ -52,7 +53,11 @@ class CpuOps:
             normed, residual = cpu_layers.add_rms_norm(x, residual, weight, eps)
         values, scales = quantize_row_groups(normed, normed.shape[1])
         return Fp8Activation(values, scales, normed.dtype), residual
-    silu_and_mul = staticmethod(cpu_layers.silu_and_mul)
+
+    @staticmethod
+    def gate_up_silu(hidden: torch.Tensor | Fp8Activation, gate_up_proj: Linear
+                     ) -> torch.Tensor:
+        return cpu_layers.silu_and_mul(gate_up_proj(hidden))
 
     @staticmethod
     def qk_norm_rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,

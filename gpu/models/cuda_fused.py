@@ -22,11 +22,12 @@ from trio_llm.gpu.kernels import triton_attention, triton_gemv, triton_layers
 from trio_llm.gpu.kernels.moe_routing import route_topk
 from trio_llm.gpu.kernels.triton_gemv import gemv
 from trio_llm.gpu.layers.attention import AttentionMetadata
+from trio_llm.gpu.layers.fp8_linear import Fp8Linear
 from trio_llm.gpu.layers.linear import Linear
 from trio_llm.gpu.layers.moe import MoeShape
 from trio_llm.gpu.models.base import CausalLM
 from trio_llm.gpu.models.cuda_hybrid import hybrid_forward, is_hybrid
-from trio_llm.gpu.quantization import KVScales
+from trio_llm.gpu.quantization import Fp8Activation, KVScales
 
 
 class TritonOps:
@@ -37,8 +38,22 @@ class TritonOps:
     rms_norm = staticmethod(triton_layers.rms_norm)
     add_rms_norm = staticmethod(triton_layers.add_rms_norm)
     rms_norm_fp8 = staticmethod(triton_layers.rms_norm_fp8)
-    silu_and_mul = staticmethod(triton_layers.silu_and_mul)
     qk_norm_rope_write_kv = staticmethod(triton_layers.qk_norm_rope_write_kv)
+
+    @staticmethod
+    def gate_up_silu(hidden: torch.Tensor | Fp8Activation, gate_up_proj: Linear
+                     ) -> torch.Tensor:
+        """Decode rows that the projection multiplies with ``gemv`` take the SwiGLU in the
+        same launch (one kernel fewer a layer, bitwise the same); others the SwiGLU kernel
+        after the projection."""
+        if isinstance(hidden, torch.Tensor):
+            if isinstance(gate_up_proj, GemvLinear) and gate_up_proj.takes_gemv(hidden):
+                return gemv(hidden, gate_up_proj.weight, gate_up_proj.bias, swiglu=True)
+            if isinstance(gate_up_proj, Fp8Linear) and gate_up_proj.takes_gemv(hidden):
+                return gemv(hidden, gate_up_proj.weight, gate_up_proj.bias, swiglu=True,
+                            weight_scale=gate_up_proj.weight_scale,
+                            block_size=gate_up_proj.block_size)
+        return triton_layers.silu_and_mul(gate_up_proj(hidden))
 
     @staticmethod
     def attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, step: Any,
@@ -93,9 +108,12 @@ class GemvLinear(Linear):
     ``gemv``; larger batches, and row-chunked (batch-invariant) layers, go through
     ``Linear``."""
 
+    def takes_gemv(self, x: torch.Tensor) -> bool:
+        return (x.dim() == 2 and x.shape[0] <= triton_gemv.GEMV_ROWS
+                and not self.num_rows_per_chunk)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (x.dim() == 2 and x.shape[0] <= triton_gemv.GEMV_ROWS
-                and not self.num_rows_per_chunk):
+        if self.takes_gemv(x):
             return gemv(x, self.weight, self.bias)
         return super().forward(x)
 
