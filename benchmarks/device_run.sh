@@ -183,6 +183,8 @@ for part in "$@"; do
              -rs -m gpu tests/test_hybrid_exactness.py ;;
     context-*) run "$part" 270 python3 benchmarks/gpu_bench.py context --model "$(model_of "${part#context-}")" ;;
     gemv) run gemv 240 python3 benchmarks/gemv_bench.py ;;
+    # the gate/up GEMV with its SwiGLU in the launch and without, bf16 and FP8 qwen3-8b
+    swiglu-ab) run swiglu-ab 240 python3 benchmarks/swiglu_graph_ab.py ;;
     gemv-sweep-*) run "$part" 540 python3 benchmarks/gemv_sweep.py --model "$(model_of "${part#gemv-sweep-}")" ;;
     ready-*) ready_time "$(model_of "${part#ready-}")" ;;
     serve-twice-*) serve_twice_bench "$(model_of "${part#serve-twice-}")" ;;
@@ -195,6 +197,9 @@ for part in "$@"; do
     fp8-tests) run fp8-tests 200 python3 -m pytest -q -p no:cacheprovider -rs \
              tests/test_fp8_gemm.py tests/test_fp8_gemv.py tests/test_triton_kv_fp8.py \
              tests/test_fp8_weights.py tests/test_kv_cache_fp8.py ;;
+    # the GEMV (bf16, FP8, with its SwiGLU) against its references, compiled
+    gemv-tests) run gemv-tests 150 python3 -m pytest -q -p no:cacheprovider -rs \
+             tests/test_triton_gemv.py tests/test_fp8_gemv.py ;;
     # the FP8 cache's attention alone (the float16 dots of a bf16 query over e4m3)
     fp8-kv-tests) run fp8-kv-tests 100 python3 -m pytest -q -p no:cacheprovider -rs \
              tests/test_triton_kv_fp8.py ;;
