@@ -159,6 +159,8 @@ for part in "$@"; do
     moe-kernel-fp8) run moe-kernel-fp8 300 python3 benchmarks/moe_kernel_bench.py --graph --fp8 ;;
     graph-profile-*) run "$part" 300 python3 benchmarks/graph_profile.py --model "$(model_of "${part#graph-profile-}")" ;;
     profile-*) run "$part" 200 python3 benchmarks/step_profile.py --model "$(model_of "${part#profile-}")" ;;
+    # the decode kernel alone over bf16 and FP8 caches, 256 sequences, across tiles
+    decode-tiles) run decode-tiles 120 python3 benchmarks/decode_tiles_bench.py ;;
     # programmatic dependent launch (gpu/kernels/pdl.py, on by default) off: beside decode-*
     decode-nopdl-*) TRIO_LLM_PDL=0 run "$part" 240 python3 benchmarks/gpu_bench.py decode --model "$(model_of "${part#decode-nopdl-}")" ;;
     decode-*) run "$part" 240 python3 benchmarks/gpu_bench.py decode --model "$(model_of "${part#decode-}")" ;;
@@ -171,8 +173,6 @@ for part in "$@"; do
     structured-*) run "$part" 420 python3 benchmarks/gpu_bench.py structured --model "$(model_of "${part#structured-}")" ;;
     transformers-*) run "$part" 240 python3 benchmarks/gpu_bench.py transformers --model "$(model_of "${part#transformers-}")" --time-limit 120 ;;
     kernels) run kernels 300 python3 benchmarks/kernel_bench.py ;;
-    # the decode kernel alone over bf16 and FP8 caches, 256 sequences, across tiles
-    decode-tiles) run decode-tiles 120 python3 benchmarks/decode_tiles_bench.py ;;
     # the hybrid family: kernels against references, the model on CUDA against the CPU
     hybrid-tests) run hybrid-tests 420 python3 -m pytest -q -s -p no:cacheprovider -rs \
              tests/test_triton_linear_attention.py tests/test_cuda_hybrid.py \
@@ -184,7 +184,8 @@ for part in "$@"; do
     context-*) run "$part" 270 python3 benchmarks/gpu_bench.py context --model "$(model_of "${part#context-}")" ;;
     gemv) run gemv 240 python3 benchmarks/gemv_bench.py ;;
     # the gate/up GEMV with its SwiGLU in the launch and without, bf16 and FP8 qwen3-8b
-    swiglu-ab) run swiglu-ab 240 python3 benchmarks/swiglu_graph_ab.py ;;
+    swiglu-ab) run swiglu-ab 120 python3 benchmarks/swiglu_graph_ab.py
+             run swiglu-ab-fp8 120 python3 benchmarks/swiglu_graph_ab.py --quantization fp8 ;;
     gemv-sweep-*) run "$part" 540 python3 benchmarks/gemv_sweep.py --model "$(model_of "${part#gemv-sweep-}")" ;;
     ready-*) ready_time "$(model_of "${part#ready-}")" ;;
     serve-twice-*) serve_twice_bench "$(model_of "${part#serve-twice-}")" ;;

@@ -52,3 +52,13 @@ def test_every_device_run_part_the_docs_name_exists() -> None:
             unknown += [f"{doc.name}: {name}" for name in line.split()
                         if not any(fnmatch.fnmatchcase(name, pattern) for pattern in parts)]
     assert unknown == []
+
+
+def test_no_part_is_shadowed_by_an_earlier_pattern() -> None:
+    """bash takes a part's first matching case: a pattern listed after a wider one (a
+    ``decode-tiles`` after ``decode-*``) never runs, and the wider one runs in its place."""
+    parts = device_run_parts()
+    shadowed = [f"{part} (by {earlier})" for index, part in enumerate(parts)
+                for earlier in parts[:index]
+                if fnmatch.fnmatchcase(part.replace("*", "x"), earlier)]
+    assert shadowed == []
