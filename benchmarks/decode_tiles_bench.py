@@ -13,9 +13,10 @@ Two cases, each with its own seeded contexts and the split count the engine woul
   tile's latency, not the bandwidth, may set the time.
 
 The blocks are scattered over the cache. Each (block_n, num_warps, num_stages) is timed
-by CUDA events (median of 20) and reported with the cache bytes it reads per second:
-the decode kernel is meant to stream the cache, so a tile whose rate falls well under
-the copy bandwidth is bound by something else. Writes $OUT/decode_tiles.json.
+by CUDA events around a graph of ten launches (median of 20 replays) and reported with
+the cache bytes it reads per second: the decode kernel is meant to stream the cache,
+so a tile whose rate falls well under the copy bandwidth is bound by something else.
+Writes $OUT/decode_tiles.json.
 """
 
 from __future__ import annotations
@@ -47,10 +48,19 @@ CASES = {
 }
 
 
-def median_us(launch: Callable[[], object], repeats: int = 20) -> float:
-    launch()  # compiled outside the timing
-    torch.cuda.synchronize()
-    return 1000 * statistics.median(event_times_ms(launch, repeats))
+def median_us(launch: Callable[[], object], repeats: int = 20, per_graph: int = 10) -> float:
+    """Microseconds a launch, from replays of a CUDA graph of ``per_graph`` launches in a
+    row: timed one by one, a launch of a few microseconds measured the host's Python
+    launch path (about 100 us on an H100, whatever the tile; 2026-12-06)."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        launch()  # compiled outside the capture
+        stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(per_graph):
+                launch()
+        return 1000 * statistics.median(event_times_ms(graph.replay, repeats)) / per_graph
 
 
 def paged_inputs(context_lens: list[int], num_heads: int, num_kv_heads: int):
