@@ -112,8 +112,11 @@ class StateSlots:
         return slot
 
     def forget_snapshot(self, block_hash: bytes) -> None:
-        """Drop a snapshot whose save copy was never sent (no batch carried it)."""
-        self._free_slots.append(self._snapshots.pop(block_hash))
+        """Drop a snapshot whose save copy was never sent (no batch carried it). One that
+        a later save of the same batch evicted is gone already, its slot that save's."""
+        slot = self._snapshots.pop(block_hash, None)
+        if slot is not None:
+            self._free_slots.append(slot)
 
     def _take_snapshot_share_slot(self) -> int | None:
         """A slot of the snapshots' share: a free one while the share is not used up,

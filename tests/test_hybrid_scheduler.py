@@ -361,6 +361,24 @@ def test_a_save_whose_batch_never_comes_is_forgotten():
     assert driver.model.num_saves == 0
 
 
+def test_saves_of_one_batch_that_never_comes_are_forgotten_though_one_evicted_another():
+    """The same with two such requests and one snapshot slot: the second save evicts the
+    first (its slot reused), so only the second is left to forget, and the slot goes
+    back (found by the random multi-turn test)."""
+    driver = HybridDriver(config(pipeline_depth=2), 64, 8 + 1)
+    driver.submit(make_request("r", PREFIX[:8], max_tokens=1),
+                  make_request("s", [60] * 8, max_tokens=1, arrival_index=1))
+    assert driver.plan() is not None
+    assert driver.plan() is None  # both tokens are still in flight
+    state_slots = driver.scheduler.state_slots
+    assert state_slots is not None and state_slots.num_snapshot_evictions == 1
+    assert driver.scheduler.statistics().num_state_snapshots == 0
+    assert state_slots.num_free_slots == 8 + 1 - 2  # r and s still hold theirs
+    driver.run()
+    assert driver.scheduler.statistics().num_state_snapshots == 0
+    assert driver.model.num_saves == 0
+
+
 def test_a_snapshot_whose_blocks_were_evicted_is_no_hit():
     first = make_request("first", PREFIX + [50], max_tokens=1)
     # 4 KV blocks: the next request needs all of them, so first's cached blocks go.
