@@ -89,6 +89,16 @@ def test_a_forgotten_snapshot_frees_its_slot():
     assert slots.save_snapshot(b"a") is not None  # saved again, copied again
 
 
+def test_forgetting_a_snapshot_a_later_save_evicted_leaves_that_saves_slot():
+    slots = StateSlots(num_slots=2, num_running_slots=1)  # a share of one snapshot
+    slot = slots.save_snapshot(b"a")
+    assert slots.save_snapshot(b"b") == slot  # "a" evicted, its slot "b"'s
+    slots.forget_snapshot(b"a")
+    assert slots.has_snapshot(b"b") and slots.num_free_slots == 1
+    slots.forget_snapshot(b"b")
+    assert slots.num_snapshots == 0 and slots.num_free_slots == 2
+
+
 def test_pending_slots_share_the_snapshots_budget():
     slots = StateSlots(num_slots=4, num_running_slots=2)
     slot_a = slots.save_snapshot(b"a")
