@@ -68,6 +68,13 @@ class Fp8Linear(Linear):
         return (x.device.type == "cuda" and x.dim() == 2
                 and x.shape[0] <= triton_gemv.GEMV_ROWS)
 
+    def gemv_rows(self, rows: torch.Tensor, *, swiglu: bool = False) -> torch.Tensor:
+        """``rows`` through the FP8 GEMV (``swiglu``: with the SwiGLU of the product)."""
+        from trio_llm.gpu.kernels.triton_gemv import gemv
+
+        return gemv(rows, self.weight, self.bias, weight_scale=self.weight_scale,
+                    block_size=self.block_size, swiglu=swiglu)
+
     def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
         if isinstance(x, Fp8Activation):
             assert self.takes_fp8_rows(x.shape[0])
@@ -96,10 +103,7 @@ class Fp8Linear(Linear):
         """At most GEMV_ROWS rows: the unrounded input times the dequantized weight (the
         FP8 GEMV on CUDA, float32 torch elsewhere)."""
         if rows.device.type == "cuda":
-            from trio_llm.gpu.kernels.triton_gemv import gemv
-
-            return gemv(rows, self.weight, self.bias, weight_scale=self.weight_scale,
-                        block_size=self.block_size)
+            return self.gemv_rows(rows)
         return self._dequantized_linear(rows.to(torch.float32)).to(rows.dtype)
 
     def _reference(self, rows: torch.Tensor) -> torch.Tensor:

@@ -174,14 +174,14 @@ class SparseMoeBlock(nn.Module):
         return self.parallel.reduce(self._with_shared_expert(hidden, routed, ops.gate_up_silu))
 
     def _with_shared_expert(self, hidden: torch.Tensor, routed: torch.Tensor,
-                            activation: Callable[[torch.Tensor, Linear], torch.Tensor]
+                            gate_up_silu: Callable[[torch.Tensor, Linear], torch.Tensor]
                             ) -> torch.Tensor:
         """The routed experts' (partial) output plus the gated shared expert's, if any
-        (``activation``: the SwiGLU of its gate/up projection, mlp.py's ``gate_up_silu``)."""
+        (``gate_up_silu``: the SwiGLU of its gate/up projection, as mlp.py's)."""
         if (self.shared_expert_gate_up is None or self.shared_expert_down is None
                 or self.shared_expert_gate is None):
             return routed
-        shared = self.shared_expert_down(activation(hidden, self.shared_expert_gate_up))
+        shared = self.shared_expert_down(gate_up_silu(hidden, self.shared_expert_gate_up))
         return routed + torch.sigmoid(self.shared_expert_gate(hidden)) * shared
 
 

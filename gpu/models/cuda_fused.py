@@ -46,13 +46,9 @@ class TritonOps:
         """Decode rows that the projection multiplies with ``gemv`` take the SwiGLU in the
         same launch (one kernel fewer a layer, bitwise the same); others the SwiGLU kernel
         after the projection."""
-        if isinstance(hidden, torch.Tensor):
-            if isinstance(gate_up_proj, GemvLinear) and gate_up_proj.takes_gemv(hidden):
-                return gemv(hidden, gate_up_proj.weight, gate_up_proj.bias, swiglu=True)
-            if isinstance(gate_up_proj, Fp8Linear) and gate_up_proj.takes_gemv(hidden):
-                return gemv(hidden, gate_up_proj.weight, gate_up_proj.bias, swiglu=True,
-                            weight_scale=gate_up_proj.weight_scale,
-                            block_size=gate_up_proj.block_size)
+        if (isinstance(hidden, torch.Tensor) and isinstance(gate_up_proj, (GemvLinear, Fp8Linear))
+                and gate_up_proj.takes_gemv(hidden)):
+            return gate_up_proj.gemv_rows(hidden, swiglu=True)
         return triton_layers.silu_and_mul(gate_up_proj(hidden))
 
     @staticmethod
@@ -112,9 +108,13 @@ class GemvLinear(Linear):
         return (x.dim() == 2 and x.shape[0] <= triton_gemv.GEMV_ROWS
                 and not self.num_rows_per_chunk)
 
+    def gemv_rows(self, x: torch.Tensor, *, swiglu: bool = False) -> torch.Tensor:
+        """``x``'s rows through ``gemv`` (``swiglu``: with the SwiGLU of the product)."""
+        return gemv(x, self.weight, self.bias, swiglu=swiglu)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.takes_gemv(x):
-            return gemv(x, self.weight, self.bias)
+            return self.gemv_rows(x)
         return super().forward(x)
 
 
