@@ -17,11 +17,19 @@ by CUDA events around a graph of ten launches (median of 20 replays) and reporte
 the cache bytes it reads per second: the decode kernel is meant to stream the cache,
 so a tile whose rate falls well under the copy bandwidth is bound by something else.
 Writes $OUT/decode_tiles.json.
+
+    python3 benchmarks/decode_tiles_bench.py --baseline OLD/triton_attention.py
+
+also times an earlier version of gpu/kernels/triton_attention.py (a copy of the file,
+e.g. from ``git show REV:gpu/kernels/triton_attention.py``) at its default tile, in
+turn with the current one's default tile, two rounds each, in the same process.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
+import importlib.util
 import json
 import os
 import random
@@ -82,7 +90,20 @@ def paged_inputs(context_lens: list[int], num_heads: int, num_kv_heads: int):
             torch.arange(num_seqs + 1, dtype=torch.int32, device="cuda"))
 
 
+def load_baseline(path: str):
+    """An earlier triton_attention.py as a module of its own (its own kernels)."""
+    spec = importlib.util.spec_from_file_location("baseline_triton_attention", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--baseline", help="an earlier gpu/kernels/triton_attention.py")
+    args = parser.parse_args()
+    baseline = load_baseline(args.baseline) if args.baseline else None
     torch.manual_seed(0)
     results: dict[str, object] = {"device": torch.cuda.get_device_name()}
     for case, (context_lens, num_heads, num_kv_heads, tiles) in CASES.items():
@@ -91,6 +112,16 @@ def main() -> None:
         elements = sum(context_lens) * num_kv_heads * HEAD_DIM * 2  # keys and values read
         for name, k_cache, v_cache in (("bf16", keys, values),
                                        ("fp8", keys.to(E4M3), values.to(E4M3))):
+            arguments = (query, k_cache, v_cache, block_tables, lens, query_start_loc,
+                         HEAD_DIM**-0.5)
+            if baseline is not None:
+                for round_ in (1, 2):
+                    for label, module in (("baseline", baseline), ("current", triton_attention)):
+                        us = median_us(functools.partial(module.paged_attention, *arguments))
+                        key = f"{case} {name} default {label} round {round_}"
+                        results[key] = {"us": us, "gb_per_s": elements * k_cache.element_size()
+                                        / us / 1e3}
+                        print(key, results[key], flush=True)
             for tile in tiles:
                 launch = functools.partial(
                     triton_attention.paged_attention, query, k_cache, v_cache, block_tables,

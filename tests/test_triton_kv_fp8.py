@@ -100,6 +100,22 @@ def test_varlen_over_an_fp8_cache_matches_the_reference(scales):
         assert relative_error(unscaled, expected) > 0.1
 
 
+def test_an_fp8_cache_at_a_head_dim_below_its_tile_matches_the_reference():
+    """head_dim 24 takes a 32-wide tile: the e4m3 tiles, read two values a 16-bit word,
+    mask the words past the head (decode and varlen, whole and partial tiles)."""
+    scales = KVScales(0.25, 4.0)
+    generator = torch.Generator().manual_seed(5)
+    scale = 24**-0.5
+    for query_lens in ([1] * 4, [1, 9, 30, 2]):
+        batch = _fp8_batch(generator, scales, query_lens=query_lens,
+                           context_lens=[1, 37, 130, 64], num_heads=4, num_kv_heads=2,
+                           head_dim=24, block_size=16)
+        out = triton_attention.paged_attention(
+            *batch, scale, num_splits=2, k_scale=scales.k_scale, v_scale=scales.v_scale,
+            varlen=triton_attention.VarlenConfig(16, 16, 4, 2))
+        assert relative_error(out, _reference(batch, scale, scales)) < TOLERANCE
+
+
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_a_bf16_query_meets_an_fp8_cache_in_float16(num_splits):
     """A bf16 query (the CUDA models') over an FP8 cache multiplies in float16 (e4m3

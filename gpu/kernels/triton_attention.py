@@ -18,9 +18,9 @@ the token and sequence counts only, never on values, so any step can be
 captured in a CUDA graph, and nothing here synchronizes with the host.
 
 An FP8 cache (e4m3) holds ``key / k_scale`` and ``value / v_scale``: tiles are
-widened to the query's dtype as they are loaded, ``k_scale`` is folded into the
-softmax scale and ``v_scale`` multiplies each output row (the weighted sum is
-linear in the values); a cache in the query's dtype has both scales at 1.0.
+widened to float16 as they are loaded (``_load_e4m3_tile``), ``k_scale`` is folded
+into the softmax scale and ``v_scale`` multiplies each output row (the weighted sum
+is linear in the values); a cache in the query's dtype has both scales at 1.0.
 
 Padding for CUDA graphs: a token with a negative slot is not written, and a
 sequence with context length 0 produces zeros (also for query tokens it owns:
@@ -29,6 +29,7 @@ a graph's padding tokens belong to such a sequence).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -94,6 +95,10 @@ def varlen_config(num_tokens: int, head_dim: int = 128) -> VarlenConfig:
     return VARLEN_LARGE_CONFIG
 
 
+# Compiled, an e4m3 pair widens in one PTX conversion; Triton's interpreter (CI on the
+# CPU) runs no PTX, and widens each byte by Triton's own cast (the same values).
+_WIDEN_IN_PTX: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
+
 # exp(x) = exp2(x * log2(e)): the kernels fold log2(e) into the softmax scale, so each
 # score costs one fused multiply-add before its exp2 (as FlashAttention-2 does).
 LOG2_E = 1.4426950408889634
@@ -122,32 +127,75 @@ def _write_kv_kernel(
 
 
 @triton.jit
-def _kv_tile_offsets(block_table_row_ptr, positions, position_mask, kv_head, dims,
-                     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr):
-    """Offsets of one KV head's cache rows for ``positions`` of one sequence:
-    [BLOCK_N, BLOCK_D], shared by the key and the value tile."""
+def _kv_slots(block_table_row_ptr, positions, position_mask, BLOCK_SIZE: tl.constexpr,
+              MASKED: tl.constexpr):
+    """The cache slots of ``positions`` of one sequence, shared by its key and value tile."""
     if MASKED:
         block_ids = tl.load(block_table_row_ptr + positions // BLOCK_SIZE, mask=position_mask,
                             other=0)
     else:
         block_ids = tl.load(block_table_row_ptr + positions // BLOCK_SIZE)
-    slots = block_ids.to(tl.int64) * BLOCK_SIZE + positions % BLOCK_SIZE
-    return slots[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + dims[None, :]
+    return block_ids.to(tl.int64) * BLOCK_SIZE + positions % BLOCK_SIZE
 
 
 @triton.jit
-def _load_kv_tile(cache_ptr, offsets, position_mask, dims, HEAD_DIM: tl.constexpr,
-                  MASKED: tl.constexpr, EVEN_D: tl.constexpr):
-    """A tile of the cache; positions past the end read zeros when ``MASKED``, and
-    padded head dimensions always do. (A tile wholly inside the context loads
-    without a mask.)"""
+def _load_kv_tile(cache_ptr, slots, position_mask, kv_head, NUM_KV_HEADS: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
+                  EVEN_D: tl.constexpr):
+    """One KV head's [BLOCK_N, BLOCK_D] tile of the cache at ``slots``; positions past the
+    end read zeros when ``MASKED``, and padded head dimensions always do. (A tile wholly
+    inside the context loads without a mask.) An e4m3 cache's tile comes widened to
+    float16."""
+    if cache_ptr.dtype.element_ty == tl.float8e4nv:
+        tile = _load_e4m3_tile(cache_ptr, slots, position_mask, kv_head, NUM_KV_HEADS,
+                               HEAD_DIM, BLOCK_D, MASKED, EVEN_D)
+    else:
+        dims = tl.arange(0, BLOCK_D)
+        ptrs = (cache_ptr + slots[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
+                + dims[None, :])
+        if MASKED:
+            tile = tl.load(ptrs, mask=position_mask[:, None] & (dims < HEAD_DIM)[None, :],
+                           other=0.0)
+        elif EVEN_D:
+            tile = tl.load(ptrs)
+        else:
+            tile = tl.load(ptrs, mask=(dims < HEAD_DIM)[None, :], other=0.0)
+    return tile
+
+
+@triton.jit
+def _load_e4m3_tile(cache_ptr, slots, position_mask, kv_head, NUM_KV_HEADS: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
+                    EVEN_D: tl.constexpr):
+    """An e4m3 tile as float16, read as 16-bit words of two values each.
+
+    Loaded as bytes, the tile became the dots' operands before it was widened: the
+    value tile's bytes were read from shared memory one at a time (an 8-bit operand
+    has no transposing matrix load) and the key's through byte shuffles, which bounded
+    the decode kernel (docs/performance.md). Words widened to float16 pairs, then
+    joined into the tile, reach the dots as 16-bit data, as a bf16 cache's do: vector
+    loads, one conversion a pair."""
+    words = tl.arange(0, BLOCK_D // 2)
+    ptrs = (cache_ptr.to(tl.pointer_type(tl.uint16), bitcast=True)
+            + slots[:, None] * (NUM_KV_HEADS * HEAD_DIM // 2) + kv_head * (HEAD_DIM // 2)
+            + words[None, :])
     if MASKED:
-        mask = position_mask[:, None] & (dims < HEAD_DIM)[None, :]
-        return tl.load(cache_ptr + offsets, mask=mask, other=0.0)
-    if EVEN_D:
-        return tl.load(cache_ptr + offsets)
-    return tl.load(cache_ptr + offsets, mask=(dims < HEAD_DIM)[None, :], other=0.0)
+        pairs = tl.load(ptrs, mask=position_mask[:, None] & (words < HEAD_DIM // 2)[None, :],
+                        other=0)
+    elif EVEN_D:
+        pairs = tl.load(ptrs)
+    else:
+        pairs = tl.load(ptrs, mask=(words < HEAD_DIM // 2)[None, :], other=0)
+    if _WIDEN_IN_PTX:
+        # the low byte (the lower address, an even dimension) to the low half
+        widened = tl.inline_asm_elementwise("cvt.rn.f16x2.e4m3x2 $0, $1;", "=r,h", [pairs],
+                                            dtype=tl.uint32, is_pure=True, pack=1)
+        even = (widened & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
+        odd = (widened >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
+    else:
+        even = (pairs & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        odd = (pairs >> 8).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    return tl.reshape(tl.join(even, odd), [slots.shape[0], BLOCK_D])
 
 
 @triton.jit
@@ -191,9 +239,9 @@ def _attend_tile(query, k_cache_ptr, v_cache_ptr, block_table_row_ptr, tile_star
     positions = tile_start + tl.arange(0, BLOCK_N)
     position_mask = positions < end
     masked = MASK != MASK_NONE
-    offsets = _kv_tile_offsets(block_table_row_ptr, positions, position_mask, kv_head, dims,
-                               NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, masked)
-    key = _load_kv_tile(k_cache_ptr, offsets, position_mask, dims, HEAD_DIM, masked, EVEN_D)
+    slots = _kv_slots(block_table_row_ptr, positions, position_mask, BLOCK_SIZE, masked)
+    key = _load_kv_tile(k_cache_ptr, slots, position_mask, kv_head, NUM_KV_HEADS, HEAD_DIM,
+                        dims.shape[0], masked, EVEN_D)
     scores = tl.dot(query, tl.trans(key.to(query.dtype)))
     if MASK == MASK_CAUSAL:
         visible = (positions[None, :] <= query_positions[:, None]) & position_mask[None, :]
@@ -204,7 +252,8 @@ def _attend_tile(query, k_cache_ptr, v_cache_ptr, block_table_row_ptr, tile_star
     rescale = tl.exp2(running_max - new_max)
     probs = tl.exp2(scores * qk_scale - new_max[:, None])
     running_sum = running_sum * rescale + tl.sum(probs, 1)
-    value = _load_kv_tile(v_cache_ptr, offsets, position_mask, dims, HEAD_DIM, masked, EVEN_D)
+    value = _load_kv_tile(v_cache_ptr, slots, position_mask, kv_head, NUM_KV_HEADS, HEAD_DIM,
+                          dims.shape[0], masked, EVEN_D)
     acc = acc * rescale[:, None] + tl.dot(probs.to(query.dtype), value.to(query.dtype))
     return new_max, running_sum, acc
 
