@@ -34,6 +34,7 @@ import json
 import os
 import random
 import statistics
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -95,6 +96,7 @@ def load_baseline(path: str):
     spec = importlib.util.spec_from_file_location("baseline_triton_attention", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 
