@@ -10,7 +10,8 @@ Two cases, each with its own seeded contexts and the split count the engine woul
   throughput workloads' shape;
 - ``single-N``: one sequence of N cached tokens with qwen3-30b-a3b's heads (32 query
   heads, 4 KV heads), the single-stream decode's shape, where few programs run and a
-  tile's latency, not the bandwidth, may set the time.
+  tile's latency, not the bandwidth, may set the time; the default tile is also timed
+  at 1, 4 and 16 splits (one split needs no merge launch).
 
 The blocks are scattered over the cache. Each (block_n, num_warps, num_stages) is timed
 by CUDA events around a graph of ten launches (median of 20 replays) and reported with
@@ -108,35 +109,38 @@ def main() -> None:
     baseline = load_baseline(args.baseline) if args.baseline else None
     torch.manual_seed(0)
     results: dict[str, object] = {"device": torch.cuda.get_device_name()}
+
+    def record(key: str, launch: Callable[[], object], bytes_read: int) -> None:
+        try:
+            us = median_us(launch)
+            results[key] = {"us": us, "gb_per_s": bytes_read / us / 1e3}
+        except Exception as error:  # a tile past the shared memory
+            results[key] = repr(error)[:120]
+        print(key, results[key], flush=True)
+
     for case, (context_lens, num_heads, num_kv_heads, tiles) in CASES.items():
         query, keys, values, block_tables, lens, query_start_loc = paged_inputs(
             context_lens, num_heads, num_kv_heads)
         elements = sum(context_lens) * num_kv_heads * HEAD_DIM * 2  # keys and values read
         for name, k_cache, v_cache in (("bf16", keys, values),
                                        ("fp8", keys.to(E4M3), values.to(E4M3))):
-            arguments = (query, k_cache, v_cache, block_tables, lens, query_start_loc,
-                         HEAD_DIM**-0.5)
+            attend = functools.partial(triton_attention.paged_attention, query, k_cache,
+                                       v_cache, block_tables, lens, query_start_loc,
+                                       HEAD_DIM**-0.5)
+            bytes_read = elements * k_cache.element_size()
             if baseline is not None:
+                old = functools.partial(baseline.paged_attention, *attend.args)
                 for round_ in (1, 2):
-                    for label, module in (("baseline", baseline), ("current", triton_attention)):
-                        us = median_us(functools.partial(module.paged_attention, *arguments))
-                        key = f"{case} {name} default {label} round {round_}"
-                        results[key] = {"us": us, "gb_per_s": elements * k_cache.element_size()
-                                        / us / 1e3}
-                        print(key, results[key], flush=True)
+                    record(f"{case} {name} default baseline round {round_}", old, bytes_read)
+                    record(f"{case} {name} default current round {round_}", attend, bytes_read)
             for tile in tiles:
-                launch = functools.partial(
-                    triton_attention.paged_attention, query, k_cache, v_cache, block_tables,
-                    lens, query_start_loc, HEAD_DIM**-0.5,
-                    decode=triton_attention.DecodeConfig(*tile))
-                key = f"{case} {name} {tile}"
-                try:
-                    us = median_us(launch)
-                    results[key] = {"us": us,
-                                    "gb_per_s": elements * k_cache.element_size() / us / 1e3}
-                except Exception as error:  # a tile past the shared memory
-                    results[key] = repr(error)[:120]
-                print(key, results[key], flush=True)
+                record(f"{case} {name} {tile}",
+                       functools.partial(attend, decode=triton_attention.DecodeConfig(*tile)),
+                       bytes_read)
+            if len(context_lens) == 1:  # one sequence: fewer splits, or none (no merge)
+                for splits in (1, 4, 16):
+                    record(f"{case} {name} default splits {splits}",
+                           functools.partial(attend, num_splits=splits), bytes_read)
     Path(os.environ.get("OUT", "."), "decode_tiles.json").write_text(json.dumps(results,
                                                                                 indent=1))
 
