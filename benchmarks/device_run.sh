@@ -159,8 +159,10 @@ for part in "$@"; do
     moe-kernel-fp8) run moe-kernel-fp8 300 python3 benchmarks/moe_kernel_bench.py --graph --fp8 ;;
     graph-profile-*) run "$part" 300 python3 benchmarks/graph_profile.py --model "$(model_of "${part#graph-profile-}")" ;;
     profile-*) run "$part" 200 python3 benchmarks/step_profile.py --model "$(model_of "${part#profile-}")" ;;
-    # the decode kernel alone over bf16 and FP8 caches, 256 sequences, across tiles
-    decode-tiles) run decode-tiles 120 python3 benchmarks/decode_tiles_bench.py ;;
+    # the decode kernel alone over bf16 and FP8 caches, 256 sequences, across tiles (and an
+    # earlier kernel file beside the current one: DECODE_BASELINE=path/triton_attention.py)
+    decode-tiles) run decode-tiles 200 python3 benchmarks/decode_tiles_bench.py \
+             ${DECODE_BASELINE:+--baseline "$DECODE_BASELINE"} ;;
     # programmatic dependent launch (gpu/kernels/pdl.py, on by default) off: beside decode-*
     decode-nopdl-*) TRIO_LLM_PDL=0 run "$part" 240 python3 benchmarks/gpu_bench.py decode --model "$(model_of "${part#decode-nopdl-}")" ;;
     decode-*) run "$part" 240 python3 benchmarks/gpu_bench.py decode --model "$(model_of "${part#decode-}")" ;;
