@@ -171,10 +171,10 @@ def _load_e4m3_tile(cache_ptr, slots, position_mask, kv_head, NUM_KV_HEADS: tl.c
 
     Loaded as bytes, the tile became the dots' operands before it was widened: the
     value tile's bytes were read from shared memory one at a time (an 8-bit operand
-    has no transposing matrix load) and the key's through byte shuffles, which bounded
-    the decode kernel (docs/performance.md). Words widened to float16 pairs, then
+    has no transposing matrix load) and the key's through byte shuffles, and the decode
+    kernel read an FP8 cache at two thirds of bf16's rate (docs/performance.md). Words widened to float16 pairs, then
     joined into the tile, reach the dots as 16-bit data, as a bf16 cache's do: vector
-    loads, one conversion a pair."""
+    loads, one conversion a pair (benchmarks/sass_count.py counts the instructions)."""
     words = tl.arange(0, BLOCK_D // 2)
     ptrs = (cache_ptr.to(tl.pointer_type(tl.uint16), bitcast=True)
             + slots[:, None] * (NUM_KV_HEADS * HEAD_DIM // 2) + kv_head * (HEAD_DIM // 2)
@@ -486,6 +486,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if num_tokens == 0:
         return out
     assert query.stride(2) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert k_cache.dtype != E4M3 or head_dim % 2 == 0, "an e4m3 cache is read in pairs"
     # an FP8 cache's key scale multiplies every score: folded into the softmax scale
     qk_scale = scale * LOG2_E * k_scale
     if num_tokens == num_seqs:
