@@ -171,10 +171,11 @@ def _load_e4m3_tile(cache_ptr, slots, position_mask, kv_head, NUM_KV_HEADS: tl.c
 
     Loaded as bytes, the tile became the dots' operands before it was widened: the
     value tile's bytes were read from shared memory one at a time (an 8-bit operand
-    has no transposing matrix load) and the key's through byte shuffles, and the decode
-    kernel read an FP8 cache at two thirds of bf16's rate (docs/performance.md). Words widened to float16 pairs, then
-    joined into the tile, reach the dots as 16-bit data, as a bf16 cache's do: vector
-    loads, one conversion a pair (benchmarks/sass_count.py counts the instructions)."""
+    has no transposing matrix load) and the key's through byte shuffles, and the
+    decode kernel read an FP8 cache at two thirds of bf16's rate (docs/performance.md).
+    Words widened to float16 pairs, then joined into the tile, reach the dots as 16-bit
+    data, as a bf16 cache's do: vector loads, one conversion a pair
+    (benchmarks/sass_count.py counts the instructions)."""
     words = tl.arange(0, BLOCK_D // 2)
     ptrs = (cache_ptr.to(tl.pointer_type(tl.uint16), bitcast=True)
             + slots[:, None] * (NUM_KV_HEADS * HEAD_DIM // 2) + kv_head * (HEAD_DIM // 2)
