@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from trio_llm.gpu.kernels.pdl import pdl_launch, pdl_start
+from trio_llm.gpu.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_launch, pdl_start
 from trio_llm.gpu.kernels.triton_layers import as_cached
 from trio_llm.gpu.quantization import E4M3
 
@@ -243,6 +243,16 @@ def _attend_tile(query, k_cache_ptr, v_cache_ptr, block_table_row_ptr, tile_star
     slots = _kv_slots(block_table_row_ptr, positions, position_mask, BLOCK_SIZE, masked)
     key = _load_kv_tile(k_cache_ptr, slots, position_mask, kv_head, NUM_KV_HEADS, HEAD_DIM,
                         dims.shape[0], masked, EVEN_D)
+    value = _load_kv_tile(v_cache_ptr, slots, position_mask, kv_head, NUM_KV_HEADS, HEAD_DIM,
+                          dims.shape[0], masked, EVEN_D)
+    return _attend_loaded(query, key, value, positions, position_mask, query_positions,
+                          qk_scale, running_max, running_sum, acc, MASK)
+
+
+@triton.jit
+def _attend_loaded(query, key, value, positions, position_mask, query_positions, qk_scale,
+                   running_max, running_sum, acc, MASK: tl.constexpr):
+    """_attend_tile's arithmetic on a key and a value tile already loaded."""
     scores = tl.dot(query, tl.trans(key.to(query.dtype)))
     if MASK == MASK_CAUSAL:
         visible = (positions[None, :] <= query_positions[:, None]) & position_mask[None, :]
@@ -253,8 +263,6 @@ def _attend_tile(query, k_cache_ptr, v_cache_ptr, block_table_row_ptr, tile_star
     rescale = tl.exp2(running_max - new_max)
     probs = tl.exp2(scores * qk_scale - new_max[:, None])
     running_sum = running_sum * rescale + tl.sum(probs, 1)
-    value = _load_kv_tile(v_cache_ptr, slots, position_mask, kv_head, NUM_KV_HEADS, HEAD_DIM,
-                          dims.shape[0], masked, EVEN_D)
     acc = acc * rescale[:, None] + tl.dot(probs.to(query.dtype), value.to(query.dtype))
     return new_max, running_sum, acc
 
@@ -270,35 +278,58 @@ def _decode_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    pdl_start(USE_PDL)  # gpu/kernels/pdl.py
+    if USE_PDL:
+        gdc_launch_dependents()  # gpu/kernels/pdl.py; the wait comes below
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    context_len = tl.load(context_lens_ptr + seq)
+    context_len = tl.load(context_lens_ptr + seq)  # a step input: no kernel of the chain writes it
     tokens_per_split = _tokens_per_split(context_len, NUM_SPLITS, BLOCK_N)
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, context_len)
     if NUM_SPLITS > 1:
         if start >= end:
             return  # an empty split: the merge leaves it out
+    block_table_row_ptr = block_tables_ptr + seq.to(tl.int64) * block_table_stride
+    # whole tiles unmasked, then the partial last tile (if any) masked at the end
+    full_end = start + (end - start) // BLOCK_N * BLOCK_N
+    dims = tl.arange(0, BLOCK_D)
+    if USE_PDL:
+        # Launched while the kernels before run: of this step's keys and values only the
+        # last position's (context_len - 1) is written by them (the KV write before this
+        # kernel); earlier steps wrote the rest. So a first tile wholly before it is
+        # fetched before waiting, its latency hidden behind theirs.
+        early_end = tl.where(start + BLOCK_N <= tl.minimum(full_end, context_len - 1),
+                             start + BLOCK_N, start)
+        positions = start + tl.arange(0, BLOCK_N)
+        early_mask = positions < early_end
+        slots = _kv_slots(block_table_row_ptr, positions, early_mask, BLOCK_SIZE, True)
+        early_key = _load_kv_tile(k_cache_ptr, slots, early_mask, kv_head, NUM_KV_HEADS,
+                                  HEAD_DIM, BLOCK_D, True, EVEN_D)
+        early_value = _load_kv_tile(v_cache_ptr, slots, early_mask, kv_head, NUM_KV_HEADS,
+                                    HEAD_DIM, BLOCK_D, True, EVEN_D)
+        gdc_wait()
 
     group_rows = tl.arange(0, BLOCK_H)
     row_mask = group_rows < GROUP_SIZE
     heads = kv_head * GROUP_SIZE + group_rows
-    dims = tl.arange(0, BLOCK_D)
     dim_mask = dims < HEAD_DIM
     io_mask = row_mask[:, None] & dim_mask[None, :]
     query = tl.load(query_ptr + seq * query_token_stride + heads[:, None] * query_head_stride
                     + dims[None, :], mask=io_mask, other=0.0)
     query = _dot_query(query, k_cache_ptr)
-    block_table_row_ptr = block_tables_ptr + seq.to(tl.int64) * block_table_stride
 
     running_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
     running_sum = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    # whole tiles unmasked, then the partial last tile (if any) masked at the end
-    full_end = start + (end - start) // BLOCK_N * BLOCK_N
-    for tile_start in range(start, full_end, BLOCK_N):
+    first_tile = start
+    if USE_PDL:
+        if early_end > start:
+            running_max, running_sum, acc = _attend_loaded(
+                query, early_key, early_value, positions, early_mask, 0, qk_scale,
+                running_max, running_sum, acc, MASK_NONE)
+        first_tile = early_end
+    for tile_start in range(first_tile, full_end, BLOCK_N):
         running_max, running_sum, acc = _attend_tile(
             query, k_cache_ptr, v_cache_ptr, block_table_row_ptr, tile_start, end,
             0, kv_head, dims, qk_scale, running_max, running_sum, acc,
