@@ -23,7 +23,8 @@ Writes $OUT/decode_tiles.json.
 
 also times an earlier version of gpu/kernels/triton_attention.py (a copy of the file,
 e.g. from ``git show REV:gpu/kernels/triton_attention.py``) at its default tile, in
-turn with the current one's default tile, two rounds each, in the same process.
+turn with the current one's default tile, two rounds each, in the same process;
+``--no-sweep`` leaves the other tiles out.
 """
 
 from __future__ import annotations
@@ -105,6 +106,8 @@ def load_baseline(path: str):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--baseline", help="an earlier gpu/kernels/triton_attention.py")
+    parser.add_argument("--no-sweep", action="store_true",
+                        help="the default tile only (each other tile is a compile)")
     args = parser.parse_args()
     baseline = load_baseline(args.baseline) if args.baseline else None
     torch.manual_seed(0)
@@ -133,7 +136,7 @@ def main() -> None:
                 for round_ in (1, 2):
                     record(f"{case} {name} default baseline round {round_}", old, bytes_read)
                     record(f"{case} {name} default current round {round_}", attend, bytes_read)
-            for tile in tiles:
+            for tile in [] if args.no_sweep else tiles:
                 record(f"{case} {name} {tile}",
                        functools.partial(attend, decode=triton_attention.DecodeConfig(*tile)),
                        bytes_read)
