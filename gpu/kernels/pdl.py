@@ -4,7 +4,9 @@ On Hopper and later a kernel launched with PDL may start while the kernel before
 it on the stream is still running; it must wait (``gdc_wait``) before it reads
 that kernel's output or writes anything, and until then may only read what no
 earlier kernel writes. The GEMVs use it to fetch their first weight tile while
-the kernel before them finishes (the weights are constant). The other kernels of
+the kernel before them finishes (the weights are constant), and the decode attention
+its first key and value tile where that tile ends before the step's new position
+(earlier steps wrote it; only the KV write just before writes the new one). The other kernels of
 a decode step's chain (the norms, the q/k norm and KV write, the decode attention
 and its merge, the SwiGLU, the MoE routing and the row-wise MoE kernels; the hybrid
 family's conv, recurrence, gated norm, gated q/k kernel and output gate) start with
