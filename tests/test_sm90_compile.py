@@ -525,6 +525,19 @@ def test_the_check_catches_the_large_varlen_tile_at_head_dim_256(sm90_results):
     assert varlen and all(launch["constexprs"]["BLOCK_N"] == "64" for launch in varlen)
 
 
+@pytest.mark.parametrize("scenario", [name for name in SCENARIO_IDS
+                                      if name.startswith(("attention[", "pdl["))])
+def test_the_decode_attention_keeps_its_values_in_registers(scenario, sm90_results):
+    """No decode or merge launch spills to the stack: at head_dim 256 the decode kernel's
+    128-position tile did (200-408 bytes a thread, the hybrid family's single-stream
+    attention), and so did the merge of 64 splits in two warps (72 bytes)."""
+    spilling = [f"{_describe(launch)} stack={launch['stack']}"
+                for launch in sm90_results[scenario]
+                if launch["kernel"].endswith(("._decode_kernel", "._merge_splits_kernel"))
+                and launch.get("stack", 0) > 0]
+    assert not spilling, "\n".join(spilling)
+
+
 if __name__ == "__main__":
     started = time.monotonic()
     # (run by hand: ``env -u TRITON_INTERPRET python tests/test_sm90_compile.py OUT.json``

@@ -60,6 +60,15 @@ class DecodeConfig:
 
 
 DECODE_CONFIG = DecodeConfig()
+# Heads wider than 128 (the hybrid family's 256) take tiles of half the positions, the
+# same bytes a tile: a 128 x 256 tile spilled registers (182 spill loads and stores in
+# its sm_90 code; none at 64 positions: docs/performance.md).
+DECODE_WIDE_HEAD_CONFIG = DecodeConfig(block_n=64)
+
+
+def decode_config(head_dim: int) -> DecodeConfig:
+    """The decode tile for heads of ``head_dim``."""
+    return DECODE_CONFIG if head_dim <= 128 else DECODE_WIDE_HEAD_CONFIG
 
 
 @dataclass(frozen=True, slots=True)
@@ -507,7 +516,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     A batch with as many tokens as sequences is decode-only (every sequence has
     at least one query token) and takes the decode kernel; ``num_splits``
     overrides its split count (which otherwise depends on the batch size only),
-    ``decode`` its tile (``DECODE_CONFIG`` otherwise). Any other batch, prefill
+    ``decode`` its tile (``decode_config(head_dim)`` otherwise). Any other batch, prefill
     chunks and decode rows together, is one launch of the varlen kernel, whose grid
     depends on the token and sequence counts only; ``varlen`` overrides its tile
     (``varlen_config(num_tokens)`` otherwise). ``k_scale``/``v_scale``: an FP8 cache's.
@@ -524,7 +533,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if num_tokens == num_seqs:
         splits = num_splits or decode_num_splits(num_seqs, k_cache.shape[2], query.device)
         _decode(query, k_cache, v_cache, block_tables, context_lens, (qk_scale, v_scale), out,
-                splits, decode or DECODE_CONFIG)
+                splits, decode or decode_config(head_dim))
     else:
         _varlen(query, k_cache, v_cache, block_tables, context_lens, query_start_loc,
                 (qk_scale, v_scale), out, varlen or varlen_config(num_tokens, query.shape[-1]))
@@ -542,7 +551,7 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device) ->
     """Split the context over more programs only when sequences x KV heads leave SMs idle.
 
     The count depends on the batch size only (so a captured decode graph has one);
-    each split takes whole tiles of ``DECODE_CONFIG.block_n`` positions, so a context
+    each split takes whole tiles of the decode tile's ``block_n`` positions, so a context
     uses ``min(count, cdiv(context, block_n))`` splits (the others return at once): in
     effect a rule on (sequences, context). The result for a sequence is the same bits
     in any batch of the same split count, and within rounding (the merge's float32
@@ -585,11 +594,13 @@ def _decode(query, k_cache, v_cache, block_tables, context_lens, scales, out, nu
         **pdl,
     )
     if num_splits > 1:
+        block_splits = triton.next_power_of_2(num_splits)
         _merge_splits_kernel[(num_seqs, num_heads)](
             out, partial_acc, partial_max, partial_sum, context_lens, v_scale, out.stride(0),
             out.stride(1), NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
-            BLOCK_SPLITS=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
-            BLOCK_N=config.block_n, num_warps=2, **pdl,
+            BLOCK_SPLITS=block_splits, BLOCK_D=block_d, BLOCK_N=config.block_n,
+            # a program holds every split's partial row: 128 floats a thread at most
+            num_warps=max(2, block_splits * block_d // (32 * 128)), **pdl,
         )
 
 
