@@ -41,6 +41,7 @@ from trio_llm.gpu.quantization import (
     CheckpointQuantization,
     Fp8Weight,
     KVScales,
+    check_kv_cache_device,
     checkpoint_fp8_weight,
     is_quantizable,
     kv_cache_dtype,
@@ -89,6 +90,7 @@ def load_model(directory: Path, *, dtype: torch.dtype, device: torch.device,
     config = read_model_config(directory)
     check_online_quantization(quantization, config.quantization, directory)
     cache_dtype = kv_cache_dtype(kv_cache, dtype)
+    check_kv_cache_device(cache_dtype, device)
     with torch.no_grad():
         model = CausalLM(config, dtype=dtype, device=device, max_positions=max_positions,
                          parallel=parallel, kv_cache_dtype=cache_dtype)

@@ -177,6 +177,23 @@ def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     return KV_CACHE_DTYPES[name] or model_dtype
 
 
+# The Triton attention kernels widen an e4m3 cache with the conversion instruction these
+# GPUs have (gpu/kernels/triton_attention.py, _load_e4m3_tile): Ada and Hopper on.
+FP8_KV_MIN_CAPABILITY = (8, 9)
+
+
+def check_kv_cache_device(cache_dtype: torch.dtype, device: torch.device) -> None:
+    """Refuse an e4m3 cache on a GPU older than FP8_KV_MIN_CAPABILITY, by name."""
+    if cache_dtype != E4M3 or device.type != "cuda":
+        return
+    capability = torch.cuda.get_device_capability(device)
+    if capability < FP8_KV_MIN_CAPABILITY:
+        raise ModelLoadError(
+            f"kv_cache_dtype fp8 needs a GPU of compute capability "
+            f"{'.'.join(map(str, FP8_KV_MIN_CAPABILITY))} or later (Ada, Hopper); "
+            f"{device} is {'.'.join(map(str, capability))}: use kv_cache_dtype auto")
+
+
 @dataclass(frozen=True, slots=True)
 class KVScales:
     """One layer's KV cache scales: the cache holds ``key / k_scale``, ``value / v_scale``."""

@@ -234,3 +234,14 @@ def test_a_malformed_checkpoint_scale_is_refused(tmp_path, scale, message):
     with pytest.raises(ModelLoadError, match=r"model.layers.1.self_attn.k_scale \(a KV cache "
                                              r"scale\) " + message):
         load_model(tmp_path, dtype=torch.float32, device=CPU, kv_cache="fp8")
+
+
+def test_an_fp8_cache_on_a_gpu_before_ada_is_refused_by_name(tmp_path, monkeypatch):
+    """The attention kernels widen e4m3 with an instruction of compute capability 8.9:
+    an older GPU gets a load error naming both capabilities, before any allocation."""
+    from trio_llm.gpu.errors import ModelLoadError
+
+    _tiny_llama(tmp_path)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ModelLoadError, match=r"compute capability 8\.9 or later.* is 8\.0"):
+        load_model(tmp_path, dtype=torch.bfloat16, device=torch.device("cuda"), kv_cache="fp8")
