@@ -447,7 +447,18 @@ class Engine:
     def is_healthy(self) -> bool:
         """False until warmed up (``Engine.open``'s ``warm_up``), and once the engine
         is dead or draining."""
-        return self._ready.is_set() and not self._draining and self._actors.error is None
+        return self.health_problem is None
+
+    @property
+    def health_problem(self) -> str | None:
+        """Why the engine is not healthy (what /health's 503 says); None when it is."""
+        if self._actors.error is not None:
+            return "the engine is dead"
+        if self._draining:
+            return "the engine is shutting down"
+        if not self._ready.is_set():
+            return "the engine is warming up (its CUDA graphs and first steps); retry shortly"
+        return None
 
     async def wait_ready(self) -> None:
         """Return once the warm-up has run (at once without one)."""

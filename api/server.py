@@ -486,9 +486,10 @@ class OpenAIServer:
                                   vocab_size=self.engine.tokenizer.vocab_size)
 
     async def health(self) -> Response:
-        if self.engine.is_healthy:
+        problem = self.engine.health_problem
+        if problem is None:
             return Response(b"", status=200)
-        return self._error(503, "the engine is shutting down or dead")
+        return self._error(503, problem)
 
     async def metrics_text(self) -> Response:
         try:

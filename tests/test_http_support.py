@@ -234,6 +234,10 @@ class FakeEngine:
     def is_healthy(self) -> bool:
         return not self._draining
 
+    @property
+    def health_problem(self) -> str | None:
+        return "the engine is shutting down" if self._draining else None
+
     def begin_drain(self) -> None:
         self._draining = True
 

@@ -85,6 +85,7 @@ async def test_health_is_503_until_warmed_up_and_the_first_step_after_is_not_slo
             num_warm_up_steps = len(executor.durations)
             await generate_together(engine, num_requests=4, num_tokens=24)
     assert (cold.status_code, warm.status_code) == (503, 200)
+    assert "warming up" in cold.json()["error"]["message"]
     assert num_warm_up_steps >= len(decode_ladder(CONFIG.max_num_seqs))
     after = executor.durations[num_warm_up_steps:]
     typical = statistics.median(after[1:21])
