@@ -1,24 +1,24 @@
 """Programmatic dependent launch (PDL), on by default on Hopper; ``TRIO_LLM_PDL=0`` turns it off.
 
-On Hopper and later a kernel launched with PDL may start while the kernel before
-it on the stream is still running; it must wait (``gdc_wait``) before it reads
-that kernel's output or writes anything, and until then may only read what no
-earlier kernel writes. The GEMVs use it to fetch their first weight tile while
-the kernel before them finishes (the weights are constant), and the decode attention
-its first key and value tile where that tile ends before the step's new position
-(earlier steps wrote it; only the KV write just before writes the new one). The other kernels of
-a decode step's chain (the norms, the q/k norm and KV write, the decode attention
-and its merge, the SwiGLU, the MoE routing and the row-wise MoE kernels; the hybrid
-family's conv, recurrence, gated norm, gated q/k kernel and output gate) start with
-``pdl_start``: they let the next kernel launch, then wait, so each launch overlaps
-the kernel before it. The next kernel launches only once every program of this one
-has signalled (``gdc_launch_dependents``, first thing) or exited, so its waiting
-programs never take the place of one of this kernel's. A kernel launched without
-PDL waits for its predecessor as usual, so the two kinds mix freely. On by default
-since the H100 measured it (docs/performance.md, "the eighth session"): single-stream
-decode 7.5% faster for qwen3.5-35b-a3b, 3.7% for qwen3-30b-a3b, 1.2% for FP8 qwen3-8b,
-1.0% slower for bf16 qwen3-8b (benchmarks/device_run.sh ``decode-nopdl-*`` beside
-``decode-*``). Triton's interpreter has no PDL, so it is always off there.
+On Hopper and later a kernel launched with PDL may start while the kernel before it on
+the stream is still running; it must wait (``gdc_wait``) before it reads that kernel's
+output or writes anything, and until then may only read what no earlier kernel writes.
+The GEMVs use it to fetch their first weight tile while the kernel before them finishes
+(the weights are constant), and the decode attention its first key and value tile where
+that tile ends before the step's new position (earlier steps wrote it; only the KV write
+just before writes the new one). The other kernels of a decode step's chain (the norms,
+the q/k norm and KV write, the decode attention and its merge, the SwiGLU, the MoE
+routing and the row-wise MoE kernels; the hybrid family's conv, recurrence, gated norm,
+gated q/k kernel and output gate) start with ``pdl_start``: they let the next kernel
+launch, then wait, so each launch overlaps the kernel before it. The next kernel
+launches only once every program of this one has signalled (``gdc_launch_dependents``,
+first thing) or exited, so its waiting programs never take the place of one of this
+kernel's. A kernel launched without PDL waits for its predecessor as usual, so the two
+kinds mix freely. On by default since the H100 measured it (docs/performance.md, "the
+eighth session"): single-stream decode 7.5% faster for qwen3.5-35b-a3b, 3.7% for
+qwen3-30b-a3b, 1.2% for FP8 qwen3-8b, 1.0% slower for bf16 qwen3-8b
+(benchmarks/device_run.sh ``decode-nopdl-*`` beside ``decode-*``). Triton's interpreter
+has no PDL, so it is always off there.
 """
 
 from __future__ import annotations

@@ -61,8 +61,8 @@ class DecodeConfig:
 
 DECODE_CONFIG = DecodeConfig()
 # Heads wider than 128 (the hybrid family's 256) take tiles of half the positions, the
-# same bytes a tile: a 128 x 256 tile spilled registers (182 spill loads and stores in
-# its sm_90 code; none at 64 positions: docs/performance.md).
+# same bytes a tile: a 128 x 256 tile spilled registers (200-408 bytes a thread to the
+# stack in its sm_90 code; none at 64 positions: docs/performance.md).
 DECODE_WIDE_HEAD_CONFIG = DecodeConfig(block_n=64)
 
 
