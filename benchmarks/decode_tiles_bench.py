@@ -74,21 +74,28 @@ def median_us(launch: Callable[[], object], repeats: int = 20, per_graph: int = 
         return 1000 * statistics.median(event_times_ms(graph.replay, repeats)) / per_graph
 
 
-def paged_inputs(context_lens: list[int], num_heads: int, num_kv_heads: int):
-    """(query, keys, values, block tables, context lens, query_start_loc), the blocks of
-    each sequence scattered over the cache."""
-    num_seqs = len(context_lens)
+def scattered_block_tables(context_lens: list[int]) -> tuple[torch.Tensor, int]:
+    """(block tables on the device, blocks in all): each sequence's blocks scattered over
+    the cache, as a long-running server's are."""
     blocks = [-(-length // BLOCK_SIZE) for length in context_lens]
     order = torch.randperm(sum(blocks), generator=torch.Generator().manual_seed(0))
-    block_tables = torch.zeros(num_seqs, max(blocks), dtype=torch.int32)
+    block_tables = torch.zeros(len(context_lens), max(blocks), dtype=torch.int32)
     taken = 0
     for seq, count in enumerate(blocks):
         block_tables[seq, :count] = order[taken:taken + count]
         taken += count
+    return block_tables.cuda(), sum(blocks)
+
+
+def paged_inputs(context_lens: list[int], num_heads: int, num_kv_heads: int):
+    """(query, keys, values, block tables, context lens, query_start_loc), the blocks of
+    each sequence scattered over the cache."""
+    num_seqs = len(context_lens)
+    block_tables, num_blocks = scattered_block_tables(context_lens)
     query = torch.randn(num_seqs, num_heads, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-    keys = torch.randn(sum(blocks), BLOCK_SIZE, num_kv_heads, HEAD_DIM, device="cuda",
+    keys = torch.randn(num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM, device="cuda",
                        dtype=torch.bfloat16)
-    return (query, keys, torch.randn_like(keys), block_tables.cuda(),
+    return (query, keys, torch.randn_like(keys), block_tables,
             torch.tensor(context_lens, dtype=torch.int32, device="cuda"),
             torch.arange(num_seqs + 1, dtype=torch.int32, device="cuda"))
 

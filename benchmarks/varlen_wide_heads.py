@@ -23,12 +23,16 @@ import random
 from pathlib import Path
 
 import torch
-from decode_tiles_bench import median_us  # benchmarks/, the script's folder
+from decode_tiles_bench import (  # benchmarks/, the script's folder
+    BLOCK_SIZE,
+    median_us,
+    scattered_block_tables,
+)
 
 from trio_llm.gpu.kernels import triton_attention
 from trio_llm.gpu.quantization import E4M3
 
-HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, BLOCK_SIZE = 256, 24, 4, 16
+HEAD_DIM, NUM_HEADS, NUM_KV_HEADS = 256, 24, 4
 TILES = [(64, 64, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2), (64, 64, 8, 2), (32, 32, 4, 2)]
 _rng = random.Random(0)
 # name: [(context length, query length)] per sequence
@@ -43,20 +47,14 @@ STEPS = {
 def step_inputs(sequences: list[tuple[int, int]]):
     """(query, keys, values, block tables, context lens, query_start_loc), each
     sequence's blocks scattered over the cache."""
-    blocks = [-(-context // BLOCK_SIZE) for context, _ in sequences]
-    order = torch.randperm(sum(blocks), generator=torch.Generator().manual_seed(0))
-    block_tables = torch.zeros(len(sequences), max(blocks), dtype=torch.int32)
-    taken = 0
-    for index, count in enumerate(blocks):
-        block_tables[index, :count] = order[taken:taken + count]
-        taken += count
+    block_tables, num_blocks = scattered_block_tables([context for context, _ in sequences])
     query_lens = [query for _, query in sequences]
     starts = torch.tensor([0, *query_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
     query = torch.randn(sum(query_lens), NUM_HEADS, HEAD_DIM, device="cuda",
                         dtype=torch.bfloat16)
-    keys = torch.randn(sum(blocks), BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, device="cuda",
+    keys = torch.randn(num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, device="cuda",
                        dtype=torch.bfloat16)
-    return (query, keys, torch.randn_like(keys), block_tables.cuda(),
+    return (query, keys, torch.randn_like(keys), block_tables,
             torch.tensor([context for context, _ in sequences], dtype=torch.int32,
                          device="cuda"), starts.cuda())
 

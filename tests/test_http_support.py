@@ -232,7 +232,7 @@ class FakeEngine:
 
     @property
     def is_healthy(self) -> bool:
-        return not self._draining
+        return self.health_problem is None
 
     @property
     def health_problem(self) -> str | None:
