@@ -160,15 +160,21 @@ def _load_kv_tile(cache_ptr, slots, position_mask, kv_head, NUM_KV_HEADS: tl.con
                                HEAD_DIM, BLOCK_D, MASKED, EVEN_D)
     else:
         dims = tl.arange(0, BLOCK_D)
-        ptrs = (cache_ptr + slots[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
-                + dims[None, :])
-        if MASKED:
-            tile = tl.load(ptrs, mask=position_mask[:, None] & (dims < HEAD_DIM)[None, :],
-                           other=0.0)
-        elif EVEN_D:
-            tile = tl.load(ptrs)
-        else:
-            tile = tl.load(ptrs, mask=(dims < HEAD_DIM)[None, :], other=0.0)
+        tile = _load_rows(cache_ptr + slots[:, None] * (NUM_KV_HEADS * HEAD_DIM)
+                          + kv_head * HEAD_DIM + dims[None, :], position_mask, dims < HEAD_DIM,
+                          MASKED, EVEN_D)
+    return tile
+
+
+@triton.jit
+def _load_rows(ptrs, position_mask, column_mask, MASKED: tl.constexpr, EVEN_D: tl.constexpr):
+    """A tile at ``ptrs``, zeros at masked positions (``MASKED``) and columns."""
+    if MASKED:
+        tile = tl.load(ptrs, mask=position_mask[:, None] & column_mask[None, :], other=0)
+    elif EVEN_D:
+        tile = tl.load(ptrs)
+    else:
+        tile = tl.load(ptrs, mask=column_mask[None, :], other=0)
     return tile
 
 
@@ -186,16 +192,10 @@ def _load_e4m3_tile(cache_ptr, slots, position_mask, kv_head, NUM_KV_HEADS: tl.c
     data, as a bf16 cache's do: vector loads, one conversion a pair
     (benchmarks/sass_count.py counts the instructions)."""
     words = tl.arange(0, BLOCK_D // 2)
-    ptrs = (cache_ptr.to(tl.pointer_type(tl.uint16), bitcast=True)
-            + slots[:, None] * (NUM_KV_HEADS * HEAD_DIM // 2) + kv_head * (HEAD_DIM // 2)
-            + words[None, :])
-    if MASKED:
-        pairs = tl.load(ptrs, mask=position_mask[:, None] & (words < HEAD_DIM // 2)[None, :],
-                        other=0)
-    elif EVEN_D:
-        pairs = tl.load(ptrs)
-    else:
-        pairs = tl.load(ptrs, mask=(words < HEAD_DIM // 2)[None, :], other=0)
+    pairs = _load_rows(cache_ptr.to(tl.pointer_type(tl.uint16), bitcast=True)
+                       + slots[:, None] * (NUM_KV_HEADS * HEAD_DIM // 2)
+                       + kv_head * (HEAD_DIM // 2) + words[None, :], position_mask,
+                       words < HEAD_DIM // 2, MASKED, EVEN_D)
     if _WIDEN_IN_PTX:
         # the low byte (the lower address, an even dimension) to the low half
         widened = tl.inline_asm_elementwise("cvt.rn.f16x2.e4m3x2 $0, $1;", "=r,h", [pairs],
