@@ -2,7 +2,7 @@
 
     python3 benchmarks/decode_tiles_bench.py
 
-Two cases, each with its own seeded contexts and the split count the engine would use
+The cases, each with its own seeded contexts and the split count the engine would use
 (``decode_num_splits``, by batch size):
 
 - ``batch``: one decode step of qwen3-8b's attention (32 query heads, 8 KV heads of
@@ -11,7 +11,10 @@ Two cases, each with its own seeded contexts and the split count the engine woul
 - ``single-N``: one sequence of N cached tokens with qwen3-30b-a3b's heads (32 query
   heads, 4 KV heads), the single-stream decode's shape, where few programs run and a
   tile's latency, not the bandwidth, may set the time; the default tile is also timed
-  at 1, 4 and 16 splits (one split needs no merge launch).
+  at 1, 4 and 16 splits (one split needs no merge launch);
+- ``single-384-wide``: the same at qwen3.5-27b's full attention (24 query heads, 4 KV
+  heads of 256), whose decode graph took 1.1 ms longer at 384 tokens than at start-up
+  (16 layers: about 68 us a layer if the attention were the cause).
 
 The blocks are scattered over the cache. Each (block_n, num_warps, num_stages) is timed
 by CUDA events around a graph of ten launches (median of 20 replays) and reported with
@@ -46,16 +49,17 @@ from cuda_timing import event_times_ms  # benchmarks/, the script's folder
 from trio_llm.gpu.kernels import triton_attention
 from trio_llm.gpu.quantization import E4M3
 
-HEAD_DIM, BLOCK_SIZE = 128, 16
-# name: (context lengths, query heads, KV heads, tiles)
+BLOCK_SIZE = 16
+# name: (context lengths, query heads, KV heads, head_dim, tiles)
 BATCH_TILES = [(128, 4, 3), (256, 4, 3), (256, 8, 3), (128, 8, 3), (64, 4, 3), (128, 4, 4),
                (256, 4, 2), (512, 8, 2)]
 SINGLE_TILES = [(128, 4, 3), (64, 4, 3), (32, 4, 3), (32, 2, 2), (16, 2, 2), (64, 2, 3)]
 _rng = random.Random(0)
 CASES = {
-    "batch": ([_rng.randint(100, 2048) for _ in range(256)], 32, 8, BATCH_TILES),
-    "single-384": ([384], 32, 4, SINGLE_TILES),
-    "single-4096": ([4096], 32, 4, SINGLE_TILES),
+    "batch": ([_rng.randint(100, 2048) for _ in range(256)], 32, 8, 128, BATCH_TILES),
+    "single-384": ([384], 32, 4, 128, SINGLE_TILES),
+    "single-4096": ([4096], 32, 4, 128, SINGLE_TILES),
+    "single-384-wide": ([384], 24, 4, 256, [(64, 4, 3), (32, 4, 3), (16, 4, 3)]),
 }
 
 
@@ -87,13 +91,14 @@ def scattered_block_tables(context_lens: list[int]) -> tuple[torch.Tensor, int]:
     return block_tables.cuda(), sum(blocks)
 
 
-def paged_inputs(context_lens: list[int], num_heads: int, num_kv_heads: int):
+def paged_inputs(context_lens: list[int], num_heads: int, num_kv_heads: int,
+                 head_dim: int = 128):
     """(query, keys, values, block tables, context lens, query_start_loc), the blocks of
     each sequence scattered over the cache."""
     num_seqs = len(context_lens)
     block_tables, num_blocks = scattered_block_tables(context_lens)
-    query = torch.randn(num_seqs, num_heads, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-    keys = torch.randn(num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM, device="cuda",
+    query = torch.randn(num_seqs, num_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    keys = torch.randn(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, device="cuda",
                        dtype=torch.bfloat16)
     return (query, keys, torch.randn_like(keys), block_tables,
             torch.tensor(context_lens, dtype=torch.int32, device="cuda"),
@@ -128,15 +133,15 @@ def main() -> None:
             results[key] = repr(error)[:120]
         print(key, results[key], flush=True)
 
-    for case, (context_lens, num_heads, num_kv_heads, tiles) in CASES.items():
+    for case, (context_lens, num_heads, num_kv_heads, head_dim, tiles) in CASES.items():
         query, keys, values, block_tables, lens, query_start_loc = paged_inputs(
-            context_lens, num_heads, num_kv_heads)
-        elements = sum(context_lens) * num_kv_heads * HEAD_DIM * 2  # keys and values read
+            context_lens, num_heads, num_kv_heads, head_dim)
+        elements = sum(context_lens) * num_kv_heads * head_dim * 2  # keys and values read
         for name, k_cache, v_cache in (("bf16", keys, values),
                                        ("fp8", keys.to(E4M3), values.to(E4M3))):
             attend = functools.partial(triton_attention.paged_attention, query, k_cache,
                                        v_cache, block_tables, lens, query_start_loc,
-                                       HEAD_DIM**-0.5)
+                                       head_dim**-0.5)
             bytes_read = elements * k_cache.element_size()
             if baseline is not None:
                 old = functools.partial(baseline.paged_attention, *attend.args)

@@ -3,15 +3,16 @@ tiles, over a bf16 and an FP8 cache.
 
     python3 benchmarks/varlen_wide_heads.py
 
-The default tile for heads of 256 (64 query rows x 64 positions, 4 warps) spills
-registers to the stack in its sm_90 code (80-192 bytes a thread; 32 rows x 64
-positions in 4 warps spills nothing over either cache, at half the query tokens a
-program: docs/performance.md). Three steps with qwen3.5-27b's heads (24 query heads,
-4 KV heads of 256): the last 8,192-token chunk of a 32,768-token prompt, 8 fresh
-prompts of 1,024 tokens, and a mixed step of 256 decode rows (contexts 128-320) with
-three 128-token prompts. Each tile is timed by CUDA events around a graph of ten
-launches (median of 20 replays, decode_tiles_bench.py's ``median_us``); the output is
-checked against the default tile's first. Writes $OUT/varlen_wide_heads.json.
+The tile for heads of 256 was chosen by this benchmark: 64 query rows x 64
+positions in 4 warps, the small tile of heads of 128, spilled registers to the stack
+in its sm_90 code (80-192 bytes a thread), and 64 x 32 (varlen_config's tile for wide
+heads now) ran fastest of the five on an H100 (docs/performance.md). Three steps with
+qwen3.5-27b's heads (24 query heads, 4 KV heads of 256): the last 8,192-token chunk of
+a 32,768-token prompt, 8 fresh prompts of 1,024 tokens, and a mixed step of 256 decode
+rows (contexts 128-320) with three 128-token prompts. Each tile is timed by CUDA events
+around a graph of ten launches (median of 20 replays, decode_tiles_bench.py's
+``median_us``); the output is checked against the first tile's (64 x 64). Writes
+$OUT/varlen_wide_heads.json.
 """
 
 from __future__ import annotations

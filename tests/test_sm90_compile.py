@@ -95,7 +95,7 @@ def _h200_properties() -> Iterator[None]:
 
 def _attention(model: str) -> None:
     """Decode (one sequence: the most splits; and a full batch: one split) and varlen
-    (both of varlen_config's tiles), over a bf16 and an FP8 cache."""
+    (varlen_config's tiles at both of its token counts), over a bf16 and an FP8 cache."""
     from trio_llm.gpu.kernels import triton_attention as attention
 
     config = _config(model)
@@ -377,7 +377,7 @@ def _scenarios() -> dict[str, Callable[[], None]]:
 
 
 def _large_varlen_tile_at_head_dim_256() -> None:
-    """A launch the code no longer makes (varlen_config gives heads of 256 the small tile):
+    """A launch the code no longer makes (varlen_config gives heads of 256 a tile of their own):
     the tile that was found past the limit only on the device."""
     from trio_llm.gpu.kernels import triton_attention as attention
 

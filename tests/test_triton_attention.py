@@ -76,6 +76,7 @@ SHAPES = [
     (4, 2, 32, 16),
     (6, 6, 16, 8),
     (8, 1, 64, 32),
+    (6, 2, 256, 16),  # the hybrid family's wide heads: tiles of their own
 ]
 if HAS_CUDA:
     SHAPES += [(16, 8, 128, 16), (32, 8, 128, 16)]
@@ -106,9 +107,10 @@ def test_prefill_and_mixed_match_reference(num_heads, num_kv_heads, head_dim, bl
                          block_size=block_size)
     scale = head_dim**-0.5
     expected = naive_paged_attention(*batch, scale)
-    # several query blocks per sequence, and a block per group; (the KV tile as wide)
-    for block_m in (16, 64):
-        varlen = triton_attention.VarlenConfig(block_m=block_m, block_n=block_m)
+    # several query blocks per sequence, and a block per group (the KV tile as wide); then
+    # the tile the code picks (for heads of 256 narrower than it is tall)
+    for varlen in (triton_attention.VarlenConfig(block_m=16, block_n=16),
+                   triton_attention.VarlenConfig(block_m=64, block_n=64), None):
         out = triton_attention.paged_attention(*batch, scale, varlen=varlen)
         assert relative_error(out, expected) < TOLERANCE
 
@@ -251,3 +253,6 @@ def test_a_graph_and_the_eager_step_it_pads_take_the_same_varlen_tile():
         graph_tokens = next(size for size in VARLEN_GRAPH_TOKENS if size >= num_tokens)
         assert (triton_attention.varlen_config(num_tokens)
                 == triton_attention.varlen_config(graph_tokens))
+    # heads wider than 128 take one tile at every count
+    assert {triton_attention.varlen_config(size, head_dim=256)
+            for size in VARLEN_GRAPH_TOKENS} == {triton_attention.VARLEN_WIDE_HEAD_CONFIG}

@@ -93,13 +93,21 @@ class VarlenConfig:
 VARLEN_SMALL_CONFIG = VarlenConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
 VARLEN_LARGE_CONFIG = VarlenConfig(block_m=128, block_n=128, num_warps=8, num_stages=2)
 VARLEN_SMALL_MAX_TOKENS = 4096
+# Heads wider than 128 (the hybrid family's 256) take one tile at every token count: the
+# large tile's query, key and value need 320 KiB of shared memory there, past the
+# H200's 227, and the small one spilled registers (80-192 bytes a thread). 32 positions
+# a tile spill less (none over a bf16 cache, 40 bytes over an FP8 one at qwen3.5-27b's
+# heads) and ran fastest of five tiles on the H100 over both caches: an 8,192-token
+# chunk at a 32k context 8-19% faster than 64 x 64, 8 prompts of 1,024 and a mixed
+# step 23-30% (benchmarks/varlen_wide_heads.py, docs/performance.md).
+VARLEN_WIDE_HEAD_CONFIG = VarlenConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
 
 
 def varlen_config(num_tokens: int, head_dim: int = 128) -> VarlenConfig:
-    """The varlen tile of a step of ``num_tokens`` tokens. Heads wider than 128 (the
-    hybrid family's 256) always take the small tile: the large one's query, key and
-    value tiles need 320 KiB of shared memory there, past the H200's 227."""
-    if num_tokens <= VARLEN_SMALL_MAX_TOKENS or head_dim > 128:
+    """The varlen tile of a step of ``num_tokens`` tokens and heads of ``head_dim``."""
+    if head_dim > 128:
+        return VARLEN_WIDE_HEAD_CONFIG
+    if num_tokens <= VARLEN_SMALL_MAX_TOKENS:
         return VARLEN_SMALL_CONFIG
     return VARLEN_LARGE_CONFIG
 
