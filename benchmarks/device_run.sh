@@ -159,10 +159,11 @@ for part in "$@"; do
     moe-kernel-fp8) run moe-kernel-fp8 300 python3 benchmarks/moe_kernel_bench.py --graph --fp8 ;;
     graph-profile-*) run "$part" 300 python3 benchmarks/graph_profile.py --model "$(model_of "${part#graph-profile-}")" ;;
     profile-*) run "$part" 200 python3 benchmarks/step_profile.py --model "$(model_of "${part#profile-}")" ;;
-    # the varlen kernel at head_dim 256 across tiles (its default tile spills registers)
+    # the varlen kernel at head_dim 256 across tiles (the sweep that chose its tile)
     varlen-wide) run varlen-wide 200 python3 benchmarks/varlen_wide_heads.py ;;
-    # the decode kernel alone over bf16 and FP8 caches, 256 sequences and single ones, across tiles (and an
-    # earlier kernel file beside the current one: DECODE_BASELINE=path/triton_attention.py)
+    # the decode kernel alone over bf16 and FP8 caches, 256 sequences and single ones, across
+    # tiles (and an earlier kernel file beside the current one:
+    # DECODE_BASELINE=path/triton_attention.py)
     decode-tiles) run decode-tiles 200 python3 benchmarks/decode_tiles_bench.py \
              ${DECODE_BASELINE:+--baseline "$DECODE_BASELINE"} ;;
     # programmatic dependent launch (gpu/kernels/pdl.py, on by default) off: beside decode-*
