@@ -517,12 +517,15 @@ def test_kernels_compile_for_sm90_within_shared_memory(scenario, sm90_results):
 
 def test_the_check_catches_the_large_varlen_tile_at_head_dim_256(sm90_results):
     """The varlen tile that once needed 320 KiB at head_dim 256 (found only on the
-    device) fails here; the code's own launches at 256 take the small tile."""
+    device) fails here; the code's own launches at 256 take the wide heads' tile."""
+    from trio_llm.gpu.kernels.triton_attention import VARLEN_WIDE_HEAD_CONFIG
+
     (launch,) = sm90_results[PAST_BUG]
     assert launch["shared"] > SHARED_MEMORY_LIMIT, _describe(launch)
     varlen = [launch for launch in sm90_results["attention[qwen3.5-27b]"]
               if launch["kernel"].endswith("_varlen_kernel")]
-    assert varlen and all(launch["constexprs"]["BLOCK_N"] == "64" for launch in varlen)
+    assert varlen and all(launch["constexprs"]["BLOCK_N"] == str(VARLEN_WIDE_HEAD_CONFIG.block_n)
+                          for launch in varlen)
 
 
 @pytest.mark.parametrize("scenario", [name for name in SCENARIO_IDS
