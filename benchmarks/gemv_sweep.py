@@ -4,7 +4,9 @@
 
 Each configuration (widest outputs per program, K tile, warps, stages) replaces
 the rule for every single-row linear layer (with ``--quantization fp8``, for every
-e4m3 projection: one byte a weight, so a tile holds half bf16's bytes in flight);
+e4m3 projection: one byte a weight, so a tile holds half bf16's bytes in flight),
+gate/up's SwiGLU launch included (until 2026-12-07 the sweep replaced the layers'
+forward, which that launch bypasses: the earlier sweeps left gate/up on the rule);
 the decode graph is captured again and its replay timed (device time, median).
 Also reports the executor's device time per decode step (CUDA events around each
 step's compute: the graph plus the work outside it). Writes $OUT/gemv_sweep.json
@@ -23,7 +25,6 @@ import gpu_bench  # benchmarks/ is on sys.path when run as a script
 from trio_llm.gpu import cuda_startup
 from trio_llm.gpu.kernels import triton_gemv
 from trio_llm.gpu.layers.fp8_linear import Fp8Linear
-from trio_llm.gpu.layers.linear import Linear
 from trio_llm.gpu.models import cuda_fused
 
 SWEEP = [(4, 512, 1, 1), (4, 256, 1, 1), (2, 512, 1, 1), (8, 512, 1, 1), (8, 256, 1, 1),
@@ -47,22 +48,16 @@ def config_with(weight, widest: int, block_k: int, num_warps: int, num_stages: i
                                   num_warps, num_stages)
 
 
-def forward_with(*combo: int):
-    def forward(self, x):
-        if x.dim() != 2 or x.shape[0] > triton_gemv.GEMV_ROWS:
-            return Linear.forward(self, x)
-        return triton_gemv.gemv(x, self.weight, self.bias,
+def gemv_rows_with(*combo: int):
+    """A layer's GEMV rows under the swept configuration: every single-row projection,
+    gate/up's SwiGLU launch included (GemvLinear and Fp8Linear both multiply through
+    ``gemv_rows``)."""
+    def gemv_rows(self, rows, *, swiglu: bool = False):
+        return triton_gemv.gemv(rows, self.weight, self.bias,
+                                weight_scale=getattr(self, "weight_scale", None),
+                                block_size=getattr(self, "block_size", None), swiglu=swiglu,
                                 config=config_with(self.weight, *combo))
-    return forward
-
-
-def fp8_weight_only_with(*combo: int):
-    """Fp8Linear's GEMV rows (at most GEMV_ROWS) under the swept configuration."""
-    def weight_only(self, rows):
-        return triton_gemv.gemv(rows, self.weight, self.bias, weight_scale=self.weight_scale,
-                                block_size=self.block_size,
-                                config=config_with(self.weight, *combo))
-    return weight_only
+    return gemv_rows
 
 
 def main() -> None:
@@ -85,10 +80,8 @@ def main() -> None:
     print(results, flush=True)
     for combo in FP8_SWEEP if args.quantization else SWEEP:
         try:
-            patched, name = ((Fp8Linear, "_weight_only") if args.quantization
-                             else (cuda_fused.GemvLinear, "forward"))
-            replacement = (fp8_weight_only_with if args.quantization else forward_with)(*combo)
-            setattr(patched, name, replacement)
+            patched = Fp8Linear if args.quantization else cuda_fused.GemvLinear
+            patched.gemv_rows = gemv_rows_with(*combo)  # type: ignore[method-assign]
             executor.graphs.clear()
             cuda_startup.capture_graphs(executor)
             replay: object = gpu_bench.graph_replay_ms(executor, 1)
