@@ -5,8 +5,8 @@
 Each configuration (widest outputs per program, K tile, warps, stages) replaces
 the rule for every single-row linear layer (with ``--quantization fp8``, for every
 e4m3 projection: one byte a weight, so a tile holds half bf16's bytes in flight),
-gate/up's SwiGLU launch included (until 2026-12-07 the sweep replaced the layers'
-forward, which that launch bypasses: the earlier sweeps left gate/up on the rule);
+gate/up's SwiGLU launch included (the sweep used to replace the layers' forward,
+which that launch bypasses: the FP8 sweep of 2026-12-07 left gate/up on the rule);
 the decode graph is captured again and its replay timed (device time, median).
 Also reports the executor's device time per decode step (CUDA events around each
 step's compute: the graph plus the work outside it). Writes $OUT/gemv_sweep.json
