@@ -53,7 +53,7 @@ BLOCK_SIZE = 16
 # name: (context lengths, query heads, KV heads, head_dim, tiles)
 # One stage (the last five): no asynchronous copy into shared memory, so an e4m3 tile
 # goes from its global load to the conversion in registers, one shared-memory read
-# fewer. 14-22% slower than three stages over FP8 on an H100 (docs/performance.md).
+# fewer. 14-47% slower than three stages over FP8 on an H100 (docs/performance.md).
 BATCH_TILES = [(128, 4, 3), (256, 4, 3), (256, 8, 3), (128, 8, 3), (64, 4, 3), (128, 4, 4),
                (256, 4, 2), (512, 8, 2), (128, 4, 1), (64, 4, 1), (128, 8, 1), (256, 8, 1),
                (32, 4, 1)]
