@@ -95,8 +95,7 @@ def scattered_block_tables(context_lens: list[int]) -> tuple[torch.Tensor, int]:
     return block_tables.cuda(), sum(blocks)
 
 
-def paged_inputs(context_lens: list[int], num_heads: int, num_kv_heads: int,
-                 head_dim: int = 128):
+def paged_inputs(context_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int):
     """(query, keys, values, block tables, context lens, query_start_loc), the blocks of
     each sequence scattered over the cache."""
     num_seqs = len(context_lens)
