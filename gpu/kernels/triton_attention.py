@@ -18,7 +18,7 @@ the token and sequence counts only, never on values, so any step can be
 captured in a CUDA graph, and nothing here synchronizes with the host.
 
 An FP8 cache (e4m3) holds ``key / k_scale`` and ``value / v_scale``: tiles are
-widened to float16 as they are loaded (``_load_e4m3_tile``), ``k_scale`` is folded
+widened to float16 as they are loaded (``_load_e4m3_halves``), ``k_scale`` is folded
 into the softmax scale and ``v_scale`` multiplies each output row (the weighted sum
 is linear in the values); a cache in the query's dtype has both scales at 1.0.
 
@@ -187,19 +187,20 @@ def _load_rows(ptrs, position_mask, column_mask, MASKED: tl.constexpr, EVEN_D: t
 
 
 @triton.jit
-def _load_e4m3_tile(cache_ptr, slots, position_mask, kv_head, NUM_KV_HEADS: tl.constexpr,
-                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
-                    EVEN_D: tl.constexpr):
-    """An e4m3 tile as float16, read as 16-bit words of two values each.
+def _load_e4m3_halves(cache_ptr, slots, position_mask, kv_head, NUM_KV_HEADS: tl.constexpr,
+                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
+                      EVEN_D: tl.constexpr):
+    """An e4m3 tile as two float16 tiles, its even and its odd head dimensions, read as
+    16-bit words of two values each and widened a pair at a time.
 
     Loaded as bytes, the tile became the dots' operands before it was widened: the
     value tile's bytes were read from shared memory one at a time (an 8-bit operand
-    has no transposing matrix load) and the key's through byte shuffles. Words widened
-    to float16 pairs, then joined into the tile, reach the dots as 16-bit data, as a
-    bf16 cache's do: vector loads, one conversion a pair, 20% fewer instructions
-    (benchmarks/sass_count.py). Not faster, measured: the decode kernel still reads an
-    FP8 cache at about 2.0 TB/s against bf16's 2.9, within 1% of the byte loads
-    (H100, docs/performance.md, "the thirteenth session")."""
+    has no transposing matrix load) and the key's through byte shuffles. Widened words
+    reach the dots as 16-bit data, as a bf16 cache's do. Joined back into one tile
+    (_load_e4m3_tile) they cost a register move a value; the decode kernel, the one
+    that reads the whole cache each step, takes the halves as they come
+    (_decode_halves): 13% faster at 256 sequences than the joined tile, which read an
+    FP8 cache no faster than the byte loads (H100, docs/performance.md)."""
     words = tl.arange(0, BLOCK_D // 2)
     pairs = _load_rows(cache_ptr.to(tl.pointer_type(tl.uint16), bitcast=True)
                        + slots[:, None] * (NUM_KV_HEADS * HEAD_DIM // 2)
@@ -214,6 +215,17 @@ def _load_e4m3_tile(cache_ptr, slots, position_mask, kv_head, NUM_KV_HEADS: tl.c
     else:
         even = (pairs & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
         odd = (pairs >> 8).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    return even, odd
+
+
+@triton.jit
+def _load_e4m3_tile(cache_ptr, slots, position_mask, kv_head, NUM_KV_HEADS: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
+                    EVEN_D: tl.constexpr):
+    """An e4m3 tile as one float16 tile: its halves joined (the varlen kernel's; the
+    decode kernel keeps them apart, _decode_halves)."""
+    even, odd = _load_e4m3_halves(cache_ptr, slots, position_mask, kv_head, NUM_KV_HEADS,
+                                  HEAD_DIM, BLOCK_D, MASKED, EVEN_D)
     return tl.reshape(tl.join(even, odd), [slots.shape[0], BLOCK_D])
 
 
@@ -286,31 +298,14 @@ def _attend_loaded(query, key, value, positions, position_mask, query_positions,
 
 
 @triton.jit
-def _decode_kernel(
-    query_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-    out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, qk_scale, v_scale,
-    query_token_stride, query_head_stride, out_token_stride, out_head_stride,
-    block_table_stride,
-    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_D: tl.constexpr, USE_PDL: tl.constexpr,
-):
-    if USE_PDL:
-        gdc_launch_dependents()  # gpu/kernels/pdl.py; the wait comes below
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    context_len = tl.load(context_lens_ptr + seq)  # a step input: no kernel of the chain writes it
-    tokens_per_split = _tokens_per_split(context_len, NUM_SPLITS, BLOCK_N)
-    start = split * tokens_per_split
-    end = tl.minimum(start + tokens_per_split, context_len)
-    if NUM_SPLITS > 1:
-        if start >= end:
-            return  # an empty split: the merge leaves it out
-    block_table_row_ptr = block_tables_ptr + seq.to(tl.int64) * block_table_stride
-    # whole tiles unmasked, then the partial last tile (if any) masked at the end
-    full_end = start + (end - start) // BLOCK_N * BLOCK_N
+def _decode_tiles(query_ptr, k_cache_ptr, v_cache_ptr, block_table_row_ptr, seq, kv_head,
+                  start, end, full_end, context_len, qk_scale, query_token_stride,
+                  query_head_stride, NUM_KV_HEADS: tl.constexpr, GROUP_SIZE: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+                  USE_PDL: tl.constexpr):
+    """The decode kernel's loop: whole tiles unmasked, then the partial last tile (if
+    any) masked at the end."""
     dims = tl.arange(0, BLOCK_D)
     if USE_PDL:
         # Launched while the kernels before run: of this step's keys and values only the
@@ -328,11 +323,8 @@ def _decode_kernel(
                                     HEAD_DIM, BLOCK_D, True, EVEN_D)
         gdc_wait()
 
-    group_rows = tl.arange(0, BLOCK_H)
-    row_mask = group_rows < GROUP_SIZE
-    heads = kv_head * GROUP_SIZE + group_rows
-    dim_mask = dims < HEAD_DIM
-    io_mask = row_mask[:, None] & dim_mask[None, :]
+    heads = kv_head * GROUP_SIZE + tl.arange(0, BLOCK_H)
+    io_mask = (tl.arange(0, BLOCK_H) < GROUP_SIZE)[:, None] & (dims < HEAD_DIM)[None, :]
     query = tl.load(query_ptr + seq * query_token_stride + heads[:, None] * query_head_stride
                     + dims[None, :], mask=io_mask, other=0.0)
     query = _dot_query(query, k_cache_ptr)
@@ -357,18 +349,179 @@ def _decode_kernel(
             query, k_cache_ptr, v_cache_ptr, block_table_row_ptr, full_end, end,
             0, kv_head, dims, qk_scale, running_max, running_sum, acc,
             NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, MASK_END, EVEN_D)
+    return running_max, running_sum, acc
 
+
+@triton.jit
+def _attend_halves(q_even, q_odd, k_cache_ptr, v_cache_ptr, block_table_row_ptr, tile_start,
+                   end, kv_head, qk_scale, running_max, running_sum, acc_even, acc_odd,
+                   NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                   MASKED: tl.constexpr, EVEN_D: tl.constexpr):
+    """_attend_tile over an e4m3 cache in even and odd head dimensions (decode)."""
+    positions = tile_start + tl.arange(0, BLOCK_N)
+    position_mask = positions < end
+    slots = _kv_slots(block_table_row_ptr, positions, position_mask, BLOCK_SIZE, MASKED)
+    k_even, k_odd = _load_e4m3_halves(k_cache_ptr, slots, position_mask, kv_head,
+                                      NUM_KV_HEADS, HEAD_DIM, BLOCK_D, MASKED, EVEN_D)
+    v_even, v_odd = _load_e4m3_halves(v_cache_ptr, slots, position_mask, kv_head,
+                                      NUM_KV_HEADS, HEAD_DIM, BLOCK_D, MASKED, EVEN_D)
+    return _attend_loaded_halves(q_even, q_odd, k_even, k_odd, v_even, v_odd, position_mask,
+                                 qk_scale, running_max, running_sum, acc_even, acc_odd,
+                                 MASKED)
+
+
+@triton.jit
+def _attend_loaded_halves(q_even, q_odd, k_even, k_odd, v_even, v_odd, position_mask,
+                          qk_scale, running_max, running_sum, acc_even, acc_odd,
+                          MASKED: tl.constexpr):
+    """_attend_loaded in halves: a score is q_even . k_even + q_odd . k_odd, and each half
+    of the values adds to its own accumulator."""
+    dtype = q_even.dtype  # float16 on a GPU (_dot_query); float32 in the interpreter
+    scores = tl.dot(q_odd, tl.trans(k_odd.to(dtype)),
+                    acc=tl.dot(q_even, tl.trans(k_even.to(dtype))))
+    if MASKED:
+        scores = tl.where(position_mask[None, :], scores, float("-inf"))
+    new_max = tl.maximum(running_max, tl.max(scores, 1) * qk_scale)
+    rescale = tl.exp2(running_max - new_max)
+    probs = tl.exp2(scores * qk_scale - new_max[:, None])
+    running_sum = running_sum * rescale + tl.sum(probs, 1)
+    probs = probs.to(dtype)
+    acc_even = acc_even * rescale[:, None] + tl.dot(probs, v_even.to(dtype))
+    acc_odd = acc_odd * rescale[:, None] + tl.dot(probs, v_odd.to(dtype))
+    return new_max, running_sum, acc_even, acc_odd
+
+
+@triton.jit
+def _decode_halves(query_ptr, k_cache_ptr, v_cache_ptr, block_table_row_ptr, seq, kv_head,
+                   start, end, full_end, context_len, qk_scale, query_token_stride,
+                   query_head_stride, NUM_KV_HEADS: tl.constexpr, GROUP_SIZE: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+                   USE_PDL: tl.constexpr):
+    """The decode kernel's loop over an e4m3 cache, in even and odd head dimensions
+    (_load_e4m3_halves), with its early tile as the kernel's."""
+    if USE_PDL:
+        early_end = tl.where(start + BLOCK_N <= tl.minimum(full_end, context_len - 1),
+                             start + BLOCK_N, start)
+        positions = start + tl.arange(0, BLOCK_N)
+        early_mask = positions < early_end
+        slots = _kv_slots(block_table_row_ptr, positions, early_mask, BLOCK_SIZE, True)
+        early_k_even, early_k_odd = _load_e4m3_halves(
+            k_cache_ptr, slots, early_mask, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_D, True,
+            EVEN_D)
+        early_v_even, early_v_odd = _load_e4m3_halves(
+            v_cache_ptr, slots, early_mask, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_D, True,
+            EVEN_D)
+        gdc_wait()
+
+    halves = tl.arange(0, BLOCK_D // 2)
+    heads = kv_head * GROUP_SIZE + tl.arange(0, BLOCK_H)
+    q_mask = (tl.arange(0, BLOCK_H) < GROUP_SIZE)[:, None] & (halves < HEAD_DIM // 2)[None, :]
+    q_even_ptrs = (query_ptr + seq * query_token_stride + heads[:, None] * query_head_stride
+                   + 2 * halves[None, :])
+    q_even = _dot_query(tl.load(q_even_ptrs, mask=q_mask, other=0.0), k_cache_ptr)
+    q_odd = _dot_query(tl.load(q_even_ptrs + 1, mask=q_mask, other=0.0), k_cache_ptr)
+
+    running_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    running_sum = tl.zeros([BLOCK_H], tl.float32)
+    acc_even = tl.zeros([BLOCK_H, BLOCK_D // 2], tl.float32)
+    acc_odd = tl.zeros([BLOCK_H, BLOCK_D // 2], tl.float32)
+    first_tile = start
+    if USE_PDL:
+        if early_end > start:
+            running_max, running_sum, acc_even, acc_odd = _attend_loaded_halves(
+                q_even, q_odd, early_k_even, early_k_odd, early_v_even, early_v_odd,
+                early_mask, qk_scale, running_max, running_sum, acc_even, acc_odd, False)
+        first_tile = early_end
+    for tile_start in range(first_tile, full_end, BLOCK_N):
+        running_max, running_sum, acc_even, acc_odd = _attend_halves(
+            q_even, q_odd, k_cache_ptr, v_cache_ptr, block_table_row_ptr, tile_start, end,
+            kv_head, qk_scale, running_max, running_sum, acc_even, acc_odd, NUM_KV_HEADS,
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, False, EVEN_D)
+    if full_end < end:
+        running_max, running_sum, acc_even, acc_odd = _attend_halves(
+            q_even, q_odd, k_cache_ptr, v_cache_ptr, block_table_row_ptr, full_end, end,
+            kv_head, qk_scale, running_max, running_sum, acc_even, acc_odd, NUM_KV_HEADS,
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, True, EVEN_D)
+    return running_max, running_sum, acc_even, acc_odd
+
+
+@triton.jit
+def _store_columns(out_ptr, partial_acc_ptr, acc, running_sum, v_scale, seq, heads,
+                   split_index, columns, io_mask, out_token_stride, out_head_stride,
+                   HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """A decode program's accumulated ``columns``: normalized into the output (one split)
+    or as they are into its split's partial accumulator."""
     if NUM_SPLITS == 1:
         out = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None] * v_scale
         tl.store(out_ptr + seq * out_token_stride + heads[:, None] * out_head_stride
-                 + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=io_mask)
+                 + columns[None, :], out.to(out_ptr.dtype.element_ty), mask=io_mask)
     else:
-        # partials: [num_seqs, NUM_HEADS, NUM_SPLITS] and [..., HEAD_DIM]
-        split_index = (seq * NUM_HEADS + heads) * NUM_SPLITS + split
+        tl.store(partial_acc_ptr + split_index[:, None] * HEAD_DIM + columns[None, :], acc,
+                 mask=io_mask)
+
+
+@triton.jit
+def _decode_kernel(
+    query_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+    out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, qk_scale, v_scale,
+    query_token_stride, query_head_stride, out_token_stride, out_head_stride,
+    block_table_stride,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    if USE_PDL:
+        gdc_launch_dependents()  # gpu/kernels/pdl.py; the wait comes below
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    context_len = tl.load(context_lens_ptr + seq)  # a step input: no kernel of the chain writes it
+    tokens_per_split = _tokens_per_split(context_len, NUM_SPLITS, BLOCK_N)
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, context_len)
+    if NUM_SPLITS > 1:
+        if start >= end:
+            return  # an empty split: the merge leaves it out
+    block_table_row_ptr = block_tables_ptr + seq.to(tl.int64) * block_table_stride
+    full_end = start + (end - start) // BLOCK_N * BLOCK_N
+    if k_cache_ptr.dtype.element_ty == tl.float8e4nv:
+        running_max, running_sum, acc_even, acc_odd = _decode_halves(
+            query_ptr, k_cache_ptr, v_cache_ptr, block_table_row_ptr, seq, kv_head, start,
+            end, full_end, context_len, qk_scale, query_token_stride, query_head_stride,
+            NUM_KV_HEADS, GROUP_SIZE, HEAD_DIM, BLOCK_SIZE, BLOCK_H, BLOCK_N, BLOCK_D,
+            EVEN_D, USE_PDL)
+    else:
+        running_max, running_sum, acc = _decode_tiles(
+            query_ptr, k_cache_ptr, v_cache_ptr, block_table_row_ptr, seq, kv_head, start,
+            end, full_end, context_len, qk_scale, query_token_stride, query_head_stride,
+            NUM_KV_HEADS, GROUP_SIZE, HEAD_DIM, BLOCK_SIZE, BLOCK_H, BLOCK_N, BLOCK_D,
+            EVEN_D, USE_PDL)
+
+    row_mask = tl.arange(0, BLOCK_H) < GROUP_SIZE
+    heads = kv_head * GROUP_SIZE + tl.arange(0, BLOCK_H)
+    # partials: [num_seqs, NUM_HEADS, NUM_SPLITS] and [..., HEAD_DIM]
+    split_index = (seq * NUM_HEADS + heads) * NUM_SPLITS + split
+    if NUM_SPLITS > 1:
         tl.store(partial_max_ptr + split_index, running_max, mask=row_mask)
         tl.store(partial_sum_ptr + split_index, running_sum, mask=row_mask)
-        tl.store(partial_acc_ptr + split_index[:, None] * HEAD_DIM + dims[None, :], acc,
-                 mask=io_mask)
+    if k_cache_ptr.dtype.element_ty == tl.float8e4nv:
+        halves = tl.arange(0, BLOCK_D // 2)
+        io_mask = row_mask[:, None] & (halves < HEAD_DIM // 2)[None, :]
+        _store_columns(out_ptr, partial_acc_ptr, acc_even, running_sum, v_scale, seq, heads,
+                       split_index, 2 * halves, io_mask, out_token_stride, out_head_stride,
+                       HEAD_DIM, NUM_SPLITS)
+        _store_columns(out_ptr, partial_acc_ptr, acc_odd, running_sum, v_scale, seq, heads,
+                       split_index, 2 * halves + 1, io_mask, out_token_stride,
+                       out_head_stride, HEAD_DIM, NUM_SPLITS)
+    else:
+        dims = tl.arange(0, BLOCK_D)
+        io_mask = row_mask[:, None] & (dims < HEAD_DIM)[None, :]
+        _store_columns(out_ptr, partial_acc_ptr, acc, running_sum, v_scale, seq, heads,
+                       split_index, dims, io_mask, out_token_stride, out_head_stride,
+                       HEAD_DIM, NUM_SPLITS)
 
 
 @triton.jit
