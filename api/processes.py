@@ -83,17 +83,22 @@ async def run_engine_core(config: EngineConfig, front_streams: list[trio.SocketS
     the fronts at the other end of ``front_streams``; returns once all have gone.
     Raises EngineDead if an actor of the core failed."""
     async with created_executor(config, executor) as executor:
-        # As Engine.open does: what was allocated so far lives as long as the core.
+        # As Engine.open does: what was allocated so far lives as long as the core,
+        # and is collectable again once it stops (the core may be a task of a longer
+        # process: open_served_layout).
         gc.collect()
         gc.freeze()
-        fronts = [open_wire_channel(stream, FrontToCore) for stream in front_streams]
-        async with AsyncExitStack() as streams:
-            for stream in front_streams:
-                await streams.enter_async_context(stream)
-            await run_core_supervisor(
-                config, executor, fronts, model_path=str(executor.model_path),
-                max_model_len=executor.max_model_len, num_kv_blocks=executor.num_kv_blocks,
-                vocab_size=executor.vocab_size, task_status=task_status)
+        try:
+            fronts = [open_wire_channel(stream, FrontToCore) for stream in front_streams]
+            async with AsyncExitStack() as streams:
+                for stream in front_streams:
+                    await streams.enter_async_context(stream)
+                await run_core_supervisor(
+                    config, executor, fronts, model_path=str(executor.model_path),
+                    max_model_len=executor.max_model_len, num_kv_blocks=executor.num_kv_blocks,
+                    vocab_size=executor.vocab_size, task_status=task_status)
+        finally:
+            gc.unfreeze()
 
 
 @asynccontextmanager
