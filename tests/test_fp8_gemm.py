@@ -196,3 +196,20 @@ def test_the_norm_quantized_in_its_kernel_is_the_norm_then_the_quantization(with
     assert torch.equal(activation.scales, scales) and activation.dtype == DTYPE
     assert torch.equal(bits(activation.values), bits(values))
     assert activation.scales[2].item() == 1.0
+
+
+def test_the_swiglu_quantized_in_its_kernel_is_the_swiglu_then_the_quantization():
+    """``silu_and_mul_fp8`` = ``silu_and_mul`` then ``quantize_groups`` per row, bit for
+    bit, at a width below its tile and one that fills it."""
+    from trio_llm.gpu.kernels import triton_layers
+
+    generator = torch.Generator().manual_seed(9)
+    for intermediate in (96, 1024):
+        gate_up = (torch.randn(5, 2 * intermediate, generator=generator) * 3).to(DTYPE)
+        gate_up = gate_up.to(DEVICE)
+        gate_up[3] = 0.0  # a row of zeros: scale 1
+        activation = triton_layers.silu_and_mul_fp8(gate_up)
+        values, scales = fp8_gemm.quantize_groups(triton_layers.silu_and_mul(gate_up))
+        assert torch.equal(activation.scales, scales) and activation.dtype == DTYPE
+        assert torch.equal(bits(activation.values), bits(values))
+        assert activation.scales[3].item() == 1.0

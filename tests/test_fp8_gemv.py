@@ -240,8 +240,9 @@ def test_the_fp8_gemv_replays_in_a_cuda_graph():
 @pytest.mark.gpu
 def test_a_fused_fp8_model_skips_the_norms_quantization_for_decode_rows(monkeypatch):
     """The tiny model with FP8 weights per channel, fused on CUDA: a step of one row
-    never quantizes a norm's output (every FP8 layer takes it through the GEMV), a step
-    of GEMV_ROWS + 1 rows quantizes in the norms for qkv_proj and gate_up_proj."""
+    never quantizes a norm's or the SwiGLU's output (every FP8 layer takes it through
+    the GEMV), a step of GEMV_ROWS + 1 rows quantizes in the norms for qkv_proj and
+    gate_up_proj and in the SwiGLU for down_proj."""
     from trio_llm.gpu.builtin import resolve_model
     from trio_llm.gpu.kernels import triton_layers
     from trio_llm.gpu.layers.attention import AttentionMetadata
@@ -252,12 +253,19 @@ def test_a_fused_fp8_model_skips_the_norms_quantization_for_decode_rows(monkeypa
         resolve_model("tiny"), dtype=torch.bfloat16, device=DEVICE, load_format="dummy",
         quantization="fp8"))
     quantizing_norms: list[int] = []
+    quantizing_swiglus: list[int] = []
 
     def counting_norm(x, residual, weight, eps):
         quantizing_norms.append(x.shape[0])
         return triton_layers.rms_norm_fp8(x, residual, weight, eps)
 
+    def counting_swiglu(gate_up):
+        quantizing_swiglus.append(gate_up.shape[0])
+        return silu_and_mul_fp8(gate_up)
+
+    silu_and_mul_fp8 = triton_layers.silu_and_mul_fp8
     monkeypatch.setattr(cuda_fused.TritonOps, "rms_norm_fp8", staticmethod(counting_norm))
+    monkeypatch.setattr(triton_layers, "silu_and_mul_fp8", counting_swiglu)
     caches = model.allocate_kv_caches(8, 16)
     for num_rows in (1, triton_gemv.GEMV_ROWS + 1):
         metadata = AttentionMetadata(
@@ -270,3 +278,4 @@ def test_a_fused_fp8_model_skips_the_norms_quantization_for_decode_rows(monkeypa
                            torch.arange(num_rows, device=DEVICE), caches, metadata)
         assert torch.isfinite(hidden).all()
     assert quantizing_norms == [triton_gemv.GEMV_ROWS + 1] * (2 * model.config.num_layers)
+    assert quantizing_swiglus == [triton_gemv.GEMV_ROWS + 1] * model.config.num_layers

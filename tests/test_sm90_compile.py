@@ -148,6 +148,7 @@ def _qk_and_norms(model: str) -> None:
     triton_layers.rms_norm_fp8(x, None, weight, 1e-6)
     triton_layers.rms_norm_fp8(x, x, weight, 1e-6)
     triton_layers.silu_and_mul(_empty(tokens, 2 * config["intermediate_size"]))
+    triton_layers.silu_and_mul_fp8(_empty(tokens, 2 * config["intermediate_size"]))
     qkv = _empty(tokens, (heads + 2 * kv_heads) * head_dim)
     for cache_dtype in (BF16, E4M3):
         k_cache = _empty(64, 16, kv_heads, head_dim, dtype=cache_dtype)

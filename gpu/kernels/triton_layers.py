@@ -67,15 +67,30 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
         # the norm's output as the model rounds it, then in e4m3 with the row's scale:
         # fp8_gemm.quantize_groups' arithmetic, without the round trip through memory
         out32 = (weight.to(tl.float32) * normed.to(tl.float32)).to(x.dtype).to(tl.float32)
-        amax = tl.max(tl.where(mask, tl.abs(out32), 0.0), 0)
-        scale = tl.where(amax > 0, tl.math.div_rn(amax, E4M3_LARGEST), 1.0)
-        tl.store(scale_ptr + row, scale)
-        quantized = tl.clamp(tl.math.div_rn(out32, scale), -E4M3_LARGEST, E4M3_LARGEST)
-        tl.store(out_ptr + row * HIDDEN + columns, quantized.to(out_ptr.dtype.element_ty),
-                 mask=mask)
+        _store_e4m3_row(out32, mask, out_ptr + row * HIDDEN + columns, scale_ptr + row)
     else:
         out = (weight.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + row * HIDDEN + columns, out, mask=mask)
+
+
+@triton.jit
+def _store_e4m3_row(row32, mask, out_ptrs, scale_ptr):
+    """A whole row (float32, as the model rounded it) in e4m3 with its scale:
+    fp8_gemm.quantize_groups' arithmetic, without the round trip through memory."""
+    amax = tl.max(tl.where(mask, tl.abs(row32), 0.0), 0)
+    scale = tl.where(amax > 0, tl.math.div_rn(amax, E4M3_LARGEST), 1.0)
+    tl.store(scale_ptr, scale)
+    quantized = tl.clamp(tl.math.div_rn(row32, scale), -E4M3_LARGEST, E4M3_LARGEST)
+    tl.store(out_ptrs, quantized.to(out_ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_and_mul(gate, up):
+    """SwiGLU rounded as the torch model rounds it: silu(gate) in the input's dtype,
+    then the product (float32, to be rounded by the caller)."""
+    gate32 = gate.to(tl.float32)
+    activated = (gate32 * tl.sigmoid(gate32)).to(gate.dtype)
+    return activated.to(tl.float32) * up.to(tl.float32)
 
 
 @triton.jit
@@ -87,10 +102,24 @@ def _silu_and_mul_kernel(gate_up_ptr, out_ptr, row_stride, INTERMEDIATE: tl.cons
     mask = columns < INTERMEDIATE
     gate = tl.load(gate_up_ptr + row * row_stride + columns, mask=mask, other=0.0)
     up = tl.load(gate_up_ptr + row * row_stride + INTERMEDIATE + columns, mask=mask, other=0.0)
-    gate32 = gate.to(tl.float32)
-    activated = (gate32 * tl.sigmoid(gate32)).to(gate.dtype)
-    out = (activated.to(tl.float32) * up.to(tl.float32)).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + row * INTERMEDIATE + columns, out, mask=mask)
+    tl.store(out_ptr + row * INTERMEDIATE + columns,
+             _silu_and_mul(gate, up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_and_mul_fp8_kernel(gate_up_ptr, out_ptr, scale_ptr, row_stride,
+                             INTERMEDIATE: tl.constexpr, BLOCK: tl.constexpr,
+                             USE_PDL: tl.constexpr):
+    """One program a row: the row's SwiGLU, rounded to the input's dtype, in e4m3 with
+    the row's scale."""
+    pdl_start(USE_PDL)  # gpu/kernels/pdl.py
+    row = tl.program_id(0).to(tl.int64)
+    columns = tl.arange(0, BLOCK)
+    mask = columns < INTERMEDIATE
+    gate = tl.load(gate_up_ptr + row * row_stride + columns, mask=mask, other=0.0)
+    up = tl.load(gate_up_ptr + row * row_stride + INTERMEDIATE + columns, mask=mask, other=0.0)
+    out32 = _silu_and_mul(gate, up).to(gate.dtype).to(tl.float32)
+    _store_e4m3_row(out32, mask, out_ptr + row * INTERMEDIATE + columns, scale_ptr + row)
 
 
 @triton.jit
@@ -250,6 +279,25 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
             gate_up, out, gate_up.stride(0), INTERMEDIATE=intermediate, BLOCK=block,
             **pdl)
     return out
+
+
+def silu_and_mul_fp8(gate_up: torch.Tensor) -> Fp8Activation:
+    """``silu_and_mul`` handed on in e4m3 with one scale per row, as an FP8 GEMM
+    quantizes its input (the per-channel Fp8Linear's): one kernel and one round trip
+    through memory fewer than the SwiGLU then ``fp8_gemm.quantize_groups``, the same
+    bits."""
+    num_rows, width = gate_up.shape
+    intermediate = width // 2
+    values = torch.empty((num_rows, intermediate), dtype=E4M3, device=gate_up.device)
+    scales = torch.empty((num_rows, 1), dtype=torch.float32, device=gate_up.device)
+    if num_rows:
+        assert gate_up.stride(1) == 1
+        block = triton.next_power_of_2(intermediate)
+        pdl = pdl_launch(gate_up.device)
+        _silu_and_mul_fp8_kernel[(num_rows,)](
+            gate_up, values, scales, gate_up.stride(0), INTERMEDIATE=intermediate,
+            BLOCK=block, num_warps=min(16, max(4, block // 1024)), **pdl)
+    return Fp8Activation(values, scales, gate_up.dtype)
 
 
 def qk_norm_rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,

@@ -37,10 +37,11 @@ class FusedOps(Protocol):
         with one scale per row (for a per-channel FP8 layer), and the residual stream."""
         ...
 
-    def gate_up_silu(self, hidden: torch.Tensor | Fp8Activation,
-                     gate_up_proj: Linear) -> torch.Tensor:
+    def gate_up_silu(self, hidden: torch.Tensor | Fp8Activation, gate_up_proj: Linear, *,
+                     quantize: bool = False) -> torch.Tensor | Fp8Activation:
         """SwiGLU of a gate/up projection (layers/mlp.py's ``gate_up_silu``): the first
-        half of each output row gates the second half."""
+        half of each output row gates the second half. ``quantize``: in e4m3 with one
+        scale per row (for a per-channel FP8 down projection, as ``rms_norm_fp8``)."""
         ...
 
     def qk_norm_rope_write_kv(self, qkv: torch.Tensor, positions: torch.Tensor,

@@ -43,6 +43,7 @@ from torch import nn
 from trio_llm.gpu.layers.fused_ops import FusedOps
 from trio_llm.gpu.layers.linear import Linear, chunked_linear
 from trio_llm.gpu.layers.mlp import MLP, gate_up_silu, silu_and_mul
+from trio_llm.gpu.quantization import Fp8Activation
 from trio_llm.gpu.tensor_parallel import TensorParallel
 
 if TYPE_CHECKING:
@@ -173,9 +174,10 @@ class SparseMoeBlock(nn.Module):
                                  expert_ids, self.num_rows_per_chunk, self.expert_scales())
         return self.parallel.reduce(self._with_shared_expert(hidden, routed, ops.gate_up_silu))
 
-    def _with_shared_expert(self, hidden: torch.Tensor, routed: torch.Tensor,
-                            gate_up_silu: Callable[[torch.Tensor, Linear], torch.Tensor]
-                            ) -> torch.Tensor:
+    def _with_shared_expert(
+            self, hidden: torch.Tensor, routed: torch.Tensor,
+            gate_up_silu: Callable[[torch.Tensor, Linear], torch.Tensor | Fp8Activation]
+    ) -> torch.Tensor:
         """The routed experts' (partial) output plus the gated shared expert's, if any
         (``gate_up_silu``: the SwiGLU of its gate/up projection, as mlp.py's)."""
         if (self.shared_expert_gate_up is None or self.shared_expert_down is None

@@ -55,9 +55,13 @@ class CpuOps:
         return Fp8Activation(values, scales, normed.dtype), residual
 
     @staticmethod
-    def gate_up_silu(hidden: torch.Tensor | Fp8Activation, gate_up_proj: Linear
-                     ) -> torch.Tensor:
-        return cpu_layers.silu_and_mul(gate_up_proj(hidden))
+    def gate_up_silu(hidden: torch.Tensor | Fp8Activation, gate_up_proj: Linear, *,
+                     quantize: bool = False) -> torch.Tensor | Fp8Activation:
+        activated = cpu_layers.silu_and_mul(gate_up_proj(hidden))
+        if not quantize:
+            return activated
+        values, scales = quantize_row_groups(activated, activated.shape[1])
+        return Fp8Activation(values, scales, activated.dtype)
 
     @staticmethod
     def qk_norm_rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,

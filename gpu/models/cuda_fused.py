@@ -41,14 +41,17 @@ class TritonOps:
     qk_norm_rope_write_kv = staticmethod(triton_layers.qk_norm_rope_write_kv)
 
     @staticmethod
-    def gate_up_silu(hidden: torch.Tensor | Fp8Activation, gate_up_proj: Linear
-                     ) -> torch.Tensor:
+    def gate_up_silu(hidden: torch.Tensor | Fp8Activation, gate_up_proj: Linear, *,
+                     quantize: bool = False) -> torch.Tensor | Fp8Activation:
         """Decode rows that the projection multiplies with ``gemv`` take the SwiGLU in the
         same launch (one kernel fewer a layer, bitwise the same); others the SwiGLU kernel
-        after the projection."""
+        after the projection, which also quantizes (``quantize``: one kernel fewer)."""
         if (isinstance(hidden, torch.Tensor) and isinstance(gate_up_proj, (GemvLinear, Fp8Linear))
                 and gate_up_proj.takes_gemv(hidden)):
+            assert not quantize  # decode rows stay unrounded (Fp8Linear.takes_fp8_rows)
             return gate_up_proj.gemv_rows(hidden, swiglu=True)
+        if quantize:
+            return triton_layers.silu_and_mul_fp8(gate_up_proj(hidden))
         return triton_layers.silu_and_mul(gate_up_proj(hidden))
 
     @staticmethod
