@@ -281,8 +281,8 @@ async def test_the_core_unfreezes_what_it_froze_once_it_stops() -> None:
     # The core freezes the heap it starts with (gc.freeze, as Engine.open does). As
     # a task of a longer process that heap must be collectable again once it stops,
     # and in its own process frozen objects outlive the interpreter's last collection
-    # (extension types then report leaks at exit). A core whose one front has gone
-    # stops at once.
+    # (an extension may then report them as leaked at exit). A core whose one front
+    # has gone stops at once.
     core_end, front_end = trio.socket.socketpair()
     front_end.close()
     gc.collect()
