@@ -298,6 +298,23 @@ def _attend_loaded(query, key, value, positions, position_mask, query_positions,
 
 
 @triton.jit
+def _early_tile(block_table_row_ptr, start, full_end, context_len, BLOCK_SIZE: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """The decode kernel's early tile under PDL: (its end, positions, mask, slots).
+    Launched while the kernels before run, the kernel finds of this step's keys and
+    values only the last position's (context_len - 1) written by them (the KV write
+    before it); earlier steps wrote the rest. So a first tile wholly before it is
+    fetched before waiting, its latency hidden behind theirs; none (end = start) if the
+    split has no such tile."""
+    early_end = tl.where(start + BLOCK_N <= tl.minimum(full_end, context_len - 1),
+                         start + BLOCK_N, start)
+    positions = start + tl.arange(0, BLOCK_N)
+    early_mask = positions < early_end
+    slots = _kv_slots(block_table_row_ptr, positions, early_mask, BLOCK_SIZE, True)
+    return early_end, positions, early_mask, slots
+
+
+@triton.jit
 def _decode_tiles(query_ptr, k_cache_ptr, v_cache_ptr, block_table_row_ptr, seq, kv_head,
                   start, end, full_end, context_len, qk_scale, query_token_stride,
                   query_head_stride, NUM_KV_HEADS: tl.constexpr, GROUP_SIZE: tl.constexpr,
@@ -308,15 +325,8 @@ def _decode_tiles(query_ptr, k_cache_ptr, v_cache_ptr, block_table_row_ptr, seq,
     any) masked at the end."""
     dims = tl.arange(0, BLOCK_D)
     if USE_PDL:
-        # Launched while the kernels before run: of this step's keys and values only the
-        # last position's (context_len - 1) is written by them (the KV write before this
-        # kernel); earlier steps wrote the rest. So a first tile wholly before it is
-        # fetched before waiting, its latency hidden behind theirs.
-        early_end = tl.where(start + BLOCK_N <= tl.minimum(full_end, context_len - 1),
-                             start + BLOCK_N, start)
-        positions = start + tl.arange(0, BLOCK_N)
-        early_mask = positions < early_end
-        slots = _kv_slots(block_table_row_ptr, positions, early_mask, BLOCK_SIZE, True)
+        early_end, positions, early_mask, slots = _early_tile(
+            block_table_row_ptr, start, full_end, context_len, BLOCK_SIZE, BLOCK_N)
         early_key = _load_kv_tile(k_cache_ptr, slots, early_mask, kv_head, NUM_KV_HEADS,
                                   HEAD_DIM, BLOCK_D, True, EVEN_D)
         early_value = _load_kv_tile(v_cache_ptr, slots, early_mask, kv_head, NUM_KV_HEADS,
@@ -402,11 +412,8 @@ def _decode_halves(query_ptr, k_cache_ptr, v_cache_ptr, block_table_row_ptr, seq
     """The decode kernel's loop over an e4m3 cache, in even and odd head dimensions
     (_load_e4m3_halves), with its early tile as the kernel's."""
     if USE_PDL:
-        early_end = tl.where(start + BLOCK_N <= tl.minimum(full_end, context_len - 1),
-                             start + BLOCK_N, start)
-        positions = start + tl.arange(0, BLOCK_N)
-        early_mask = positions < early_end
-        slots = _kv_slots(block_table_row_ptr, positions, early_mask, BLOCK_SIZE, True)
+        early_end, positions, early_mask, slots = _early_tile(
+            block_table_row_ptr, start, full_end, context_len, BLOCK_SIZE, BLOCK_N)
         early_k_even, early_k_odd = _load_e4m3_halves(
             k_cache_ptr, slots, early_mask, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_D, True,
             EVEN_D)
