@@ -16,8 +16,9 @@ kernel first checked against float32 ``x W^T`` of its dequantized weight, then t
 with ``triton.testing.do_bench`` (median; it flushes L2 between runs, so the weights
 come from memory as in a decode step, where the others above may find a small weight
 in L2): the bf16 GEMV and cuBLAS; the FP8 GEMV per channel and per 128 x 128 block
-(the default rule, which is bf16's tile, and ``_wide_k``: K tiles twice as wide, as
-many bytes a tile as bf16's, the rule until 2026-12-06 and slower on an H100); the GEMM paths
+(the default rule, e4m3's own, and ``_bf16_tile``: the bf16 rule's tile, e4m3's rule
+from 2026-12-06 to 2026-12-07, faster alone here but slower in the decode graph:
+benchmarks/gemv_sweep.py); the GEMM paths
 they replace (quantization + ``torch._scaled_mm``; quantization + the block GEMM).
 ``decode_step_us`` sums each kernel over qwen3-8b's 36 layers (qkv, o, gate_up, down):
 the projections' share of one token.
@@ -26,7 +27,6 @@ the projections' share of one token.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -36,7 +36,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton
 from cuda_timing import event_times_ms
 
 from trio_llm.gpu.kernels import fp8_gemm, triton_gemv
@@ -102,17 +101,16 @@ def decode_kernels(weight: torch.Tensor, dtype: torch.dtype
         return lambda x: triton_gemv.gemv(x, fp8.values, weight_scale=fp8.scale,
                                           block_size=fp8.block_size, config=config)
 
-    tile = triton_gemv.gemv_config(num_out, num_in)
-    wide_k = dataclasses.replace(tile, block_k=min(2 * tile.block_k, max(
-        16, triton.next_power_of_2(num_in))))
+    bf16_tile = triton_gemv.gemv_config(num_out, num_in)
     kernels = {
         "bf16_gemv": (lambda x: triton_gemv.gemv(x, plain), plain.float(), 2 * weight.numel()),
         "bf16_cublas": (lambda x: F.linear(x, plain), plain.float(), 2 * weight.numel()),
         "fp8_gemv_channel": (fp8_gemv(rows), rows.dequantize(), weight.numel()),
         "fp8_gemv_blocks": (fp8_gemv(blocks), blocks.dequantize(), weight.numel()),
-        "fp8_gemv_channel_wide_k": (fp8_gemv(rows, wide_k), rows.dequantize(), weight.numel()),
-        "fp8_gemv_blocks_wide_k": (fp8_gemv(blocks, wide_k), blocks.dequantize(),
-                                   weight.numel()),
+        "fp8_gemv_channel_bf16_tile": (fp8_gemv(rows, bf16_tile), rows.dequantize(),
+                                       weight.numel()),
+        "fp8_gemv_blocks_bf16_tile": (fp8_gemv(blocks, bf16_tile), blocks.dequantize(),
+                                      weight.numel()),
         "fp8_block_gemm": (lambda x: fp8_gemm.block_scaled_linear(
             x, blocks.values, blocks.scale, BLOCK, None), blocks.dequantize(), weight.numel()),
     }

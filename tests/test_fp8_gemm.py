@@ -198,11 +198,16 @@ def test_the_norm_quantized_in_its_kernel_is_the_norm_then_the_quantization(with
     assert activation.scales[2].item() == 1.0
 
 
-def test_the_swiglu_quantized_in_its_kernel_is_the_swiglu_then_the_quantization():
+@pytest.mark.parametrize("chunk", [None, 64], ids=["one-pass", "two-passes"])
+def test_the_swiglu_quantized_in_its_kernel_is_the_swiglu_then_the_quantization(
+        chunk, monkeypatch):
     """``silu_and_mul_fp8`` = ``silu_and_mul`` then ``quantize_groups`` per row, bit for
-    bit, at a width below its tile and one that fills it."""
+    bit, at a width below its chunk and one that fills it (or in chunks of 64: two
+    passes, the last chunk partly past the row)."""
     from trio_llm.gpu.kernels import triton_layers
 
+    if chunk is not None:
+        monkeypatch.setattr(triton_layers, "SILU_FP8_BLOCK", chunk)
     generator = torch.Generator().manual_seed(9)
     for intermediate in (96, 1024):
         gate_up = (torch.randn(5, 2 * intermediate, generator=generator) * 3).to(DTYPE)

@@ -146,11 +146,41 @@ def test_the_default_rule_runs_a_block_layout_in_one_tile_of_many_blocks():
     """A K tile wider than the scale blocks (512 columns over 128-column blocks here)."""
     weight = on_device(fp8_weight((128, 128), num_outputs=5, num_inputs=450, seed=12))
     x = random(2, 450, seed=13).to(DTYPE).to(DEVICE)
-    assert triton_gemv.gemv_config(5, 450).block_k == 512
+    assert triton_gemv.gemv_config(5, 450, triton_gemv.E4M3_CANDIDATE).block_k == 512
     out = fp8_gemv(x, weight)
     assert relative_error(out, dequantized_product(x, weight)) < TOLERANCE
     assert torch.equal(fp8_gemv(x[:1], weight), out[:1])
 
+
+
+def test_e4m3_weights_take_their_own_rule_and_bf16_weights_the_default(monkeypatch):
+    candidates: list[str] = []
+    rule = triton_gemv.gemv_config
+
+    def recording_rule(num_outputs, num_inputs, candidate=triton_gemv.DEFAULT_CANDIDATE):
+        candidates.append(candidate)
+        return rule(num_outputs, num_inputs, candidate)
+
+    monkeypatch.setattr(triton_gemv, "gemv_config", recording_rule)
+    weight = on_device(fp8_weight(None, seed=15))
+    x = random(1, NUM_INPUTS, seed=16).to(DTYPE).to(DEVICE)
+    fp8_gemv(x, weight)
+    gemv(x, weight.dequantize().to(DTYPE).to(DEVICE))
+    assert candidates == [triton_gemv.E4M3_CANDIDATE, triton_gemv.DEFAULT_CANDIDATE]
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_the_e4m3_rule_at_many_outputs_matches_the_dequantized_product(layout):
+    """E4M3_CANDIDATE's tile where a layer has MIN_PROGRAMS outputs or more (two outputs
+    a program, a K tile of 2048 over 128-column blocks), run on 8 outputs."""
+    config = triton_gemv.gemv_config(4 * triton_gemv.MIN_PROGRAMS, 2048,
+                                     triton_gemv.E4M3_CANDIDATE)
+    assert (config.block_n, config.block_k, config.num_warps) == (2, 2048, 2)
+    weight = on_device(fp8_weight(LAYOUTS[layout], num_outputs=8, num_inputs=2048, seed=17))
+    x = random(2, 2048, seed=18).to(DTYPE).to(DEVICE)
+    out = fp8_gemv(x, weight, config=config)
+    assert relative_error(out, dequantized_product(x, weight)) < TOLERANCE
+    assert torch.equal(fp8_gemv(x[:1], weight, config=config), out[:1])
 
 # -- the layer ---------------------------------------------------------------------------
 

@@ -26,9 +26,11 @@ bf16's, and multiplies the activations as they are (weight-only: no rounding of 
 to e4m3). Per output channel the scale multiplies each output's float32 sum; per
 128 x 128 block it multiplies the weight tile, each span of the tile by its block's
 scale (a tile and a block are powers of two, so one divides the other), which is
-``Fp8Weight.dequantize``'s product. An e4m3 weight takes the bf16 rule's tile
-(``gemv_config``). benchmarks/fp8_gemm_bench.py ``--decode`` times it beside bf16 and
-the FP8 GEMMs.
+``Fp8Weight.dequantize``'s product. An e4m3 weight takes its own rule
+(``E4M3_CANDIDATE``: two outputs a program, K tiles of 2048, two warps), fastest in a
+captured decode graph (benchmarks/gemv_sweep.py ``--quantization fp8``).
+benchmarks/fp8_gemm_bench.py ``--decode`` times each layer's launch alone beside bf16
+and the FP8 GEMMs.
 """
 
 from __future__ import annotations
@@ -56,6 +58,9 @@ GEMV_ROWS = 2
 # The rule ``gemv`` uses unless told otherwise; see CANDIDATES. Fastest at one row in
 # captured decode graphs on the H200 (benchmarks/gemv_graph_ab.py, docs/performance.md).
 DEFAULT_CANDIDATE = "one_output"
+# e4m3 weights' rule (one byte a weight: a tile of bf16's shape has half the bytes in
+# flight); fastest in qwen3-8b's FP8 decode graph on an H100 (benchmarks/gemv_sweep.py)
+E4M3_CANDIDATE = "e4m3_two_outputs"
 # One-warp programs wanted per launch: about eight per SM of an H200 (132 SMs),
 # so that every SM streams and the last SM to finish is at most one program late.
 MIN_PROGRAMS = 1024
@@ -265,7 +270,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if x.stride(1) != 1:
         x = x.contiguous()
     # (a SwiGLU launch sums as the plain launch of the whole weight does: its rule)
-    config = config or gemv_config(weight.shape[0], num_inputs)
+    config = config or gemv_config(weight.shape[0], num_inputs, candidate=E4M3_CANDIDATE
+                                   if weight.dtype == E4M3 else DEFAULT_CANDIDATE)
     pdl = pdl_launch(x.device)
     _gemv_kernel[(triton.cdiv(num_outputs, config.block_n),)](
         x, weight, weight if weight_scale is None else weight_scale,
@@ -300,11 +306,8 @@ def _scale_layout(weight: torch.Tensor, weight_scale: torch.Tensor | None,
 def gemv_config(num_outputs: int, num_inputs: int,
                 candidate: str = DEFAULT_CANDIDATE) -> GemvConfig:
     """The launch for an [N = num_outputs, K = num_inputs] weight under one of
-    ``CANDIDATES``; it never depends on the number of rows (batch invariance), nor on
-    the weight's dtype: an e4m3 weight takes bf16's tile, half its bytes. K tiles twice
-    as wide (as many bytes in flight) were slower at qwen3-8b's shapes on an H100: the
-    four projections' GEMVs of 36 layers at one row summed to 7,604 us against 5,124
-    (benchmarks/fp8_gemm_bench.py --decode, docs/performance.md)."""
+    ``CANDIDATES``; it never depends on the number of rows (batch invariance). ``gemv``
+    takes DEFAULT_CANDIDATE's rule for bf16 weights and E4M3_CANDIDATE's for e4m3."""
     return CANDIDATES[candidate](num_outputs, num_inputs)
 
 
@@ -361,5 +364,17 @@ def _one_output(num_outputs: int, num_inputs: int) -> GemvConfig:
     return GemvConfig(1, _block_k(num_inputs, 1024), num_warps=1, num_stages=1)
 
 
+def _e4m3_two_outputs(num_outputs: int, num_inputs: int) -> GemvConfig:
+    """e4m3 weights' rule: two outputs a program over K tiles of 2048 with two warps,
+    as many bytes a lane in flight as ``one_output``'s bf16 tile. In qwen3-8b's captured
+    decode graph on an H100 (benchmarks/gemv_sweep.py --quantization fp8) 3.190 ms
+    against 3.350 with ``one_output``'s tile, the best of 14. Layers of few outputs
+    take ``one_output``'s."""
+    if num_outputs < MIN_PROGRAMS:
+        return _one_output(num_outputs, num_inputs)
+    return GemvConfig(_block_n(num_outputs, 2), _block_k(num_inputs, 2048), num_warps=2,
+                      num_stages=1)
+
+
 CANDIDATES = {"direct": _direct, "direct_512": _direct_512, "pipelined": _pipelined,
-              "one_output": _one_output}
+              "one_output": _one_output, "e4m3_two_outputs": _e4m3_two_outputs}

@@ -33,6 +33,8 @@ from trio_llm.gpu.kernels.pdl import pdl_launch, pdl_start
 from trio_llm.gpu.quantization import E4M3, E4M3_MAX, Fp8Activation, KVScales
 
 SILU_BLOCK = 1024
+# silu_and_mul_fp8's chunk: a row wider than it takes two passes (the kernel's docstring)
+SILU_FP8_BLOCK = 4096
 
 
 @triton.jit
@@ -67,21 +69,27 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
         # the norm's output as the model rounds it, then in e4m3 with the row's scale:
         # fp8_gemm.quantize_groups' arithmetic, without the round trip through memory
         out32 = (weight.to(tl.float32) * normed.to(tl.float32)).to(x.dtype).to(tl.float32)
-        _store_e4m3_row(out32, mask, out_ptr + row * HIDDEN + columns, scale_ptr + row)
+        scale = _e4m3_scale(tl.max(tl.where(mask, tl.abs(out32), 0.0), 0))
+        tl.store(scale_ptr + row, scale)
+        out_ptrs = out_ptr + row * HIDDEN + columns
+        tl.store(out_ptrs, _over_scale(out32, scale, out_ptrs), mask=mask)
     else:
         out = (weight.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + row * HIDDEN + columns, out, mask=mask)
 
 
 @triton.jit
-def _store_e4m3_row(row32, mask, out_ptrs, scale_ptr):
-    """A whole row (float32, as the model rounded it) in e4m3 with its scale:
-    fp8_gemm.quantize_groups' arithmetic, without the round trip through memory."""
-    amax = tl.max(tl.where(mask, tl.abs(row32), 0.0), 0)
-    scale = tl.where(amax > 0, tl.math.div_rn(amax, E4M3_LARGEST), 1.0)
-    tl.store(scale_ptr, scale)
-    quantized = tl.clamp(tl.math.div_rn(row32, scale), -E4M3_LARGEST, E4M3_LARGEST)
-    tl.store(out_ptrs, quantized.to(out_ptrs.dtype.element_ty), mask=mask)
+def _e4m3_scale(amax):
+    """A row's scale, from its largest magnitude (1 for a row of zeros), and below its
+    values over the scale: fp8_gemm.quantize_groups' arithmetic, without the round trip
+    through memory."""
+    return tl.where(amax > 0, tl.math.div_rn(amax, E4M3_LARGEST), 1.0)
+
+
+@triton.jit
+def _over_scale(x32, scale, out_ptrs):
+    return tl.clamp(tl.math.div_rn(x32, scale), -E4M3_LARGEST, E4M3_LARGEST).to(
+        out_ptrs.dtype.element_ty)
 
 
 @triton.jit
@@ -111,15 +119,47 @@ def _silu_and_mul_fp8_kernel(gate_up_ptr, out_ptr, scale_ptr, row_stride,
                              INTERMEDIATE: tl.constexpr, BLOCK: tl.constexpr,
                              USE_PDL: tl.constexpr):
     """One program a row: the row's SwiGLU, rounded to the input's dtype, in e4m3 with
-    the row's scale."""
+    the row's scale. A row wider than BLOCK takes two passes of BLOCK-wide chunks (the
+    largest magnitude, then the values over the scale; the second reads the row again,
+    from L2), so that a program holds a chunk, not the row, in registers."""
     pdl_start(USE_PDL)  # gpu/kernels/pdl.py
     row = tl.program_id(0).to(tl.int64)
-    columns = tl.arange(0, BLOCK)
+    gate_up_row = gate_up_ptr + row * row_stride
+    out_row = out_ptr + row * INTERMEDIATE
+    if BLOCK >= INTERMEDIATE:
+        out32 = _swiglu_chunk(gate_up_row, 0, INTERMEDIATE, BLOCK)
+        scale = _e4m3_scale(tl.max(tl.abs(out32), 0))  # (past the row: silu(0) * 0)
+        tl.store(scale_ptr + row, scale)
+        _store_e4m3_chunk(out_row, 0, out32, scale, INTERMEDIATE, BLOCK)
+    else:
+        largest = tl.zeros([BLOCK], tl.float32)
+        for first in range(0, INTERMEDIATE, BLOCK):
+            largest = tl.maximum(largest, tl.abs(_swiglu_chunk(gate_up_row, first,
+                                                               INTERMEDIATE, BLOCK)))
+        scale = _e4m3_scale(tl.max(largest, 0))
+        tl.store(scale_ptr + row, scale)
+        for first in range(0, INTERMEDIATE, BLOCK):
+            _store_e4m3_chunk(out_row, first, _swiglu_chunk(gate_up_row, first, INTERMEDIATE,
+                                                            BLOCK), scale, INTERMEDIATE, BLOCK)
+
+
+@triton.jit
+def _store_e4m3_chunk(out_row, first, out32, scale, INTERMEDIATE: tl.constexpr,
+                      BLOCK: tl.constexpr):
+    columns = first + tl.arange(0, BLOCK)
+    tl.store(out_row + columns, _over_scale(out32, scale, out_row),
+             mask=columns < INTERMEDIATE)
+
+
+@triton.jit
+def _swiglu_chunk(gate_up_row, first, INTERMEDIATE: tl.constexpr, BLOCK: tl.constexpr):
+    """Columns first .. first + BLOCK of a row's SwiGLU, as the model rounds it, in
+    float32 (zeros past the row)."""
+    columns = first + tl.arange(0, BLOCK)
     mask = columns < INTERMEDIATE
-    gate = tl.load(gate_up_ptr + row * row_stride + columns, mask=mask, other=0.0)
-    up = tl.load(gate_up_ptr + row * row_stride + INTERMEDIATE + columns, mask=mask, other=0.0)
-    out32 = _silu_and_mul(gate, up).to(gate.dtype).to(tl.float32)
-    _store_e4m3_row(out32, mask, out_ptr + row * INTERMEDIATE + columns, scale_ptr + row)
+    gate = tl.load(gate_up_row + columns, mask=mask, other=0.0)
+    up = tl.load(gate_up_row + INTERMEDIATE + columns, mask=mask, other=0.0)
+    return _silu_and_mul(gate, up).to(gate.dtype).to(tl.float32)
 
 
 @triton.jit
@@ -281,6 +321,12 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def silu_fp8_launch(intermediate: int) -> tuple[int, int]:
+    """(BLOCK, warps) of ``silu_and_mul_fp8``'s kernel for a row of ``intermediate``."""
+    block = min(SILU_FP8_BLOCK, triton.next_power_of_2(intermediate))
+    return block, min(16, max(4, block // 512))
+
+
 def silu_and_mul_fp8(gate_up: torch.Tensor) -> Fp8Activation:
     """``silu_and_mul`` handed on in e4m3 with one scale per row, as an FP8 GEMM
     quantizes its input (the per-channel Fp8Linear's): one kernel and one round trip
@@ -292,11 +338,11 @@ def silu_and_mul_fp8(gate_up: torch.Tensor) -> Fp8Activation:
     scales = torch.empty((num_rows, 1), dtype=torch.float32, device=gate_up.device)
     if num_rows:
         assert gate_up.stride(1) == 1
-        block = triton.next_power_of_2(intermediate)
+        block, num_warps = silu_fp8_launch(intermediate)
         pdl = pdl_launch(gate_up.device)
         _silu_and_mul_fp8_kernel[(num_rows,)](
             gate_up, values, scales, gate_up.stride(0), INTERMEDIATE=intermediate,
-            BLOCK=block, num_warps=min(16, max(4, block // 1024)), **pdl)
+            BLOCK=block, num_warps=num_warps, **pdl)
     return Fp8Activation(values, scales, gate_up.dtype)
 
 
