@@ -80,14 +80,15 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
 
 @triton.jit
 def _e4m3_scale(amax):
-    """A row's scale, from its largest magnitude (1 for a row of zeros), and below its
-    values over the scale: fp8_gemm.quantize_groups' arithmetic, without the round trip
-    through memory."""
+    """A row's e4m3 scale from its largest magnitude (1 for a row of zeros). With
+    _over_scale, fp8_gemm.quantize_groups' arithmetic without its round trip through
+    memory."""
     return tl.where(amax > 0, tl.math.div_rn(amax, E4M3_LARGEST), 1.0)
 
 
 @triton.jit
 def _over_scale(x32, scale, out_ptrs):
+    """Values over their row's scale, saturated, in ``out_ptrs``' dtype (e4m3)."""
     return tl.clamp(tl.math.div_rn(x32, scale), -E4M3_LARGEST, E4M3_LARGEST).to(
         out_ptrs.dtype.element_ty)
 
