@@ -33,8 +33,10 @@ from trio_llm.gpu.kernels.pdl import pdl_launch, pdl_start
 from trio_llm.gpu.quantization import E4M3, E4M3_MAX, Fp8Activation, KVScales
 
 SILU_BLOCK = 1024
-# silu_and_mul_fp8's chunk: a row wider than it takes two passes (the kernel's docstring)
-SILU_FP8_BLOCK = 4096
+# silu_and_mul_fp8's chunk: a row wider than it takes two passes (the kernel's docstring).
+# qwen3-8b's rows (12,288) fit in one, as measured on an H100 (docs/performance.md);
+# benchmarks/swiglu_fp8_bench.py times narrower chunks beside it.
+SILU_FP8_BLOCK = 16384
 
 
 @triton.jit
