@@ -26,7 +26,11 @@ from trio_llm.gpu.models import cuda_fused
 FUSED = cuda_fused.TritonOps.gate_up_silu
 
 
-def unfused(hidden, gate_up_proj):
+def unfused(hidden, gate_up_proj, *, quantize=False):
+    """The SwiGLU kernel after the projection, decode rows too; rows that an FP8 down
+    projection takes in e4m3 (never decode rows) as the engine runs them."""
+    if quantize:
+        return FUSED(hidden, gate_up_proj, quantize=True)
     return triton_layers.silu_and_mul(gate_up_proj(hidden))
 
 
