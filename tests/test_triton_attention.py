@@ -14,6 +14,7 @@ HAS_CUDA = torch.cuda.is_available()  # without it, conftest.py runs Triton's in
 
 from trio_llm.gpu.attention import paged_attention as reference_attention  # noqa: E402
 from trio_llm.gpu.kernels import triton_attention  # noqa: E402
+from trio_llm.gpu.quantization import E4M3  # noqa: E402
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 DTYPE = torch.bfloat16 if HAS_CUDA else torch.float32
@@ -83,7 +84,7 @@ if HAS_CUDA:
 
 
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "block_size"), SHAPES)
-@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("num_splits", [1, 3, triton_attention.MAX_DECODE_SPLITS])
 def test_decode_matches_reference(num_heads, num_kv_heads, head_dim, block_size, num_splits):
     generator = torch.Generator().manual_seed(num_heads * 100 + head_dim + num_splits)
     # whole KV tiles only (128, 256), a partial tile only, both
@@ -177,6 +178,17 @@ def test_split_kv_equals_unsplit_on_a_long_context():
     for num_splits in (3, 64):
         out = triton_attention.paged_attention(*batch, 0.15, num_splits=num_splits)
         assert relative_error(out, unsplit) < (1e-2 if HAS_CUDA else 1e-5)
+
+
+def test_the_decode_tile_depends_on_the_split_count_and_the_cache():
+    """One or two sequences (MAX_DECODE_SPLITS splits) over a bf16 cache take the small
+    split tile; more sequences, an e4m3 cache and wide heads keep theirs."""
+    config = triton_attention.decode_config
+    most = triton_attention.MAX_DECODE_SPLITS
+    assert config(128, most, torch.bfloat16) == triton_attention.DECODE_SPLIT_CONFIG
+    assert config(128, most - 1, torch.bfloat16) == triton_attention.DECODE_CONFIG
+    assert config(128, most, E4M3) == triton_attention.DECODE_CONFIG
+    assert config(256, most, torch.bfloat16) == triton_attention.DECODE_WIDE_HEAD_CONFIG
 
 
 def test_padded_decode_sequence_gives_zeros_and_leaves_others_alone():

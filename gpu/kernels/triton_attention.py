@@ -64,11 +64,25 @@ DECODE_CONFIG = DecodeConfig()
 # same bytes a tile: a 128 x 256 tile spilled registers (200-408 bytes a thread to the
 # stack in its sm_90 code; none at 64 positions: docs/performance.md).
 DECODE_WIDE_HEAD_CONFIG = DecodeConfig(block_n=64)
+# One or two sequences split their contexts MAX_DECODE_SPLITS ways: each program streams
+# a tile or two, so a tile's latency, not the bandwidth, sets the time, and a bf16
+# cache's heads of up to 128 take tiles of 32 positions in two warps. One sequence of
+# qwen3-30b-a3b's heads on an H100, decode and merge: 4.6 us at 384 tokens against
+# 5.6-5.8, 6.8 at 4,096 against 6.9 (benchmarks/decode_tiles_bench.py, two sessions,
+# docs/performance.md). An e4m3 cache's gained nothing at 384 and lost 15% at 4,096;
+# wide heads' were not timed at long contexts: both keep their tiles.
+DECODE_SPLIT_CONFIG = DecodeConfig(block_n=32, num_warps=2, num_stages=2)
 
 
-def decode_config(head_dim: int) -> DecodeConfig:
-    """The decode tile for heads of ``head_dim``."""
-    return DECODE_CONFIG if head_dim <= 128 else DECODE_WIDE_HEAD_CONFIG
+def decode_config(head_dim: int, num_splits: int, cache_dtype: torch.dtype) -> DecodeConfig:
+    """The decode tile for heads of ``head_dim`` over a cache of ``cache_dtype`` at
+    ``num_splits`` splits (a function of the batch size): every batch of one split count
+    takes one tile, so a sequence's result is the same bits in any of them."""
+    if head_dim > 128:
+        return DECODE_WIDE_HEAD_CONFIG
+    if num_splits == MAX_DECODE_SPLITS and cache_dtype != E4M3:
+        return DECODE_SPLIT_CONFIG
+    return DECODE_CONFIG
 
 
 @dataclass(frozen=True, slots=True)
@@ -685,7 +699,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     A batch with as many tokens as sequences is decode-only (every sequence has
     at least one query token) and takes the decode kernel; ``num_splits``
     overrides its split count (which otherwise depends on the batch size only),
-    ``decode`` its tile (``decode_config(head_dim)`` otherwise). Any other batch, prefill
+    ``decode`` its tile (``decode_config`` otherwise). Any other batch, prefill
     chunks and decode rows together, is one launch of the varlen kernel, whose grid
     depends on the token and sequence counts only; ``varlen`` overrides its tile
     (``varlen_config(num_tokens)`` otherwise). ``k_scale``/``v_scale``: an FP8 cache's.
@@ -702,7 +716,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if num_tokens == num_seqs:
         splits = num_splits or decode_num_splits(num_seqs, k_cache.shape[2], query.device)
         _decode(query, k_cache, v_cache, block_tables, context_lens, (qk_scale, v_scale), out,
-                splits, decode or decode_config(head_dim))
+                splits, decode or decode_config(head_dim, splits, k_cache.dtype))
     else:
         _varlen(query, k_cache, v_cache, block_tables, context_lens, query_start_loc,
                 (qk_scale, v_scale), out, varlen or varlen_config(num_tokens, query.shape[-1]))
