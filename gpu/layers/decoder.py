@@ -17,7 +17,7 @@ from torch import nn
 
 from trio_llm.gpu.attention import AttentionBackend
 from trio_llm.gpu.layers.attention import Attention, AttentionMetadata, KVCache
-from trio_llm.gpu.layers.fp8_linear import Fp8Linear
+from trio_llm.gpu.layers.fp8_linear import takes_fp8_rows
 from trio_llm.gpu.layers.fused_ops import FusedOps
 from trio_llm.gpu.layers.linear_attention import GatedDeltaNet, StateCache
 from trio_llm.gpu.layers.norm import OffsetRMSNorm, RMSNorm
@@ -99,7 +99,7 @@ def _fused_norm(ops: FusedOps, hidden: torch.Tensor, residual: torch.Tensor | No
     layer that quantizes this many rows (it would quantize them per token itself: one
     kernel and one round trip through memory fewer). A decode step's few rows stay
     unrounded: the FP8 GEMV takes them as they are."""
-    if isinstance(consumer, Fp8Linear) and consumer.takes_fp8_rows(hidden.shape[0]):
+    if takes_fp8_rows(consumer, hidden.shape[0]):
         return ops.rms_norm_fp8(hidden, residual, norm.weight, norm.eps)
     if residual is None:
         return ops.rms_norm(hidden, norm.weight, norm.eps), hidden

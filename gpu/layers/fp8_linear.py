@@ -120,6 +120,12 @@ class Fp8Linear(Linear):
         return F.linear(rows, weight, None if self.bias is None else self.bias.to(torch.float32))
 
 
+def takes_fp8_rows(layer: object, num_rows: int) -> bool:
+    """Whether ``layer`` is an Fp8Linear that takes ``num_rows`` rows already in e4m3
+    (``Fp8Linear.takes_fp8_rows``): the kernel before it may quantize them."""
+    return isinstance(layer, Fp8Linear) and layer.takes_fp8_rows(num_rows)
+
+
 def to_fp8_linear(linear: Linear, layout: Fp8Layout) -> Fp8Linear:
     """Make ``linear`` an Fp8Linear in place, its weight and scales empty (the loader
     fills them); returns it."""

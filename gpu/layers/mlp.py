@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trio_llm.gpu.layers.fp8_linear import Fp8Linear
+from trio_llm.gpu.layers.fp8_linear import takes_fp8_rows
 from trio_llm.gpu.layers.fused_ops import FusedOps
 from trio_llm.gpu.layers.linear import Linear
 from trio_llm.gpu.quantization import Fp8Activation
@@ -44,7 +44,6 @@ class MLP(nn.Module):
         """``forward`` with the activation through ``ops``' kernel (``hidden`` already in
         e4m3 where ``gate_up_proj`` is a per-channel FP8 layer: decoder.py), in e4m3
         straight from it where ``down_proj`` is one that quantizes this many rows."""
-        quantize = (isinstance(self.down_proj, Fp8Linear)
-                    and self.down_proj.takes_fp8_rows(hidden.shape[0]))
+        quantize = takes_fp8_rows(self.down_proj, hidden.shape[0])
         return self.parallel.reduce(self.down_proj(
             ops.gate_up_silu(hidden, self.gate_up_proj, quantize=quantize)))
