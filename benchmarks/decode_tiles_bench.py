@@ -12,11 +12,14 @@ The cases, each with its own seeded contexts and the split count the engine woul
   heads, 4 KV heads), the single-stream decode's shape, where few programs run and a
   tile's latency, not the bandwidth, may set the time; the default tile is also timed
   at 1, 4 and 16 splits (one split needs no merge launch);
+- ``batch-wide``: the batch at qwen3.5-27b's full attention (24 query heads, 4 KV
+  heads of 256);
 - ``single-384-wide``: the same at qwen3.5-27b's full attention (24 query heads, 4 KV
   heads of 256), whose decode graph took 1.1 ms longer at 384 tokens than at start-up
   (16 layers: about 68 us a layer if the attention were the cause).
 
-The blocks are scattered over the cache. Each (block_n, num_warps, num_stages) is timed
+The blocks are scattered over the cache. Each (block_n, num_warps, num_stages[,
+max_registers]) is timed
 by CUDA events around a graph of ten launches (median of 20 replays) and reported with
 the cache bytes it reads per second: the decode kernel is meant to stream the cache,
 so a tile whose rate falls well under the copy bandwidth is bound by something else.
@@ -50,20 +53,29 @@ from trio_llm.gpu.kernels import triton_attention
 from trio_llm.gpu.quantization import E4M3
 
 BLOCK_SIZE = 16
-# name: (context lengths, query heads, KV heads, head_dim, tiles)
-# One stage (the last five): no asynchronous copy into shared memory, so an e4m3 tile
-# goes from its global load to the conversion in registers, one shared-memory read
-# fewer. 14-47% slower than three stages over FP8 on an H100 (docs/performance.md).
-BATCH_TILES = [(128, 4, 3), (256, 4, 3), (256, 8, 3), (128, 8, 3), (64, 4, 3), (128, 4, 4),
-               (256, 4, 2), (512, 8, 2), (128, 4, 1), (64, 4, 1), (128, 8, 1), (256, 8, 1),
-               (32, 4, 1)]
+# name: (context lengths, query heads, KV heads, head_dim, tiles); a tile is
+# (positions, warps, stages[, registers a thread at most: ptxas's cap]).
+# One stage (the 1s): no asynchronous copy into shared memory, so an e4m3 tile goes from
+# its global load to the conversion in registers, one shared-memory read fewer. 14-47%
+# slower than three stages over FP8 on an H100 (docs/performance.md).
+# Capped registers: (128, 4, 3) takes 207-214 registers a thread, so an SM holds two of
+# its programs (65,536 registers); at 168 it holds three, at 128 four (shared memory
+# permitting), without spills in the loop (e4m3 at 128 spills there).
+BATCH_TILES = [(128, 4, 3), (128, 4, 3, 168), (128, 4, 4, 168), (128, 4, 3, 128),
+               (128, 8, 3), (128, 8, 3, 128), (64, 4, 3), (64, 4, 3, 128), (64, 4, 4, 128),
+               (256, 4, 3), (128, 4, 1), (64, 4, 1)]
 SINGLE_TILES = [(128, 4, 3), (64, 4, 3), (32, 4, 3), (32, 2, 2), (16, 2, 2), (64, 2, 3)]
+WIDE_BATCH_TILES = [(64, 4, 3), (64, 4, 3, 168), (64, 4, 3, 128), (32, 4, 3),
+                    (32, 4, 3, 128), (64, 8, 3, 128)]
 _rng = random.Random(0)
+BATCH_CONTEXTS = [_rng.randint(100, 2048) for _ in range(256)]
 CASES = {
-    "batch": ([_rng.randint(100, 2048) for _ in range(256)], 32, 8, 128, BATCH_TILES),
+    "batch": (BATCH_CONTEXTS, 32, 8, 128, BATCH_TILES),
     "single-384": ([384], 32, 4, 128, SINGLE_TILES),
     "single-4096": ([4096], 32, 4, 128, SINGLE_TILES),
     "single-384-wide": ([384], 24, 4, 256, [(64, 4, 3), (32, 4, 3), (16, 4, 3)]),
+    # the hybrid family's full attention batched (qwen3.5-27b's heads)
+    "batch-wide": (BATCH_CONTEXTS, 24, 4, 256, WIDE_BATCH_TILES),
 }
 
 
@@ -123,6 +135,7 @@ def main() -> None:
     parser.add_argument("--baseline", help="an earlier gpu/kernels/triton_attention.py")
     parser.add_argument("--no-sweep", action="store_true",
                         help="the default tile only (each other tile is a compile)")
+    parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
     args = parser.parse_args()
     baseline = load_baseline(args.baseline) if args.baseline else None
     torch.manual_seed(0)
@@ -136,7 +149,8 @@ def main() -> None:
             results[key] = repr(error)[:120]
         print(key, results[key], flush=True)
 
-    for case, (context_lens, num_heads, num_kv_heads, head_dim, tiles) in CASES.items():
+    for case in args.cases:
+        context_lens, num_heads, num_kv_heads, head_dim, tiles = CASES[case]
         query, keys, values, block_tables, lens, query_start_loc = paged_inputs(
             context_lens, num_heads, num_kv_heads, head_dim)
         elements = sum(context_lens) * num_kv_heads * head_dim * 2  # keys and values read

@@ -182,13 +182,16 @@ def test_split_kv_equals_unsplit_on_a_long_context():
 
 def test_the_decode_tile_depends_on_the_split_count_and_the_cache():
     """One or two sequences (MAX_DECODE_SPLITS splits) over a bf16 cache take the small
-    split tile; more sequences, an e4m3 cache and wide heads keep theirs. (The split
-    tile's arithmetic: test_split_kv_equals_unsplit_on_a_long_context, at 64 splits.)"""
+    split tile; more sequences over an e4m3 cache take its own tile; wide heads keep
+    theirs. (The split tile's arithmetic: test_split_kv_equals_unsplit_on_a_long_context,
+    at 64 splits; the e4m3 tile's: tests/test_triton_kv_fp8.py, whose batches take it.)"""
     config = triton_attention.decode_config
     most = triton_attention.MAX_DECODE_SPLITS
     assert config(128, most, torch.bfloat16) == triton_attention.DECODE_SPLIT_CONFIG
     assert config(128, most - 1, torch.bfloat16) == triton_attention.DECODE_CONFIG
     assert config(128, most, E4M3) == triton_attention.DECODE_CONFIG
+    assert config(128, most - 1, E4M3) == triton_attention.DECODE_E4M3_CONFIG
+    assert config(128, 1, E4M3) == triton_attention.DECODE_E4M3_CONFIG
     assert config(256, most, torch.bfloat16) == triton_attention.DECODE_WIDE_HEAD_CONFIG
 
 

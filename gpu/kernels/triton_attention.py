@@ -57,6 +57,7 @@ class DecodeConfig:
     block_n: int = DECODE_BLOCK_N
     num_warps: int = 4
     num_stages: int = 3
+    max_registers: int | None = None  # ptxas's cap a thread (None: its own choice)
 
 
 DECODE_CONFIG = DecodeConfig()
@@ -72,6 +73,14 @@ DECODE_WIDE_HEAD_CONFIG = DecodeConfig(block_n=64)
 # docs/performance.md). An e4m3 cache's gained nothing at 384 and lost 15% at 4,096;
 # wide heads' were not timed at long contexts: both keep their tiles.
 DECODE_SPLIT_CONFIG = DecodeConfig(block_n=32, num_warps=2, num_stages=2)
+# An e4m3 cache's batches take tiles of 64 positions at 128 registers a thread: the
+# default tile's 207 let an SM hold two programs, this one four. 256 sequences of
+# qwen3-8b's heads on an H100: 231-232 us against 240-241 (2.51 TB/s against 2.42),
+# the nano-vllm workload 1.5% faster; a bf16 cache's gained nothing (it streams at 2.96
+# TB/s already), nor wide heads'. At 64 splits (one sequence of 4,096) it lost 25%, so
+# one or two sequences keep the default (benchmarks/decode_tiles_bench.py,
+# docs/performance.md).
+DECODE_E4M3_CONFIG = DecodeConfig(block_n=64, max_registers=128)
 
 
 def decode_config(head_dim: int, num_splits: int, cache_dtype: torch.dtype) -> DecodeConfig:
@@ -80,9 +89,9 @@ def decode_config(head_dim: int, num_splits: int, cache_dtype: torch.dtype) -> D
     takes one tile, so a sequence's result is the same bits in any of them."""
     if head_dim > 128:
         return DECODE_WIDE_HEAD_CONFIG
-    if num_splits == MAX_DECODE_SPLITS and cache_dtype != E4M3:
-        return DECODE_SPLIT_CONFIG
-    return DECODE_CONFIG
+    if num_splits == MAX_DECODE_SPLITS:
+        return DECODE_CONFIG if cache_dtype == E4M3 else DECODE_SPLIT_CONFIG
+    return DECODE_E4M3_CONFIG if cache_dtype == E4M3 else DECODE_CONFIG
 
 
 @dataclass(frozen=True, slots=True)
@@ -774,7 +783,7 @@ def _decode(query, k_cache, v_cache, block_tables, context_lens, scales, out, nu
         BLOCK_H=max(MIN_DOT_ROWS, triton.next_power_of_2(group_size)),
         BLOCK_N=config.block_n, BLOCK_D=block_d, EVEN_D=block_d == head_dim,
         num_warps=config.num_warps, num_stages=config.num_stages,
-        **pdl,
+        maxnreg=config.max_registers, **pdl,
     )
     if num_splits > 1:
         block_splits = triton.next_power_of_2(num_splits)
