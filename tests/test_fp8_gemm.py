@@ -133,10 +133,40 @@ def test_the_block_linear_quantizes_its_input_per_token_group():
     assert ((out.double() - plain).norm() / plain.norm()).item() < 0.1
 
 
+@pytest.mark.parametrize(("num_rows", "num_out", "num_in"), [(3, 200, 300), (37, 96, 256)])
+@pytest.mark.parametrize("has_bias", [False, True])
+def test_the_rowwise_triton_gemm_is_the_float_product_of_its_dequantized_operands(
+        num_rows, num_out, num_in, has_bias):
+    """Per-token activation scales, per-channel weight scales; partial tiles in every
+    dimension."""
+    generator = torch.Generator().manual_seed(num_rows)
+    weight = quantize_rows(torch.randn(num_out, num_in, generator=generator) * 0.05)
+    values, scales = quantize_row_groups(torch.randn(num_rows, num_in, generator=generator),
+                                         num_in)
+    bias = torch.randn(num_out, generator=generator).to(DTYPE) if has_bias else None
+    out = fp8_gemm.rowwise_fp8_matmul(
+        values.to(DEVICE), scales.to(DEVICE), weight.values.to(DEVICE),
+        weight.scale.to(DEVICE), bias.to(DEVICE) if has_bias else None, DTYPE,
+        fp8_gemm.RowwiseGemmConfig(block_m=16, block_n=32, block_k=64))
+    expected = (values.double() * scales.double()) @ weight.dequantize().double().T
+    if has_bias:
+        expected += bias.double()
+    tolerance = 1e-2 if HAS_CUDA else 1e-5  # bf16 output on CUDA, float32 sums here
+    error = ((out.cpu().double() - expected).norm() / expected.norm()).item()
+    assert error < tolerance
+
+
+def test_the_rowwise_gemm_is_triton_s_up_to_its_row_count_and_cublas_s_above():
+    most = fp8_gemm.ROWWISE_MAX_ROWS
+    assert fp8_gemm.rowwise_gemm_config(3) == fp8_gemm.ROWWISE_CONFIG
+    assert fp8_gemm.rowwise_gemm_config(most) == fp8_gemm.ROWWISE_CONFIG
+    assert fp8_gemm.rowwise_gemm_config(most + 1) is None
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(HAS_CUDA and torch.cuda.get_device_capability() < (9, 0),
                     reason="row-wise torch._scaled_mm needs an FP8 GPU (Hopper)")
-@pytest.mark.parametrize("num_rows", [1, 2, 37, 300])
+@pytest.mark.parametrize("num_rows", [1, 2, 37, 300])  # Triton's GEMM, then cuBLAS's
 def test_the_rowwise_scaled_mm_is_the_float_product_of_its_dequantized_operands(num_rows):
     generator = torch.Generator().manual_seed(num_rows)
     weight = quantize_rows(torch.randn(384, 512, generator=generator) * 0.05)
