@@ -203,7 +203,8 @@ def _gemv(model: str) -> None:
 
 
 def _fp8_gemm(model: str) -> None:
-    """Per-token and 128-column quantization, and the block-scaled GEMM at both tiles."""
+    """Per-token and 128-column quantization, the block-scaled GEMM at both tiles, and the
+    row-wise Triton GEMM."""
     from trio_llm.gpu.kernels import fp8_gemm
 
     config = _config(model)
@@ -216,6 +217,9 @@ def _fp8_gemm(model: str) -> None:
             x, _empty(outputs, hidden, dtype=E4M3),
             _empty(triton.cdiv(outputs, 128), triton.cdiv(hidden, 128), dtype=torch.float32),
             (128, 128), None)
+    rows = fp8_gemm.ROWWISE_MAX_ROWS
+    fp8_gemm.scaled_mm_rowwise(_empty(rows, hidden), _empty(outputs, hidden, dtype=E4M3),
+                               _empty(outputs, 1, dtype=torch.float32), None)
 
 
 def _moe_tables(num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype,

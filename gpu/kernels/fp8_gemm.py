@@ -117,7 +117,7 @@ class RowwiseGemmConfig:
 
 # Steps of up to ROWWISE_MAX_ROWS rows take the Triton GEMM at this tile, larger ones
 # cuBLAS. At qwen3-8b's four projections on an H100 (a layer's GEMMs, us): 91.5 against
-# cuBLAS's 102.8 at 128 rows, 93.9 against 107.0 at 96, and a tile of its family 123.6
+# cuBLAS's 102.8 at 128 rows, 93.9 against 107.0 at 96, and with three stages 124.6
 # against 138.7 at 192; at 256 rows cuBLAS's 114.2 against 125.3. The nano-vllm
 # workload (FP8 + FP8 KV) went 4.3% faster (benchmarks/fp8_rowwise_bench.py,
 # docs/performance.md). A row's sums do not depend on the rows beside it.
