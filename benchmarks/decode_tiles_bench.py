@@ -60,10 +60,11 @@ BLOCK_SIZE = 16
 # slower than three stages over FP8 on an H100 (docs/performance.md).
 # Capped registers: (128, 4, 3) takes 207-214 registers a thread, so an SM holds two of
 # its programs (65,536 registers); at 168 it holds three, at 128 four (shared memory
-# permitting), without spills in the loop (e4m3 at 128 spills there).
+# permitting), without spills in the loop (e4m3 at 128 spills there). Two-warp programs
+# (the last two) reduce a tile's scores across fewer warps: not yet timed in a batch.
 BATCH_TILES = [(128, 4, 3), (128, 4, 3, 168), (128, 4, 4, 168), (128, 4, 3, 128),
                (128, 8, 3), (128, 8, 3, 128), (64, 4, 3), (64, 4, 3, 128), (64, 4, 4, 128),
-               (256, 4, 3), (128, 4, 1), (64, 4, 1)]
+               (256, 4, 3), (128, 4, 1), (64, 4, 1), (64, 2, 3), (32, 2, 3)]
 SINGLE_TILES = [(128, 4, 3), (64, 4, 3), (32, 4, 3), (32, 2, 2), (16, 2, 2), (64, 2, 3)]
 WIDE_BATCH_TILES = [(64, 4, 3), (64, 4, 3, 168), (64, 4, 3, 128), (32, 4, 3),
                     (32, 4, 3, 128), (64, 8, 3, 128)]

@@ -132,39 +132,54 @@ def rowwise_gemm_config(num_rows: int) -> RowwiseGemmConfig | None:
 
 
 @triton.jit
+def _output_tile(num_rows, num_out, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A GEMM program's [BLOCK_M, BLOCK_N] output tile: (rows, columns, their masks). Row
+    tiles go first, so the programs that share a weight tile run together (it is read
+    from memory once)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    columns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return rows, columns, rows < num_rows, columns < num_out
+
+
+@triton.jit
+def _load_k_step(x_rows, w_columns, k, num_in, row_mask, column_mask):
+    """One K step's activations [rows, k] and weights [k, columns], zeros past the ends."""
+    k_mask = k < num_in
+    x = tl.load(x_rows + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+    w = tl.load(w_columns + k[:, None], mask=k_mask[:, None] & column_mask[None, :], other=0.0)
+    return x, w
+
+
+@triton.jit
+def _store_output(out_ptr, acc, bias_ptr, rows, columns, row_mask, column_mask,
+                  out_row_stride, HAS_BIAS: tl.constexpr):
+    """The float32 tile ``acc`` plus the bias (``HAS_BIAS``) into the output's dtype."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + columns, mask=column_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * out_row_stride + columns[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & column_mask[None, :])
+
+
+@triton.jit
 def _rowwise_fp8_matmul_kernel(
     x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, num_rows, num_out, num_in,
     x_row_stride, x_scale_stride, w_row_stride, w_scale_stride, out_row_stride,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    # One program per [BLOCK_M, BLOCK_N] output tile, row tiles first so that the
-    # programs sharing a weight tile run together (it is read from memory once). The
-    # scales are per row and per output channel: applied once, after the sum.
-    row_tile = tl.program_id(0)
-    column_tile = tl.program_id(1)
-    rows = row_tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    columns = column_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < num_rows
-    column_mask = columns < num_out
+    # The scales are per row and per output channel: applied once, after the sum.
+    rows, columns, row_mask, column_mask = _output_tile(num_rows, num_out, BLOCK_M, BLOCK_N)
     steps = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * x_row_stride
     w_columns = w_ptr + columns.to(tl.int64)[None, :] * w_row_stride
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for start in range(0, num_in, BLOCK_K):
-        k = start + steps
-        k_mask = k < num_in
-        x = tl.load(x_rows + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_columns + k[:, None], mask=k_mask[:, None] & column_mask[None, :],
-                    other=0.0)
+        x, w = _load_k_step(x_rows, w_columns, start + steps, num_in, row_mask, column_mask)
         acc = tl.dot(x, w, acc)
     x_scale = tl.load(x_scale_ptr + rows * x_scale_stride, mask=row_mask, other=0.0)
     w_scale = tl.load(w_scale_ptr + columns * w_scale_stride, mask=column_mask, other=0.0)
-    acc = acc * x_scale[:, None] * w_scale[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + columns, mask=column_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * out_row_stride + columns[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & column_mask[None, :])
+    _store_output(out_ptr, acc * x_scale[:, None] * w_scale[None, :], bias_ptr, rows, columns,
+                  row_mask, column_mask, out_row_stride, HAS_BIAS)
 
 
 def rowwise_fp8_matmul(values: torch.Tensor, scales: torch.Tensor, weight: torch.Tensor,
@@ -221,15 +236,10 @@ def _block_fp8_matmul_kernel(
     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    # One program per [BLOCK_M, BLOCK_N] output tile; each K step is one scale group
-    # (GROUP_K columns), so one activation scale per row and one weight scale per column
-    # block (GROUP_N rows of the weight) multiply that step's float32 partial product.
-    row_tile = tl.program_id(0)
-    column_tile = tl.program_id(1)
-    rows = row_tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    columns = column_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < num_rows
-    column_mask = columns < num_out
+    # Each K step is one scale group (GROUP_K columns), so one activation scale per row
+    # and one weight scale per column block (GROUP_N rows of the weight) multiply that
+    # step's float32 partial product.
+    rows, columns, row_mask, column_mask = _output_tile(num_rows, num_out, BLOCK_M, BLOCK_N)
     steps = tl.arange(0, GROUP_K)
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * x_row_stride
     w_columns = w_ptr + columns.to(tl.int64)[None, :] * w_row_stride
@@ -237,18 +247,13 @@ def _block_fp8_matmul_kernel(
     w_scale_columns = w_scale_ptr + (columns // GROUP_N).to(tl.int64) * w_scale_row_stride
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for group in range(0, tl.cdiv(num_in, GROUP_K)):
-        k = group * GROUP_K + steps
-        k_mask = k < num_in
-        x = tl.load(x_rows + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_columns + k[:, None], mask=k_mask[:, None] & column_mask[None, :],
-                    other=0.0)
+        x, w = _load_k_step(x_rows, w_columns, group * GROUP_K + steps, num_in, row_mask,
+                            column_mask)
         x_scale = tl.load(x_scale_rows + group, mask=row_mask, other=0.0)
         w_scale = tl.load(w_scale_columns + group, mask=column_mask, other=0.0)
         acc += tl.dot(x, w) * x_scale[:, None] * w_scale[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + columns, mask=column_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * out_row_stride + columns[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & column_mask[None, :])
+    _store_output(out_ptr, acc, bias_ptr, rows, columns, row_mask, column_mask,
+                  out_row_stride, HAS_BIAS)
 
 
 def block_fp8_matmul(values: torch.Tensor, scales: torch.Tensor, weight: torch.Tensor,
