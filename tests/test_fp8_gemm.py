@@ -156,17 +156,18 @@ def test_the_rowwise_triton_gemm_is_the_float_product_of_its_dequantized_operand
     assert error < tolerance
 
 
-def test_the_rowwise_gemm_is_triton_s_up_to_its_row_count_and_cublas_s_above():
-    most = fp8_gemm.ROWWISE_MAX_ROWS
-    assert fp8_gemm.rowwise_gemm_config(3) == fp8_gemm.ROWWISE_CONFIG
-    assert fp8_gemm.rowwise_gemm_config(most) == fp8_gemm.ROWWISE_CONFIG
-    assert fp8_gemm.rowwise_gemm_config(most + 1) is None
+def test_the_rowwise_gemm_is_triton_s_up_to_its_row_count_and_cublas_s_elsewhere():
+    most, narrowest = fp8_gemm.ROWWISE_MAX_ROWS, fp8_gemm.ROWWISE_MIN_OUTPUTS
+    assert fp8_gemm.rowwise_gemm_config(3, narrowest) == fp8_gemm.ROWWISE_CONFIG
+    assert fp8_gemm.rowwise_gemm_config(most, 6 * narrowest) == fp8_gemm.ROWWISE_CONFIG
+    assert fp8_gemm.rowwise_gemm_config(most + 1, narrowest) is None
+    assert fp8_gemm.rowwise_gemm_config(3, narrowest // 2) is None
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(HAS_CUDA and torch.cuda.get_device_capability() < (9, 0),
                     reason="row-wise torch._scaled_mm needs an FP8 GPU (Hopper)")
-@pytest.mark.parametrize("num_rows", [1, 2, 37, 300])  # Triton's GEMM, then cuBLAS's
+@pytest.mark.parametrize("num_rows", [1, 2, 37, 300])
 def test_the_rowwise_scaled_mm_is_the_float_product_of_its_dequantized_operands(num_rows):
     generator = torch.Generator().manual_seed(num_rows)
     weight = quantize_rows(torch.randn(384, 512, generator=generator) * 0.05)

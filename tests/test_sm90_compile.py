@@ -218,8 +218,11 @@ def _fp8_gemm(model: str) -> None:
             _empty(triton.cdiv(outputs, 128), triton.cdiv(hidden, 128), dtype=torch.float32),
             (128, 128), None)
     rows = fp8_gemm.ROWWISE_MAX_ROWS
-    fp8_gemm.scaled_mm_rowwise(_empty(rows, hidden), _empty(outputs, hidden, dtype=E4M3),
-                               _empty(outputs, 1, dtype=torch.float32), None)
+    scales = torch.float32
+    fp8_gemm.rowwise_fp8_matmul(
+        _empty(rows, hidden, dtype=E4M3), _empty(rows, 1, dtype=scales),
+        _empty(outputs, hidden, dtype=E4M3), _empty(outputs, 1, dtype=scales), None, BF16,
+        fp8_gemm.ROWWISE_CONFIG)
 
 
 def _moe_tables(num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype,

@@ -83,8 +83,9 @@ def scaled_mm_rowwise(x: torch.Tensor | Fp8Activation, weight: torch.Tensor,
                       weight_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x`` [rows, in] (bf16) times e4m3 ``weight`` [out, in] with ``weight_scale``
     [out, 1]: the activations quantized per token (unless a norm's kernel did it:
-    an Fp8Activation), then an FP8 GEMM with row-wise scales (``rowwise_fp8_matmul`` up
-    to ROWWISE_MAX_ROWS rows, cuBLASLt's above) -> [rows, out] in ``x``'s dtype."""
+    an Fp8Activation), then an FP8 GEMM with row-wise scales (``rowwise_fp8_matmul``
+    where ``rowwise_gemm_config`` gives a tile, cuBLASLt's elsewhere) -> [rows, out] in
+    ``x``'s dtype."""
     if isinstance(x, Fp8Activation):
         values, scales, dtype = x.values, x.scales, x.dtype
     else:
@@ -94,7 +95,7 @@ def scaled_mm_rowwise(x: torch.Tensor | Fp8Activation, weight: torch.Tensor,
         values, scales = quantize_groups(x)
     if values.shape[0] == 0:
         return torch.empty((0, weight.shape[0]), dtype=dtype, device=values.device)
-    config = rowwise_gemm_config(values.shape[0])
+    config = rowwise_gemm_config(values.shape[0], weight.shape[0])
     if config is not None:
         return rowwise_fp8_matmul(values, scales, weight, weight_scale, bias, dtype, config)
     return torch._scaled_mm(values, weight.t(), scale_a=scales, scale_b=weight_scale.t(),
@@ -116,19 +117,25 @@ class RowwiseGemmConfig:
 
 
 # Steps of up to ROWWISE_MAX_ROWS rows take the Triton GEMM at this tile, larger ones
-# cuBLAS. At qwen3-8b's four projections on an H100 (a layer's GEMMs, us): 91.5 against
-# cuBLAS's 102.8 at 128 rows, 93.9 against 107.0 at 96, and with three stages 124.6
-# against 138.7 at 192; at 256 rows cuBLAS's 114.2 against 125.3. The nano-vllm
-# workload (FP8 + FP8 KV) went 4.3% faster (benchmarks/fp8_rowwise_bench.py,
-# docs/performance.md). A row's sums do not depend on the rows beside it.
+# cuBLAS's; so do layers of fewer than ROWWISE_MIN_OUTPUTS outputs, narrower than any it
+# was timed at (a 64-row step gives them fewer than 32 programs). At qwen3-8b's four
+# projections on an H100 (a layer's GEMMs, us): 91.5 against cuBLAS's 102.8 at 128 rows,
+# 93.9 against 107.0 at 96, and with three stages 124.6 against 138.7 at 192; at 256 rows
+# cuBLAS's 114.2 against 125.3. The nano-vllm workload (FP8 + FP8 KV) went 4.3% faster
+# (benchmarks/fp8_rowwise_bench.py, docs/performance.md). A row's sums do not depend on
+# the rows beside it.
 ROWWISE_CONFIG = RowwiseGemmConfig(block_m=64, block_n=128, block_k=256, num_warps=4,
                                    num_stages=4)
 ROWWISE_MAX_ROWS = 192
+ROWWISE_MIN_OUTPUTS = 4096
 
 
-def rowwise_gemm_config(num_rows: int) -> RowwiseGemmConfig | None:
-    """The Triton GEMM's tile for ``num_rows`` rows, or None: cuBLAS's GEMM."""
-    return ROWWISE_CONFIG if num_rows <= ROWWISE_MAX_ROWS else None
+def rowwise_gemm_config(num_rows: int, num_out: int) -> RowwiseGemmConfig | None:
+    """The Triton GEMM's tile for ``num_rows`` rows of a layer of ``num_out`` outputs, or
+    None: cuBLAS's GEMM."""
+    if num_rows <= ROWWISE_MAX_ROWS and num_out >= ROWWISE_MIN_OUTPUTS:
+        return ROWWISE_CONFIG
+    return None
 
 
 @triton.jit
