@@ -34,6 +34,7 @@
 #   bash benchmarks/device_run.sh fp8-gemv fp8-decode-8b
 #   bash benchmarks/device_run.sh fp8-tests
 #   bash benchmarks/device_run.sh fp8-gemv-sweep fp8-decode-8b   # the FP8 GEMV's launch in the graph
+#   bash benchmarks/device_run.sh fp8-rowwise fp8-throughput-8b   # the row-wise GEMM of batched steps
 # FP8 experts: the MoE kernel beside bf16 at 1-8192 tokens, one FP8 server, and the
 # FP8 experts' own tuned table (a call of its own):
 #   bash benchmarks/device_run.sh moe-kernel-fp8 serve-fp8-30b-a3b
@@ -211,6 +212,8 @@ for part in "$@"; do
              tests/test_triton_kv_fp8.py ;;
     fp8-gemm) run fp8-gemm 200 python3 benchmarks/fp8_gemm_bench.py ;;
     fp8-gemv) run fp8-gemv 150 python3 benchmarks/fp8_gemm_bench.py --decode ;;
+    # the row-wise FP8 GEMM of batched steps: cuBLAS beside the Triton GEMM's tiles
+    fp8-rowwise) run fp8-rowwise 200 python3 benchmarks/fp8_rowwise_bench.py ;;
     # the FP8 GEMV's launch swept inside qwen3-8b's captured decode graph (one row)
     fp8-gemv-sweep) run fp8-gemv-sweep 300 python3 benchmarks/gemv_sweep.py --model qwen3-8b \
              --quantization fp8 ;;
