@@ -191,8 +191,11 @@ def test_the_fp8_gemms_replay_in_a_cuda_graph():
     x = torch.randn(8, 512, device="cuda", dtype=torch.bfloat16)
 
     def step():
+        values, scales = fp8_gemm.quantize_groups(x)
         return (fp8_gemm.block_scaled_linear(x, w, w_scale, (128, 128), None),
-                fp8_gemm.scaled_mm_rowwise(x, row_values, row_scale, None))
+                fp8_gemm.scaled_mm_rowwise(x, row_values, row_scale, None),
+                fp8_gemm.rowwise_fp8_matmul(values, scales, row_values, row_scale, None,
+                                            x.dtype, fp8_gemm.ROWWISE_CONFIG))
 
     step()  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
