@@ -122,8 +122,8 @@ class RowwiseGemmConfig:
 # projections on an H100 (a layer's GEMMs, us): 91.5 against cuBLAS's 102.8 at 128 rows,
 # 93.9 against 107.0 at 96, and with three stages 124.6 against 138.7 at 192; at 256 rows
 # cuBLAS's 114.2 against 125.3. The nano-vllm workload (FP8 + FP8 KV) went 4.3% faster
-# (benchmarks/fp8_rowwise_bench.py, docs/performance.md). A row's sums do not depend on
-# the rows beside it.
+# (benchmarks/fp8_rowwise_bench.py, docs/performance.md). One tile and one K order at
+# every row count it takes, where cuBLAS picks its algorithm by row count.
 ROWWISE_CONFIG = RowwiseGemmConfig(block_m=64, block_n=128, block_k=256, num_warps=4,
                                    num_stages=4)
 ROWWISE_MAX_ROWS = 192
