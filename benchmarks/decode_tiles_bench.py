@@ -41,13 +41,12 @@ import importlib.util
 import json
 import os
 import random
-import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from cuda_timing import event_times_ms  # benchmarks/, the script's folder
+from cuda_timing import graph_launch_us  # benchmarks/, the script's folder
 
 from trio_llm.gpu.kernels import triton_attention
 from trio_llm.gpu.quantization import E4M3
@@ -78,21 +77,6 @@ CASES = {
     # the hybrid family's full attention batched (qwen3.5-27b's heads)
     "batch-wide": (BATCH_CONTEXTS, 24, 4, 256, WIDE_BATCH_TILES),
 }
-
-
-def median_us(launch: Callable[[], object], repeats: int = 20, per_graph: int = 10) -> float:
-    """Microseconds a launch, from replays of a CUDA graph of ``per_graph`` launches in a
-    row: timed one by one, a launch of a few microseconds measured the host's Python
-    launch path (about 100 us on an H100, whatever the tile; 2026-12-06)."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        launch()  # compiled outside the capture
-        stream.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            for _ in range(per_graph):
-                launch()
-        return 1000 * statistics.median(event_times_ms(graph.replay, repeats)) / per_graph
 
 
 def scattered_block_tables(context_lens: list[int]) -> tuple[torch.Tensor, int]:
@@ -144,7 +128,7 @@ def main() -> None:
 
     def record(key: str, launch: Callable[[], object], bytes_read: int) -> None:
         try:
-            us = median_us(launch)
+            us = graph_launch_us(launch)
             results[key] = {"us": us, "gb_per_s": bytes_read / us / 1e3}
         except Exception as error:  # a tile past the shared memory
             results[key] = repr(error)[:120]

@@ -5,7 +5,8 @@
 
 For each shape (qkv, o, gate_up, down of qwen3-8b) and row count (1, 8, 64, 512,
 4096): bf16 ``F.linear``; the per-channel path (per-token activation quantization +
-row-wise ``torch._scaled_mm``); the block path (per-token-group quantization + the
+``scaled_mm_rowwise``: the Triton row-wise GEMM or ``torch._scaled_mm`` by its rule,
+fp8_rowwise_bench.py compares the two); the block path (per-token-group quantization + the
 block-scaled Triton GEMM, 128 x 128 weight blocks). Median device time of 50
 launches after 10 warm-ups (CUDA events), in microseconds, and the weight bandwidth
 each reaches (the weight bytes over the time: decode's bound). ``--quick`` runs one
@@ -19,7 +20,7 @@ in L2): the bf16 GEMV and cuBLAS; the FP8 GEMV per channel and per 128 x 128 blo
 (the default rule, e4m3's own, and ``_bf16_tile``: the bf16 rule's tile, e4m3's rule
 from 2026-12-06 to 2026-12-07, faster alone here but slower in the decode graph:
 benchmarks/gemv_sweep.py); the GEMM paths
-they replace (quantization + ``torch._scaled_mm``; quantization + the block GEMM).
+they replace (quantization + ``scaled_mm_rowwise``; quantization + the block GEMM).
 ``decode_step_us`` sums each kernel over qwen3-8b's 36 layers (qkv, o, gate_up, down):
 the projections' share of one token.
 """

@@ -15,12 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from cuda_timing import event_times_ms  # benchmarks/, the script's folder
+from cuda_timing import graph_launch_us  # benchmarks/, the script's folder
 
 from trio_llm.gpu.kernels import fp8_gemm
 from trio_llm.gpu.quantization import E4M3
@@ -32,16 +30,6 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096),
 TILES = [(64, 128, 128, 4, 3), (64, 128, 128, 4, 4), (64, 256, 128, 8, 3),
          (128, 128, 128, 8, 3), (128, 128, 128, 4, 3), (128, 256, 128, 8, 3),
          (64, 64, 128, 4, 4), (64, 128, 256, 4, 3), (128, 64, 128, 4, 4)]
-
-
-def graph_us(launch: Callable[[], object], repeats: int = 20, per_graph: int = 10) -> float:
-    launch()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(per_graph):
-            launch()
-    return 1000 * statistics.median(event_times_ms(graph.replay, repeats)) / per_graph
 
 
 def main() -> None:
@@ -64,7 +52,7 @@ def main() -> None:
                                         scale_b=weight_scale.t(), out_dtype=torch.bfloat16)
 
             reference = cublas().float()
-            timings = {"cublas": graph_us(cublas)}
+            timings = {"cublas": graph_launch_us(cublas)}
             for tile in TILES:
                 config = fp8_gemm.RowwiseGemmConfig(*tile)
 
@@ -77,7 +65,7 @@ def main() -> None:
                     error = ((triton_gemm().float() - reference).norm()
                              / reference.norm()).item()
                     assert error < 1e-2, f"{tile}: relative error {error}"
-                    timings[str(tile)] = graph_us(triton_gemm)
+                    timings[str(tile)] = graph_launch_us(triton_gemm)
                 except Exception as failure:  # a tile past the shared memory
                     timings[str(tile)] = float("nan")
                     print(rows, name, tile, repr(failure)[:120], flush=True)

@@ -10,8 +10,8 @@ heads now) ran fastest of the five on an H100 (docs/performance.md). Three steps
 qwen3.5-27b's heads (24 query heads, 4 KV heads of 256): the last 8,192-token chunk of
 a 32,768-token prompt, 8 fresh prompts of 1,024 tokens, and a mixed step of 256 decode
 rows (contexts 128-320) with three 128-token prompts. Each tile is timed by CUDA events
-around a graph of ten launches (median of 20 replays, decode_tiles_bench.py's
-``median_us``); the output is checked against the first tile's (64 x 64). Writes
+around a graph of ten launches (median of 20 replays, cuda_timing.py's
+``graph_launch_us``); the output is checked against the first tile's (64 x 64). Writes
 $OUT/varlen_wide_heads.json.
 """
 
@@ -24,11 +24,8 @@ import random
 from pathlib import Path
 
 import torch
-from decode_tiles_bench import (  # benchmarks/, the script's folder
-    BLOCK_SIZE,
-    median_us,
-    scattered_block_tables,
-)
+from cuda_timing import graph_launch_us  # benchmarks/, the script's folder
+from decode_tiles_bench import BLOCK_SIZE, scattered_block_tables
 
 from trio_llm.gpu.kernels import triton_attention
 from trio_llm.gpu.quantization import E4M3
@@ -75,7 +72,7 @@ def main() -> None:
                 key = f"{step} {name} {tile}"
                 try:
                     error = (launch().float() - expected).abs().max().item()
-                    results[key] = {"us": median_us(launch), "max_abs_difference": error}
+                    results[key] = {"us": graph_launch_us(launch), "max_abs_difference": error}
                 except Exception as failure:  # a tile past the shared memory
                     results[key] = repr(failure)[:120]
                 print(key, results[key], flush=True)

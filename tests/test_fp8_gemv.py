@@ -152,7 +152,6 @@ def test_the_default_rule_runs_a_block_layout_in_one_tile_of_many_blocks():
     assert torch.equal(fp8_gemv(x[:1], weight), out[:1])
 
 
-
 def test_e4m3_weights_take_their_own_rule_and_bf16_weights_the_default(monkeypatch):
     candidates: list[str] = []
     rule = triton_gemv.gemv_config
@@ -181,6 +180,7 @@ def test_the_e4m3_rule_at_many_outputs_matches_the_dequantized_product(layout):
     out = fp8_gemv(x, weight, config=config)
     assert relative_error(out, dequantized_product(x, weight)) < TOLERANCE
     assert torch.equal(fp8_gemv(x[:1], weight, config=config), out[:1])
+
 
 # -- the layer ---------------------------------------------------------------------------
 
