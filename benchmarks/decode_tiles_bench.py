@@ -30,7 +30,8 @@ Writes $OUT/decode_tiles.json.
 also times an earlier version of gpu/kernels/triton_attention.py (a copy of the file,
 e.g. from ``git show REV:gpu/kernels/triton_attention.py``) at its default tile, in
 turn with the current one's default tile, two rounds each, in the same process;
-``--no-sweep`` leaves the other tiles out.
+``--no-sweep`` leaves the other tiles out; ``--tiles 64,2,3 32,2,3`` times those tiles
+in every case instead of the cases' own.
 """
 
 from __future__ import annotations
@@ -105,6 +106,11 @@ def paged_inputs(context_lens: list[int], num_heads: int, num_kv_heads: int, hea
             torch.arange(num_seqs + 1, dtype=torch.int32, device="cuda"))
 
 
+def parse_tile(text: str) -> tuple[int, ...]:
+    """``--tiles``' "64,2,3" as (64, 2, 3)."""
+    return tuple(int(part) for part in text.split(","))
+
+
 def load_baseline(path: str):
     """An earlier triton_attention.py as a module of its own (its own kernels)."""
     spec = importlib.util.spec_from_file_location("baseline_triton_attention", path)
@@ -121,6 +127,9 @@ def main() -> None:
     parser.add_argument("--no-sweep", action="store_true",
                         help="the default tile only (each other tile is a compile)")
     parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
+    parser.add_argument("--tiles", nargs="+", type=parse_tile,
+                        help="these tiles in every case instead of the case's own, each "
+                             "as positions,warps,stages[,registers]")
     args = parser.parse_args()
     baseline = load_baseline(args.baseline) if args.baseline else None
     torch.manual_seed(0)
@@ -150,7 +159,7 @@ def main() -> None:
                 for round_ in (1, 2):
                     record(f"{case} {name} default baseline round {round_}", old, bytes_read)
                     record(f"{case} {name} default current round {round_}", attend, bytes_read)
-            for tile in [] if args.no_sweep else tiles:
+            for tile in [] if args.no_sweep else args.tiles or tiles:
                 record(f"{case} {name} {tile}",
                        functools.partial(attend, decode=triton_attention.DecodeConfig(*tile)),
                        bytes_read)

@@ -1,7 +1,7 @@
 """The row-wise FP8 GEMM of a batched decode step: cuBLASLt (``torch._scaled_mm``) beside
 the Triton kernel (``fp8_gemm.rowwise_fp8_matmul``) at several tiles.
 
-    python3 benchmarks/fp8_rowwise_bench.py [--rows 64 128 192 256]
+    python3 benchmarks/fp8_rowwise_bench.py [--rows 64 128 192 256] [--tiles 64,128,256,4,4]
 
 At qwen3-8b's four projections (qkv, o, gate_up, down) with e4m3 weights and
 activations already quantized (both paths share that kernel), each launch is timed by
@@ -26,15 +26,23 @@ from trio_llm.gpu.quantization import E4M3
 # (out, in) of qwen3-8b's qkv, o, gate_up and down projections
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096),
           "down": (4096, 12288)}
-# (block_m, block_n, block_k, num_warps, num_stages)
-TILES = [(64, 128, 128, 4, 3), (64, 128, 128, 4, 4), (64, 256, 128, 8, 3),
-         (128, 128, 128, 8, 3), (128, 128, 128, 4, 3), (128, 256, 128, 8, 3),
-         (64, 64, 128, 4, 4), (64, 128, 256, 4, 3), (128, 64, 128, 4, 4)]
+# (block_m, block_n, block_k, num_warps, num_stages): the landed tile first, then the
+# best of the two H100 sweeps at some shape and row count (docs/performance.md)
+TILES = [(64, 128, 256, 4, 4), (64, 128, 256, 4, 3), (64, 64, 256, 4, 3),
+         (64, 64, 128, 4, 4), (64, 64, 128, 4, 6), (128, 64, 128, 4, 4),
+         (128, 128, 128, 8, 4), (64, 128, 128, 4, 3)]
+
+
+def parse_tile(text: str) -> tuple[int, ...]:
+    """``--tiles``' "64,128,256,4,4" as (64, 128, 256, 4, 4)."""
+    return tuple(int(part) for part in text.split(","))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, nargs="+", default=[64, 128, 192, 256])
+    parser.add_argument("--tiles", nargs="+", type=parse_tile, default=TILES,
+                        help="tiles as block_m,block_n,block_k,warps,stages")
     args = parser.parse_args()
     torch.manual_seed(0)
     results: dict[str, object] = {"device": torch.cuda.get_device_name()}
@@ -53,7 +61,7 @@ def main() -> None:
 
             reference = cublas().float()
             timings = {"cublas": graph_launch_us(cublas)}
-            for tile in TILES:
+            for tile in args.tiles:
                 config = fp8_gemm.RowwiseGemmConfig(*tile)
 
                 def triton_gemm(values=values, scales=scales, weight=weight,
