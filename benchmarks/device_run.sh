@@ -35,6 +35,7 @@
 #   bash benchmarks/device_run.sh fp8-tests
 #   bash benchmarks/device_run.sh fp8-gemv-sweep fp8-decode-8b   # the FP8 GEMV's launch in the graph
 #   bash benchmarks/device_run.sh fp8-rowwise fp8-throughput-8b   # the row-wise GEMM of batched steps
+#   bash benchmarks/device_run.sh fp8-gemm-tune-8b fp8-throughput-8b  # its tuned tables, then used
 # FP8 experts: the MoE kernel beside bf16 at 1-8192 tokens, one FP8 server, and the
 # FP8 experts' own tuned table (a call of its own):
 #   bash benchmarks/device_run.sh moe-kernel-fp8 serve-fp8-30b-a3b
@@ -44,8 +45,10 @@
 . benchmarks/device_setup.sh >/dev/null 2>&1 || { echo "setup failed"; exit 1; }
 export TOKENIZERS_PARALLELISM=false
 log="$OUT/device.log"
-# Tuned MoE tables written by moe-tune* in this call are read by the parts after it.
+# Tuned MoE and FP8 GEMM tables written by moe-tune* and fp8-gemm-tune-* in this call are
+# read by the parts after it.
 export TRIO_LLM_MOE_CONFIGS="$OUT/moe_configs"
+export TRIO_LLM_FP8_GEMM_CONFIGS="$OUT/fp8_gemm_configs"
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv | tee -a "$log"
 run() {  # run NAME SECONDS COMMAND... (the hybrid family's large models get twice the time)
   local name=$1 seconds=$2; shift 2
@@ -214,6 +217,9 @@ for part in "$@"; do
     fp8-gemv) run fp8-gemv 150 python3 benchmarks/fp8_gemm_bench.py --decode ;;
     # the row-wise FP8 GEMM of batched steps: cuBLAS beside the Triton GEMM's tiles
     fp8-rowwise) run fp8-rowwise 200 python3 benchmarks/fp8_rowwise_bench.py ;;
+    # the row-wise GEMM's tuned tables of a model's projections (commit $OUT/fp8_table_*)
+    fp8-gemm-tune-*) run "$part" 300 python3 benchmarks/fp8_rowwise_bench.py --tune \
+             --model "$(model_of "${part#fp8-gemm-tune-}")" ;;
     # the FP8 GEMV's launch swept inside qwen3-8b's captured decode graph (one row)
     fp8-gemv-sweep) run fp8-gemv-sweep 300 python3 benchmarks/gemv_sweep.py --model qwen3-8b \
              --quantization fp8 ;;
@@ -245,4 +251,7 @@ done
 # named with '_' (rename it to fused_moe.tuned_table_name's form to commit it).
 for table in "$OUT"/moe_configs/*.json; do
   if [ -e "$table" ]; then cp "$table" "$OUT/moe_table_$(basename "$table" | tr ',=' '__')"; fi
+done
+for table in "$OUT"/fp8_gemm_configs/*.json; do
+  if [ -e "$table" ]; then cp "$table" "$OUT/fp8_table_$(basename "$table" | tr ',=' '__')"; fi
 done

@@ -6,6 +6,8 @@ CUDA; ``torch._scaled_mm`` needs a GPU with FP8 (Hopper): its tests are GPU-mark
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -15,6 +17,7 @@ from trio_llm.gpu.kernels import fp8_gemm  # noqa: E402
 from trio_llm.gpu.quantization import (  # noqa: E402
     E4M3,
     E4M3_MAX,
+    Fp8Activation,
     Fp8Weight,
     quantize_row_groups,
     quantize_rows,
@@ -162,6 +165,70 @@ def test_the_rowwise_gemm_is_triton_s_up_to_its_row_count_and_cublas_s_elsewhere
     assert fp8_gemm.rowwise_gemm_config(most, 6 * narrowest) == fp8_gemm.ROWWISE_CONFIG
     assert fp8_gemm.rowwise_gemm_config(most + 1, narrowest) is None
     assert fp8_gemm.rowwise_gemm_config(3, narrowest // 2) is None
+
+
+SMALL_TILE = fp8_gemm.RowwiseGemmConfig(16, 32, 64, 4, 2)
+
+
+def test_a_tuned_table_s_entry_serves_the_row_counts_above_the_one_before():
+    tuned = ((8, SMALL_TILE), (64, None))  # cuBLAS's from 9 to 64 rows
+    narrow = fp8_gemm.ROWWISE_MIN_OUTPUTS // 2  # the default rule gives it cuBLAS's
+    assert fp8_gemm.rowwise_gemm_config(3, narrow, tuned) == SMALL_TILE
+    assert fp8_gemm.rowwise_gemm_config(8, narrow, tuned) == SMALL_TILE
+    assert fp8_gemm.rowwise_gemm_config(9, narrow, tuned) is None
+    assert fp8_gemm.rowwise_gemm_config(9, fp8_gemm.ROWWISE_MIN_OUTPUTS, tuned) is None
+    # past the table: the default rule
+    assert (fp8_gemm.rowwise_gemm_config(65, fp8_gemm.ROWWISE_MIN_OUTPUTS, tuned)
+            == fp8_gemm.ROWWISE_CONFIG)
+    assert fp8_gemm.rowwise_gemm_config(65, narrow, tuned) is None
+
+
+def write_table(folder, weight: torch.Tensor, entries: list[dict]) -> None:
+    device = torch.cuda.get_device_name(weight.device) if weight.is_cuda else "cpu"
+    name = fp8_gemm.tuned_table_name(*weight.shape, device)
+    (folder / name).write_text(json.dumps({"configs": entries}))
+
+
+def test_a_weight_finds_its_shape_s_table_in_the_folder_the_variable_names(
+        tmp_path, monkeypatch):
+    monkeypatch.setenv(fp8_gemm.FP8_GEMM_CONFIGS_ENV, str(tmp_path))
+    weight = torch.zeros(96, 160, dtype=E4M3, device="cuda" if HAS_CUDA else "cpu")
+    write_table(tmp_path, weight, [{"rows": 64, "tile": None},
+                                   {"rows": 8, "tile": [16, 32, 64, 4, 2], "us": 1.0}])
+    assert fp8_gemm.tuned_table(weight) == ((8, SMALL_TILE), (64, None))
+    assert fp8_gemm.tuned_table(weight[:, :128]) == ()  # another shape: none
+
+
+def test_a_malformed_table_is_refused_naming_its_file(tmp_path, monkeypatch):
+    monkeypatch.setenv(fp8_gemm.FP8_GEMM_CONFIGS_ENV, str(tmp_path))
+    weight = torch.zeros(32, 48, dtype=E4M3)
+    write_table(tmp_path, weight, [{"rows": 8, "tile": [16, 32]}])
+    with pytest.raises(ValueError, match="tuned FP8 GEMM table .*out=32,in=48"):
+        fp8_gemm.tuned_table(weight)
+
+
+def test_a_step_takes_the_tile_its_table_gives(tmp_path, monkeypatch):
+    """scaled_mm_rowwise looks its weight's table up: a table that sends 37 rows to a
+    tile the default rule never takes (a narrow layer) gives the tile's product."""
+    monkeypatch.setenv(fp8_gemm.FP8_GEMM_CONFIGS_ENV, str(tmp_path))
+    weight = quantize_rows(torch.randn(96, 128, generator=torch.Generator().manual_seed(3))
+                           * 0.05)
+    values = weight.values.to(DEVICE)
+    write_table(tmp_path, values, [{"rows": 64, "tile": [16, 32, 64, 4, 2]}])
+    chosen = []
+    real = fp8_gemm.rowwise_fp8_matmul
+    monkeypatch.setattr(fp8_gemm, "rowwise_fp8_matmul",
+                        lambda *args: chosen.append(args[-1]) or real(*args))
+    # rows a norm's kernel quantized (Triton's interpreter rounds to e4m3 otherwise)
+    rows, scales = quantize_row_groups(torch.randn(
+        37, 128, generator=torch.Generator().manual_seed(4)), 128)
+    out = fp8_gemm.scaled_mm_rowwise(
+        Fp8Activation(rows.to(DEVICE), scales.to(DEVICE), DTYPE), values,
+        weight.scale.to(DEVICE), None)
+    assert chosen == [SMALL_TILE]
+    expected = (rows.double() * scales.double()) @ weight.dequantize().double().T
+    error = ((out.cpu().double() - expected).norm() / expected.norm()).item()
+    assert error < 1e-2
 
 
 @pytest.mark.gpu

@@ -20,12 +20,16 @@ kernels store the reference's bits.
 
 from __future__ import annotations
 
+import functools
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
+from trio_llm.gpu.kernels import tuned_tables
 from trio_llm.gpu.quantization import E4M3, E4M3_MAX, Fp8Activation
 
 E4M3_LARGEST: tl.constexpr = tl.constexpr(E4M3_MAX)
@@ -84,8 +88,8 @@ def scaled_mm_rowwise(x: torch.Tensor | Fp8Activation, weight: torch.Tensor,
     """``x`` [rows, in] (bf16) times e4m3 ``weight`` [out, in] with ``weight_scale``
     [out, 1]: the activations quantized per token (unless a norm's kernel did it:
     an Fp8Activation), then an FP8 GEMM with row-wise scales (``rowwise_fp8_matmul``
-    where ``rowwise_gemm_config`` gives a tile, cuBLASLt's elsewhere) -> [rows, out] in
-    ``x``'s dtype."""
+    where ``rowwise_gemm_config`` gives a tile, from the weight's tuned table or the
+    default rule, cuBLASLt's elsewhere) -> [rows, out] in ``x``'s dtype."""
     if isinstance(x, Fp8Activation):
         values, scales, dtype = x.values, x.scales, x.dtype
     else:
@@ -95,7 +99,7 @@ def scaled_mm_rowwise(x: torch.Tensor | Fp8Activation, weight: torch.Tensor,
         values, scales = quantize_groups(x)
     if values.shape[0] == 0:
         return torch.empty((0, weight.shape[0]), dtype=dtype, device=values.device)
-    config = rowwise_gemm_config(values.shape[0], weight.shape[0])
+    config = rowwise_gemm_config(values.shape[0], weight.shape[0], tuned_table(weight))
     if config is not None:
         return rowwise_fp8_matmul(values, scales, weight, weight_scale, bias, dtype, config)
     return torch._scaled_mm(values, weight.t(), scale_a=scales, scale_b=weight_scale.t(),
@@ -130,12 +134,69 @@ ROWWISE_MAX_ROWS = 192
 ROWWISE_MIN_OUTPUTS = 4096
 
 
-def rowwise_gemm_config(num_rows: int, num_out: int) -> RowwiseGemmConfig | None:
+# A tuned table: (rows at most, the Triton GEMM's tile or None for cuBLAS's), sorted by
+# rows; each entry serves the row counts above the previous entry's.
+GemmTable = tuple[tuple[int, RowwiseGemmConfig | None], ...]
+
+
+def rowwise_gemm_config(num_rows: int, num_out: int,
+                        tuned: GemmTable = ()) -> RowwiseGemmConfig | None:
     """The Triton GEMM's tile for ``num_rows`` rows of a layer of ``num_out`` outputs, or
-    None: cuBLAS's GEMM."""
+    None: cuBLAS's GEMM. The ``tuned`` table's entry where one serves the row count,
+    else the rule above."""
+    for max_rows, config in tuned:
+        if num_rows <= max_rows:
+            return config
     if num_rows <= ROWWISE_MAX_ROWS and num_out >= ROWWISE_MIN_OUTPUTS:
         return ROWWISE_CONFIG
     return None
+
+
+# A folder of tuned tables searched before gpu/kernels/fp8_gemm_configs/ (a tuning run's
+# output, tried before it is committed; benchmarks/fp8_rowwise_bench.py --tune).
+FP8_GEMM_CONFIGS_ENV = "TRIO_LLM_FP8_GEMM_CONFIGS"
+BUILTIN_CONFIGS = Path(__file__).parent / "fp8_gemm_configs"
+
+
+def tuned_table_name(num_out: int, num_in: int, device_name: str) -> str:
+    """The file name of a tuned table: one per weight shape (this rank's) and device
+    model."""
+    return f"out={num_out},in={num_in},device={device_name.replace(' ', '_')}.json"
+
+
+def tuned_table(weight: torch.Tensor) -> GemmTable:
+    """The tuned table of the e4m3 ``weight`` [out, in] on its device, or () where none
+    was tuned."""
+    num_out, num_in = weight.shape
+    name = tuned_table_name(num_out, num_in, tuned_tables.device_name(weight.device))
+    return _read_found_table(tuned_tables.find_table(name, FP8_GEMM_CONFIGS_ENV,
+                                                     BUILTIN_CONFIGS))
+
+
+@functools.cache
+def _read_found_table(path: Path | None) -> GemmTable:
+    return read_table(path) if path is not None else ()
+
+
+def read_table(path: Path) -> GemmTable:
+    """A tuned table from its JSON file: ``{"configs": [{"rows": R, "tile": T}]}``, T the
+    tile's ``[block_m, block_n, block_k, num_warps, num_stages]`` or null (cuBLAS);
+    sorted by row count."""
+    try:
+        entries = json.loads(path.read_text())["configs"]
+        return tuple(sorted(((int(entry["rows"]), _tile_from_json(entry["tile"]))
+                             for entry in entries), key=lambda entry: entry[0]))
+    except (KeyError, TypeError, ValueError) as error:
+        raise ValueError(f"tuned FP8 GEMM table {path}: {error!r}") from error
+
+
+def _tile_from_json(tile: list[int] | None) -> RowwiseGemmConfig | None:
+    if tile is None:
+        return None
+    if len(tile) != 5:
+        raise ValueError(f"a tile is [block_m, block_n, block_k, num_warps, num_stages], "
+                         f"not {tile}")
+    return RowwiseGemmConfig(*map(int, tile))
 
 
 @triton.jit

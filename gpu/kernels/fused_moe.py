@@ -72,7 +72,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,6 +80,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from trio_llm.gpu.kernels import tuned_tables
 from trio_llm.gpu.kernels.fp8_gemm import quantize_groups
 from trio_llm.gpu.kernels.pdl import pdl_launch, pdl_start
 from trio_llm.gpu.kernels.triton_gemv import scale_block_spans
@@ -227,28 +227,19 @@ def tuned_table_name(num_experts: int, hidden: int, intermediate: int, dtype: to
             f"dtype={dtype_name}{block},device={device_name.replace(' ', '_')}.json")
 
 
-@functools.cache
-def _device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-
-
 def tuned_table(w13: torch.Tensor, scales: ExpertScales | None = None) -> ConfigTable:
     """The tuned table for the layer whose gate/up weights are ``w13`` [E, 2I, H] on its
     device (FP8 experts: with ``scales``), or () where none was tuned."""
     num_experts, two_intermediate, hidden = w13.shape
     name = tuned_table_name(num_experts, hidden, two_intermediate // 2, w13.dtype,
-                            _device_name(w13.device),
+                            tuned_tables.device_name(w13.device),
                             scales.block_size if scales is not None else None)
-    return _find_table(name, os.environ.get(MOE_CONFIGS_ENV, ""))
+    return _read_found_table(tuned_tables.find_table(name, MOE_CONFIGS_ENV, BUILTIN_CONFIGS))
 
 
 @functools.cache
-def _find_table(name: str, folder: str) -> ConfigTable:
-    for directory in ([Path(folder)] if folder else []) + [BUILTIN_CONFIGS]:
-        path = directory / name
-        if path.is_file():
-            return read_table(path)
-    return ()
+def _read_found_table(path: Path | None) -> ConfigTable:
+    return read_table(path) if path is not None else ()
 
 
 def read_table(path: Path) -> ConfigTable:

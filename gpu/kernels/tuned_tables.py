@@ -1,0 +1,35 @@
+"""Where a kernel's tuned tables are found: one JSON file per layer shape and device
+model, named by the kernel (gpu/kernels/fused_moe.py's MoE tables, gpu/kernels/fp8_gemm.py's
+row-wise GEMM tables), searched first in the folder an environment variable names (a
+tuning run's output, tried before it is committed), then in the kernel's own folder of
+committed tables."""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import torch
+
+
+@functools.cache
+def device_name(device: torch.device) -> str:
+    """The device model as a file name takes it ("NVIDIA_H100_80GB_HBM3"; "cpu")."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    return name.replace(" ", "_")
+
+
+def find_table(name: str, folder_variable: str, builtin: Path) -> Path | None:
+    """The table file ``name`` in the folder ``folder_variable`` names, else in
+    ``builtin``; None where neither has one."""
+    return _find_table(name, os.environ.get(folder_variable, ""), builtin)
+
+
+@functools.cache  # a lookup a launch: eager steps look tables up layer by layer
+def _find_table(name: str, folder: str, builtin: Path) -> Path | None:
+    for directory in ([Path(folder)] if folder else []) + [builtin]:
+        path = directory / name
+        if path.is_file():
+            return path
+    return None
