@@ -217,12 +217,32 @@ def _fp8_gemm(model: str) -> None:
             x, _empty(outputs, hidden, dtype=E4M3),
             _empty(triton.cdiv(outputs, 128), triton.cdiv(hidden, 128), dtype=torch.float32),
             (128, 128), None)
-    rows = fp8_gemm.ROWWISE_MAX_ROWS
+    _rowwise_gemm(fp8_gemm.ROWWISE_MAX_ROWS, outputs, hidden, fp8_gemm.ROWWISE_CONFIG)
+
+
+def _rowwise_gemm(rows: int, outputs: int, inputs: int, tile: Any) -> None:
+    from trio_llm.gpu.kernels import fp8_gemm
+
     scales = torch.float32
     fp8_gemm.rowwise_fp8_matmul(
-        _empty(rows, hidden, dtype=E4M3), _empty(rows, 1, dtype=scales),
-        _empty(outputs, hidden, dtype=E4M3), _empty(outputs, 1, dtype=scales), None, BF16,
-        fp8_gemm.ROWWISE_CONFIG)
+        _empty(rows, inputs, dtype=E4M3), _empty(rows, 1, dtype=scales),
+        _empty(outputs, inputs, dtype=E4M3), _empty(outputs, 1, dtype=scales), None, BF16,
+        tile)
+
+
+def _rowwise_gemm_tables() -> None:
+    """Every tile of the row-wise GEMM's tuned tables (any device) at its weight's shape
+    and the largest row count it serves."""
+    from trio_llm.gpu.kernels import fp8_gemm
+
+    for path in sorted(fp8_gemm.BUILTIN_CONFIGS.glob("*.json")):
+        shape = json.loads(path.read_text())["shape"]
+        tiles: dict[Any, int] = {}
+        for rows, tile in fp8_gemm.read_table(path):
+            if tile is not None:
+                tiles[tile] = rows  # sorted by rows: the last is the largest
+        for tile, rows in tiles.items():
+            _rowwise_gemm(rows, shape["out"], shape["in"], tile)
 
 
 def _moe_tables(num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype,
@@ -380,6 +400,7 @@ def _scenarios() -> dict[str, Callable[[], None]]:
             scenarios[f"pdl[{model}]"] = partial(_pdl, model)
         if _is_hybrid(config):
             scenarios[f"linear-attention[{model}]"] = partial(_linear_attention, model)
+    scenarios["fp8-gemm-tables"] = _rowwise_gemm_tables
     scenarios[PAST_BUG] = _large_varlen_tile_at_head_dim_256
     return scenarios
 

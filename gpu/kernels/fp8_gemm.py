@@ -120,14 +120,14 @@ class RowwiseGemmConfig:
     num_stages: int = 3
 
 
-# Steps of up to ROWWISE_MAX_ROWS rows take the Triton GEMM at this tile, larger ones
-# cuBLAS's; so do layers of fewer than ROWWISE_MIN_OUTPUTS outputs, narrower than any it
-# was timed at (a 64-row step gives them fewer than 32 programs). At qwen3-8b's four
-# projections on an H100 (a layer's GEMMs, us): 91.5 against cuBLAS's 102.8 at 128 rows,
-# 93.9 against 107.0 at 96, and with three stages 124.6 against 138.7 at 192; at 256 rows
+# The default rule, for a weight shape or device without a tuned table (below): steps of
+# up to ROWWISE_MAX_ROWS rows take the Triton GEMM at this tile, larger ones cuBLAS's;
+# so do layers of fewer than ROWWISE_MIN_OUTPUTS outputs, narrower than any it was timed
+# at (a 64-row step gives them fewer than 32 programs). At qwen3-8b's four projections
+# on an H100 (a layer's GEMMs, us): 91.5 against cuBLAS's 102.8 at 128 rows, 93.9
+# against 107.0 at 96, and with three stages 124.6 against 138.7 at 192; at 256 rows
 # cuBLAS's 114.2 against 125.3. The nano-vllm workload (FP8 + FP8 KV) went 4.3% faster
-# (benchmarks/fp8_rowwise_bench.py, docs/performance.md). One tile and one K order at
-# every row count it takes, where cuBLAS picks its algorithm by row count.
+# (benchmarks/fp8_rowwise_bench.py, docs/performance.md).
 ROWWISE_CONFIG = RowwiseGemmConfig(block_m=64, block_n=128, block_k=256, num_warps=4,
                                    num_stages=4)
 ROWWISE_MAX_ROWS = 192
@@ -135,7 +135,10 @@ ROWWISE_MIN_OUTPUTS = 4096
 
 
 # A tuned table: (rows at most, the Triton GEMM's tile or None for cuBLAS's), sorted by
-# rows; each entry serves the row counts above the previous entry's.
+# rows; each entry serves the row counts above the previous entry's. qwen3-8b's tables
+# took a layer's GEMMs from the default rule's 98.4 to 94.3 us at 128 rows, 118.1 to
+# 108.8 at 256 and 187.9 to 162.8 at 320 on an H100, and the nano-vllm workload (FP8 +
+# FP8 KV) 1.9% faster (docs/performance.md).
 GemmTable = tuple[tuple[int, RowwiseGemmConfig | None], ...]
 
 
