@@ -167,9 +167,11 @@ for part in "$@"; do
     varlen-wide) run varlen-wide 200 python3 benchmarks/varlen_wide_heads.py ;;
     # the decode kernel alone over bf16 and FP8 caches, 256 sequences and single ones, across
     # tiles (and an earlier kernel file beside the current one:
-    # DECODE_BASELINE=path/triton_attention.py)
+    # DECODE_BASELINE=path/triton_attention.py; some cases and tiles only: DECODE_CASES=batch
+    # DECODE_TILES="64,4,3,128 32,1,3")
     decode-tiles) run decode-tiles 200 python3 benchmarks/decode_tiles_bench.py \
-             ${DECODE_BASELINE:+--baseline "$DECODE_BASELINE"} ;;
+             ${DECODE_BASELINE:+--baseline "$DECODE_BASELINE"} \
+             ${DECODE_CASES:+--cases $DECODE_CASES} ${DECODE_TILES:+--tiles $DECODE_TILES} ;;
     # programmatic dependent launch (gpu/kernels/pdl.py, on by default) off: beside decode-*
     decode-nopdl-*) TRIO_LLM_PDL=0 run "$part" 240 python3 benchmarks/gpu_bench.py decode --model "$(model_of "${part#decode-nopdl-}")" ;;
     decode-*) run "$part" 240 python3 benchmarks/gpu_bench.py decode --model "$(model_of "${part#decode-}")" ;;

@@ -1,11 +1,14 @@
 """The attention kernels' sm_90 instructions, counted on this machine (no GPU needed).
 
     python3 benchmarks/sass_count.py [--attention OLD/triton_attention.py]
+        [--decode-tiles 32,1,3 64,4,3,128]
 
 Compiles the decode and varlen kernels for a capability-90 target (the triton wheel
 ships ptxas and cuobjdump) at qwen3-8b's heads, over a bf16 and an e4m3 cache, exactly
 as ``paged_attention`` would launch them, and prints each kernel's instruction count
-and its shared-memory loads, stores, conversions and matrix instructions by opcode.
+and its shared-memory loads, stores, conversions and matrix instructions by opcode,
+with ptxas's registers and stack bytes a thread (``--decode-tiles``: the decode kernel
+also at those tiles).
 ``--attention`` compiles an earlier copy of gpu/kernels/triton_attention.py instead
 (e.g. from ``git show REV:gpu/kernels/triton_attention.py``). A static count: what a
 tile costs in instructions, not in time.
@@ -53,6 +56,16 @@ def opcodes(cubin: bytes) -> collections.Counter[str]:
     return counts
 
 
+def resource_usage(cubin: bytes) -> str:
+    """ptxas's registers a thread and stack bytes (spills) of the kernel in ``cubin``."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
+        file.write(cubin)
+        file.flush()
+        usage = subprocess.run([str(CUOBJDUMP), "-res-usage", file.name], capture_output=True,
+                               text=True, check=True).stdout
+    return ", ".join(re.findall(r"(?:REG|STACK):\d+", usage))
+
+
 def compile_instead_of_launching(label: str):
     backend = make_backend(TARGET)
 
@@ -67,7 +80,8 @@ def compile_instead_of_launching(label: str):
         shown = ", ".join(f"{name} {count}" for name, count in sorted(counts.items())
                           if SHOWN.match(name))
         print(f"{label} {kernel.fn.__name__}: {sum(counts.values())} instructions, "
-              f"{binary.metadata.shared} bytes shared; {shown}", flush=True)
+              f"{binary.metadata.shared} bytes shared, {resource_usage(binary.asm['cubin'])}; "
+              f"{shown}", flush=True)
 
     return run
 
@@ -75,6 +89,9 @@ def compile_instead_of_launching(label: str):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--attention", help="another copy of gpu/kernels/triton_attention.py")
+    parser.add_argument("--decode-tiles", nargs="+", default=[],
+                        help="also the decode kernel at these tiles, each as "
+                             "positions,warps,stages[,registers]")
     args = parser.parse_args()
     if args.attention:
         spec = importlib.util.spec_from_file_location("other_triton_attention", args.attention)
@@ -97,6 +114,16 @@ def main() -> None:
                 torch.empty(seqs, dtype=torch.int32, device=META),
                 torch.empty(seqs + 1, dtype=torch.int32, device=META), 128**-0.5,
                 num_splits=1)
+        for text in args.decode_tiles:
+            tile = tuple(int(part) for part in text.split(","))
+            JITFunction.run = compile_instead_of_launching(  # type: ignore[method-assign]
+                f"{label} decode tile {tile}")
+            attention.paged_attention(
+                torch.empty(num_seqs, 32, 128, dtype=torch.bfloat16, device=META), cache,
+                cache, torch.empty(num_seqs, 128, dtype=torch.int32, device=META),
+                torch.empty(num_seqs, dtype=torch.int32, device=META),
+                torch.empty(num_seqs + 1, dtype=torch.int32, device=META), 128**-0.5,
+                num_splits=1, decode=attention.DecodeConfig(*tile))
 
 
 if __name__ == "__main__":
