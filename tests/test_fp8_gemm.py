@@ -183,20 +183,29 @@ def test_a_tuned_table_s_entry_serves_the_row_counts_above_the_one_before():
     assert fp8_gemm.rowwise_gemm_config(65, narrow, tuned) is None
 
 
+def device_name(weight: torch.Tensor) -> str:
+    return torch.cuda.get_device_name(weight.device) if weight.is_cuda else "cpu"
+
+
 def write_table(folder, weight: torch.Tensor, entries: list[dict]) -> None:
-    device = torch.cuda.get_device_name(weight.device) if weight.is_cuda else "cpu"
-    name = fp8_gemm.tuned_table_name(*weight.shape, device)
+    name = fp8_gemm.tuned_table_name(*weight.shape, device_name(weight))
     (folder / name).write_text(json.dumps({"configs": entries}))
 
 
 def test_a_weight_finds_its_shape_s_table_in_the_folder_the_variable_names(
-        tmp_path, monkeypatch):
+        tmp_path, monkeypatch, caplog):
     monkeypatch.setenv(fp8_gemm.FP8_GEMM_CONFIGS_ENV, str(tmp_path))
     weight = torch.zeros(96, 160, dtype=E4M3, device="cuda" if HAS_CUDA else "cpu")
     write_table(tmp_path, weight, [{"rows": 64, "tile": None},
                                    {"rows": 8, "tile": [16, 32, 64, 4, 2], "us": 1.0}])
-    assert fp8_gemm.tuned_table(weight) == ((8, SMALL_TILE), (64, None))
-    assert fp8_gemm.tuned_table(weight[:, :128]) == ()  # another shape: none
+    with caplog.at_level("INFO", logger="trio_llm.gpu.kernels.tuned_tables"):
+        assert fp8_gemm.tuned_table(weight) == ((8, SMALL_TILE), (64, None))
+        assert not caplog.records
+        assert fp8_gemm.tuned_table(weight[:, :128]) == ()  # another shape: none, said once
+        assert fp8_gemm.tuned_table(weight[:, :128]) == ()
+    assert [record.getMessage() for record in caplog.records] == [
+        f"no tuned table {fp8_gemm.tuned_table_name(96, 128, device_name(weight))} in "
+        f"{fp8_gemm.BUILTIN_CONFIGS}: the kernel's default tiles serve this shape"]
 
 
 def test_a_malformed_table_is_refused_naming_its_file(tmp_path, monkeypatch):

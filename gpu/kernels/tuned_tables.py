@@ -7,10 +7,13 @@ committed tables."""
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from pathlib import Path
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 @functools.cache
@@ -32,4 +35,7 @@ def _find_table(name: str, folder: str, builtin: Path) -> Path | None:
         path = directory / name
         if path.is_file():
             return path
+    # once a table name (vLLM says the same of its MoE configs): the defaults may be slower
+    logger.info("no tuned table %s in %s: the kernel's default tiles serve this shape",
+                name, builtin)
     return None
