@@ -7,7 +7,9 @@ For each shape (qkv, o, gate_up, down of qwen3-8b) and row count (1, 8, 64, 512,
 4096): bf16 ``F.linear``; the per-channel path (per-token activation quantization +
 ``scaled_mm_rowwise``: the Triton row-wise GEMM or ``torch._scaled_mm`` by its rule,
 fp8_rowwise_bench.py compares the two); the block path (per-token-group quantization + the
-block-scaled Triton GEMM, 128 x 128 weight blocks). Median device time of 50
+block-scaled Triton GEMM, 128 x 128 weight blocks) and, where this torch has
+``F.scaled_mm``, the same quantization with cuBLASLt's block-scaled GEMM (``cublas_block``:
+the scale layout that runs and agrees with the Triton GEMM, printed). Median device time of 50
 launches after 10 warm-ups (CUDA events), in microseconds, and the weight bandwidth
 each reaches (the weight bytes over the time: decode's bound). ``--quick`` runs one
 shape on the CPU (Triton's interpreter): a smoke test of the script, not a figure.
@@ -28,6 +30,7 @@ the projections' share of one token.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -74,10 +77,49 @@ def measure(num_out: int, num_in: int, num_rows: int, device: torch.device) -> d
     if device.type == "cuda":
         results["channel_us"] = device_microseconds(lambda: fp8_gemm.scaled_mm_rowwise(
             x, rows.values, rows.scale, None))
+        cublas_blocks = cublas_block_gemm(x, blocks)
+        if cublas_blocks is not None:
+            results["cublas_block_us"] = device_microseconds(cublas_blocks)
     for name in list(results):
         weight_bytes = num_out * num_in * (2 if name == "bf16_us" else 1)
         results[name.replace("_us", "_weight_gbps")] = weight_bytes / results[name] / 1e3
     return results
+
+
+def cublas_block_gemm(x: torch.Tensor, blocks: Fp8Weight) -> Callable[[], object] | None:
+    """The block path through cuBLASLt instead of the Triton GEMM, where this torch has it
+    (``F.scaled_mm`` with 1 x 128 activation and 128 x 128 weight scales): the same
+    per-token-group quantization, then cuBLAS. None (and a printed reason) where no scale
+    layout runs or none agrees with the Triton GEMM within 1%."""
+    scaled_mm = getattr(F, "scaled_mm", None)
+    if scaled_mm is None:
+        print("cublas blocks: this torch has no F.scaled_mm", flush=True)
+        return None
+    reference = fp8_gemm.block_scaled_linear(x, blocks.values, blocks.scale, BLOCK,
+                                             None).float()
+    values, scales = fp8_gemm.quantize_groups(x, BLOCK[1])
+    activation_scales = {"row-major": scales, "m-major": scales.t().contiguous().t()}
+    weight_scales = {"[K/128, N/128] view": blocks.scale.t(),
+                     "[K/128, N/128] copy": blocks.scale.t().contiguous(),
+                     "[N/128, K/128]": blocks.scale}
+    failures = []
+    for (a_name, scale_a), (b_name, scale_b) in itertools.product(activation_scales.items(),
+                                                                  weight_scales.items()):
+        def run(scale_a=scale_a, scale_b=scale_b) -> torch.Tensor:
+            return scaled_mm(values, blocks.values.t(), scale_a, F.ScalingType.BlockWise1x128,
+                             scale_b, F.ScalingType.BlockWise128x128,
+                             output_dtype=torch.bfloat16)
+        try:
+            error = ((run().float() - reference).norm() / reference.norm()).item()
+        except Exception as failure:  # a layout cuBLAS does not take
+            failures.append(f"{a_name} x {b_name}: {repr(failure)[:100]}")
+            continue
+        if error < 1e-2:
+            print(f"cublas blocks: scales {a_name} x {b_name}", flush=True)
+            return run
+        failures.append(f"{a_name} x {b_name}: relative error {error:.2e}")
+    print("cublas blocks: none ran and agreed;", "; ".join(failures), flush=True)
+    return None
 
 
 def decode_microseconds(run: Callable[[], object]) -> float:
