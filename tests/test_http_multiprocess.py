@@ -27,8 +27,10 @@ from trio_llm.actors.config import EngineConfig
 from trio_llm.actors.messages import SamplingParams
 from trio_llm.api.engine import Engine
 
-# The engine `serve_process` starts: --num-kv-blocks 64 --max-model-len 256.
-CONFIG = EngineConfig(model="tiny", num_kv_blocks=64, max_model_len=256)
+# The engine the first test serves: `serve_process`'s --num-kv-blocks 64, and
+# --max-model-len 512 for its long streams.
+CONFIG = EngineConfig(model="tiny", num_kv_blocks=64, max_model_len=512)
+LONG_STREAMS = ("--max-model-len", "512")
 TIMEOUT = 150
 PROMPTS = ["Once upon a time", "The little dog", "In the morning", "She said"]
 SAMPLINGS = [{"temperature": 0.0}, {"temperature": 1.0, "seed": 11},
@@ -124,7 +126,7 @@ async def test_two_api_servers_serve_the_in_process_outputs_and_survive_one_dyin
     requests = workload()
     with trio.fail_after(TIMEOUT):
         expected = await in_process_texts(requests)
-        async with serve_process(num_api_servers=2) as server:
+        async with serve_process(*LONG_STREAMS, num_api_servers=2) as server:
             results = []
             async with trio.open_nursery() as nursery:
                 async def run(index: int) -> None:
@@ -140,8 +142,10 @@ async def test_two_api_servers_serve_the_in_process_outputs_and_survive_one_dyin
                 num_extra += 1
             num_finished = await metric(server.url, "vllm:request_success_total")
 
-            # One long stream on each API server; then API server 1 dies.
-            long_request = {"prompt": "x", "max_tokens": 200, "ignore_eos": True}
+            # One long stream on each API server; then API server 1 dies. The streams
+            # are long enough that neither ends before both run, however busy the
+            # machine (200 tokens once did); both fit the 64 KV blocks of 16 tokens.
+            long_request = {"prompt": "x", "max_tokens": 480, "ignore_eos": True}
             survivor = await open_stream_on(server, "api-server-0", long_request)
             doomed = await open_stream_on(server, "api-server-1", long_request)
             await wait_metric(server.url, "vllm:num_requests_running", 2)
@@ -169,9 +173,8 @@ async def test_two_api_servers_serve_the_in_process_outputs_and_survive_one_dyin
 
 async def test_a_dead_engine_core_ends_every_request_with_an_error_and_every_process() -> None:
     with trio.fail_after(TIMEOUT):
-        # streams long enough that neither can end before the kill, however busy the
-        # machine (200 tokens once did); both fit the 64 KV blocks of 16 tokens
-        async with serve_process("--max-model-len", "512", num_api_servers=2) as server:
+        # streams long enough that neither can end before the kill (as above)
+        async with serve_process(*LONG_STREAMS, num_api_servers=2) as server:
             request = {"prompt": "x", "max_tokens": 480, "ignore_eos": True}
             streams = [await open_stream_on(server, f"api-server-{index}", request)
                        for index in range(2)]
