@@ -115,6 +115,7 @@ ready_time() {  # issue 24: seconds from `trio-llm serve` to /health 200 (warmed
   kill $pid; wait $pid
 }
 prefix_serve_bench() {  # shared prefixes (vLLM's prefix_repetition), caching on then off
+  # (PREFIX_PROMPTS: fewer than 512 prompts, where a large model's two servers must fit a call)
   local model=$1 port=8012 caching
   for caching in enable no-enable; do
     python3 -m trio_llm.api.cli serve --model "$model" --load-format dummy --port $port --api-server-count 0 \
@@ -122,7 +123,7 @@ prefix_serve_bench() {  # shared prefixes (vLLM's prefix_repetition), caching on
     local pid=$!
     wait_healthy $port
     run "prefix-serve-$caching-$model" 300 python3 -m trio_llm.api.cli bench serve --port $port \
-      --dataset-name prefix_repetition --num-prompts 512 --prefix-repetition-num-prefixes 10 \
+      --dataset-name prefix_repetition --num-prompts "${PREFIX_PROMPTS:-512}" --prefix-repetition-num-prefixes 10 \
       --prefix-repetition-prefix-len 2000 --prefix-repetition-suffix-len 128 \
       --prefix-repetition-output-len 128 --max-concurrency 64 \
       --json "$OUT/prefix-serve-$caching-$model.json" --disable-tqdm
