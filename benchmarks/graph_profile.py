@@ -49,7 +49,6 @@ def profile_graph(executor: CudaModelExecutor, num_seqs: int, num_replays: int,
     if after_decode:
         from gpu_bench import executor_decode_ms_per_token
 
-        assert num_seqs == 1, "--after-decode profiles the one-sequence graph"
         executor_decode_ms_per_token(executor, depth=1, request_id=f"profile-{num_seqs}")
         as_captured, inputs_note = True, " (the inputs of a 128-token prompt's 256th decode step)"
     with torch.inference_mode(), torch.cuda.stream(executor.compute.torch_stream):
@@ -110,6 +109,8 @@ def main() -> None:
                         help="one sequence, profiled at the last step of a real decode "
                              "(a hybrid model's state in its slot)")
     args = parser.parse_args()
+    if args.after_decode and args.num_seqs != [1]:
+        parser.error("--after-decode profiles the one-sequence graph: --num-seqs 1")
     # graphs up to the largest count asked for (a large hybrid model's state slots for
     # the default 256 sequences can leave no memory for the KV cache)
     executor = CudaModelExecutor.create(EngineConfig(
