@@ -153,21 +153,26 @@ class CachedPrefix:
 
     A model with linear-attention layers also needs the state at the prefix's
     end: ``snapshot_slot`` holds it (None: no state, the prefix is empty), and
-    ``num_matched_blocks`` says how many cached blocks matched before the prefix
-    was cut back to the longest with a snapshot (where a new snapshot would help)."""
+    ``matched_block_hashes`` are the hashes of every cached block that matched
+    before the prefix was cut back to the longest with a snapshot (where a new
+    snapshot would help)."""
 
     __slots__ = ("root_hash", "block_ids", "block_hashes", "snapshot_slot",
-                 "num_matched_blocks")
+                 "matched_block_hashes")
 
     def __init__(self, root_hash: bytes | None, block_ids: list[int],
                  block_hashes: list[bytes], snapshot_slot: int | None = None,
-                 num_matched_blocks: int | None = None) -> None:
+                 matched_block_hashes: list[bytes] | None = None) -> None:
         self.root_hash = root_hash
         self.block_ids = block_ids
         self.block_hashes = block_hashes
         self.snapshot_slot = snapshot_slot
-        self.num_matched_blocks = (len(block_ids) if num_matched_blocks is None
-                                   else num_matched_blocks)
+        self.matched_block_hashes = (block_hashes if matched_block_hashes is None
+                                     else matched_block_hashes)
+
+    @property
+    def num_matched_blocks(self) -> int:
+        return len(self.matched_block_hashes)
 
     @property
     def num_blocks(self) -> int:
@@ -745,10 +750,13 @@ class Scheduler:
         return True
 
     def _admit_waiting(self, waiting: deque[WaitingRequest], step: _StepBuilder) -> None:
-        """Start pulled requests in order while budget, seats and blocks allow."""
+        """Start pulled requests in order while budget, seats and blocks allow (and no
+        state this batch saves would give the next one a longer hit)."""
         while waiting and step.budget > 0 and len(self._running) < self.config.max_num_seqs:
-            if not self._try_admit(waiting[0], step):
-                return  # keep the order: nothing overtakes the request that did not fit
+            admission = self._plan_admission(waiting[0], step.prefill_budget)
+            if (self._takes_snapshots and self._waits_for_a_saved_state(admission.prefix, step)
+                    or not self._try_admit(waiting[0], step, admission)):
+                return  # keep the order: nothing overtakes the request that did not start
             waiting.popleft()
 
     # -- helpers ------------------------------------------------------------------
@@ -1059,8 +1067,19 @@ class Scheduler:
                 return CachedPrefix(prefix.root_hash, prefix.block_ids[:num_blocks],
                                     block_hashes[:num_blocks],
                                     state_slots.snapshot_slot(block_hashes[num_blocks - 1]),
-                                    prefix.num_blocks)
-        return CachedPrefix(prefix.root_hash, [], [], None, prefix.num_blocks)
+                                    block_hashes)
+        return CachedPrefix(prefix.root_hash, [], [], None, block_hashes)
+
+    def _waits_for_a_saved_state(self, prefix: CachedPrefix, step: _StepBuilder) -> bool:
+        """Whether a chunk of this batch ends where ``prefix``'s cached blocks reach past
+        its best snapshot. The state there is saved first thing in the next batch, and a
+        request admitted then starts there instead of recomputing the shared part (in
+        vLLM's prefix_repetition, every request admitted beside the one that cuts at the
+        branch point would): so it waits a batch, and those behind it with it."""
+        if not step.snapshots_wanted or prefix.num_matched_blocks <= prefix.num_blocks:
+            return False
+        past_best = set(prefix.matched_block_hashes[prefix.num_blocks:])
+        return any(block_hash in past_best for _, block_hash in step.snapshots_wanted)
 
     def _cache_full_blocks(self, running: RunningRequest) -> None:
         """Cache its blocks that are full of known tokens and scheduled, and not

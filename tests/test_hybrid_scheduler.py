@@ -246,6 +246,37 @@ def test_a_request_past_its_best_snapshot_ends_its_first_chunk_at_the_branch_poi
     assert_reference_outputs(driver, requests)
 
 
+@pytest.mark.parametrize("pipeline_depth", [1, 2])
+def test_a_request_waits_a_batch_for_the_state_its_batch_saves_at_the_branch_point(
+        pipeline_depth):
+    """Three prompts with a shared prefix arrive together: the first computes its own,
+    the second cuts at the branch point, and the third, rather than recompute the
+    shared part beside it, starts the next batch from the state saved there."""
+    requests = [make_request(f"r{index}", PREFIX + [40 + index] * 6, max_tokens=2,
+                             arrival_index=index) for index in range(3)]
+    driver = run_hybrid(requests, pipeline_depth=pipeline_depth, max_num_batched_tokens=64)
+    (first_step, first), *_ = chunks_of(driver, "r0")
+    (second_step, second), *_ = chunks_of(driver, "r1")
+    (third_step, third), *_ = chunks_of(driver, "r2")
+    assert first_step == second_step and second.num_computed_tokens == 0
+    assert len(second.token_ids) == len(PREFIX)  # cut at the branch point
+    assert third_step == second_step + 1 and third.num_computed_tokens == len(PREFIX)
+    assert driver.model.num_restored_tokens == len(PREFIX)
+    assert driver.scheduler.statistics().num_prefix_cache_hits == len(PREFIX)
+    assert_reference_outputs(driver, requests)
+
+
+def test_a_dense_model_never_waits_for_a_state():
+    requests = [make_request(f"r{index}", PREFIX + [40 + index] * 6, max_tokens=2,
+                             arrival_index=index) for index in range(3)]
+    driver = Driver(config(pipeline_depth=1, max_num_batched_tokens=64), 512)
+    driver.submit(*requests)
+    driver.run()
+    steps = {chunks_of(driver, f"r{index}")[0][0] for index in range(3)}
+    assert len(steps) == 1  # all three start in the first batch
+    assert_reference_outputs(driver, requests)
+
+
 def test_the_save_copy_follows_the_chunk_in_the_next_batch_at_depth_two():
     driver = HybridDriver(config(pipeline_depth=2), 64, 8 + 4)
     driver.submit(make_request("r", PREFIX + [50], max_tokens=4))
