@@ -266,14 +266,30 @@ def test_a_request_waits_a_batch_for_the_state_its_batch_saves_at_the_branch_poi
     assert_reference_outputs(driver, requests)
 
 
+@pytest.mark.parametrize("pipeline_depth", [1, 2])
+def test_the_same_prompt_arriving_together_is_computed_once(pipeline_depth):
+    """As the choices of one request (``n``) arrive: the first computes the prompt,
+    the others start from its state at the prompt's last full block a batch later."""
+    requests = [make_request(f"r{index}", PREFIX + [50], max_tokens=3, seed=index,
+                             arrival_index=index) for index in range(3)]
+    driver = run_hybrid(requests, pipeline_depth=pipeline_depth, max_num_batched_tokens=64)
+    first_chunks = [chunks_of(driver, f"r{index}")[0] for index in range(3)]
+    assert [step for step, _ in first_chunks] == [0, 1, 1]
+    assert [chunk.num_computed_tokens for _, chunk in first_chunks] == [0, 12, 12]
+    assert driver.model.num_restored_tokens == 24
+    assert_reference_outputs(driver, requests)
+
+
 def test_a_dense_model_never_waits_for_a_state():
+    """Its requests share the prefix's KV blocks within the batch that computes them."""
     requests = [make_request(f"r{index}", PREFIX + [40 + index] * 6, max_tokens=2,
                              arrival_index=index) for index in range(3)]
     driver = Driver(config(pipeline_depth=1, max_num_batched_tokens=64), 512)
     driver.submit(*requests)
     driver.run()
-    steps = {chunks_of(driver, f"r{index}")[0][0] for index in range(3)}
-    assert len(steps) == 1  # all three start in the first batch
+    first_chunks = [chunks_of(driver, f"r{index}")[0] for index in range(3)]
+    assert [step for step, _ in first_chunks] == [0, 0, 0]
+    assert [chunk.num_computed_tokens for _, chunk in first_chunks] == [0, 12, 12]
     assert_reference_outputs(driver, requests)
 
 
