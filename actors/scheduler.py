@@ -754,9 +754,10 @@ class Scheduler:
         state this batch saves would give the next one a longer hit)."""
         while waiting and step.budget > 0 and len(self._running) < self.config.max_num_seqs:
             admission = self._plan_admission(waiting[0], step.prefill_budget)
-            if (self._takes_snapshots and self._waits_for_a_saved_state(admission.prefix, step)
-                    or not self._try_admit(waiting[0], step, admission)):
-                return  # keep the order: nothing overtakes the request that did not start
+            if self._takes_snapshots and self._waits_for_a_saved_state(admission.prefix, step):
+                return  # it starts next batch, from the state saved there; the order stays
+            if not self._try_admit(waiting[0], step, admission):
+                return  # keep the order: nothing overtakes the request that did not fit
             waiting.popleft()
 
     # -- helpers ------------------------------------------------------------------
