@@ -163,6 +163,12 @@ for part in "$@"; do
     # FP8 experts (per-row and 128x128 block scales) beside bf16, in graphs
     moe-kernel-fp8) run moe-kernel-fp8 300 python3 benchmarks/moe_kernel_bench.py --graph --fp8 ;;
     graph-profile-*) run "$part" 300 python3 benchmarks/graph_profile.py --model "$(model_of "${part#graph-profile-}")" ;;
+    # one sequence's decode graph by kernel and launch grid, PDL off, at the last step of
+    # a real decode (a 128-token prompt's 256th token; a hybrid model's real state)
+    single-profile-fp8-*) TRIO_LLM_PDL=0 run "$part" 240 python3 benchmarks/graph_profile.py \
+             --model "$(model_of "${part#single-profile-fp8-}")" --quantization fp8 --num-seqs 1 --after-decode ;;
+    single-profile-*) TRIO_LLM_PDL=0 run "$part" 240 python3 benchmarks/graph_profile.py \
+             --model "$(model_of "${part#single-profile-}")" --num-seqs 1 --after-decode ;;
     profile-*) run "$part" 200 python3 benchmarks/step_profile.py --model "$(model_of "${part#profile-}")" ;;
     # the varlen kernel at head_dim 256 across tiles (the sweep that chose its tile)
     varlen-wide) run varlen-wide 200 python3 benchmarks/varlen_wide_heads.py ;;
