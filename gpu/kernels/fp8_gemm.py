@@ -20,7 +20,6 @@ kernels store the reference's bits.
 
 from __future__ import annotations
 
-import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -172,13 +171,7 @@ def tuned_table(weight: torch.Tensor) -> GemmTable:
     was tuned."""
     num_out, num_in = weight.shape
     name = tuned_table_name(num_out, num_in, tuned_tables.device_name(weight.device))
-    return _read_found_table(tuned_tables.find_table(name, FP8_GEMM_CONFIGS_ENV,
-                                                     BUILTIN_CONFIGS))
-
-
-@functools.cache
-def _read_found_table(path: Path | None) -> GemmTable:
-    return read_table(path) if path is not None else ()
+    return tuned_tables.load_table(name, FP8_GEMM_CONFIGS_ENV, BUILTIN_CONFIGS, read_table)
 
 
 def read_table(path: Path) -> GemmTable:

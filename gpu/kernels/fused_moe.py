@@ -70,7 +70,6 @@ order, depend on the token count); the batch-invariant path is the CPU one.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -234,12 +233,7 @@ def tuned_table(w13: torch.Tensor, scales: ExpertScales | None = None) -> Config
     name = tuned_table_name(num_experts, hidden, two_intermediate // 2, w13.dtype,
                             tuned_tables.device_name(w13.device),
                             scales.block_size if scales is not None else None)
-    return _read_found_table(tuned_tables.find_table(name, MOE_CONFIGS_ENV, BUILTIN_CONFIGS))
-
-
-@functools.cache
-def _read_found_table(path: Path | None) -> ConfigTable:
-    return read_table(path) if path is not None else ()
+    return tuned_tables.load_table(name, MOE_CONFIGS_ENV, BUILTIN_CONFIGS, read_table)
 
 
 def read_table(path: Path) -> ConfigTable:

@@ -9,7 +9,9 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -23,10 +25,17 @@ def device_name(device: torch.device) -> str:
     return name.replace(" ", "_")
 
 
-def find_table(name: str, folder_variable: str, builtin: Path) -> Path | None:
+def load_table(name: str, folder_variable: str, builtin: Path,
+               read: Callable[[Path], Any]) -> Any:
     """The table file ``name`` in the folder ``folder_variable`` names, else in
-    ``builtin``; None where neither has one."""
-    return _find_table(name, os.environ.get(folder_variable, ""), builtin)
+    ``builtin``, as ``read`` (the kernel's parser) gives it, read once; () where neither
+    folder has one."""
+    return _read_table(_find_table(name, os.environ.get(folder_variable, ""), builtin), read)
+
+
+@functools.cache
+def _read_table(path: Path | None, read: Callable[[Path], Any]) -> Any:
+    return read(path) if path is not None else ()
 
 
 @functools.cache  # a lookup a launch: eager steps look tables up layer by layer
