@@ -195,7 +195,8 @@ class RunningRequest:
                  "min_tokens", "output_token_ids", "num_preemptions", "prefill_token_ids",
                  "num_prefill_tokens", "num_computed_tokens", "num_placeholders", "block_ids",
                  "start_step_id", "scheduled_step_id", "root_hash", "block_hashes", "grammar",
-                 "prompt_logprobs", "state_slot", "snapshot_cuts", "pending_snapshot_slot",
+                 "prompt_logprobs", "state_slot", "snapshot_cuts", "num_matched_tokens",
+                 "pending_snapshot_slot",
                  "num_pending_snapshot_tokens")
 
     def __init__(self, waiting: WaitingRequest, sort_key: tuple[int, ...], step_id: int,
@@ -233,6 +234,9 @@ class RunningRequest:
         # is saved as a prefix-cache snapshot (ascending, past what it computed).
         self.state_slot: int | None = None
         self.snapshot_cuts: list[int] = _NO_IDS
+        # how far its prompt's KV blocks were cached at admission (an earlier request
+        # computed them): a snapshot there is of a prefix known to be shared
+        self.num_matched_tokens = 0
         # Its pending snapshot (decode snapshots): a slot holding its state after its
         # first ``num_pending_snapshot_tokens`` tokens, the last block boundary its
         # decodes reached whose copy a sent batch carries; registered when it stops.
@@ -357,8 +361,9 @@ class _StepBuilder:
         # (source slot, destination slot): states saved as snapshots, then snapshots
         # restored into admitted requests
         self.state_copies: list[tuple[int, int]] = []
-        # (request, block hash): chunks of this step that end where a snapshot is wanted
-        self.snapshots_wanted: list[tuple[RunningRequest, bytes]] = []
+        # (request, block hash, shared): chunks of this step that end where a snapshot is
+        # wanted (shared: where its prefix's KV blocks were cached already)
+        self.snapshots_wanted: list[tuple[RunningRequest, bytes, bool]] = []
         # Decode snapshots: their interval in tokens, whole blocks (0: none taken), and
         # (request, its computed tokens) for each decode of this step that reaches
         # one, whose state the next batch copies into the request's pending snapshot
@@ -414,7 +419,7 @@ class Scheduler:
                             if num_state_slots else None)
         # Chunks that ended where a snapshot is wanted, in a batch already sent: the
         # next batch copies each state out, before its forward (``_save_snapshots``).
-        self._snapshots_wanted: list[tuple[RunningRequest, bytes]] = []
+        self._snapshots_wanted: list[tuple[RunningRequest, bytes, bool]] = []
         # Decodes that completed a block, in the batch sent last: the next batch copies
         # each state into its request's pending snapshot (``_save_decode_snapshots``).
         self._decode_snapshots_wanted: list[tuple[RunningRequest, int]] = []
@@ -734,7 +739,8 @@ class Scheduler:
         if cuts and running.num_computed_tokens == cuts[0]:
             running.snapshot_cuts = cuts[1:]
             num_blocks = cuts[0] // self.block_manager.block_size
-            step.snapshots_wanted.append((running, running.block_hashes[num_blocks - 1]))
+            step.snapshots_wanted.append((running, running.block_hashes[num_blocks - 1],
+                                          cuts[0] <= running.num_matched_tokens))
 
     def _schedule_decode(self, running: RunningRequest, step: _StepBuilder) -> bool:
         """Schedule one decode token into a new block; False if it was preempted.
@@ -754,8 +760,9 @@ class Scheduler:
         state this batch saves would give the next one a longer hit)."""
         while waiting and step.budget > 0 and len(self._running) < self.config.max_num_seqs:
             admission = self._plan_admission(waiting[0], step.prefill_budget)
-            if self._takes_snapshots and self._waits_for_a_saved_state(admission.prefix, step):
-                return  # it starts next batch, from the state saved there; the order stays
+            if self._takes_snapshots and (self._waits_for_a_chunk_seat(waiting[0], admission, step)
+                                          or self._waits_for_a_saved_state(admission.prefix, step)):
+                return  # it starts in a later batch, from a longer hit; the order stays
             if not self._try_admit(waiting[0], step, admission):
                 return  # keep the order: nothing overtakes the request that did not fit
             waiting.popleft()
@@ -790,6 +797,7 @@ class Scheduler:
         if self.state_slots is not None:
             running.state_slot = self.state_slots.allocate()
             running.snapshot_cuts = admission.snapshot_cuts
+            running.num_matched_tokens = prefix.num_matched_blocks * self.block_manager.block_size
             if prefix.snapshot_slot is not None:  # the state at its cached prefix's end
                 step.state_copies.append((prefix.snapshot_slot, running.state_slot))
         self._preempted_request_ids.discard(running.request_id)
@@ -993,10 +1001,10 @@ class Scheduler:
         assert state_slots is not None
         saved = []
         running_by_id = self._running_by_id
-        for running, block_hash in self._snapshots_wanted:
+        for running, block_hash, shared in self._snapshots_wanted:
             if running_by_id.get(running.request_id) is not running:
                 continue
-            snapshot_slot = state_slots.save_snapshot(block_hash)
+            snapshot_slot = state_slots.save_snapshot(block_hash, shared)
             if snapshot_slot is not None:
                 assert running.state_slot is not None
                 step.state_copies.append((running.state_slot, snapshot_slot))
@@ -1022,7 +1030,7 @@ class Scheduler:
             if running.pending_snapshot_slot is None:
                 running.pending_snapshot_slot = state_slots.take_pending()
                 if running.pending_snapshot_slot is None:
-                    continue  # every snapshot slot is pending: no snapshot, no harm
+                    continue  # pending slots are at their limit: no snapshot, no harm
             assert running.state_slot is not None
             step.state_copies.append((running.state_slot, running.pending_snapshot_slot))
             running.num_pending_snapshot_tokens = num_tokens
@@ -1071,6 +1079,17 @@ class Scheduler:
                                     block_hashes)
         return CachedPrefix(prefix.root_hash, [], [], None, block_hashes)
 
+    @staticmethod
+    def _waits_for_a_chunk_seat(waiting: WaitingRequest, admission: _Admission,
+                                step: _StepBuilder) -> bool:
+        """Whether it could start only with a one-token chunk (this batch's chunk seats
+        are taken) while more than one token of its prompt is left. Started so, it would
+        compute its whole prompt, a token a batch, from whatever was cached now; waiting
+        for a seat, it starts after what the chunks ahead of it cache meanwhile (in vLLM's
+        prefix_repetition, a burst of requests would otherwise all miss their prefix)."""
+        return (not step.num_free_chunk_seats
+                and _num_prefill_tokens(waiting) - admission.num_cached_tokens > 1)
+
     def _waits_for_a_saved_state(self, prefix: CachedPrefix, step: _StepBuilder) -> bool:
         """Whether a chunk of this batch ends where ``prefix``'s cached blocks reach past
         its best snapshot. The state there is saved first thing in the next batch, and a
@@ -1080,7 +1099,7 @@ class Scheduler:
         if not step.snapshots_wanted or prefix.num_matched_blocks <= prefix.num_blocks:
             return False
         past_best = set(prefix.matched_block_hashes[prefix.num_blocks:])
-        return any(block_hash in past_best for _, block_hash in step.snapshots_wanted)
+        return any(block_hash in past_best for _, block_hash, _ in step.snapshots_wanted)
 
     def _cache_full_blocks(self, running: RunningRequest) -> None:
         """Cache its blocks that are full of known tokens and scheduled, and not

@@ -9,18 +9,27 @@ A slot is in one of four states:
   slots are kept for them: a sequence admitted under the seat limit always
   gets one, so slots never limit admission beyond seats.
 - *snapshot*: the state at the end of a cached prefix (prefix caching), keyed by
-  the chained hash of the prefix's last full KV block (actors/kv_blocks.py), in
-  least-recently-used order; at most ``num_slots - max_num_seqs`` of them. A
-  snapshot is registered when its save copy is planned (ScheduledBatch.state_copies:
-  copies run before their batch's forward, in order, so any later copy or step
-  reads the saved state).
+  the chained hash of the prefix's last full KV block (actors/kv_blocks.py); at most
+  ``num_slots - max_num_seqs`` of them (the *share*). A snapshot is registered when
+  its save copy is planned (ScheduledBatch.state_copies: copies run before their
+  batch's forward, in order, so any later copy or step reads the saved state).
 - *pending*: a decoding request's state at the last block boundary its decode
   reached, copied there while its blocks are not hashed yet (the decode hot path
-  never hashes). One per running request at most; when it stops, the scheduler
-  registers it as a snapshot under the hash of the block that ended there, or frees
-  it. Pending slots come out of the snapshots' share: snapshots plus pending slots
-  are at most ``num_slots - max_num_seqs``.
+  never hashes). One per running request at most, and at most a quarter of the
+  share (rounded up) in all; when it stops, the scheduler registers it as a
+  snapshot under the hash of the block that ended there, or frees it. Pending
+  slots come out of the share: snapshots plus pending slots are at most the share.
 - *free*: none of these, on a stack (the most recently freed is handed out first).
+
+Which snapshot makes room (a segmented LRU): snapshots known to be *shared* (a
+branch point that a second prompt reached, or one hit since it was saved) are kept
+over *speculative* ones (a prompt's or an answer's end, not hit yet), each kind in
+least-recently-used order. Shared ones hold at most half the share: one more moves
+the least recently used back among the speculative ones, as their most recent. A
+burst of requests on shared prefixes (vLLM's prefix_repetition) saves a prompt's
+end and an answer's boundary for each request; with one LRU order those would push
+out the branch points every later request starts from, and pending slots would take
+the whole share while many requests decode.
 """
 
 from __future__ import annotations
@@ -44,10 +53,13 @@ class StateSlots:
         self.num_total_slots = num_slots
         self.num_running_slots = num_running_slots
         self.max_num_snapshots = num_slots - num_running_slots
+        self.max_num_shared = self.max_num_snapshots // 2
+        self.max_num_pending = -(-self.max_num_snapshots // 4)
         self._free_slots = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._running_slots: set[int] = set()
         # block hash of the prefix's end -> its slot, least recently used first
-        self._snapshots: OrderedDict[bytes, int] = OrderedDict()
+        self._shared: OrderedDict[bytes, int] = OrderedDict()
+        self._speculative: OrderedDict[bytes, int] = OrderedDict()
         self._pending_slots: set[int] = set()
         self.num_snapshot_evictions = 0
 
@@ -57,7 +69,11 @@ class StateSlots:
 
     @property
     def num_snapshots(self) -> int:
-        return len(self._snapshots)
+        return len(self._shared) + len(self._speculative)
+
+    @property
+    def num_shared_snapshots(self) -> int:
+        return len(self._shared)
 
     @property
     def num_pending(self) -> int:
@@ -85,72 +101,101 @@ class StateSlots:
     # -- snapshots -------------------------------------------------------------------
 
     def has_snapshot(self, block_hash: bytes) -> bool:
-        return block_hash in self._snapshots
+        return block_hash in self._shared or block_hash in self._speculative
 
     def snapshot_slot(self, block_hash: bytes) -> int | None:
         """The slot of the snapshot at the end of the prefix ``block_hash`` ends, if
-        any; a hit makes it the most recently used."""
-        slot = self._snapshots.get(block_hash)
+        any; a hit makes it a shared one, the most recently used."""
+        slot = self._speculative.pop(block_hash, None)
         if slot is not None:
-            self._snapshots.move_to_end(block_hash)
+            self._keep_shared(block_hash, slot)
+            return slot
+        slot = self._shared.get(block_hash)
+        if slot is not None:
+            self._shared.move_to_end(block_hash)
         return slot
 
-    def save_snapshot(self, block_hash: bytes) -> int | None:
+    def save_snapshot(self, block_hash: bytes, shared: bool = False) -> int | None:
         """The slot to copy the state at the end of ``block_hash``'s prefix into, now
-        registered under it; the least recently used snapshot makes room when all
-        are taken. None when there is nothing to do: no snapshot slots at all, all
-        of them pending, or that prefix has one already (it becomes the most
-        recently used)."""
+        registered under it (``shared``: a branch point, known to be shared); a
+        speculative snapshot, else a shared one, makes room when the share is used
+        up (the module says which). None when there is nothing to do: no share at
+        all, all of it pending, or that prefix has a snapshot already (it becomes the
+        most recently used of its kind, or shared)."""
         if not self.max_num_snapshots:
             return None
-        if block_hash in self._snapshots:
-            self._snapshots.move_to_end(block_hash)
+        if self.has_snapshot(block_hash):
+            self._refresh(block_hash, shared)
             return None
-        slot = self._take_snapshot_share_slot()
+        slot = self._take_share_slot()
         if slot is not None:
-            self._snapshots[block_hash] = slot
+            if shared:
+                self._keep_shared(block_hash, slot)
+            else:
+                self._speculative[block_hash] = slot
         return slot
 
     def forget_snapshot(self, block_hash: bytes) -> None:
         """Drop a snapshot whose save copy was never sent (no batch carried it). One that
         a later save of the same batch evicted is gone already, its slot that save's."""
-        slot = self._snapshots.pop(block_hash, None)
+        slot = self._shared.pop(block_hash, None)
+        if slot is None:
+            slot = self._speculative.pop(block_hash, None)
         if slot is not None:
             self._free_slots.append(slot)
 
-    def _take_snapshot_share_slot(self) -> int | None:
-        """A slot of the snapshots' share: a free one while the share is not used up,
-        else the least recently used snapshot's; None when every slot of the share
-        is pending (or there is no share)."""
-        if len(self._snapshots) + len(self._pending_slots) < self.max_num_snapshots:
+    def _refresh(self, block_hash: bytes, shared: bool) -> None:
+        if block_hash in self._shared:
+            self._shared.move_to_end(block_hash)
+        elif shared:
+            self._keep_shared(block_hash, self._speculative.pop(block_hash))
+        else:
+            self._speculative.move_to_end(block_hash)
+
+    def _keep_shared(self, block_hash: bytes, slot: int) -> None:
+        """Make it the most recently used shared snapshot; past half the share, the
+        least recently used shared one becomes the most recent speculative one."""
+        self._shared[block_hash] = slot
+        if len(self._shared) > self.max_num_shared:
+            demoted_hash, demoted_slot = self._shared.popitem(last=False)
+            self._speculative[demoted_hash] = demoted_slot
+
+    def _take_share_slot(self) -> int | None:
+        """A slot of the share: a free one while the share is not used up, else the
+        least recently used speculative snapshot's, else the least recently used
+        shared one's; None when every slot of the share is pending (or there is none)."""
+        if self.num_snapshots + len(self._pending_slots) < self.max_num_snapshots:
             return self._free_slots.pop()
-        if not self._snapshots:
-            return None
-        _, slot = self._snapshots.popitem(last=False)
-        self.num_snapshot_evictions += 1
-        return slot
+        for snapshots in (self._speculative, self._shared):
+            if snapshots:
+                _, slot = snapshots.popitem(last=False)
+                self.num_snapshot_evictions += 1
+                return slot
+        return None
 
     # -- pending snapshots (decoding requests) -----------------------------------------
 
     def take_pending(self) -> int | None:
-        """A slot for a decoding request's pending snapshot (see the module), evicting
-        the least recently used snapshot when the share is used up; None when there
-        is no share or all of it is pending."""
-        slot = self._take_snapshot_share_slot()
+        """A slot for a decoding request's pending snapshot (see the module), making
+        room as a save does; None when a quarter of the share is pending already, or
+        all of it is, or there is no share."""
+        if len(self._pending_slots) >= self.max_num_pending:
+            return None
+        slot = self._take_share_slot()
         if slot is not None:
             self._pending_slots.add(slot)
         return slot
 
     def register_pending(self, slot: int, block_hash: bytes) -> bool:
-        """Make a pending slot the snapshot of ``block_hash``'s prefix (the most
-        recently used); False, and the slot freed, when that prefix has one already
-        (the existing one stays: it holds the same state)."""
+        """Make a pending slot the speculative snapshot of ``block_hash``'s prefix (the
+        most recently used); False, and the slot freed, when that prefix has one
+        already (the existing one stays: it holds the same state)."""
         self._pending_slots.remove(slot)
-        if block_hash in self._snapshots:
-            self._snapshots.move_to_end(block_hash)
+        if self.has_snapshot(block_hash):
+            self._refresh(block_hash, shared=False)
             self._free_slots.append(slot)
             return False
-        self._snapshots[block_hash] = slot
+        self._speculative[block_hash] = slot
         return True
 
     def free_pending(self, slot: int) -> None:

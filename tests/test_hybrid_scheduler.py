@@ -280,6 +280,43 @@ def test_the_same_prompt_arriving_together_is_computed_once(pipeline_depth):
     assert_reference_outputs(driver, requests)
 
 
+@pytest.mark.parametrize("pipeline_depth", [1, 2])
+def test_a_burst_waits_for_chunk_seats_rather_than_start_without_its_prefix(pipeline_depth):
+    """Eight distinct prompts take the step's chunk seats; three more on the first one's
+    prefix arrive with them. Rather than start with one-token chunks from an empty
+    state (each would compute the whole shared part, a token a batch), they wait for a
+    seat: the first of them computes the prefix and cuts at the branch point, the
+    other two start there."""
+    def prompt(index: int) -> list[int]:
+        return [(index * 18 + j) % VOCAB_SIZE + 1 for j in range(18)]
+    distinct = [make_request(f"r{index}", prompt(index), max_tokens=2, arrival_index=index)
+                for index in range(MAX_CHUNKED_SEQS)]
+    followers = [make_request(f"f{index}", prompt(0)[:12] + [90 + index] * 6, max_tokens=2,
+                              arrival_index=MAX_CHUNKED_SEQS + index) for index in range(3)]
+    driver = run_hybrid(distinct + followers, pipeline_depth=pipeline_depth,
+                        max_num_seqs=16, max_num_batched_tokens=256)
+    first_chunks = [chunks_of(driver, f"f{index}")[0][1] for index in range(3)]
+    assert all(len(chunk.token_ids) > 1 for chunk in first_chunks)
+    assert [chunk.num_computed_tokens for chunk in first_chunks] == [0, 12, 12]
+    assert driver.scheduler.statistics().num_prefix_cache_hits == 24
+    assert_reference_outputs(driver, distinct + followers)
+
+
+def test_a_branch_point_outlives_the_prompt_ends_saved_after_it():
+    """Two snapshot slots: a shared prefix's branch point is kept while the prompt ends
+    of four unrelated requests come and go, and a later prompt on that prefix starts
+    there (one LRU order over all snapshots would have lost it to the second one)."""
+    driver = run_hybrid([make_request("r0", PREFIX + [40] * 6, max_tokens=2)],
+                        num_snapshots=2, pipeline_depth=1)
+    for index, tail in enumerate([[41] * 6, *([60 + n] * 18 for n in range(4))], start=1):
+        driver.submit(make_request(f"r{index}", PREFIX + tail if index == 1 else tail,
+                                   max_tokens=2, arrival_index=index))
+        driver.run()
+    driver.submit(make_request("last", PREFIX + [42] * 6, max_tokens=2, arrival_index=9))
+    driver.run()
+    assert chunks_of(driver, "last")[0][1].num_computed_tokens == len(PREFIX)
+
+
 def test_a_dense_model_never_waits_for_a_state():
     """Its requests share the prefix's KV blocks within the batch that computes them."""
     requests = [make_request(f"r{index}", PREFIX + [40 + index] * 6, max_tokens=2,

@@ -1,6 +1,6 @@
 """StateSlots: running slots kept for max_num_seqs sequences, snapshots in the
-rest, least recently used first out; checked against a model by a hypothesis
-state machine."""
+rest (a segmented LRU: speculative ones out first, shared ones at most half, pending
+ones at most a quarter); checked against a model by a hypothesis state machine."""
 
 import pytest
 from hypothesis import settings
@@ -71,13 +71,52 @@ def test_without_snapshot_slots_nothing_is_saved():
 def test_the_least_recently_used_snapshot_is_evicted_and_its_slot_reused():
     slots = StateSlots(num_slots=3, num_running_slots=1)
     slot_a = slots.save_snapshot(b"a")
-    slots.save_snapshot(b"b")
-    assert slots.snapshot_slot(b"a") == slot_a  # a hit: "b" is now the oldest
-    slot_b = slots.snapshot_slot(b"b")
-    assert slots.save_snapshot(b"a") is None  # a save of an existing one refreshes it too
-    assert slots.save_snapshot(b"c") == slot_b
-    assert not slots.has_snapshot(b"b") and slots.has_snapshot(b"a")
+    slot_b = slots.save_snapshot(b"b")
+    assert slots.save_snapshot(b"a") is None  # a save of an existing one refreshes it
+    assert slots.save_snapshot(b"c") == slot_b  # "b" is now the oldest
+    assert not slots.has_snapshot(b"b") and slots.snapshot_slot(b"a") == slot_a
     assert slots.num_snapshot_evictions == 1
+
+
+def test_a_hit_keeps_a_snapshot_over_speculative_ones():
+    slots = StateSlots(num_slots=5, num_running_slots=1)  # a share of 4, 2 of them shared
+    slot_a = slots.save_snapshot(b"a")
+    for key in b"bcdefgh":  # prompt ends, one after another, none hit
+        slots.save_snapshot(bytes([key]))
+    assert not slots.has_snapshot(b"a")  # one LRU order: the oldest goes
+    slot_a = slots.save_snapshot(b"a")
+    assert slots.snapshot_slot(b"a") == slot_a and slots.num_shared_snapshots == 1
+    for key in b"ijklmnop":
+        slots.save_snapshot(bytes([key]))
+    assert slots.snapshot_slot(b"a") == slot_a  # the hit one stayed
+    assert slots.num_snapshots == 4 and slots.num_shared_snapshots == 1
+
+
+def test_a_branch_point_is_kept_from_its_save():
+    slots = StateSlots(num_slots=5, num_running_slots=1)
+    slot = slots.save_snapshot(b"branch", shared=True)
+    for key in range(10):
+        slots.save_snapshot(bytes([key]))
+    assert slots.snapshot_slot(b"branch") == slot
+    slots.save_snapshot(b"0", shared=True)  # a speculative one a second prompt reached
+    assert slots.num_shared_snapshots == 2
+
+
+def test_shared_snapshots_hold_at_most_half_the_share():
+    slots = StateSlots(num_slots=5, num_running_slots=1)  # half of 4: 2
+    slots.save_snapshot(b"x")
+    for key in b"abc":
+        slots.save_snapshot(bytes([key]), shared=True)
+    assert slots.num_shared_snapshots == 2 and slots.num_snapshots == 4
+    # "a", the oldest shared, went back among the speculative ones as their newest
+    assert slots.save_snapshot(b"e") is not None
+    assert not slots.has_snapshot(b"x") and slots.has_snapshot(b"a")
+    slots.save_snapshot(b"f")
+    assert not slots.has_snapshot(b"a") and slots.has_snapshot(b"b")
+
+    slots = StateSlots(num_slots=2, num_running_slots=1)  # a share of one: plain LRU
+    slots.save_snapshot(b"a", shared=True)
+    assert slots.num_shared_snapshots == 0 and slots.has_snapshot(b"a")
 
 
 def test_a_forgotten_snapshot_frees_its_slot():
@@ -100,44 +139,58 @@ def test_forgetting_a_snapshot_a_later_save_evicted_leaves_that_saves_slot():
 
 
 def test_pending_slots_share_the_snapshots_budget():
-    slots = StateSlots(num_slots=4, num_running_slots=2)
+    slots = StateSlots(num_slots=6, num_running_slots=2)  # a share of 4, 1 of it pending
     slot_a = slots.save_snapshot(b"a")
+    for key in b"bc":
+        slots.save_snapshot(bytes([key]))
     pending = slots.take_pending()
     assert pending is not None and pending != slot_a and slots.num_pending == 1
+    assert slots.take_pending() is None and slots.num_snapshots == 3  # at the limit
+    slots.free_pending(pending)
+    slots.save_snapshot(b"d")
     assert slots.take_pending() == slot_a  # the share is used up: "a" is evicted
     assert not slots.has_snapshot(b"a") and slots.num_snapshot_evictions == 1
-    assert slots.take_pending() is None  # every slot of the share is pending
-    assert slots.save_snapshot(b"b") is None
     assert StateSlots(num_slots=2, num_running_slots=2).take_pending() is None
 
 
+def test_pending_slots_take_at_most_a_quarter_of_the_share():
+    slots = StateSlots(num_slots=20, num_running_slots=8)  # a share of 12: 3 pending
+    taken = [slots.take_pending() for _ in range(8)]  # eight requests decode
+    assert sum(slot is not None for slot in taken) == 3
+    for key in range(9):  # a save never finds the share taken by pending slots
+        assert slots.save_snapshot(bytes([key]), shared=True) is not None
+
+
 def test_a_pending_slot_is_registered_or_freed():
-    slots = StateSlots(num_slots=4, num_running_slots=1)
+    slots = StateSlots(num_slots=13, num_running_slots=1)  # a share of 12: 3 pending
     first, second, third = slots.take_pending(), slots.take_pending(), slots.take_pending()
     assert first is not None and second is not None and third is not None
     assert slots.register_pending(first, b"a") and slots.snapshot_slot(b"a") == first
     assert not slots.register_pending(second, b"a")  # the existing one stays
     assert slots.snapshot_slot(b"a") == first
     slots.free_pending(third)
-    assert slots.num_pending == 0 and slots.num_snapshots == 1 and slots.num_free_slots == 3
+    assert slots.num_pending == 0 and slots.num_snapshots == 1 and slots.num_free_slots == 12
     with pytest.raises(AssertionError, match="not pending"):
         slots.free_pending(third)
 
 
 class StateSlotsMachine(RuleBasedStateMachine):
-    """Random allocations, frees, saves, hits and pending snapshots (taken, then
-    registered or freed) against a plain model: running, pending and snapshot slots
-    are distinct, and the running ones never short of the seats."""
+    """Random allocations, frees, saves (speculative and shared), hits and pending
+    snapshots (taken, then registered or freed) against a plain model of the
+    segmented LRU: running, pending and snapshot slots are distinct, the running ones
+    never short of the seats, and each kind of snapshot in the modelled order."""
 
-    NUM_SLOTS = 7
+    NUM_SLOTS = 11
     NUM_RUNNING_SLOTS = 4
+    SHARE = NUM_SLOTS - NUM_RUNNING_SLOTS  # 7: at most 3 shared, at most 2 pending
 
     def __init__(self) -> None:
         super().__init__()
         self.slots = StateSlots(self.NUM_SLOTS, self.NUM_RUNNING_SLOTS)
         self.running: list[int] = []
         self.pending: list[int] = []
-        self.snapshot_order: list[bytes] = []  # least recently used first
+        self.shared: list[bytes] = []  # least recently used first
+        self.speculative: list[bytes] = []
         self.slot_of: dict[bytes, int] = {}
 
     @precondition(lambda self: len(self.running) < self.NUM_RUNNING_SLOTS)
@@ -152,27 +205,30 @@ class StateSlotsMachine(RuleBasedStateMachine):
         self.running.remove(slot)
         self.slots.free(slot)
 
-    @rule(key=st.integers(0, 5))
-    def save(self, key):
+    @rule(key=st.integers(0, 9), shared=st.booleans())
+    def save(self, key, shared):
         block_hash = bytes([key])
-        slot = self.slots.save_snapshot(block_hash)
-        if block_hash in self.snapshot_order:
+        slot = self.slots.save_snapshot(block_hash, shared)
+        if self._has(block_hash):
             assert slot is None
-            self.snapshot_order.remove(block_hash)
-        elif not self._take_share_slot(slot):
-            return
-        else:
+            self._refresh(block_hash, shared)
+        elif self._take_share_slot(slot):
             self.slot_of[block_hash] = slot
-        self.snapshot_order.append(block_hash)
+            if shared:
+                self._keep_shared(block_hash)
+            else:
+                self.speculative.append(block_hash)
 
     @rule()
     def take_pending(self):
         slot = self.slots.take_pending()
-        if self._take_share_slot(slot):
+        if len(self.pending) >= -(-self.SHARE // 4):
+            assert slot is None
+        elif self._take_share_slot(slot):
             self.pending.append(slot)
 
     @precondition(lambda self: self.pending)
-    @rule(data=st.data(), key=st.integers(0, 5), register=st.booleans())
+    @rule(data=st.data(), key=st.integers(0, 9), register=st.booleans())
     def stop_pending(self, data, key, register):
         slot = data.draw(st.sampled_from(self.pending))
         self.pending.remove(slot)
@@ -181,46 +237,69 @@ class StateSlotsMachine(RuleBasedStateMachine):
             return
         block_hash = bytes([key])
         registered = self.slots.register_pending(slot, block_hash)
-        assert registered == (block_hash not in self.snapshot_order)
-        if block_hash in self.snapshot_order:
-            self.snapshot_order.remove(block_hash)
-        else:
+        assert registered == (not self._has(block_hash))
+        if registered:
             self.slot_of[block_hash] = slot
-        self.snapshot_order.append(block_hash)
+            self.speculative.append(block_hash)
+        else:
+            self._refresh(block_hash, shared=False)
+
+    @rule(key=st.integers(0, 9))
+    def hit(self, key):
+        block_hash = bytes([key])
+        slot = self.slots.snapshot_slot(block_hash)
+        assert (slot is not None) == self._has(block_hash)
+        if slot is not None:
+            assert slot == self.slot_of[block_hash]
+            self._refresh(block_hash, shared=True)
+
+    def _has(self, block_hash):
+        return block_hash in self.shared or block_hash in self.speculative
+
+    def _refresh(self, block_hash, shared):
+        if block_hash in self.shared:
+            self.shared.remove(block_hash)
+            self.shared.append(block_hash)
+        elif shared:
+            self.speculative.remove(block_hash)
+            self._keep_shared(block_hash)
+        else:
+            self.speculative.remove(block_hash)
+            self.speculative.append(block_hash)
+
+    def _keep_shared(self, block_hash):
+        self.shared.append(block_hash)
+        if len(self.shared) > self.SHARE // 2:
+            self.speculative.append(self.shared.pop(0))
 
     def _take_share_slot(self, slot):
-        """Check a slot taken from the snapshots' share: a free one while the share
-        lasts, else the least recently used snapshot's, else none (all pending)."""
-        if len(self.snapshot_order) + len(self.pending) < self.NUM_SLOTS - self.NUM_RUNNING_SLOTS:
+        """Check a slot taken from the share: a free one while the share lasts, else
+        the oldest speculative snapshot's, else the oldest shared one's, else none."""
+        num_taken = len(self.shared) + len(self.speculative) + len(self.pending)
+        if num_taken < self.SHARE:
             assert slot is not None
-        elif self.snapshot_order:
-            assert slot == self.slot_of.pop(self.snapshot_order.pop(0))
+        elif self.speculative or self.shared:
+            oldest = (self.speculative or self.shared).pop(0)
+            assert slot == self.slot_of.pop(oldest)
         else:
             assert slot is None
         assert slot not in self.running and slot not in self.pending
         return slot is not None
 
-    @rule(key=st.integers(0, 5))
-    def hit(self, key):
-        block_hash = bytes([key])
-        slot = self.slots.snapshot_slot(block_hash)
-        assert (slot is not None) == (block_hash in self.snapshot_order)
-        if slot is not None:
-            self.snapshot_order.remove(block_hash)
-            self.snapshot_order.append(block_hash)
-
     @invariant()
     def slots_are_accounted_for(self):
-        snapshot_slots = {self.slots.snapshot_slot(h) for h in list(self.snapshot_order)}
-        # (reading refreshed them in their own order: the order stays as modelled)
-        assert snapshot_slots == {self.slot_of[h] for h in self.snapshot_order}
-        held = self.running + self.pending + list(snapshot_slots)
+        # white-box: each kind's order as modelled, read without refreshing anything
+        assert list(self.slots._shared.items()) == [(h, self.slot_of[h]) for h in self.shared]
+        assert (list(self.slots._speculative.items())
+                == [(h, self.slot_of[h]) for h in self.speculative])
+        snapshot_slots = [self.slot_of[h] for h in self.shared + self.speculative]
+        held = self.running + self.pending + snapshot_slots
         assert len(set(held)) == len(held)
-        assert self.slots.num_snapshots == len(self.snapshot_order) == len(snapshot_slots)
+        assert len(self.shared) <= self.SHARE // 2
         assert self.slots.num_pending == len(self.pending)
         assert self.slots.num_free_slots + len(held) == self.NUM_SLOTS
 
 
 TestStateSlotsMachine = StateSlotsMachine.TestCase
-TestStateSlotsMachine.settings = settings(max_examples=60, stateful_step_count=40,
+TestStateSlotsMachine.settings = settings(max_examples=100, stateful_step_count=50,
                                           deadline=None)
