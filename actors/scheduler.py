@@ -44,7 +44,9 @@ copies), registered when the request stops under the hash of the block that ende
 there (``_register_pending_snapshot``), so the next turn of a conversation starts
 past the answer too. A step of such a model holds at most ``MAX_CHUNKED_SEQS``
 chunks of two tokens or more (``_StepBuilder.prefill_budget``: later chunks get one
-token). docs/architecture.md, "Models with linear-attention layers".
+token; with prefix caching on, a request that would start with one waits for a seat,
+``_waits_for_a_chunk_seat``). docs/architecture.md, "Models with linear-attention
+layers".
 
 An embedding request (``Request.pooling``, the pooling runner) is a prefill like any
 other whose last chunk pools (``pool``) instead of sampling; it finishes, and frees its

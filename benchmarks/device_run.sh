@@ -60,8 +60,10 @@ run() {  # run NAME SECONDS COMMAND... (the hybrid family's large models get twi
 model_of() {  # model_of SUFFIX: a part's model (qwen3-SUFFIX, or SUFFIX if it names one)
   case $1 in qwen*) echo "$1" ;; *) echo "qwen3-$1" ;; esac
 }
-wait_healthy() {  # wait_healthy PORT: until the server there answers /health (420 s at most)
+wait_healthy() {  # wait_healthy PORT PID: until the server there answers /health (420 s at
+  # most), or its process PID is gone (it failed to start: its log says why)
   for _ in $(seq 1 420); do
+    kill -0 "$2" 2>/dev/null || { echo "the server on port $1 exited before it was ready"; return 1; }
     python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$1/health')" \
       2>/dev/null && return
     sleep 1
@@ -74,7 +76,7 @@ serve_bench() {  # (d): the server in the background, `trio-llm bench serve` aga
   python3 -m trio_llm.api.cli serve --model "$model" --load-format dummy --port $port --api-server-count 0 \
     "$@" > "$OUT/server-$model$tag.log" 2>&1 &
   local pid=$!
-  wait_healthy $port
+  wait_healthy $port $pid
   run "serve-$model$tag" "$seconds" python3 -m trio_llm.api.cli bench serve --port $port \
     --num-prompts 512 --random-input-len 1024 --random-output-len 128 --max-concurrency 64 \
     --json "$OUT/serve-$model$tag.json" --disable-tqdm
@@ -94,7 +96,7 @@ serve_twice_bench() {  # issue 24: the first run after start against the same ru
   python3 -m trio_llm.api.cli serve --model "$model" --load-format dummy --port $port --api-server-count 0 \
     > "$OUT/server-twice-$model.log" 2>&1 &
   local pid=$!
-  wait_healthy $port
+  wait_healthy $port $pid
   for round in first repeated; do
     seed=0; [ $round = repeated ] && seed=1
     run "serve-$round-$model" 300 python3 -m trio_llm.api.cli bench serve --port $port \
@@ -109,19 +111,22 @@ ready_time() {  # issue 24: seconds from `trio-llm serve` to /health 200 (warmed
   python3 -m trio_llm.api.cli serve --model "$model" --load-format dummy --port $port --api-server-count 0 \
     > "$OUT/server-ready-$model.log" 2>&1 &
   local pid=$!
-  wait_healthy $port
+  wait_healthy $port $pid
   echo "=== ready-$model: $(python3 -c "print(round($(date +%s.%N) - $start, 1))") s to ready" | tee -a "$log"
   grep -E "KV cache|warmed|captured" "$OUT/server-ready-$model.log" | tee -a "$log"
   kill $pid; wait $pid
 }
 prefix_serve_bench() {  # shared prefixes (vLLM's prefix_repetition), caching on then off
-  # (PREFIX_PROMPTS: fewer than 512 prompts, where a large model's two servers must fit a call)
+  # (PREFIX_PROMPTS: fewer than 512 prompts, where a large model's two servers must fit a call;
+  # PREFIX_SERVER_FLAGS: more flags for both servers, e.g. --max-num-seqs 64 for qwen3.5-27b
+  # on an H100)
   local model=$1 port=8012 caching
   for caching in enable no-enable; do
+    # shellcheck disable=SC2086  # the flags split into words
     python3 -m trio_llm.api.cli serve --model "$model" --load-format dummy --port $port --api-server-count 0 \
-      --$caching-prefix-caching > "$OUT/server-prefix-$caching-$model.log" 2>&1 &
+      --$caching-prefix-caching ${PREFIX_SERVER_FLAGS:-} > "$OUT/server-prefix-$caching-$model.log" 2>&1 &
     local pid=$!
-    wait_healthy $port
+    wait_healthy $port $pid
     run "prefix-serve-$caching-$model" 300 python3 -m trio_llm.api.cli bench serve --port $port \
       --dataset-name prefix_repetition --num-prompts "${PREFIX_PROMPTS:-512}" --prefix-repetition-num-prefixes 10 \
       --prefix-repetition-prefix-len 2000 --prefix-repetition-suffix-len 128 \

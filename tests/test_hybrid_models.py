@@ -27,6 +27,7 @@ from test_model_support import (
 
 from trio_llm.actors.config import EngineConfig
 from trio_llm.actors.messages import NewRequestData, ScheduledBatch, ScheduledRequest
+from trio_llm.gpu.errors import ModelLoadError
 from trio_llm.gpu.executor import ModelExecutor
 from trio_llm.gpu.layers.linear_attention import GatedDeltaNet, StateCache
 from trio_llm.gpu.loader import load_model
@@ -110,6 +111,18 @@ def test_snapshot_slots_come_from_max_state_snapshots_or_a_quarter_of_the_memory
     state_bytes = executor.num_state_slots * slot_bytes
     bytes_per_block = 16 * executor.model.kv_cache_bytes_per_token
     assert executor.num_kv_blocks == int((0.001 * 2**30 - state_bytes) // bytes_per_block)
+
+
+def test_running_states_beyond_memory_are_refused_with_the_max_num_seqs_that_fits(checkpoint):
+    """A hybrid model at a max_num_seqs whose running states alone outgrow the cache
+    memory (qwen3.5-27b at the default 256 on an H100) is refused with the number to
+    pass, not a negative budget."""
+    directory, _ = checkpoint
+    slot_bytes = _executor(directory).model.state_bytes_per_slot
+    cache_gib = 100 * slot_bytes / 2**30  # room for 100 states
+    with pytest.raises(ModelLoadError, match=r"256 running sequences \(--max-num-seqs\).*"
+                                             r"pass --max-num-seqs 50 or fewer"):
+        _executor(directory, max_num_seqs=256, num_kv_blocks=None, cpu_kv_cache_gib=cache_gib)
 
 
 def test_a_requests_logits_are_the_same_bits_alone_batched_or_preempted(checkpoint, prompts):
