@@ -758,8 +758,9 @@ class Scheduler:
         return True
 
     def _admit_waiting(self, waiting: deque[WaitingRequest], step: _StepBuilder) -> None:
-        """Start pulled requests in order while budget, seats and blocks allow (and no
-        state this batch saves would give the next one a longer hit)."""
+        """Start pulled requests in order while budget, seats and blocks allow (and, with
+        state snapshots, while neither a state this batch saves nor waiting for a chunk
+        seat would give the next one a longer hit)."""
         while waiting and step.budget > 0 and len(self._running) < self.config.max_num_seqs:
             admission = self._plan_admission(waiting[0], step.prefill_budget)
             if self._takes_snapshots and (self._waits_for_a_chunk_seat(waiting[0], admission, step)
