@@ -60,7 +60,7 @@ from trio_llm.actors.wire import open_wire_channel
 from trio_llm.api.engine import Engine, created_executor
 from trio_llm.api.metrics import MULTIPROCESS_DIR_VARIABLE
 from trio_llm.api.server import ServerConfig
-from trio_llm.api.serving import receiving_stop_signals, serve, stop_on_signals
+from trio_llm.api.serving import fault_line, receiving_stop_signals, serve, stop_on_signals
 from trio_llm.api.warm_up import WarmUpPlan
 
 logger = logging.getLogger(__name__)
@@ -342,12 +342,22 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"%(asctime)s [{name}] %(name)s %(message)s")
     engine_config = msgspec.json.decode(args.engine_config, type=EngineConfig)
-    if args.role == "core":
-        fds = [int(fd) for fd in args.fds.split(",") if fd]
-        return trio.run(_run_core, engine_config, fds)
-    server_config = msgspec.json.decode(args.server_config, type=ServerConfig)
-    return trio.run(_run_api_server, engine_config, server_config, args.index, args.core_fd,
-                    args.listen_fd, args.lifeline_fd)
+    try:
+        if args.role == "core":
+            fds = [int(fd) for fd in args.fds.split(",") if fd]
+            return trio.run(_run_core, engine_config, fds)
+        server_config = msgspec.json.decode(args.server_config, type=ServerConfig)
+        return trio.run(_run_api_server, engine_config, server_config, args.index,
+                        args.core_fd, args.listen_fd, args.lifeline_fd)
+    except Exception as error:
+        # One line, as `trio-llm` itself writes a failure (api/cli.py main): a model
+        # the core cannot load is a user's problem, not a traceback.
+        if args.log_level.upper() == "DEBUG":
+            raise
+        logger.error("%s failed: %s (--log-level debug shows where)",
+                     "the engine core" if args.role == "core" else f"API server {args.index}",
+                     fault_line(error))
+        return 1
 
 
 if __name__ == "__main__":

@@ -463,13 +463,15 @@ def _num_kv_blocks_for_memory(model: CausalLM, config: EngineConfig,
         # max_num_seqs can need more than the memory left after its weights. Refused
         # with the number that fits, not capped, as vLLM does for its Mamba cache blocks
         num_fitting = int(cache_bytes / 2 // model.state_bytes_per_slot)
+        memory_flag = ("--gpu-memory-utilization" if model.device.type == "cuda"
+                       else "--cpu-kv-cache-gib")
         raise ModelLoadError(
             f"no memory left for the KV cache: {config.max_num_seqs} running sequences "
             f"(--max-num-seqs) and the prefix-cache snapshots take {state_bytes / GIB:.2f} GiB "
             f"of state slots ({model.state_bytes_per_slot / 2**20:.1f} MiB each), the caches "
             f"may take {cache_bytes / GIB:.2f} GiB: pass --max-num-seqs {num_fitting} or "
             f"fewer (their states in half of it), or give the caches more memory "
-            f"(--gpu-memory-utilization)")
+            f"({memory_flag})")
     if num_blocks < 1:
         raise ModelLoadError(f"no memory left for the KV cache ({budget / GIB:.2f} GiB budget "
                              f"after {state_bytes / GIB:.2f} GiB of state slots, "

@@ -253,3 +253,24 @@ async def test_a_second_server_on_a_busy_port_fails_at_once_and_takes_no_connect
         assert result.returncode != 0
         assert len(lines) == 1 and f"port {port}" in lines[0], lines
     assert set(names) == {"tiny"}
+
+
+async def test_a_model_the_core_cannot_load_fails_in_one_line_in_either_layout() -> None:
+    """A load-time error of the engine core (a KV cache that does not fit) ends
+    `trio-llm serve` non-zero with the error on one line, no traceback, in the served
+    layout (the core is a child process) as in-process."""
+    import sys
+
+    outputs = []
+    with trio.fail_after(TIMEOUT):
+        for num_api_servers in (0, 1):
+            command = [sys.executable, "-m", "trio_llm.api.cli", "serve", "--model", "tiny",
+                       "--port", "0", "--cpu-kv-cache-gib", "0.0000001",
+                       "--api-server-count", str(num_api_servers)]
+            result = await trio.run_process(command, capture_stderr=True, check=False)
+            assert result.returncode != 0
+            outputs.append(result.stderr.decode())
+    for output in outputs:
+        assert "Traceback" not in output, output
+        failures = [line for line in output.splitlines() if "ModelLoadError" in line]
+        assert len(failures) == 1 and "no memory left for the KV cache" in failures[0], output
