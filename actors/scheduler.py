@@ -80,7 +80,9 @@ worker thread). Its tokens are those of depth 1.
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections import deque
+from collections.abc import Iterable
 from typing import Any, cast
 
 import msgspec
@@ -762,7 +764,8 @@ class Scheduler:
         state snapshots, while neither a state this batch saves nor waiting for a chunk
         seat would give the next one a longer hit)."""
         while waiting and step.budget > 0 and len(self._running) < self.config.max_num_seqs:
-            admission = self._plan_admission(waiting[0], step.prefill_budget)
+            admission = self._plan_admission(waiting[0], step.prefill_budget,
+                                             followers=itertools.islice(waiting, 1, None))
             if self._takes_snapshots and (self._waits_for_a_chunk_seat(waiting[0], admission, step)
                                           or self._waits_for_a_saved_state(admission.prefix, step)):
                 return  # it starts in a later batch, from a longer hit; the order stays
@@ -772,13 +775,15 @@ class Scheduler:
 
     # -- helpers ------------------------------------------------------------------
 
-    def _plan_admission(self, waiting: WaitingRequest, budget: int) -> _Admission:
+    def _plan_admission(self, waiting: WaitingRequest, budget: int,
+                        followers: Iterable[WaitingRequest] = ()) -> _Admission:
         """What starting ``waiting`` now would take: its cached prefix, the tokens
-        of its first chunk and the new blocks they need."""
+        of its first chunk and the new blocks they need (``followers``: the requests
+        pulled behind it, whose prompts may share a prefix with its own)."""
         prefix = self._find_cached_prefix(waiting) if self._caches_prefixes else _NO_PREFIX
         num_cached_tokens = prefix.num_blocks * self.block_manager.block_size
-        snapshot_cuts = (self._snapshot_cuts(waiting, prefix) if self._takes_snapshots
-                         else _NO_IDS)
+        snapshot_cuts = (self._snapshot_cuts(waiting, prefix, followers)
+                         if self._takes_snapshots else _NO_IDS)
         end = snapshot_cuts[0] if snapshot_cuts else _num_prefill_tokens(waiting)
         num_tokens = min(end - num_cached_tokens, budget)
         num_new_blocks = self.block_manager.blocks_needed(num_cached_tokens + num_tokens,
@@ -1053,16 +1058,20 @@ class Scheduler:
             return
         state_slots.register_pending(slot, running.block_hashes[num_blocks - 1])
 
-    def _snapshot_cuts(self, waiting: WaitingRequest, prefix: CachedPrefix) -> list[int]:
+    def _snapshot_cuts(self, waiting: WaitingRequest, prefix: CachedPrefix,
+                       followers: Iterable[WaitingRequest] = ()) -> list[int]:
         """Where its prefill should end a chunk so that the state there is saved:
         the end of its cached blocks when they reach past its best snapshot (the
         branch point of prompts that share a prefix: the next one with that prefix
-        starts there), and the end of its prompt's last full block (the next turn
-        of a conversation starts there)."""
+        starts there), the end of the longest prefix it shares with a request
+        pulled behind it (the same branch point, found before any of it is cached:
+        a burst of such prompts computes the shared part once), and the end of its
+        prompt's last full block (the next turn of a conversation starts there)."""
         block_size = self.block_manager.block_size
         num_cached_tokens = prefix.num_blocks * block_size
         num_prefill_tokens = _num_prefill_tokens(waiting)
         cuts = {prefix.num_matched_blocks * block_size,
+                _num_tokens_shared(waiting, followers, block_size),
                 len(waiting.request.prompt_token_ids) // block_size * block_size}
         return sorted(cut for cut in cuts if num_cached_tokens < cut <= num_prefill_tokens)
 
@@ -1182,6 +1191,31 @@ def model_identity(config: EngineConfig) -> str:
 
 def _num_prefill_tokens(waiting: WaitingRequest) -> int:
     return len(waiting.request.prompt_token_ids) + len(waiting.output_token_ids)
+
+
+def _num_tokens_shared(waiting: WaitingRequest, followers: Iterable[WaitingRequest],
+                       block_size: int) -> int:
+    """The longest whole-block prefix of its prompt that a follower's prompt (with the
+    same cache salt) starts with. Slices compare in C; a follower that cannot beat the
+    best so far costs one comparison, so an unrelated burst costs one per follower."""
+    tokens = waiting.request.prompt_token_ids
+    salt = waiting.request.cache_salt
+    num_shared_blocks = 0
+    for follower in followers:
+        other = follower.request.prompt_token_ids
+        low = num_shared_blocks + 1  # fewest blocks that beat the best so far
+        high = min(len(tokens), len(other)) // block_size
+        if (follower.request.cache_salt != salt or low > high
+                or tokens[:low * block_size] != other[:low * block_size]):
+            continue
+        while low < high:  # the most blocks both start with, in [low, high]
+            middle = (low + high + 1) // 2
+            if tokens[:middle * block_size] == other[:middle * block_size]:
+                low = middle
+            else:
+                high = middle - 1
+        num_shared_blocks = low
+    return num_shared_blocks * block_size
 
 
 # -- the actor ------------------------------------------------------------------

@@ -34,8 +34,8 @@ from test_scheduler import (
 )
 
 from trio_llm.actors.config import MAX_CHUNKED_SEQS, EngineConfig
-from trio_llm.actors.messages import ScheduledBatch, StepResult
-from trio_llm.actors.scheduler import Scheduler
+from trio_llm.actors.messages import ScheduledBatch, StepResult, WaitingRequest
+from trio_llm.actors.scheduler import Scheduler, _num_tokens_shared
 
 State = tuple[int, int]  # (context hash, tokens seen)
 
@@ -249,20 +249,72 @@ def test_a_request_past_its_best_snapshot_ends_its_first_chunk_at_the_branch_poi
 @pytest.mark.parametrize("pipeline_depth", [1, 2])
 def test_a_request_waits_a_batch_for_the_state_its_batch_saves_at_the_branch_point(
         pipeline_depth):
-    """Three prompts with a shared prefix arrive together: the first computes its own,
-    the second cuts at the branch point, and the third, rather than recompute the
-    shared part beside it, starts the next batch from the state saved there."""
+    """After a first prompt, two more with its prefix arrive together: the second
+    finds the prefix's blocks but no state there, computes it and cuts at the branch
+    point; the third, rather than recompute the shared part beside it, starts the
+    next batch from the state saved there."""
     requests = [make_request(f"r{index}", PREFIX + [40 + index] * 6, max_tokens=2,
                              arrival_index=index) for index in range(3)]
-    driver = run_hybrid(requests, pipeline_depth=pipeline_depth, max_num_batched_tokens=64)
-    (first_step, first), *_ = chunks_of(driver, "r0")
+    driver = run_hybrid(requests[:1], pipeline_depth=pipeline_depth, max_num_batched_tokens=64)
+    driver.submit(*requests[1:])
+    driver.run()
     (second_step, second), *_ = chunks_of(driver, "r1")
     (third_step, third), *_ = chunks_of(driver, "r2")
-    assert first_step == second_step and second.num_computed_tokens == 0
+    assert second.num_computed_tokens == 0
     assert len(second.token_ids) == len(PREFIX)  # cut at the branch point
     assert third_step == second_step + 1 and third.num_computed_tokens == len(PREFIX)
     assert driver.model.num_restored_tokens == len(PREFIX)
     assert driver.scheduler.statistics().num_prefix_cache_hits == len(PREFIX)
+    assert_reference_outputs(driver, requests)
+
+
+@pytest.mark.parametrize("pipeline_depth", [1, 2])
+def test_prompts_arriving_together_on_one_prefix_compute_it_once(pipeline_depth):
+    """Three prompts with a shared prefix arrive together, none of it cached: the
+    first finds the prefix shared with those pulled behind it and cuts there; the
+    others wait a batch and start from the state saved there."""
+    requests = [make_request(f"r{index}", PREFIX + [40 + index] * 6, max_tokens=2,
+                             arrival_index=index) for index in range(3)]
+    driver = run_hybrid(requests, pipeline_depth=pipeline_depth, max_num_batched_tokens=64)
+    first_chunks = [chunks_of(driver, f"r{index}")[0] for index in range(3)]
+    (first_step, first), *later = first_chunks
+    assert first.num_computed_tokens == 0 and len(first.token_ids) == len(PREFIX)
+    assert [step for step, _ in later] == [first_step + 1] * 2
+    assert [chunk.num_computed_tokens for _, chunk in later] == [len(PREFIX)] * 2
+    assert driver.model.num_restored_tokens == 2 * len(PREFIX)
+    assert driver.scheduler.statistics().num_prefix_cache_hits == 2 * len(PREFIX)
+    assert_reference_outputs(driver, requests)
+
+
+@settings(max_examples=200, deadline=None)
+@given(prompt=st.lists(st.integers(1, 3), min_size=1, max_size=24),
+       others=st.lists(st.lists(st.integers(1, 3), max_size=24), max_size=4),
+       block_size=st.sampled_from([1, 2, 4]))
+def test_the_shared_prefix_is_the_longest_whole_block_run_any_follower_starts_with(
+        prompt, others, block_size):
+    def waiting(token_ids):
+        return WaitingRequest(request=make_request("r", token_ids or [1]))
+    expected = 0
+    for other in others:
+        common = 0
+        while (common < min(len(prompt), len(other or [1]))
+               and prompt[common] == (other or [1])[common]):
+            common += 1
+        expected = max(expected, common // block_size * block_size)
+    followers = [waiting(other) for other in others]
+    assert _num_tokens_shared(waiting(prompt), followers, block_size) == expected
+
+
+def test_only_a_follower_with_the_same_cache_salt_makes_a_cut():
+    """The same prompts under two salts: nothing is shared across them, so the first
+    prompt's first chunk runs to its prompt's last full block."""
+    requests = [make_request("r0", PREFIX + [40] * 6, max_tokens=2),
+                make_request("r1", PREFIX + [41] * 6, max_tokens=2, arrival_index=1,
+                             cache_salt="other")]
+    driver = run_hybrid(requests, pipeline_depth=1, max_num_batched_tokens=64)
+    (_, first), *_ = chunks_of(driver, "r0")
+    assert len(first.token_ids) == 16
+    assert driver.scheduler.statistics().num_prefix_cache_hits == 0
     assert_reference_outputs(driver, requests)
 
 
@@ -282,8 +334,8 @@ def test_the_same_prompt_arriving_together_is_computed_once(pipeline_depth):
 
 @pytest.mark.parametrize("pipeline_depth", [1, 2])
 def test_a_burst_waits_for_chunk_seats_rather_than_start_without_its_prefix(pipeline_depth):
-    """Eight distinct prompts take the step's chunk seats; three more on the first one's
-    prefix arrive with them. Rather than start with one-token chunks from an empty
+    """Eight distinct prompts take the step's chunk seats; three more on a prefix of
+    their own arrive with them. Rather than start with one-token chunks from an empty
     state (each would compute the whole shared part, a token a batch), they wait for a
     seat: the first of them computes the prefix and cuts at the branch point, the
     other two start there."""
@@ -291,7 +343,7 @@ def test_a_burst_waits_for_chunk_seats_rather_than_start_without_its_prefix(pipe
         return [(index * 18 + j) % VOCAB_SIZE + 1 for j in range(18)]
     distinct = [make_request(f"r{index}", prompt(index), max_tokens=2, arrival_index=index)
                 for index in range(MAX_CHUNKED_SEQS)]
-    followers = [make_request(f"f{index}", prompt(0)[:12] + [90 + index] * 6, max_tokens=2,
+    followers = [make_request(f"f{index}", prompt(50)[:12] + [90 + index] * 6, max_tokens=2,
                               arrival_index=MAX_CHUNKED_SEQS + index) for index in range(3)]
     driver = run_hybrid(distinct + followers, pipeline_depth=pipeline_depth,
                         max_num_seqs=16, max_num_batched_tokens=256)
