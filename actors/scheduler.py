@@ -1091,16 +1091,17 @@ class Scheduler:
                                     block_hashes)
         return CachedPrefix(prefix.root_hash, [], [], None, block_hashes)
 
-    @staticmethod
-    def _waits_for_a_chunk_seat(waiting: WaitingRequest, admission: _Admission,
+    def _waits_for_a_chunk_seat(self, waiting: WaitingRequest, admission: _Admission,
                                 step: _StepBuilder) -> bool:
         """Whether it could start only with a one-token chunk (this batch's chunk seats
-        are taken) while more than one token of its prompt is left. Started so, it would
-        compute its whole prompt, a token a batch, from whatever was cached now; waiting
-        for a seat, it starts after what the chunks ahead of it cache meanwhile (in vLLM's
-        prefix_repetition, a burst of requests would otherwise all miss their prefix)."""
-        return (not step.num_free_chunk_seats
-                and _num_prefill_tokens(waiting) - admission.num_cached_tokens > 1)
+        are taken) while a whole block of its prompt is left before its last token.
+        Started so, it would compute its whole prompt, a token a batch, from whatever
+        was cached now; waiting for a seat, it starts after what the chunks ahead of it
+        cache meanwhile (in vLLM's prefix_repetition, a burst of requests would
+        otherwise all miss their prefix). A shorter rest could never start from a
+        longer hit: it starts at once, a token a batch."""
+        num_left = _num_prefill_tokens(waiting) - 1 - admission.num_cached_tokens
+        return not step.num_free_chunk_seats and num_left >= self.block_manager.block_size
 
     def _waits_for_a_saved_state(self, prefix: CachedPrefix, step: _StepBuilder) -> bool:
         """Whether a chunk of this batch ends where ``prefix``'s cached blocks reach past

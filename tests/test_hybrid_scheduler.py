@@ -354,6 +354,26 @@ def test_a_burst_waits_for_chunk_seats_rather_than_start_without_its_prefix(pipe
     assert_reference_outputs(driver, distinct + followers)
 
 
+def test_a_prompt_with_no_block_to_hit_starts_at_once_beside_taken_chunk_seats():
+    """Behind eight prompts that take the chunk seats, a prompt with less than a block
+    before its last token (no hit could ever shorten it) starts in the same batch with
+    a one-token chunk; one with a whole block left waits for a seat."""
+    def prompt(index: int, length: int) -> list[int]:
+        return [(index * 18 + j) % VOCAB_SIZE + 1 for j in range(length)]
+    # (17 tokens: a chunk to the last full block, then the last token alone, seatless)
+    distinct = [make_request(f"r{index}", prompt(index, 17), max_tokens=2, arrival_index=index)
+                for index in range(MAX_CHUNKED_SEQS)]
+    short = make_request("short", prompt(40, 4), max_tokens=2, arrival_index=8)  # block: 4
+    longer = make_request("longer", prompt(41, 5), max_tokens=2, arrival_index=9)
+    driver = run_hybrid([*distinct, short, longer], pipeline_depth=1, max_num_seqs=16,
+                        max_num_batched_tokens=256)
+    (short_step, short_chunk), *_ = chunks_of(driver, "short")
+    (longer_step, longer_chunk), *_ = chunks_of(driver, "longer")
+    assert short_step == 0 and len(short_chunk.token_ids) == 1
+    assert longer_step == 1 and len(longer_chunk.token_ids) > 1
+    assert_reference_outputs(driver, [*distinct, short, longer])
+
+
 def test_a_branch_point_outlives_the_prompt_ends_saved_after_it():
     """Two snapshot slots: a shared prefix's branch point is kept while the prompt ends
     of four unrelated requests come and go, and a later prompt on that prefix starts
