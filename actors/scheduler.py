@@ -199,7 +199,7 @@ class RunningRequest:
                  "min_tokens", "output_token_ids", "num_preemptions", "prefill_token_ids",
                  "num_prefill_tokens", "num_computed_tokens", "num_placeholders", "block_ids",
                  "start_step_id", "scheduled_step_id", "root_hash", "block_hashes", "grammar",
-                 "prompt_logprobs", "state_slot", "snapshot_cuts", "num_matched_tokens",
+                 "prompt_logprobs", "state_slot", "snapshot_cuts", "num_shared_tokens",
                  "pending_snapshot_slot",
                  "num_pending_snapshot_tokens")
 
@@ -238,9 +238,10 @@ class RunningRequest:
         # is saved as a prefix-cache snapshot (ascending, past what it computed).
         self.state_slot: int | None = None
         self.snapshot_cuts: list[int] = _NO_IDS
-        # how far its prompt's KV blocks were cached at admission (an earlier request
-        # computed them): a snapshot there is of a prefix known to be shared
-        self.num_matched_tokens = 0
+        # how far its prompt was known at admission to be shared (its KV blocks cached
+        # by an earlier request, or a request pulled behind it starting the same): a
+        # snapshot up to there is of a prefix known to be shared
+        self.num_shared_tokens = 0
         # Its pending snapshot (decode snapshots): a slot holding its state after its
         # first ``num_pending_snapshot_tokens`` tokens, the last block boundary its
         # decodes reached whose copy a sent batch carries; registered when it stops.
@@ -744,7 +745,7 @@ class Scheduler:
             running.snapshot_cuts = cuts[1:]
             num_blocks = cuts[0] // self.block_manager.block_size
             step.snapshots_wanted.append((running, running.block_hashes[num_blocks - 1],
-                                          cuts[0] <= running.num_matched_tokens))
+                                          cuts[0] <= running.num_shared_tokens))
 
     def _schedule_decode(self, running: RunningRequest, step: _StepBuilder) -> bool:
         """Schedule one decode token into a new block; False if it was preempted.
@@ -781,14 +782,19 @@ class Scheduler:
         of its first chunk and the new blocks they need (``followers``: the requests
         pulled behind it, whose prompts may share a prefix with its own)."""
         prefix = self._find_cached_prefix(waiting) if self._caches_prefixes else _NO_PREFIX
-        num_cached_tokens = prefix.num_blocks * self.block_manager.block_size
-        snapshot_cuts = (self._snapshot_cuts(waiting, prefix, followers)
-                         if self._takes_snapshots else _NO_IDS)
+        block_size = self.block_manager.block_size
+        num_cached_tokens = prefix.num_blocks * block_size
+        snapshot_cuts, num_shared_tokens = _NO_IDS, 0
+        if self._takes_snapshots:
+            num_shared_behind = _num_tokens_shared(waiting, followers, block_size)
+            snapshot_cuts = self._snapshot_cuts(waiting, prefix, num_shared_behind)
+            num_shared_tokens = max(prefix.num_matched_blocks * block_size, num_shared_behind)
         end = snapshot_cuts[0] if snapshot_cuts else _num_prefill_tokens(waiting)
         num_tokens = min(end - num_cached_tokens, budget)
         num_new_blocks = self.block_manager.blocks_needed(num_cached_tokens + num_tokens,
                                                           prefix.num_blocks)
-        return _Admission(prefix, num_cached_tokens, num_tokens, num_new_blocks, snapshot_cuts)
+        return _Admission(prefix, num_cached_tokens, num_tokens, num_new_blocks, snapshot_cuts,
+                          num_shared_tokens)
 
     def _try_admit(self, waiting: WaitingRequest, step: _StepBuilder,
                    admission: _Admission | None = None) -> bool:
@@ -805,7 +811,7 @@ class Scheduler:
         if self.state_slots is not None:
             running.state_slot = self.state_slots.allocate()
             running.snapshot_cuts = admission.snapshot_cuts
-            running.num_matched_tokens = prefix.num_matched_blocks * self.block_manager.block_size
+            running.num_shared_tokens = admission.num_shared_tokens
             if prefix.snapshot_slot is not None:  # the state at its cached prefix's end
                 step.state_copies.append((prefix.snapshot_slot, running.state_slot))
         self._preempted_request_ids.discard(running.request_id)
@@ -1059,19 +1065,20 @@ class Scheduler:
         state_slots.register_pending(slot, running.block_hashes[num_blocks - 1])
 
     def _snapshot_cuts(self, waiting: WaitingRequest, prefix: CachedPrefix,
-                       followers: Iterable[WaitingRequest] = ()) -> list[int]:
+                       num_shared_behind: int) -> list[int]:
         """Where its prefill should end a chunk so that the state there is saved:
         the end of its cached blocks when they reach past its best snapshot (the
         branch point of prompts that share a prefix: the next one with that prefix
         starts there), the end of the longest prefix it shares with a request
-        pulled behind it (the same branch point, found before any of it is cached:
-        a burst of such prompts computes the shared part once), and the end of its
-        prompt's last full block (the next turn of a conversation starts there)."""
+        pulled behind it (``num_shared_behind``: the same branch point, found before
+        any of it is cached, so a burst of such prompts computes the shared part
+        once), and the end of its prompt's last full block (the next turn of a
+        conversation starts there)."""
         block_size = self.block_manager.block_size
         num_cached_tokens = prefix.num_blocks * block_size
         num_prefill_tokens = _num_prefill_tokens(waiting)
         cuts = {prefix.num_matched_blocks * block_size,
-                _num_tokens_shared(waiting, followers, block_size),
+                num_shared_behind,
                 len(waiting.request.prompt_token_ids) // block_size * block_size}
         return sorted(cut for cut in cuts if num_cached_tokens < cut <= num_prefill_tokens)
 
@@ -1149,15 +1156,17 @@ class _Admission:
     """What starting a pulled request now would take (``Scheduler._plan_admission``)."""
 
     __slots__ = ("prefix", "num_cached_tokens", "num_tokens", "num_new_blocks",
-                 "snapshot_cuts")
+                 "snapshot_cuts", "num_shared_tokens")
 
     def __init__(self, prefix: CachedPrefix, num_cached_tokens: int, num_tokens: int,
-                 num_new_blocks: int, snapshot_cuts: list[int]) -> None:
+                 num_new_blocks: int, snapshot_cuts: list[int], num_shared_tokens: int) -> None:
         self.prefix = prefix
         self.num_cached_tokens = num_cached_tokens
         self.num_tokens = num_tokens
         self.num_new_blocks = num_new_blocks
         self.snapshot_cuts = snapshot_cuts
+        # how far its prompt is known to be shared (RunningRequest.num_shared_tokens)
+        self.num_shared_tokens = num_shared_tokens
 
 
 class _ReleasedBlocks:

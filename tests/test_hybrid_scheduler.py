@@ -305,6 +305,23 @@ def test_the_shared_prefix_is_the_longest_whole_block_run_any_follower_starts_wi
     assert _num_tokens_shared(waiting(prompt), followers, block_size) == expected
 
 
+def test_a_branch_point_found_ahead_is_kept_over_prompt_ends_saved_beside_it():
+    """Two snapshot slots: the first prompt's cut where it shares a prefix with those
+    behind it is saved in the same batch as three unrelated prompts' ends; it is a
+    shared snapshot from its save, so the prompt ends push each other out, not it,
+    and the two prompts behind start there."""
+    first = make_request("r0", PREFIX + [40] * 6, max_tokens=2)
+    unrelated = [make_request(f"x{index}", [60 + index] * 17, max_tokens=2,
+                              arrival_index=1 + index) for index in range(3)]
+    behind = [make_request(f"r{index}", PREFIX + [40 + index] * 6, max_tokens=2,
+                           arrival_index=3 + index) for index in (1, 2)]
+    driver = run_hybrid([first, *unrelated, *behind], num_snapshots=2, pipeline_depth=1,
+                        max_num_batched_tokens=256)
+    assert [chunks_of(driver, request.request_id)[0][1].num_computed_tokens
+            for request in behind] == [len(PREFIX)] * 2
+    assert_reference_outputs(driver, [first, *unrelated, *behind])
+
+
 def test_only_a_follower_with_the_same_cache_salt_makes_a_cut():
     """The same prompts under two salts: nothing is shared across them, so the first
     prompt's first chunk runs to its prompt's last full block."""
