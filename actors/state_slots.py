@@ -22,7 +22,8 @@ A slot is in one of four states:
 - *free*: none of these, on a stack (the most recently freed is handed out first).
 
 Which snapshot makes room (a segmented LRU): snapshots known to be *shared* (a
-branch point that a second prompt reached, or one hit since it was saved) are kept
+branch point: the end of a prefix another prompt is known to share; or one hit since
+it was saved) are kept
 over *speculative* ones (a prompt's or an answer's end, not hit yet), each kind in
 least-recently-used order. Shared ones hold at most half the share: one more moves
 the least recently used back among the speculative ones, as their most recent. A
