@@ -83,13 +83,18 @@ class StatisticsQuery(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     query_id: int
 
 
+class RestartCounters(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """The front that warmed the core up is done: its requests are not traffic
+    (``Scheduler.restart_counters``)."""
+
+
 class StatisticsReply(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     query_id: int
     scheduler: SchedulerStatistics
     num_waiting: int
 
 
-FrontToCore = Admit | Abort | StopStringHit | StatisticsQuery
+FrontToCore = Admit | Abort | StopStringHit | StatisticsQuery | RestartCounters
 CoreToFront = (CoreReady | CoreFailed | Track | TokenBatch | StreamOutput | StreamFailure
                | StatisticsReply)
 

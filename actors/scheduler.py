@@ -473,6 +473,13 @@ class Scheduler:
         self.num_prefix_cache_queries = 0
         self.num_prefix_cache_hits = 0
 
+    def restart_counters(self) -> None:
+        """Zero the traffic totals (tokens, preemptions, prefix cache queries and hits):
+        the warm-up's requests (api/warm_up.py) are not traffic, and vLLM's counters
+        start at its first request too."""
+        self.num_preemptions = self.num_prompt_tokens = self.num_generation_tokens = 0
+        self.num_prefix_cache_queries = self.num_prefix_cache_hits = 0
+
     def statistics(self) -> SchedulerStatistics:
         state_slots = self.state_slots
         return SchedulerStatistics(

@@ -34,6 +34,7 @@ from trio_llm.actors.fronts import (
     CoreToFront,
     FrontRoutes,
     FrontToCore,
+    RestartCounters,
     StatisticsQuery,
     StatisticsReply,
     StreamFailure,
@@ -103,6 +104,12 @@ class EngineActors:
     async def fetch_statistics(self) -> EngineStatistics:
         await trio.lowlevel.checkpoint()
         return self.statistics()
+
+    async def restart_counters(self) -> None:
+        """Zero the engine's traffic totals (``Scheduler.restart_counters``)."""
+        assert self.scheduler is not None
+        await trio.lowlevel.checkpoint()
+        self.scheduler.restart_counters()
 
     def fail(self, group: BaseExceptionGroup[Exception], streams: RequestStreams) -> None:
         """An actor failed: every open request gets EngineDead naming the cause."""
@@ -394,6 +401,8 @@ async def _read_front(front_index: int, wire: WireReceiveChannel[FrontToCore],
                         links.send_nowait(front_index, StatisticsReply(
                             query_id=query_id, scheduler=scheduler.statistics(),
                             num_waiting=queue.statistics().num_waiting))
+                    case RestartCounters():
+                        scheduler.restart_counters()
         except WireError as error:
             logger.error("API server %d sent a bad frame: %s; disconnecting it", front_index,
                          error)
@@ -443,6 +452,13 @@ class FrontActors(EngineActors):
         finally:
             del self._replies[query_id]
         return _engine_statistics(reply.scheduler, reply.num_waiting)
+
+    async def restart_counters(self) -> None:
+        """Zero the core's traffic totals: sent after this front's requests, so every
+        one of them was counted before."""
+        if self.error is not None:
+            raise self.error
+        await self._core_outbox.send(RestartCounters())
 
     def on_reply(self, reply: StatisticsReply) -> None:
         if reply.query_id in self._replies:

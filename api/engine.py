@@ -202,6 +202,8 @@ class Engine:
 
             with self._warm_up_scope:
                 seconds = await warm_up(self, plan)
+                if not plan.front_only:  # its requests are not traffic
+                    await self._actors.restart_counters()
                 if not self._draining:
                     logger.info("warmed up in %.1f s: ready", seconds)
                     self._ready.set()

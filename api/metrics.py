@@ -8,7 +8,8 @@ Gauges and counters the engine already keeps (running, waiting, KV usage,
 preemptions, token totals, prefix cache queries and hits) are read from the
 engine's statistics at scrape time (``engine.fetch_statistics()``, which an API
 server asks of the engine core: the one source, whatever the layout), so they
-can never drift from the engine. Latency histograms are observed by the HTTP
+can never drift from the engine; its totals restart at zero when its warm-up is
+done (``Scheduler.restart_counters``). Latency histograms are observed by the HTTP
 handlers through ``RequestTimer``.
 
 Each app gets its own CollectorRegistry: two servers in one process (tests)

@@ -35,11 +35,12 @@ class StatsLine:
     def next(self, counters: Statistics, now: float) -> tuple[int, str]:
         """The log level and text of the line for ``counters`` taken at ``now``."""
         elapsed = max(now - self._last_time, 1e-9)
-        prompt_rate = (counters.num_prompt_tokens - self._last.num_prompt_tokens) / elapsed
-        generation_rate = (counters.num_generation_tokens
-                           - self._last.num_generation_tokens) / elapsed
-        queries = counters.num_prefix_cache_queries - self._last.num_prefix_cache_queries
-        hits = counters.num_prefix_cache_hits - self._last.num_prefix_cache_hits
+        last = self._last
+        prompt_rate = _growth(counters.num_prompt_tokens, last.num_prompt_tokens) / elapsed
+        generation_rate = _growth(counters.num_generation_tokens,
+                                  last.num_generation_tokens) / elapsed
+        queries = _growth(counters.num_prefix_cache_queries, last.num_prefix_cache_queries)
+        hits = _growth(counters.num_prefix_cache_hits, last.num_prefix_cache_hits)
         is_idle = prompt_rate == 0 and generation_rate == 0
         level = logging.DEBUG if is_idle and self._was_idle else logging.INFO
         self._last, self._last_time, self._was_idle = counters, now, is_idle
@@ -49,6 +50,12 @@ class StatsLine:
                 f"KV cache usage: {100 * counters.kv_cache_usage:.1f}%, "
                 f"Prefix cache hit rate: {100 * hits / queries if queries else 0.0:.1f}%")
         return level, text
+
+
+def _growth(now: int, before: int) -> int:
+    """A counter's growth since ``before``; all of it where the counter restarted in
+    between (the warm-up's end zeroes the engine's totals)."""
+    return now - before if now >= before else now
 
 
 async def log_stats_every(interval: float, fetch: Callable[[], Awaitable[Statistics]]) -> None:

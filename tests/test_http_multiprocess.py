@@ -274,3 +274,22 @@ async def test_a_model_the_core_cannot_load_fails_in_one_line_in_either_layout()
         assert "Traceback" not in output, output
         failures = [line for line in output.splitlines() if "ModelLoadError" in line]
         assert len(failures) == 1 and "no memory left for the KV cache" in failures[0], output
+
+
+async def test_the_cores_counters_start_after_its_warm_up() -> None:
+    """The served layout: the API server that warmed the engine core up zeroes its
+    totals when done, so /metrics reads no tokens before the first request."""
+    with trio.fail_after(TIMEOUT):
+        async with serve_process(num_api_servers=1) as server:
+            async with httpx.AsyncClient(base_url=server.url) as client:
+                # ready once warmed up (it serves, 503, while warming)
+                while (await client.get("/health")).status_code != 200:
+                    await trio.lowlevel.checkpoint()
+            before = [await metric(server.url, f"vllm:{name}_total")
+                      for name in ("prompt_tokens", "generation_tokens",
+                                   "prefix_cache_queries")]
+            await streamed(server, {"prompt": [5, 6, 7, 8], "max_tokens": 3,
+                                    "ignore_eos": True})
+            prompt_tokens = await metric(server.url, "vllm:prompt_tokens_total")
+    assert before == [0.0, 0.0, 0.0]
+    assert prompt_tokens == 4.0

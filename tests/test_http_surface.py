@@ -488,6 +488,16 @@ def test_the_stats_line_is_vllms_and_quiet_when_idle() -> None:
     assert line.next(idle, now=30.0)[0] == logging.DEBUG
 
 
+def test_a_line_after_the_counters_restart_counts_from_zero() -> None:
+    """The warm-up's end zeroes the engine's totals: the line after counts what grew
+    since then, never a negative rate."""
+    line = StatsLine(Snapshot(prompt=900, generated=500, queries=900, hits=700), now=0.0)
+    _, text = line.next(Snapshot(prompt=40, generated=20, queries=40, hits=10), now=10.0)
+    assert text.startswith("Avg prompt throughput: 4.0 tokens/s, "
+                           "Avg generation throughput: 2.0 tokens/s")
+    assert text.endswith("Prefix cache hit rate: 25.0%")
+
+
 async def test_stats_are_logged_every_interval(autojump_clock: trio.testing.MockClock,
                                                caplog: pytest.LogCaptureFixture) -> None:
     counts = {"generated": 0}

@@ -109,3 +109,20 @@ async def test_an_engine_without_warm_up_is_ready_at_once() -> None:
         async with Engine.open(CONFIG) as engine:
             assert engine.is_healthy
             await engine.wait_ready()
+
+
+async def test_the_counters_start_after_the_warm_up() -> None:
+    """The warm-up's requests are not traffic: once ready, the engine's totals are
+    zero (vLLM's start at its first request), and they count what comes after."""
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    with trio.fail_after(TIMEOUT):
+        async with Engine.open(CONFIG, warm_up=WarmUpPlan()) as engine:
+            await engine.wait_ready()
+            ready = engine.statistics()
+            async for _ in engine.generate([5, 6, 7, 8], params):
+                pass
+            after = engine.statistics()
+    assert (ready.num_prompt_tokens, ready.num_generation_tokens,
+            ready.num_prefix_cache_queries, ready.num_prefix_cache_hits) == (0, 0, 0, 0)
+    assert (after.num_prompt_tokens, after.num_generation_tokens) == (4, 3)
+    assert after.num_prefix_cache_queries == 4
