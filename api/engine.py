@@ -202,8 +202,9 @@ class Engine:
 
             with self._warm_up_scope:
                 seconds = await warm_up(self, plan)
-                if not plan.front_only:  # its requests are not traffic
-                    await self._actors.restart_counters()
+                if not plan.front_only and not self._draining:  # they were not traffic
+                    with contextlib.suppress(EngineError):  # a dead engine has no totals
+                        await self._actors.restart_counters()
                 if not self._draining:
                     logger.info("warmed up in %.1f s: ready", seconds)
                     self._ready.set()
