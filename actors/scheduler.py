@@ -367,7 +367,7 @@ class _StepBuilder:
         # restored into admitted requests
         self.state_copies: list[tuple[int, int]] = []
         # (request, block hash, shared): chunks of this step that end where a snapshot is
-        # wanted (shared: where its prefix's KV blocks were cached already)
+        # wanted (shared: a prefix known to be shared, RunningRequest.num_shared_tokens)
         self.snapshots_wanted: list[tuple[RunningRequest, bytes, bool]] = []
         # Decode snapshots: their interval in tokens, whole blocks (0: none taken), and
         # (request, its computed tokens) for each decode of this step that reaches

@@ -107,13 +107,9 @@ class StateSlots:
     def snapshot_slot(self, block_hash: bytes) -> int | None:
         """The slot of the snapshot at the end of the prefix ``block_hash`` ends, if
         any; a hit makes it a shared one, the most recently used."""
-        slot = self._speculative.pop(block_hash, None)
+        slot = self._shared.get(block_hash, self._speculative.get(block_hash))
         if slot is not None:
-            self._keep_shared(block_hash, slot)
-            return slot
-        slot = self._shared.get(block_hash)
-        if slot is not None:
-            self._shared.move_to_end(block_hash)
+            self._refresh(block_hash, shared=True)
         return slot
 
     def save_snapshot(self, block_hash: bytes, shared: bool = False) -> int | None:
