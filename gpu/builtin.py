@@ -5,12 +5,13 @@
 fixed seed: small enough that the whole engine runs fast on a CPU, real enough
 that text goes in and text comes out. ``tiny-moe`` is the same with Qwen3-MoE
 layers (8 experts, top 2): the Mixture-of-Experts path end to end on a CPU.
-``qwen3-0.6b``, ``qwen3-8b``, ``qwen3-30b-a3b`` (Qwen3-MoE: 128 experts, top 8)
-and ``qwen3-moe-small`` (a Qwen3-MoE shape for CPU benchmarks), and the hybrid
-family's ``qwen3.5-27b``, ``qwen3.5-35b-a3b`` (Qwen3.5's published dimensions) and
-``qwen3.5-small`` (its shape, small, for CPU benchmarks and tests) carry
-configurations for ``load_format="dummy"`` (random weights, no safetensors
-written): they measure speed, not quality.
+``qwen3-0.6b``, ``qwen3-8b``, ``qwen3-30b-a3b`` (Qwen3-MoE: 128 experts, top 8),
+``qwen3-8b-fp8`` and ``qwen3-30b-a3b-fp8`` (the same with the quantization_config of
+Qwen's FP8 releases: e4m3 weights in 128 x 128 blocks) and ``qwen3-moe-small`` (a
+Qwen3-MoE shape for CPU benchmarks), and the hybrid family's ``qwen3.5-27b``,
+``qwen3.5-35b-a3b`` (Qwen3.5's published dimensions) and ``qwen3.5-small`` (its shape,
+small, for CPU benchmarks and tests) carry configurations for ``load_format="dummy"``
+(random weights, no safetensors written): they measure speed, not quality.
 
 A built model directory is written to a temporary directory and renamed into
 place, so processes that start at the same time never see half a model.
@@ -513,12 +514,19 @@ QWEN3_5_SMALL_CONFIG: dict[str, Any] = QWEN3_5_COMMON | {
     "tie_word_embeddings": True,
 }
 
+# The quantization_config of Qwen's FP8 releases (Qwen/Qwen3-8B-FP8, Qwen/Qwen3-30B-A3B-FP8):
+# e4m3 weights with one scale per 128 x 128 block, activations quantized as they come.
+QWEN_FP8_BLOCKS: dict[str, Any] = {
+    "quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
+                            "activation_scheme": "dynamic", "weight_block_size": [128, 128]}}
 
 # Built-in names that carry a configuration and a tokenizer but no weights.
 DUMMY_ONLY_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen3-0.6b": QWEN3_0_6B_CONFIG,
     "qwen3-8b": QWEN3_8B_CONFIG,
     "qwen3-30b-a3b": QWEN3_30B_A3B_CONFIG,
+    "qwen3-8b-fp8": QWEN3_8B_CONFIG | QWEN_FP8_BLOCKS,
+    "qwen3-30b-a3b-fp8": QWEN3_30B_A3B_CONFIG | QWEN_FP8_BLOCKS,
     "qwen3-moe-small": QWEN3_MOE_SMALL_CONFIG,
     "qwen3.5-27b": QWEN3_5_27B_CONFIG,
     "qwen3.5-35b-a3b": QWEN3_5_35B_A3B_CONFIG,

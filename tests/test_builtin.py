@@ -125,6 +125,18 @@ def test_qwen3_30b_a3b_has_the_published_dimensions():
     assert builtin.is_dummy_only("qwen3-30b-a3b") and builtin.is_dummy_only("qwen3-moe-small")
 
 
+def test_the_fp8_builtins_are_block_scaled_like_qwens_fp8_releases():
+    from trio_llm.gpu.models import parse_model_config
+
+    for name, plain in (("qwen3-8b-fp8", "qwen3-8b"), ("qwen3-30b-a3b-fp8", "qwen3-30b-a3b")):
+        config = parse_model_config(builtin.DUMMY_ONLY_CONFIGS[name])
+        assert config.quantization is not None
+        assert config.quantization.block_size == (128, 128)
+        assert config.num_layers == parse_model_config(
+            builtin.DUMMY_ONLY_CONFIGS[plain]).num_layers
+        assert builtin.is_dummy_only(name)
+
+
 def _fake_hub_cache(root: Path, repo_id: str, commit: str, source: Path) -> Path:
     """The layout huggingface_hub writes: models--ORG--NAME/{refs/main, snapshots/COMMIT}."""
     repo = root / ("models--" + repo_id.replace("/", "--"))

@@ -68,6 +68,51 @@ def test_activation_scales_match_on_any_input():
     assert torch.equal(scales.cpu(), quantize_row_groups(x.to(torch.float32), 128)[1])
 
 
+def test_scales_stored_group_by_group_are_the_same_scales():
+    """The layout cuBLASLt's block-scaled GEMM reads (strides (1, rows)) holds the same
+    scales and values as the row-major one."""
+    x = (torch.randn(7, 300, generator=torch.Generator().manual_seed(3)) * 5).to(DTYPE)
+    values, scales = fp8_gemm.quantize_groups(x.to(DEVICE), 128)
+    by_group_values, by_group = fp8_gemm.quantize_groups(x.to(DEVICE), 128,
+                                                         scales_by_group=True)
+    assert by_group.shape == (7, 3) and by_group.stride() == (1, 7)
+    assert torch.equal(by_group.cpu(), scales.cpu())
+    assert torch.equal(bits(by_group_values.cpu()), bits(values.cpu()))
+
+
+def test_cublas_blocks_only_for_whole_128_blocks_on_hopper():
+    weight = torch.empty(256, 512, dtype=E4M3, device=DEVICE)
+    hopper = HAS_CUDA and torch.cuda.get_device_capability()[0] == 9
+    assert fp8_gemm.takes_cublas_blocks(64, weight, (128, 128)) == hopper
+    assert not fp8_gemm.takes_cublas_blocks(64, weight, (64, 128))
+    assert not fp8_gemm.takes_cublas_blocks(64, weight[:200], (128, 128))
+    assert not fp8_gemm.takes_cublas_blocks(fp8_gemm.CUBLAS_BLOCK_MIN_ROWS - 1, weight,
+                                            (128, 128))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_rows", [8, 13, 200, 1000])
+@pytest.mark.parametrize("has_bias", [False, True])
+def test_cublas_blocks_agree_with_the_triton_block_gemm(num_rows, has_bias):
+    """``cublas_block_linear`` = the Triton block GEMM of the same quantized input, at row
+    counts that are no multiple of anything, with and without a bias."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("cuBLASLt's 128 x 128 block scales: Hopper only")
+    weight = block_quantized_weight(384, 512, (128, 128), seed=num_rows)
+    w, w_scale = weight.values.cuda(), weight.scale.cuda()
+    generator = torch.Generator().manual_seed(num_rows)
+    x = (torch.randn(num_rows, 512, generator=generator) * 2).to(torch.bfloat16).cuda()
+    bias = (torch.randn(384, generator=generator).to(torch.bfloat16).cuda()
+            if has_bias else None)
+    values, scales = fp8_gemm.quantize_groups(x, 128)
+    expected = fp8_gemm.block_fp8_matmul(values, scales, w, w_scale, (128, 128), bias,
+                                         torch.float32)
+    out = fp8_gemm.cublas_block_linear(x, w, w_scale, bias)
+    assert out.dtype == torch.bfloat16
+    assert ((out.float() - expected).norm() / expected.norm()).item() < 1e-2
+    assert torch.equal(fp8_gemm.block_scaled_linear(x, w, w_scale, (128, 128), bias), out)
+
+
 def block_quantized_weight(num_out: int, num_in: int, block: tuple[int, int], seed: int
                            ) -> Fp8Weight:
     """A random weight in e4m3 with one scale per block (partial edge blocks)."""

@@ -20,11 +20,13 @@ kernels store the reference's bits.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -37,8 +39,8 @@ QUANTIZE_BLOCK = 1024
 
 @triton.jit
 def _quantize_groups_kernel(x_ptr, out_ptr, scale_ptr, num_columns, x_row_stride,
-                            out_row_stride, scale_row_stride, GROUP: tl.constexpr,
-                            BLOCK: tl.constexpr):
+                            out_row_stride, scale_row_stride, scale_group_stride,
+                            GROUP: tl.constexpr, BLOCK: tl.constexpr):
     """One program per (row, group of GROUP columns): the group's scale (its largest
     magnitude / 448; 1 for a group of zeros), then its values over the scale in e4m3."""
     row = tl.program_id(0).to(tl.int64)
@@ -53,7 +55,7 @@ def _quantize_groups_kernel(x_ptr, out_ptr, scale_ptr, num_columns, x_row_stride
         largest = tl.maximum(largest, tl.abs(x))
     amax = tl.max(largest, 0)
     scale = tl.where(amax > 0, tl.math.div_rn(amax, E4M3_LARGEST), 1.0)
-    tl.store(scale_ptr + row * scale_row_stride + group, scale)
+    tl.store(scale_ptr + row * scale_row_stride + group * scale_group_stride, scale)
     for offset in range(0, GROUP, BLOCK):
         columns = first + offset + tl.arange(0, BLOCK)
         mask = (columns < num_columns) & (offset + tl.arange(0, BLOCK) < GROUP)
@@ -63,22 +65,26 @@ def _quantize_groups_kernel(x_ptr, out_ptr, scale_ptr, num_columns, x_row_stride
                  quantized.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def quantize_groups(x: torch.Tensor, group_size: int | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_groups(x: torch.Tensor, group_size: int | None = None, *,
+                    scales_by_group: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` [rows, columns] in e4m3 with one float32 scale per row and group of
     ``group_size`` columns (None: the whole row, per-token scales): (values, scales
-    [rows, ceil(columns / group_size)])."""
+    [rows, ceil(columns / group_size)]). ``scales_by_group``: the scales stored group by
+    group (strides (1, rows)), the layout cuBLASLt's block-scaled GEMM reads."""
     num_rows, num_columns = x.shape
     group = group_size or num_columns
     num_groups = triton.cdiv(num_columns, group)
     values = torch.empty((num_rows, num_columns), dtype=E4M3, device=x.device)
-    scales = torch.empty((num_rows, num_groups), dtype=torch.float32, device=x.device)
+    if scales_by_group:
+        scales = torch.empty((num_groups, num_rows), dtype=torch.float32, device=x.device).t()
+    else:
+        scales = torch.empty((num_rows, num_groups), dtype=torch.float32, device=x.device)
     if num_rows:
         assert x.stride(1) == 1
         _quantize_groups_kernel[(num_rows, num_groups)](
             x, values, scales, num_columns, x.stride(0), values.stride(0), scales.stride(0),
-            GROUP=group, BLOCK=min(QUANTIZE_BLOCK, triton.next_power_of_2(group)),
-            num_warps=4)
+            scales.stride(1), GROUP=group,
+            BLOCK=min(QUANTIZE_BLOCK, triton.next_power_of_2(group)), num_warps=4)
     return values, scales
 
 
@@ -349,7 +355,42 @@ def block_fp8_matmul(values: torch.Tensor, scales: torch.Tensor, weight: torch.T
 def block_scaled_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                         block_size: tuple[int, int], bias: torch.Tensor | None
                         ) -> torch.Tensor:
-    """``x`` [rows, in] times a block-scaled e4m3 ``weight``: the activations quantized
-    per token and per group of ``block_size[1]`` columns, then ``block_fp8_matmul``."""
+    """``x`` [rows, in] times a block-scaled e4m3 ``weight``: ``cublas_block_linear``
+    where ``takes_cublas_blocks`` says so, else the activations quantized per token and
+    per group of ``block_size[1]`` columns, then ``block_fp8_matmul``."""
+    if takes_cublas_blocks(x.shape[0], weight, block_size):
+        return cublas_block_linear(x, weight, weight_scale, bias)
     values, scales = quantize_groups(x, block_size[1])
     return block_fp8_matmul(values, scales, weight, weight_scale, block_size, bias, x.dtype)
+
+
+def cublas_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                        bias: torch.Tensor | None) -> torch.Tensor:
+    """``block_scaled_linear`` through cuBLASLt (``F.scaled_mm``, 1 x 128 activation and
+    128 x 128 weight scales): the same quantization, the scales stored group by group."""
+    values, scales = quantize_groups(x, CUBLAS_BLOCK[1], scales_by_group=True)
+    out = F.scaled_mm(values, weight.t(), scales, F.ScalingType.BlockWise1x128,
+                      weight_scale.t(), F.ScalingType.BlockWise128x128, output_dtype=x.dtype)
+    return out if bias is None else out.add_(bias)
+
+
+# cuBLASLt's block-scaled GEMM serves Hopper only (cuBLAS has no 2-D block scales on
+# Blackwell) and whole 128 x 128 blocks (torch checks the scales' shapes).
+CUBLAS_BLOCK = (128, 128)
+CUBLAS_BLOCK_MIN_ROWS = 8
+
+
+def takes_cublas_blocks(num_rows: int, weight: torch.Tensor,
+                        block_size: tuple[int, int]) -> bool:
+    """Whether ``num_rows`` rows times the block-scaled ``weight`` [out, in] go through
+    ``cublas_block_linear``: on a Hopper GPU with a torch that has ``F.scaled_mm``, with
+    128 x 128 blocks that tile the weight, from CUBLAS_BLOCK_MIN_ROWS rows."""
+    num_out, num_in = weight.shape
+    return (num_rows >= CUBLAS_BLOCK_MIN_ROWS and tuple(block_size) == CUBLAS_BLOCK
+            and num_out % CUBLAS_BLOCK[0] == 0 and num_in % CUBLAS_BLOCK[1] == 0
+            and weight.device.type == "cuda" and _has_cublas_blocks(weight.device.index))
+
+
+@functools.cache
+def _has_cublas_blocks(device_index: int | None) -> bool:
+    return hasattr(F, "scaled_mm") and torch.cuda.get_device_capability(device_index)[0] == 9
