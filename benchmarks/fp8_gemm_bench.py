@@ -10,9 +10,11 @@ fp8_rowwise_bench.py compares the two); the block path (per-token-group quantiza
 block-scaled Triton GEMM, 128 x 128 weight blocks) and, where it runs, the same
 quantization (scales stored group by group) with cuBLASLt's block-scaled GEMM
 (``cublas_block``: ``fp8_gemm.cublas_block_linear``, its error against the Triton GEMM
-beside it; odd row counts included, which it must take). Median device time of 50
-launches after 10 warm-ups (CUDA events), in microseconds, and the weight bandwidth
-each reaches (the weight bytes over the time: decode's bound). ``--quick`` runs one
+beside it; odd row counts included, which it must take). Each
+launch's device time from replays of a CUDA graph of ten launches in a row (the
+engine's steps run so; timed one by one, the GEMMs of a few rows measured the host's
+launch path: the nineteenth session's table), in microseconds, and the weight
+bandwidth each reaches (the weight bytes over the time: decode's bound). ``--quick`` runs one
 shape on the CPU (Triton's interpreter): a smoke test of the script, not a figure.
 
 Then the decode rows (1 and 2, where the layers take the GEMV: ``GEMV_ROWS``), each
@@ -33,14 +35,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from cuda_timing import event_times_ms
+from cuda_timing import graph_launch_us
 
 from trio_llm.gpu.kernels import fp8_gemm, triton_gemv
 from trio_llm.gpu.quantization import Fp8Weight, quantize_blocks, quantize_rows
@@ -55,14 +56,17 @@ NUM_LAYERS = 36  # qwen3-8b
 DECODE_ROW_COUNTS = (1, 2)
 
 
-def device_microseconds(run: Callable[[], object], *, repeats: int = 50) -> float:
-    for _ in range(10):
+def device_microseconds(run: Callable[[], object]) -> float:
+    """Microseconds a launch of ``run`` on the device, from replays of a CUDA graph of
+    launches in a row (``graph_launch_us``: the engine runs its steps so; timed one by
+    one, a small GEMM measured the host's launch path); on the CPU one timed run."""
+    for _ in range(3):
         run()
     if not torch.cuda.is_available():
         started = time.perf_counter()
         run()
         return 1e6 * (time.perf_counter() - started)
-    return 1000 * statistics.median(event_times_ms(run, repeats))
+    return graph_launch_us(run)
 
 
 def measure(num_out: int, num_in: int, num_rows: int, device: torch.device) -> dict[str, float]:
