@@ -78,6 +78,12 @@ def test_scales_stored_group_by_group_are_the_same_scales():
     assert by_group.shape == (7, 3) and by_group.stride() == (1, 7)
     assert torch.equal(by_group.cpu(), scales.cpu())
     assert torch.equal(bits(by_group_values.cpu()), bits(values.cpu()))
+    padded_values, padded = fp8_gemm.quantize_groups(x.to(DEVICE), 128, scales_by_group=True,
+                                                     row_multiple=16)
+    assert padded.shape == (16, 3) and padded.stride() == (1, 16)
+    assert padded_values.shape == (16, 300)
+    assert torch.equal(padded[:7].cpu(), scales.cpu())
+    assert torch.equal(bits(padded_values[:7].cpu()), bits(values.cpu()))
 
 
 def test_cublas_blocks_only_for_whole_128_blocks_on_hopper():
@@ -86,6 +92,7 @@ def test_cublas_blocks_only_for_whole_128_blocks_on_hopper():
     assert fp8_gemm.takes_cublas_blocks(64, weight, (128, 128)) == hopper
     assert not fp8_gemm.takes_cublas_blocks(64, weight, (64, 128))
     assert not fp8_gemm.takes_cublas_blocks(64, weight[:200], (128, 128))
+    assert not fp8_gemm.takes_cublas_blocks(64, weight[:, :384], (128, 128))  # 3 a row
     assert not fp8_gemm.takes_cublas_blocks(fp8_gemm.CUBLAS_BLOCK_MIN_ROWS - 1, weight,
                                             (128, 128))
 

@@ -66,19 +66,24 @@ def _quantize_groups_kernel(x_ptr, out_ptr, scale_ptr, num_columns, x_row_stride
 
 
 def quantize_groups(x: torch.Tensor, group_size: int | None = None, *,
-                    scales_by_group: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                    scales_by_group: bool = False, row_multiple: int = 1
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` [rows, columns] in e4m3 with one float32 scale per row and group of
     ``group_size`` columns (None: the whole row, per-token scales): (values, scales
     [rows, ceil(columns / group_size)]). ``scales_by_group``: the scales stored group by
-    group (strides (1, rows)), the layout cuBLASLt's block-scaled GEMM reads."""
+    group (strides (1, rows)), the layout cuBLASLt's block-scaled GEMM reads;
+    ``row_multiple``: both padded with rows of no meaning up to a multiple of it (a
+    GEMM's rows are independent: the caller drops the padding's products)."""
     num_rows, num_columns = x.shape
     group = group_size or num_columns
     num_groups = triton.cdiv(num_columns, group)
-    values = torch.empty((num_rows, num_columns), dtype=E4M3, device=x.device)
+    padded_rows = triton.cdiv(num_rows, row_multiple) * row_multiple
+    values = torch.empty((padded_rows, num_columns), dtype=E4M3, device=x.device)
     if scales_by_group:
-        scales = torch.empty((num_groups, num_rows), dtype=torch.float32, device=x.device).t()
+        scales = torch.empty((num_groups, padded_rows), dtype=torch.float32,
+                             device=x.device).t()
     else:
-        scales = torch.empty((num_rows, num_groups), dtype=torch.float32, device=x.device)
+        scales = torch.empty((padded_rows, num_groups), dtype=torch.float32, device=x.device)
     if num_rows:
         assert x.stride(1) == 1
         _quantize_groups_kernel[(num_rows, num_groups)](
@@ -368,26 +373,33 @@ def cublas_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
                         bias: torch.Tensor | None) -> torch.Tensor:
     """``block_scaled_linear`` through cuBLASLt (``F.scaled_mm``, 1 x 128 activation and
     128 x 128 weight scales): the same quantization, the scales stored group by group."""
-    values, scales = quantize_groups(x, CUBLAS_BLOCK[1], scales_by_group=True)
+    values, scales = quantize_groups(x, CUBLAS_BLOCK[1], scales_by_group=True,
+                                     row_multiple=CUBLAS_ROW_MULTIPLE)
     out = F.scaled_mm(values, weight.t(), scales, F.ScalingType.BlockWise1x128,
-                      weight_scale.t(), F.ScalingType.BlockWise128x128, output_dtype=x.dtype)
+                      weight_scale.t(), F.ScalingType.BlockWise128x128,
+                      output_dtype=x.dtype)[:x.shape[0]]
     return out if bias is None else out.add_(bias)
 
 
 # cuBLASLt's block-scaled GEMM serves Hopper only (cuBLAS has no 2-D block scales on
-# Blackwell) and whole 128 x 128 blocks (torch checks the scales' shapes).
+# Blackwell) and whole 128 x 128 blocks whose scales need no padding: torch's own tests
+# pad the weight scales' rows to a multiple of 4 blocks, and run the activations in
+# multiples of 128 rows; the activations here are padded to a multiple of
+# CUBLAS_ROW_MULTIPLE rows, so each group's scales start 64-byte aligned.
 CUBLAS_BLOCK = (128, 128)
 CUBLAS_BLOCK_MIN_ROWS = 8
+CUBLAS_ROW_MULTIPLE = 16
 
 
 def takes_cublas_blocks(num_rows: int, weight: torch.Tensor,
                         block_size: tuple[int, int]) -> bool:
     """Whether ``num_rows`` rows times the block-scaled ``weight`` [out, in] go through
     ``cublas_block_linear``: on a Hopper GPU with a torch that has ``F.scaled_mm``, with
-    128 x 128 blocks that tile the weight, from CUBLAS_BLOCK_MIN_ROWS rows."""
+    128 x 128 blocks that tile the weight, a multiple of 4 of them a row, from
+    CUBLAS_BLOCK_MIN_ROWS rows."""
     num_out, num_in = weight.shape
     return (num_rows >= CUBLAS_BLOCK_MIN_ROWS and tuple(block_size) == CUBLAS_BLOCK
-            and num_out % CUBLAS_BLOCK[0] == 0 and num_in % CUBLAS_BLOCK[1] == 0
+            and num_out % CUBLAS_BLOCK[0] == 0 and num_in % (4 * CUBLAS_BLOCK[1]) == 0
             and weight.device.type == "cuda" and _has_cublas_blocks(weight.device.index))
 
 
