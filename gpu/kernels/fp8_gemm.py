@@ -8,9 +8,11 @@ Two weight layouts (gpu/quantization.py reads them from checkpoints or makes the
   row-wise scales (cuBLASLt's FP8 GEMM on Hopper): ``out[m, n] = scale_x[m] * scale_w[n]
   * sum_k x8[m, k] w8[n, k]``;
 - **128 x 128 blocks** (Qwen's FP8 releases, ``weight_block_size``): the activations are
-  quantized per token and per group of 128 columns, and ``block_fp8_matmul`` (below)
-  multiplies tile by tile, each K step's float32 partial product scaled by its row's
-  group scale and its column block's weight scale before it is summed.
+  quantized per token and per group of 128 columns, and cuBLASLt's block-scaled GEMM
+  (torch's ``F.scaled_mm``, on Hopper: ``cublas_block_linear``) or ``block_fp8_matmul``
+  (below, elsewhere and for fewer rows) multiplies tile by tile, each K step's float32
+  partial product scaled by its row's group scale and its column block's weight scale
+  before it is summed.
 
 Every launch's grid depends on the shapes only and nothing reads a value back to the
 host, so both run inside captured CUDA graphs. The scales are computed as the torch
