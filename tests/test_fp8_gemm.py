@@ -89,16 +89,14 @@ def test_scales_stored_group_by_group_are_the_same_scales():
 def test_cublas_blocks_only_for_whole_128_blocks_on_hopper():
     weight = torch.empty(256, 512, dtype=E4M3, device=DEVICE)
     hopper = HAS_CUDA and torch.cuda.get_device_capability()[0] == 9
-    assert fp8_gemm.takes_cublas_blocks(64, weight, (128, 128)) == hopper
-    assert not fp8_gemm.takes_cublas_blocks(64, weight, (64, 128))
-    assert not fp8_gemm.takes_cublas_blocks(64, weight[:200], (128, 128))
-    assert not fp8_gemm.takes_cublas_blocks(64, weight[:, :384], (128, 128))  # 3 a row
-    assert not fp8_gemm.takes_cublas_blocks(fp8_gemm.CUBLAS_BLOCK_MIN_ROWS - 1, weight,
-                                            (128, 128))
+    assert fp8_gemm.takes_cublas_blocks(weight, (128, 128)) == hopper
+    assert not fp8_gemm.takes_cublas_blocks(weight, (64, 128))
+    assert not fp8_gemm.takes_cublas_blocks(weight[:200], (128, 128))
+    assert not fp8_gemm.takes_cublas_blocks(weight[:, :384], (128, 128))  # 3 a row
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_rows", [8, 13, 200, 1000])
+@pytest.mark.parametrize("num_rows", [1, 8, 13, 200, 1000])
 @pytest.mark.parametrize("has_bias", [False, True])
 def test_cublas_blocks_agree_with_the_triton_block_gemm(num_rows, has_bias):
     """``cublas_block_linear`` = the Triton block GEMM of the same quantized input, at row

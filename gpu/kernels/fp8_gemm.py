@@ -10,7 +10,7 @@ Two weight layouts (gpu/quantization.py reads them from checkpoints or makes the
 - **128 x 128 blocks** (Qwen's FP8 releases, ``weight_block_size``): the activations are
   quantized per token and per group of 128 columns, and cuBLASLt's block-scaled GEMM
   (torch's ``F.scaled_mm``, on Hopper: ``cublas_block_linear``) or ``block_fp8_matmul``
-  (below, elsewhere and for fewer rows) multiplies tile by tile, each K step's float32
+  (below, elsewhere) multiplies tile by tile, each K step's float32
   partial product scaled by its row's group scale and its column block's weight scale
   before it is summed.
 
@@ -365,7 +365,7 @@ def block_scaled_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
     """``x`` [rows, in] times a block-scaled e4m3 ``weight``: ``cublas_block_linear``
     where ``takes_cublas_blocks`` says so, else the activations quantized per token and
     per group of ``block_size[1]`` columns, then ``block_fp8_matmul``."""
-    if takes_cublas_blocks(x.shape[0], weight, block_size):
+    if takes_cublas_blocks(weight, block_size):
         return cublas_block_linear(x, weight, weight_scale, bias)
     values, scales = quantize_groups(x, block_size[1])
     return block_fp8_matmul(values, scales, weight, weight_scale, block_size, bias, x.dtype)
@@ -383,26 +383,27 @@ def cublas_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
     return out if bias is None else out.add_(bias)
 
 
-# cuBLASLt's block-scaled GEMM serves Hopper only (cuBLAS has no 2-D block scales on
-# Blackwell) and whole 128 x 128 blocks whose scales need no padding: torch's own tests
-# pad the weight scales' rows to a multiple of 4 blocks, and run the activations in
-# multiples of 128 rows; the activations here are padded to a multiple of
-# CUBLAS_ROW_MULTIPLE rows, so each group's scales start 64-byte aligned.
+# cuBLASLt's block-scaled GEMM against the Triton block GEMM, the quantization in both,
+# at qwen3-8b's four projections on an H100 (a layer's four GEMMs, from CUDA graph
+# replays; benchmarks/fp8_gemm_bench.py, docs/performance.md): 102-105 against 113-121 us
+# at 1 to 13 rows, 120-121 against 150 at 64, 245-246 against 394-406 at 512, 1,854-1,857
+# against 3,007-3,024 at 4,096: faster at every row count. It serves Hopper only (cuBLAS
+# has no 2-D block scales on Blackwell) and whole 128 x 128 blocks whose scales need no
+# padding: torch's own tests pad the weight scales' rows to a multiple of 4 blocks, and
+# run the activations in multiples of 128 rows; the activations here are padded to a
+# multiple of CUBLAS_ROW_MULTIPLE rows, so each group's scales start 64-byte aligned.
 CUBLAS_BLOCK = (128, 128)
-CUBLAS_BLOCK_MIN_ROWS = 8
 CUBLAS_ROW_MULTIPLE = 16
 
 
-def takes_cublas_blocks(num_rows: int, weight: torch.Tensor,
-                        block_size: tuple[int, int]) -> bool:
-    """Whether ``num_rows`` rows times the block-scaled ``weight`` [out, in] go through
+def takes_cublas_blocks(weight: torch.Tensor, block_size: tuple[int, int]) -> bool:
+    """Whether the block-scaled ``weight`` [out, in] multiplies through
     ``cublas_block_linear``: on a Hopper GPU with a torch that has ``F.scaled_mm``, with
-    128 x 128 blocks that tile the weight, a multiple of 4 of them a row, from
-    CUBLAS_BLOCK_MIN_ROWS rows."""
+    128 x 128 blocks that tile the weight, a multiple of 4 of them a row."""
     num_out, num_in = weight.shape
-    return (num_rows >= CUBLAS_BLOCK_MIN_ROWS and tuple(block_size) == CUBLAS_BLOCK
-            and num_out % CUBLAS_BLOCK[0] == 0 and num_in % (4 * CUBLAS_BLOCK[1]) == 0
-            and weight.device.type == "cuda" and _has_cublas_blocks(weight.device.index))
+    return (tuple(block_size) == CUBLAS_BLOCK and num_out % CUBLAS_BLOCK[0] == 0
+            and num_in % (4 * CUBLAS_BLOCK[1]) == 0 and weight.device.type == "cuda"
+            and _has_cublas_blocks(weight.device.index))
 
 
 @functools.cache
