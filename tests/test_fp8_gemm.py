@@ -99,8 +99,9 @@ def test_cublas_blocks_only_for_whole_128_blocks_on_hopper():
 @pytest.mark.parametrize("num_rows", [1, 8, 13, 200, 1000])
 @pytest.mark.parametrize("has_bias", [False, True])
 def test_cublas_blocks_agree_with_the_triton_block_gemm(num_rows, has_bias):
-    """``cublas_block_linear`` = the Triton block GEMM of the same quantized input, at row
-    counts that are no multiple of anything, with and without a bias."""
+    """``cublas_block_linear`` = the Triton block GEMM of the same quantized input, at one
+    row, a multiple of 8 and row counts that are no multiple of anything (the padding),
+    with and without a bias."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("cuBLASLt's 128 x 128 block scales: Hopper only")
     weight = block_quantized_weight(384, 512, (128, 128), seed=num_rows)

@@ -10,9 +10,9 @@ Two weight layouts (gpu/quantization.py reads them from checkpoints or makes the
 - **128 x 128 blocks** (Qwen's FP8 releases, ``weight_block_size``): the activations are
   quantized per token and per group of 128 columns, and cuBLASLt's block-scaled GEMM
   (torch's ``F.scaled_mm``, on Hopper: ``cublas_block_linear``) or ``block_fp8_matmul``
-  (below, elsewhere) multiplies tile by tile, each K step's float32
-  partial product scaled by its row's group scale and its column block's weight scale
-  before it is summed.
+  (below, elsewhere) multiplies tile by tile, each K step's float32 partial product
+  scaled by its row's group scale and its column block's weight scale before it is
+  summed.
 
 Every launch's grid depends on the shapes only and nothing reads a value back to the
 host, so both run inside captured CUDA graphs. The scales are computed as the torch
