@@ -1214,7 +1214,8 @@ def _num_tokens_shared(waiting: WaitingRequest, followers: Iterable[WaitingReque
                        block_size: int) -> int:
     """The longest whole-block prefix of its prompt that a follower's prompt (with the
     same cache salt) starts with. Slices compare in C; a follower that cannot beat the
-    best so far costs one comparison, so an unrelated burst costs one per follower."""
+    best so far costs one block's comparison (the block past the best, where prompts of
+    another prefix or of the same one diverge), so a burst costs a block per follower."""
     tokens = waiting.request.prompt_token_ids
     salt = waiting.request.cache_salt
     num_shared_blocks = 0
@@ -1222,8 +1223,10 @@ def _num_tokens_shared(waiting: WaitingRequest, followers: Iterable[WaitingReque
         other = follower.request.prompt_token_ids
         low = num_shared_blocks + 1  # fewest blocks that beat the best so far
         high = min(len(tokens), len(other)) // block_size
+        start = (low - 1) * block_size
         if (follower.request.cache_salt != salt or low > high
-                or tokens[:low * block_size] != other[:low * block_size]):
+                or tokens[start:start + block_size] != other[start:start + block_size]
+                or tokens[:start] != other[:start]):
             continue
         while low < high:  # the most blocks both start with, in [low, high]
             middle = (low + high + 1) // 2
