@@ -12,7 +12,8 @@ dequantized float layer where the FP8 kernels cannot take it:
 - a checkpoint that left one of the projection's tensors unquantized (an ``ignore``d
   layer is served at the checkpoint's precision, as vLLM serves it);
 - shapes the kernels do not take: per-channel GEMMs need both sizes a multiple of 16,
-  block scales need every fused part (q/k/v, gate/up) to start on a block boundary and
+  block scales need every fused part (q/k/v, gate/up) to start on a block boundary, the
+  row ranges a checkpoint interleaves (Qwen3-Next's q/k/v/z) to span whole blocks, and
   a power-of-two block width of at least 16.
 
 The MoE families' stacked experts stay e4m3 too, with the same scales per expert
@@ -102,7 +103,21 @@ def _fits(shape: torch.Size | None, layout: Fp8Layout, parts: Iterable[tuple[str
         return shape is None or (shape[0] % SCALED_MM_MULTIPLE == 0
                                  and shape[1] % SCALED_MM_MULTIPLE == 0)
     block_rows = layout.block_size[0]
-    return all(target.row_start % block_rows == 0 for _, target in parts)
+    return all(target.row_start % block_rows == 0 and _pieces_on_blocks(target, block_rows)
+               for _, target in parts)
+
+
+def _pieces_on_blocks(target: Target, block_rows: int) -> bool:
+    """Whether the row ranges ``target`` stacks (``Target.pieces``, e.g. Qwen3-Next's
+    q/k/v/z rows, interleaved by head group in the checkpoint) take their block scales
+    with them: each starts on a block and spans whole blocks, but for a last one that
+    ends the tensor (its partial block)."""
+    num_rows = target.shape[0]
+    for index, (start, length) in enumerate(target.pieces):
+        ends_the_tensor = index == len(target.pieces) - 1 and start + length == num_rows
+        if start % block_rows or (length % block_rows and not ends_the_tensor):
+            return False
+    return True
 
 
 def copy_fp8_into(parameters: Mapping[str, torch.Tensor], target: Target,

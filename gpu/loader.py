@@ -228,7 +228,8 @@ class _WeightDecoder:
     def take(self, path: Path, name: str, tensor_slice: Any, target: Target
              ) -> torch.Tensor | Fp8Weight:
         if target.parameter_name in self.fp8_parameters:
-            return self._fp8_weight(path, name, tensor_slice)
+            weight = self._fp8_weight(name, tensor_slice)
+            return weight.take_rows(target.pieces) if target.pieces else weight
         dtype = tensor_slice.get_dtype()
         if dtype in SAFETENSORS_FLOAT8:
             if self.quantization is None or dtype != SAFETENSORS_E4M3:
@@ -243,8 +244,8 @@ class _WeightDecoder:
             return target.take(quantize_rows(tensor_slice[:]).dequantize())
         return target.take(tensor_slice)
 
-    def _fp8_weight(self, path: Path, name: str, tensor_slice: Any) -> Fp8Weight:
-        """A tensor for a parameter kept in e4m3 (one rank: gpu/fp8_weights.py): the
+    def _fp8_weight(self, name: str, tensor_slice: Any) -> Fp8Weight:
+        """A tensor for a parameter kept in e4m3 (one rank: gpu/fp8_weights.py), whole: the
         checkpoint's values and scale, or the float weight rounded per row (online)."""
         if self.online:
             return quantize_rows(tensor_slice[:])

@@ -37,6 +37,7 @@ attention, as vLLM reads them), else 1.0, as vLLM's are.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -95,6 +96,24 @@ class Fp8Weight:
             scale = scale.repeat_interleave(rows, 0).repeat_interleave(columns, 1)
             scale = scale[:num_rows, :num_columns]  # the partial blocks at the edges
         return self.values.to(torch.float32) * scale
+
+    def take_rows(self, pieces: Sequence[tuple[int, int]]) -> Fp8Weight:
+        """Rows ``pieces`` ((start, length) each) stacked in that order, each with its
+        scales: a weight whose checkpoint interleaves parts the model keeps apart
+        (gpu/models/weights.py's ``Target.pieces``). Per block, every piece must start
+        on a block and span whole ones unless it ends the weight (gpu/fp8_weights.py
+        keeps no other layer in e4m3)."""
+        values = torch.cat([self.values[start:start + length] for start, length in pieces])
+        if self.block_size is None:
+            if self.scale.dim() == 0:  # per tensor: every row's
+                return Fp8Weight(values, self.scale)
+            return Fp8Weight(values, torch.cat([self.scale[start:start + length]
+                                                for start, length in pieces]))
+        rows = self.block_size[0]
+        assert all(start % rows == 0 for start, _ in pieces)
+        scale = torch.cat([self.scale[start // rows:-(-(start + length) // rows)]
+                           for start, length in pieces])
+        return Fp8Weight(values, scale, self.block_size)
 
 
 def quantize_rows(weight: torch.Tensor) -> Fp8Weight:

@@ -13,7 +13,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_model_support import dense_config, moe_config, random_causal_lm
+from test_model_support import (
+    dense_config,
+    moe_config,
+    random_causal_lm,
+    random_hybrid_model,
+    random_prompts,
+    run_executor,
+)
 from test_quantization import write_fp8_checkpoint
 
 from trio_llm.gpu import fp8_weights
@@ -131,6 +138,53 @@ def test_online_fp8_keeps_per_row_scales_and_dummy_weights_too(tmp_path, cpu_kee
                        quantization="fp8")
     assert _kept(dummy)
     _assert_kept_layers_hold_the_dequantized_weights(_kept(dummy), plain_dummy)
+
+
+# (architecture, block size): blocks that every part of the linear attention's fused
+# projection starts on (its b and a rows are one a value head), so that it stays e4m3;
+# Qwen3-Next's checkpoint interleaves q, k, v and z by head group, which the kept layer
+# takes apart with their block scales as the dequantizing load does with the values.
+HYBRID_CASES = [("Qwen3NextForCausalLM", (2, 16)), ("Qwen3_5ForCausalLM", (4, 16)),
+                ("Qwen3_5MoeForConditionalGeneration", (4, 32))]
+
+
+@pytest.mark.parametrize(("architecture", "block"), HYBRID_CASES,
+                         ids=[architecture for architecture, _ in HYBRID_CASES])
+def test_a_hybrid_fp8_checkpoint_keeps_its_projections_in_e4m3(
+        tmp_path, monkeypatch, cpu_keeps_fp8, architecture, block):
+    """The kept layers hold the dequantizing load's weights, and with the activations
+    left unrounded the model's logits are the dequantized model's (within float32
+    rounding): every kept row where the model reads it. (Rounded, a random tiny model's
+    Gated DeltaNet amplifies the rounding of its b and a rows: up to 1.1 of the logits'
+    norm.)"""
+    write_fp8_checkpoint(random_hybrid_model(architecture), tmp_path / "fp8",
+                         tmp_path / "plain", "block", block)
+    model = load_model(tmp_path / "fp8", dtype=torch.float32, device=CPU)
+    kept = _kept(model)
+    assert {"layers.0.linear_attn.in_proj", "layers.0.linear_attn.out_proj",
+            "layers.3.self_attn.qkv_proj"} <= kept.keys()
+    fp8_weights.FP8_DEVICE_TYPES = ("cuda",)  # (the fixture's monkeypatch restores it)
+    _assert_kept_layers_hold_the_dequantized_weights(
+        kept, load_model(tmp_path / "plain", dtype=torch.float32, device=CPU))
+    prompts = random_prompts()
+    _, plain = run_executor(tmp_path / "plain", prompts, block_size=16)
+    fp8_weights.FP8_DEVICE_TYPES = ("cuda", "cpu")
+    monkeypatch.setattr(Fp8Linear, "_reference", Fp8Linear._weight_only)
+    _, ours = run_executor(tmp_path / "fp8", prompts, block_size=16)
+    assert ours.keys() == plain.keys()
+    for key, logits in plain.items():  # (F.linear sums in another order than the CPU's)
+        torch.testing.assert_close(ours[key], logits, rtol=0, atol=1e-4, msg=str(key))
+
+
+def test_interleaved_rows_that_cut_blocks_are_dequantized(tmp_path, cpu_keeps_fp8):
+    """Qwen3-Next's b and a rows, two a head group, cut blocks of 16 rows: their block
+    scales cannot move with them, so the fused projection is dequantized (still served,
+    at the model's precision); the layers after it stay e4m3."""
+    write_fp8_checkpoint(random_hybrid_model("Qwen3NextForCausalLM"), tmp_path / "fp8",
+                         tmp_path / "plain", "block", (16, 16))
+    kept = _kept(load_model(tmp_path / "fp8", dtype=torch.float32, device=CPU))
+    assert "layers.0.linear_attn.out_proj" in kept
+    assert "layers.0.linear_attn.in_proj" not in kept
 
 
 def test_the_cpu_and_tensor_parallel_shards_dequantize(tmp_path):
