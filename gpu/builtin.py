@@ -9,8 +9,9 @@ layers (8 experts, top 2): the Mixture-of-Experts path end to end on a CPU.
 ``qwen3-8b-fp8`` and ``qwen3-30b-a3b-fp8`` (the same with the quantization_config of
 Qwen's FP8 releases: e4m3 weights in 128 x 128 blocks) and ``qwen3-moe-small`` (a
 Qwen3-MoE shape for CPU benchmarks), and the hybrid family's ``qwen3.5-27b``,
-``qwen3.5-35b-a3b`` (Qwen3.5's published dimensions) and ``qwen3.5-small`` (its shape,
-small, for CPU benchmarks and tests) carry configurations for ``load_format="dummy"``
+``qwen3.5-35b-a3b`` (Qwen3.5's published dimensions; ``-fp8`` each: with that
+quantization_config) and ``qwen3.5-small`` (its shape, small, for CPU benchmarks and
+tests) carry configurations for ``load_format="dummy"``
 (random weights, no safetensors written): they measure speed, not quality.
 
 A built model directory is written to a temporary directory and renamed into
@@ -514,7 +515,8 @@ QWEN3_5_SMALL_CONFIG: dict[str, Any] = QWEN3_5_COMMON | {
     "tie_word_embeddings": True,
 }
 
-# The quantization_config of Qwen's FP8 releases (Qwen/Qwen3-8B-FP8, Qwen/Qwen3-30B-A3B-FP8):
+# The quantization_config of Qwen's FP8 releases (Qwen/Qwen3-8B-FP8, Qwen/Qwen3-30B-A3B-FP8,
+# Qwen/Qwen3.6-27B-FP8, ...):
 # e4m3 weights with one scale per 128 x 128 block, activations quantized as they come.
 QWEN_FP8_BLOCKS: dict[str, Any] = {
     "quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
@@ -530,6 +532,8 @@ DUMMY_ONLY_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen3-30b-a3b-fp8": QWEN3_30B_A3B_CONFIG | QWEN_FP8_BLOCKS,
     "qwen3.5-27b": QWEN3_5_27B_CONFIG,
     "qwen3.5-35b-a3b": QWEN3_5_35B_A3B_CONFIG,
+    "qwen3.5-27b-fp8": QWEN3_5_27B_CONFIG | QWEN_FP8_BLOCKS,
+    "qwen3.5-35b-a3b-fp8": QWEN3_5_35B_A3B_CONFIG | QWEN_FP8_BLOCKS,
     "qwen3.5-small": QWEN3_5_SMALL_CONFIG,
 }
 

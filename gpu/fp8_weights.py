@@ -33,11 +33,13 @@ from trio_llm.gpu.layers.linear import Linear
 from trio_llm.gpu.layers.moe import SparseMoeBlock
 from trio_llm.gpu.models import CausalLM
 from trio_llm.gpu.models.weights import Target
-from trio_llm.gpu.quantization import CheckpointQuantization, Fp8Weight, is_quantizable
+from trio_llm.gpu.quantization import (
+    CheckpointQuantization,
+    Fp8Weight,
+    is_quantizable,
+    keeps_fp8_weights,
+)
 
-# Device types whose models keep FP8 weights (tests add "cpu": Fp8Linear then computes
-# in torch what the kernels compute).
-FP8_DEVICE_TYPES = ("cuda",)
 # The row-wise torch._scaled_mm (per-channel) and Triton's FP8 dots (blocks).
 MIN_CAPABILITY = {"channel": (9, 0), "block": (8, 9)}
 SCALED_MM_MULTIPLE = 16
@@ -47,7 +49,7 @@ MIN_BLOCK_COLUMNS = 16
 def fp8_layout(model: CausalLM, checkpoint: CheckpointQuantization | None,
                online: bool) -> Fp8Layout | None:
     """The layout an FP8 model's projections keep on its device; None: dequantize."""
-    if (checkpoint is None and not online) or model.device.type not in FP8_DEVICE_TYPES:
+    if (checkpoint is None and not online) or not keeps_fp8_weights(model.device):
         return None
     if model.parallel.is_parallel:
         return None

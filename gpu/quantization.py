@@ -177,6 +177,17 @@ def quantize_row_groups(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor,
     return values, quantized.scale.view(num_rows, num_groups)
 
 
+# Device types whose models keep FP8 weights in e4m3 for the FP8 kernels (gpu/
+# fp8_weights.py; tests add "cpu": gpu/layers/fp8_linear.py's Fp8Linear then computes in
+# torch what the kernels compute).
+FP8_DEVICE_TYPES = ("cuda",)
+
+
+def keeps_fp8_weights(device: torch.device) -> bool:
+    """Whether a model on ``device`` may keep FP8 weights in e4m3 (else it dequantizes)."""
+    return device.type in FP8_DEVICE_TYPES
+
+
 def is_quantizable(parameter_name: str) -> bool:
     """Whether ``--quantization fp8`` quantizes the weights of this parameter."""
     return parameter_name.endswith(QUANTIZABLE_PARAMETER_SUFFIXES)

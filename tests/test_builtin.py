@@ -128,7 +128,9 @@ def test_qwen3_30b_a3b_has_the_published_dimensions():
 def test_the_fp8_builtins_are_block_scaled_like_qwens_fp8_releases():
     from trio_llm.gpu.models import parse_model_config
 
-    for name, plain in (("qwen3-8b-fp8", "qwen3-8b"), ("qwen3-30b-a3b-fp8", "qwen3-30b-a3b")):
+    for name, plain in (("qwen3-8b-fp8", "qwen3-8b"), ("qwen3-30b-a3b-fp8", "qwen3-30b-a3b"),
+                        ("qwen3.5-27b-fp8", "qwen3.5-27b"),
+                        ("qwen3.5-35b-a3b-fp8", "qwen3.5-35b-a3b")):
         config = parse_model_config(builtin.DUMMY_ONLY_CONFIGS[name])
         assert config.quantization is not None
         assert config.quantization.block_size == (128, 128)

@@ -20,6 +20,7 @@ from test_model_support import (
     dense_config,
     moe_config,
     random_causal_lm,
+    random_hybrid_model,
     run_executor,
 )
 
@@ -192,8 +193,13 @@ def write_fp8_checkpoint(model, fp8_directory, plain_directory, scheme: str,
 
 
 def _tiny_model(family: str):
+    if family in HYBRID_FAMILIES:
+        return random_hybrid_model(HYBRID_FAMILIES[family])
     config = moe_config(family) if family in ("qwen3_moe", "mixtral") else dense_config(family)
     return random_causal_lm(config, seed=len(family))
+
+
+HYBRID_FAMILIES = {"qwen3_5_moe": "Qwen3_5MoeForCausalLM", "qwen3_next": "Qwen3NextForCausalLM"}
 
 
 def _prompts():
@@ -224,6 +230,9 @@ CASES = [
     ("qwen3", "channel", None),
     ("qwen3_moe", "block", (16, 32)),
     ("mixtral", "channel", None),
+    # the hybrid family: b and a apart from q/k/v/z (gpu/layers/linear_attention.py)
+    ("qwen3_5_moe", "block", (16, 32)),
+    ("qwen3_next", "channel", None),
 ]
 
 

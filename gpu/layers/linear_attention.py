@@ -30,7 +30,11 @@ Fused projection (``in_proj``), this rank's heads only: rows
 ``[q | k | v | z | b | a]``, q/k of this rank's key heads, the rest of its value
 heads (a key head serves ``value heads / key heads`` consecutive value heads, so a
 rank's value heads are those of its key heads). The conv weight's channels are
-``[q | k | v]`` of the same heads.
+``[q | k | v]`` of the same heads. An FP8 checkpoint's layer on a device that keeps
+FP8 weights keeps ``[b | a]`` apart (``in_proj_ba``, in the model's dtype):
+checkpoints leave those small projections unquantized, or quantize them in blocks
+their rows do not fill, and in one fused layer that would keep the large q/k/v/z rows
+from staying e4m3 (gpu/fp8_weights.py); apart, they cost a launch of their own.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from trio_llm.gpu.layers.attention import AttentionMetadata
 from trio_llm.gpu.layers.exact import batch_invariant, sum_of_squares
 from trio_llm.gpu.layers.linear import Linear
 from trio_llm.gpu.layers.norm import RMSNorm, gated_rms_norm
+from trio_llm.gpu.quantization import keeps_fp8_weights
 from trio_llm.gpu.tensor_parallel import TensorParallel
 
 if TYPE_CHECKING:
@@ -163,9 +168,15 @@ class GatedDeltaNet(nn.Module):
         self.parallel = parallel
         shape = self.shape = local_shape(config, parallel)
         num_value_heads = shape.num_value_heads
-        self.in_proj = Linear(config.hidden_size,
-                              shape.conv_channels + shape.value_size + 2 * num_value_heads,
-                              bias=False, dtype=dtype, device=device)
+        fused_rows = shape.conv_channels + shape.value_size
+        self.in_proj_ba: Linear | None = None
+        if config.quantization is not None and keeps_fp8_weights(device):  # see the module
+            self.in_proj_ba = Linear(config.hidden_size, 2 * num_value_heads, bias=False,
+                                     dtype=dtype, device=device)
+        else:
+            fused_rows += 2 * num_value_heads
+        self.in_proj = Linear(config.hidden_size, fused_rows, bias=False, dtype=dtype,
+                              device=device)
         self.conv_weight = nn.Parameter(
             torch.empty(shape.conv_channels, 1, shape.conv_kernel_size, dtype=dtype,
                         device=device), requires_grad=False)
@@ -183,6 +194,16 @@ class GatedDeltaNet(nn.Module):
         softplus(a + dt_bias), in a's dtype."""
         return -self.A_log.to(a.dtype).exp() * F.softplus(a + self.dt_bias.to(a.dtype))
 
+    def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(q/k/v, z, b, a) of every token: views of the projections' outputs."""
+        shape = self.shape
+        sizes = [shape.conv_channels, shape.value_size]
+        ba_sizes = [shape.num_value_heads, shape.num_value_heads]
+        if self.in_proj_ba is None:
+            return tuple(self.in_proj(hidden).split(sizes + ba_sizes, dim=-1))
+        return (*self.in_proj(hidden).split(sizes, dim=-1),
+                *self.in_proj_ba(hidden).split(ba_sizes, dim=-1))
+
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, rotary: Any,
                 cache: StateCache, metadata: AttentionMetadata, backend: Any) -> torch.Tensor:
         """The layer's output for every token of the step (``positions``, ``rotary`` and
@@ -190,9 +211,7 @@ class GatedDeltaNet(nn.Module):
         ``cache`` ends holding its state after its last token."""
         shape = self.shape
         num_tokens = hidden.shape[0]
-        mixed, z, b, a = self.in_proj(hidden).split(
-            [shape.conv_channels, shape.value_size, shape.num_value_heads,
-             shape.num_value_heads], dim=-1)
+        mixed, z, b, a = self.project(hidden)
         beta = batch_invariant(torch.sigmoid, b)
         # in float32 at least: in half precision the decay could round to -inf
         decay = batch_invariant(self._log_decay, a.float())

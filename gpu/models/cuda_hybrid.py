@@ -8,7 +8,7 @@ by layer over the same modules and weights as the torch forward (the layers'
 
 - the norms of the ``(1 + weight)`` form with the residual add fused
   (gpu/kernels/triton_offset_norm.py);
-- a linear-attention layer: the fused in_proj ``[q | k | v | z | b | a]``, the
+- a linear-attention layer: its projections (``GatedDeltaNet.project``), the
   causal conv1d and the gated delta rule with each sequence's state in its slot
   (gpu/kernels/triton_linear_attention.py; a step of one token per sequence updates
   the states in place; any other step updates its one-token sequences in place too
@@ -104,9 +104,7 @@ def linear_attention(layer: GatedDeltaNet, hidden: torch.Tensor, cache: StateCac
                          "on the device (CudaStepMetadata.state_slot_ids)")
     shape = layer.shape
     num_tokens = hidden.shape[0]
-    mixed, z, b, a = layer.in_proj(hidden).split(
-        [shape.conv_channels, shape.value_size, shape.num_value_heads,
-         shape.num_value_heads], dim=-1)
+    mixed, z, b, a = layer.project(hidden)
     weight = layer.conv_weight[:, 0]
     context_lens, query_start_loc = metadata.context_lens, metadata.query_start_loc
     scale = shape.key_head_dim ** -0.5

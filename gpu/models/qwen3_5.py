@@ -172,12 +172,22 @@ def linear_attention_targets(targets: TargetMap, config: ModelConfig, layer_inde
                    qkv_pieces(shape, parallel, config))
     row += gathered(targets, theirs + "in_proj_z.weight", in_proj, row, value_size,
                     [head_rows(parallel, shape.num_value_heads, shape.value_head_dim)])
+    ba, row = ba_rows(targets, ours, row)
     for name in ("in_proj_b", "in_proj_a"):
-        row += gathered(targets, theirs + f"{name}.weight", in_proj, row, num_value_heads,
+        row += gathered(targets, theirs + f"{name}.weight", ba, row, num_value_heads,
                         [head_rows(parallel, shape.num_value_heads, 1)])
     gathered(targets, theirs + "conv1d.weight", ours + "conv_weight", 0, conv_channels,
              qkv_pieces(shape, parallel, config))
     common_linear_attention_targets(targets, config, shape, ours, theirs)
+
+
+def ba_rows(targets: TargetMap, ours: str, row: int) -> tuple[str, int]:
+    """(the parameter the b and a rows go to, their first row there): after q/k/v/z in
+    the fused projection, or a projection of their own (an FP8 checkpoint's:
+    GatedDeltaNet)."""
+    if ours + "in_proj_ba.weight" in targets.parameters:
+        return ours + "in_proj_ba.weight", 0
+    return ours + "in_proj.weight", row
 
 
 def common_linear_attention_targets(targets: TargetMap, config: HybridConfig,

@@ -22,6 +22,7 @@ from trio_llm.gpu.models.base import ModelFamily, register_family
 from trio_llm.gpu.models.config import HybridConfig, ModelConfig, check_no_sliding_window
 from trio_llm.gpu.models.qwen2_moe import feed_forward_targets
 from trio_llm.gpu.models.qwen3_5 import (
+    ba_rows,
     common_linear_attention_targets,
     hybrid_fields,
     linear_attention,
@@ -60,7 +61,7 @@ def linear_attention_targets(targets: TargetMap, config: ModelConfig, layer_inde
                    num_key_heads * group_rows, qkvz)
     ba = [(group * 2 * group_values + offset, group_values) for offset in (0, group_values)
           for group in groups]
-    gathered(targets, theirs + "in_proj_ba.weight", in_proj, row,
+    gathered(targets, theirs + "in_proj_ba.weight", *ba_rows(targets, ours, row),
              num_key_heads * 2 * group_values, ba)
     conv_channels = 2 * num_key_heads * key_dim + config.linear_num_value_heads * value_dim
     gathered(targets, theirs + "conv1d.weight", ours + "conv_weight", 0, conv_channels,
