@@ -124,6 +124,26 @@ def test_eager_steps_give_the_cpu_executors_tokens(dense_checkpoint, caplog):
     assert executor.stats.num_graph_steps == 0
 
 
+def test_an_fp8_checkpoints_kept_projections_give_the_cpu_executors_tokens(
+        tmp_path, monkeypatch):
+    """Qwen3-Next's FP8 checkpoint, its projections kept in e4m3 (as on a GPU: the
+    linear attention's q/k/v/z in one layer, b and a apart in the model's dtype): the
+    CUDA path gives the CPU executor's tokens (both multiply through Fp8Linear)."""
+    from test_quantization import write_fp8_checkpoint
+
+    from trio_llm.gpu import quantization
+    from trio_llm.gpu.layers.fp8_linear import Fp8Linear
+
+    write_fp8_checkpoint(random_hybrid_model("Qwen3NextForCausalLM"), tmp_path / "fp8",
+                         tmp_path / "plain", "block", (16, 16))
+    monkeypatch.setattr(quantization, "FP8_DEVICE_TYPES", ("cuda", "cpu"))
+    expected = generate(ModelExecutor.create(engine_config(tmp_path / "fp8")))
+    executor = cuda_executor(tmp_path / "fp8")
+    layer = executor.model.decoder_layers[0].linear_attn
+    assert isinstance(layer.in_proj, Fp8Linear) and not isinstance(layer.in_proj_ba, Fp8Linear)
+    assert generate(executor) == expected
+
+
 def _step(step_id, requests, *, new=(), finished=(), copies=()):
     return ScheduledBatch(step_id=step_id, new_requests=list(new), requests=requests,
                           finished_request_ids=list(finished),
@@ -249,6 +269,26 @@ def test_gpu_graphs_give_the_eager_steps_tokens(checkpoint):
     device, state slots in the static inputs)."""
     eager = generate(cuda_executor(checkpoint, device="cuda", use_cuda_graphs=False))
     assert generate(cuda_executor(checkpoint, device="cuda")) == eager
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("architecture", ["Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM"])
+def test_gpu_an_fp8_checkpoints_graphs_give_the_eager_steps_tokens(architecture, tmp_path):
+    """An FP8 checkpoint in bf16 on CUDA: the linear attention's q/k/v/z projection, the
+    attention's and the experts in e4m3 through the FP8 kernels, b and a apart; graph
+    replays give the eager steps' tokens."""
+    from test_quantization import write_fp8_checkpoint
+
+    from trio_llm.gpu.layers.fp8_linear import Fp8Linear
+
+    write_fp8_checkpoint(random_hybrid_model(architecture), tmp_path / "fp8",
+                         tmp_path / "plain", "block", (16, 16))
+    eager_executor = cuda_executor(tmp_path / "fp8", device="cuda", dtype="bfloat16",
+                                   use_cuda_graphs=False)
+    layer = eager_executor.model.decoder_layers[0].linear_attn
+    assert isinstance(layer.in_proj, Fp8Linear) and layer.in_proj_ba is not None
+    eager = generate(eager_executor)
+    assert generate(cuda_executor(tmp_path / "fp8", device="cuda", dtype="bfloat16")) == eager
 
 
 @pytest.mark.gpu
