@@ -327,10 +327,6 @@ def load_executor_model(config: EngineConfig, *, parallel: TensorParallel | None
                                          description.model_config.max_position_embeddings),
                        parallel=parallel, quantization=config.quantization,
                        kv_cache=config.kv_cache_dtype)
-    if model.num_linear_attention_layers and model.kv_cache_dtype != model.dtype:
-        # the hybrid family's fused attention writes its cache unscaled (cuda_hybrid.py)
-        raise ModelLoadError(f"--kv-cache-dtype {config.kv_cache_dtype} is not supported for "
-                             f"{description.model_config.architecture} yet: leave it out")
     num_state_slots = model.parallel.min_over_ranks(_num_state_slots(model, config), device)
     state_bytes = num_state_slots * model.state_bytes_per_slot
     num_kv_blocks = config.num_kv_blocks or _num_kv_blocks_for_memory(model, config,

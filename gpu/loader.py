@@ -271,15 +271,18 @@ class _WeightDecoder:
 
 
 def _load_kv_scales(model: CausalLM, directory: Path) -> None:
-    """Each layer's FP8 KV cache scales from the checkpoint (``k_scale``/``v_scale``, or one
-    ``kv_scale``), where it has them; a layer without keeps 1.0, as vLLM's does."""
+    """Each attention layer's FP8 KV cache scales from the checkpoint (``k_scale``/
+    ``v_scale``, or one ``kv_scale``), where it has them; a layer without keeps 1.0, as
+    vLLM's does (a linear-attention layer has no KV cache)."""
     names: dict[str, Path] = {}
     for path, indexed_names in checkpoint_files(directory).items():
         with safe_open(str(path), framework="pt", device="cpu") as file:
             names |= dict.fromkeys(indexed_names if indexed_names is not None
                                    else file.keys(), path)
     for index, layer in enumerate(model.decoder_layers):
-        k_name, v_name, kv_name = kv_scale_names(index)
+        if layer.linear_attn is not None:
+            continue
+        k_name, v_name, kv_name = kv_scale_names(index, model.config.weight_prefix)
         k_scale = _read_scale(names, k_name) or _read_scale(names, kv_name) or 1.0
         v_scale = _read_scale(names, v_name) or _read_scale(names, kv_name) or 1.0
         layer.self_attn.kv_scales = KVScales(k_scale, v_scale)

@@ -232,10 +232,11 @@ class KVScales:
     v_scale: float = 1.0
 
 
-def kv_scale_names(layer_index: int) -> tuple[str, str, str]:
+def kv_scale_names(layer_index: int, weight_prefix: str = "model.") -> tuple[str, str, str]:
     """Checkpoint names of layer ``layer_index``'s KV cache scales: (k_scale, v_scale,
-    kv_scale), the last one older checkpoints' single scale for both."""
-    prefix = f"model.layers.{layer_index}.self_attn."
+    kv_scale), the last one older checkpoints' single scale for both; ``weight_prefix``:
+    where the checkpoint's layers are (ModelConfig.weight_prefix)."""
+    prefix = f"{weight_prefix}layers.{layer_index}.self_attn."
     return prefix + "k_scale", prefix + "v_scale", prefix + "kv_scale"
 
 

@@ -12,8 +12,11 @@ the CPU float32 path (match rate reported).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 HAS_CUDA = torch.cuda.is_available()  # without it, conftest.py runs Triton's interpreter
 
@@ -42,6 +45,7 @@ from trio_llm.gpu.layers.rotary import RotaryEmbedding  # noqa: E402
 from trio_llm.gpu.models import cuda_hybrid  # noqa: E402
 from trio_llm.gpu.models.config import RopeConfig  # noqa: E402
 from trio_llm.gpu.models.cuda_fused import FusedHybridLM  # noqa: E402
+from trio_llm.gpu.quantization import E4M3, KVScales, kv_scale_names, quantize_kv  # noqa: E402
 from trio_llm.gpu.testing import GREEDY, DriverRequest, ExecutorDriver  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
@@ -69,15 +73,17 @@ def dense_checkpoint(tmp_path_factory):
     return write_checkpoint("Qwen3_5ForCausalLM", tmp_path_factory)
 
 
-def engine_config(directory, *, device="cpu", dtype="float32") -> EngineConfig:
+def engine_config(directory, *, device="cpu", dtype="float32",
+                  kv_cache_dtype="auto") -> EngineConfig:
     return EngineConfig(model=str(directory), block_size=BLOCK_SIZE, num_kv_blocks=64,
                         device=device, dtype=dtype, max_num_seqs=4,
-                        enable_prefix_caching=False)
+                        enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
 
 
 def cuda_executor(directory, *, device=DEVICE, dtype="float32", use_cuda_graphs=True,
-                  max_num_batched_tokens=64) -> CudaModelExecutor:
-    loaded = load_executor_model(engine_config(directory, device=device, dtype=dtype))
+                  max_num_batched_tokens=64, kv_cache_dtype="auto") -> CudaModelExecutor:
+    loaded = load_executor_model(engine_config(directory, device=device, dtype=dtype,
+                                               kv_cache_dtype=kv_cache_dtype))
     executor = CudaModelExecutor.from_loaded(loaded)
     executor.start(CudaExecutorOptions(max_num_seqs=4,
                                        max_num_batched_tokens=max_num_batched_tokens,
@@ -85,10 +91,11 @@ def cuda_executor(directory, *, device=DEVICE, dtype="float32", use_cuda_graphs=
     return executor
 
 
-def driver_requests(*, preempt: bool = False) -> list[DriverRequest]:
+def driver_requests(*, preempt: bool = False, sampling=GREEDY) -> list[DriverRequest]:
     prompts = random_prompts()
     return [DriverRequest(request_id=f"r{index}", prompt_token_ids=prompt,
-                          max_tokens=NUM_NEW_TOKENS, chunk_sizes=CHUNK_PLANS[index],
+                          max_tokens=NUM_NEW_TOKENS, sampling=sampling,
+                          chunk_sizes=CHUNK_PLANS[index],
                           arrival_step=ARRIVAL_STEPS[index],
                           preempt_at_steps=[5] if preempt and index == 1 else [])
             for index, prompt in enumerate(prompts)]
@@ -122,6 +129,41 @@ def test_eager_steps_give_the_cpu_executors_tokens(dense_checkpoint, caplog):
     assert "state cache: 4 slots of 0.0 MiB over 4 linear-attention layers" in caplog.text
     assert generate(executor) == expected
     assert executor.stats.num_graph_steps == 0
+
+
+def test_an_fp8_kv_cache_on_the_cuda_path_holds_the_cpu_executors_bytes(tmp_path):
+    """--kv-cache-dtype fp8 with the checkpoint's scales (its attention layer's, under a
+    multimodal checkpoint's prefix): the keys and values the prompts leave in the cache,
+    written over their scales by the gated attention's kernel in padded graph steps, are
+    the bytes the CPU executor's cache holds (but for Triton's interpreter's rounding at
+    a binade's top, tests/test_triton_kv_fp8.py); on a GPU, the same tokens too (each
+    cache read back by its attention)."""
+    directory = tmp_path / "checkpoint"
+    random_hybrid_model("Qwen3_5MoeForConditionalGeneration").save_pretrained(directory)
+    k_name, v_name, _ = kv_scale_names(3, "model.language_model.")
+    path = directory / "model.safetensors"
+    save_file(load_file(path) | {k_name: torch.tensor(0.5), v_name: torch.tensor(2.0)}, path,
+              metadata={"format": "pt"})
+    reference = ModelExecutor.create(engine_config(directory, kv_cache_dtype="fp8"))
+    assert reference.model.decoder_layers[3].self_attn.kv_scales == KVScales(0.5, 2.0)
+    executor = cuda_executor(directory, kv_cache_dtype="fp8")
+    for run in (reference, executor):
+        for cache in run.kv_caches[3]:
+            cache.zero_()  # (e4m3 zero is the zero byte: the rows left zero were not written)
+        ExecutorDriver(run, decode_input="previous_step").run(
+            [dataclasses.replace(request, max_tokens=1) for request in driver_requests()])
+    for ours, theirs in zip(executor.kv_caches[3], reference.kv_caches[3], strict=True):
+        assert ours.dtype == theirs.dtype == E4M3
+        ours, theirs = ours.cpu().view(torch.uint8), theirs.view(torch.uint8)
+        written = theirs.flatten(0, 1).flatten(1).ne(0).any(1)
+        # (the same slots: one driver's block choices; a finished prompt's blocks reused)
+        assert torch.equal(ours.flatten(0, 1).flatten(1).ne(0).any(1), written)
+        assert int(written.sum()) > 40
+        same = ours.flatten(0, 1)[written] == theirs.flatten(0, 1)[written]
+        assert same.float().mean().item() > (0.999 if HAS_CUDA else 0.95)
+    if HAS_CUDA:
+        assert generate(cuda_executor(directory, kv_cache_dtype="fp8")) == generate(
+            ModelExecutor.create(engine_config(directory, kv_cache_dtype="fp8")))
 
 
 def test_an_fp8_checkpoints_kept_projections_give_the_cpu_executors_tokens(
@@ -243,6 +285,20 @@ def test_gated_qk_kernel_and_gate_match_the_attention_layer():
     torch.testing.assert_close(flat_k[slots], expected_key[written], **tolerance)
     assert torch.equal(flat_v[slots], value[written])
     assert int((flat_k.flatten(1) != 0).any(1).sum()) == len(written)
+    # an FP8 cache (--kv-cache-dtype fp8): the same keys and values over their scales
+    fp8_k, fp8_v = (torch.zeros_like(k_cache, dtype=E4M3) for _ in range(2))
+    gated_qk_norm_rope_write_kv(
+        qkv, positions, rotary.cos, rotary.sin, q_norm.weight, k_norm.weight, 1e-6, fp8_k,
+        fp8_v, slot_mapping, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+        kv_scales=KVScales(0.5, 2.0))
+    for cache, floats, scale in ((fp8_k, flat_k, 0.5), (fp8_v, flat_v, 2.0)):
+        stored = cache.flatten(0, 1)[slots].view(torch.uint8)
+        expected = quantize_kv(floats[slots], scale, E4M3).view(torch.uint8)
+        if HAS_CUDA:
+            assert torch.equal(stored, expected)
+        # (Triton's interpreter rounds a mantissa that carries into the next binade a
+        # binade low: tests/test_triton_kv_fp8.py)
+        assert (stored == expected).float().mean().item() > 0.95
     attended = random(num_tokens, heads, head_dim)
     torch.testing.assert_close(sigmoid_gate(attended, qkv),
                                (attended * torch.sigmoid(gate)).flatten(1), **tolerance)

@@ -29,18 +29,22 @@ AMPLE = EngineConfig(model="qwen3.5-small", load_format="dummy", num_kv_blocks=5
 TIGHT = replace(AMPLE, num_kv_blocks=40, block_size=4, max_num_batched_tokens=64)
 
 
-async def test_same_tokens_under_every_batching() -> None:
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+async def test_same_tokens_under_every_batching(kv_cache_dtype) -> None:
+    """(fp8: the attention layers' keys and values in e4m3, --kv-cache-dtype fp8)"""
     workload = make_workload(sampled=False)[:NUM_REQUESTS]
+    ample = replace(AMPLE, kv_cache_dtype=kv_cache_dtype)
     with trio.fail_after(TIMEOUT):
-        reference = await run_alone(replace(AMPLE, pipeline_depth=1), workload)
+        reference = await run_alone(replace(ample, pipeline_depth=1), workload)
         assert all(reference)
-        variants = {"together, depth 2": AMPLE,
+        variants = {"together, depth 2": ample,
                     "together, small chunks, depth 1": replace(
-                        AMPLE, max_num_batched_tokens=37, pipeline_depth=1)}
+                        ample, max_num_batched_tokens=37, pipeline_depth=1)}
         for name, config in variants.items():
             results, _ = await run_together(config, workload)
             assert results == reference, name
-        results, num_preemptions = await run_together(TIGHT, workload)
+        results, num_preemptions = await run_together(
+            replace(TIGHT, kv_cache_dtype=kv_cache_dtype), workload)
         assert num_preemptions > 0, "the small KV cache forced preemption"
         assert results == reference, "preempted"
 

@@ -7,7 +7,8 @@ in float32 and rounded once; and only the first ``rotary_dim`` entries of a head
 rotate (a quarter of 256), the rest pass through.
 
 - ``gated_qk_norm_rope_write_kv``: from the fused qkv projection, the normed and
-  partly rotated queries, and keys and values stored into the paged cache;
+  partly rotated queries, and keys and values stored into the paged cache (an FP8
+  cache: over their scales);
 - ``sigmoid_gate``: the attention output times the sigmoid of the gate values,
   read in place from the projection.
 """
@@ -19,7 +20,8 @@ import triton
 import triton.language as tl
 
 from trio_llm.gpu.kernels.pdl import pdl_launch, pdl_start
-from trio_llm.gpu.kernels.triton_layers import rotate_halves
+from trio_llm.gpu.kernels.triton_layers import as_cached, rotate_halves
+from trio_llm.gpu.quantization import E4M3, KVScales
 
 GATE_BLOCK = 1024
 
@@ -27,9 +29,9 @@ GATE_BLOCK = 1024
 @triton.jit
 def _gated_qk_kernel(qkv_ptr, positions_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, eps,
                      query_out_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, qkv_row_stride,
-                     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                     k_scale, v_scale, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                      HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr,
-                     USE_PDL: tl.constexpr):
+                     QUANTIZE_KV: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_start(USE_PDL)  # gpu/kernels/pdl.py
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -69,25 +71,31 @@ def _gated_qk_kernel(qkv_ptr, positions_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_nor
         if slot >= 0:
             kv_head = head - NUM_HEADS
             offset = (slot * NUM_KV_HEADS + kv_head) * HEAD_DIM
-            cache_dtype = k_cache_ptr.dtype.element_ty
-            tl.store(k_cache_ptr + offset + dims, normed.to(cache_dtype), mask=passes)
-            tl.store(k_cache_ptr + offset + half_dims, first.to(cache_dtype))
+            tl.store(k_cache_ptr + offset + dims,
+                     as_cached(normed, k_scale, k_cache_ptr, QUANTIZE_KV), mask=passes)
+            tl.store(k_cache_ptr + offset + half_dims,
+                     as_cached(first, k_scale, k_cache_ptr, QUANTIZE_KV))
             tl.store(k_cache_ptr + offset + ROTARY_DIM // 2 + half_dims,
-                     second.to(cache_dtype))
-            value_source = source + NUM_KV_HEADS * HEAD_DIM
-            tl.store(v_cache_ptr + offset + dims, tl.load(value_source + dims))
+                     as_cached(second, k_scale, k_cache_ptr, QUANTIZE_KV))
+            value = tl.load(source + NUM_KV_HEADS * HEAD_DIM + dims)
+            tl.store(v_cache_ptr + offset + dims,
+                     as_cached(value, v_scale, v_cache_ptr, QUANTIZE_KV))
 
 
 def gated_qk_norm_rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                                 sin: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor,
                                 eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 slot_mapping: torch.Tensor, *, num_heads: int,
-                                num_kv_heads: int, head_dim: int) -> torch.Tensor:
+                                num_kv_heads: int, head_dim: int,
+                                kv_scales: KVScales | None = None) -> torch.Tensor:
     """From the fused projection [tokens, heads * 2 head_dim + 2 kv_heads * head_dim]
     (each query head's queries, then its gate values): the normed queries, their first
     ``cos.shape[1]`` entries rotated, [tokens, heads, head_dim]; keys (normed, rotated)
-    and values go to the cache at ``slot_mapping`` (-1: nowhere). ``q_norm`` and
-    ``k_norm`` are the checkpoint's weights (the norm scales by ``1 + weight``)."""
+    and values go to the cache at ``slot_mapping`` (-1: nowhere; an FP8 cache holds them
+    divided by ``kv_scales``, as gpu/attention.py's ``write_kv_cache`` stores them).
+    ``q_norm`` and ``k_norm`` are the checkpoint's weights (the norm scales by
+    ``1 + weight``)."""
+    kv_scales = kv_scales or KVScales()
     num_tokens = qkv.shape[0]
     rotary_dim = cos.shape[1]
     query = torch.empty((num_tokens, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
@@ -99,8 +107,9 @@ def gated_qk_norm_rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos:
     pdl = pdl_launch(qkv.device)
     _gated_qk_kernel[(num_tokens, num_heads + num_kv_heads)](
         qkv, positions, cos, sin, q_norm, k_norm, eps, query, k_cache, v_cache, slot_mapping,
-        qkv.stride(0), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        ROTARY_DIM=rotary_dim, num_warps=2, **pdl)
+        qkv.stride(0), kv_scales.k_scale, kv_scales.v_scale, NUM_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, ROTARY_DIM=rotary_dim,
+        QUANTIZE_KV=k_cache.dtype == E4M3, num_warps=2, **pdl)
     return query
 
 

@@ -156,7 +156,8 @@ def gated_attention(attention: Attention, hidden: torch.Tensor, positions: torch
         qkv, positions, rotary.cos, rotary.sin, attention.q_norm.weight,
         attention.k_norm.weight, attention.q_norm.eps, k_cache, v_cache,
         metadata.slot_mapping, num_heads=attention.num_heads,
-        num_kv_heads=attention.num_kv_heads, head_dim=attention.head_dim)
+        num_kv_heads=attention.num_kv_heads, head_dim=attention.head_dim,
+        kv_scales=attention.kv_scales)
     attended = ops.attend(query, k_cache, v_cache, metadata, attention.scale, backend,
                           attention.kv_scales)
     gated = triton_gated_attention.sigmoid_gate(attended.contiguous(), qkv)
