@@ -145,19 +145,21 @@ def test_online_fp8_keeps_per_row_scales_and_dummy_weights_too(tmp_path, cpu_kee
 # rows apart from q/k/v/z (gpu/layers/linear_attention.py), in the model's dtype, so
 # that q/k/v/z stay e4m3 whatever b and a are (here e4m3 in blocks their rows cut);
 # Qwen3-Next's checkpoint interleaves q, k, v and z by head group.
-HYBRID_CASES = [("Qwen3NextForCausalLM", (16, 16)), ("Qwen3_5ForCausalLM", (16, 16)),
-                ("Qwen3_5MoeForConditionalGeneration", (16, 32))]
+HYBRID_CASES = [("Qwen3NextForCausalLM", "block", (16, 16)),
+                ("Qwen3NextForCausalLM", "channel", None),
+                ("Qwen3_5ForCausalLM", "block", (16, 16)),
+                ("Qwen3_5MoeForConditionalGeneration", "block", (16, 32))]
 
 
-@pytest.mark.parametrize(("architecture", "block"), HYBRID_CASES,
-                         ids=[architecture for architecture, _ in HYBRID_CASES])
+@pytest.mark.parametrize(("architecture", "scheme", "block"), HYBRID_CASES,
+                         ids=[f"{name}-{scheme}" for name, scheme, _ in HYBRID_CASES])
 def test_a_hybrid_fp8_checkpoint_keeps_its_projections_in_e4m3(
-        tmp_path, monkeypatch, cpu_keeps_fp8, architecture, block):
+        tmp_path, monkeypatch, cpu_keeps_fp8, architecture, scheme, block):
     """The kept layers hold the dequantizing load's weights, and with the activations
     left unrounded the model's logits are the dequantized model's (within float32
     rounding): every kept row where the model reads it."""
     write_fp8_checkpoint(random_hybrid_model(architecture), tmp_path / "fp8",
-                         tmp_path / "plain", "block", block)
+                         tmp_path / "plain", scheme, block)
     model = load_model(tmp_path / "fp8", dtype=torch.float32, device=CPU)
     kept = _kept(model)
     assert {"layers.0.linear_attn.in_proj", "layers.0.linear_attn.out_proj",
