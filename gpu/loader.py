@@ -25,7 +25,7 @@ import json
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from safetensors import safe_open
@@ -190,19 +190,94 @@ def _read_tensors(directory: Path, targets: dict[str, Target], decoder: _WeightD
             with safe_open(str(path), framework="pt", device="cpu") as file:
                 names = indexed_names if indexed_names is not None else list(file.keys())
                 for name in names:
+                    parts: list[tuple[str, ExpertPart | None]] = [(name, None)]
                     if name not in targets:
+                        parts = list(_expert_parts(name, targets))
+                    if not parts:
                         continue  # e.g. rotary inv_freq buffers, or lm_head when tied
                     if name not in file.keys():
                         raise ModelLoadError(f"{path}: missing tensor {name} "
                                              f"(the index says it is in this file)")
-                    tensor_slice = file.get_slice(name)
-                    _check_shape(path, name, tensor_slice.get_shape(), targets[name])
-                    # only this rank's shard is read from the file
-                    yield name, decoder.take(path, name, tensor_slice, targets[name])
+                    for part_name, part in parts:
+                        tensor_slice = file.get_slice(name)
+                        if part is not None:  # one expert's rows of a 3-D tensor
+                            tensor_slice = _ExpertSlice(path, name, tensor_slice, part)
+                        _check_shape(path, part_name, tensor_slice.get_shape(),
+                                     targets[part_name])
+                        # only this rank's shard is read from the file
+                        yield part_name, decoder.take(path, part_name, tensor_slice,
+                                                      targets[part_name])
         except ModelLoadError:
             raise
         except Exception as error:  # safetensors raises its own types for corrupt files
             raise ModelLoadError(f"{path}: cannot read safetensors file ({error})") from error
+
+
+# Checkpoints that store each layer's experts as two 3-D tensors (Qwen3.5-MoE's, as
+# transformers holds them: ``experts.gate_up_proj`` [experts, 2 x intermediate, hidden],
+# an expert's gate rows then its up rows, and ``experts.down_proj`` [experts, hidden,
+# intermediate]) are read as the per-expert tensors the families name, which is how
+# transformers writes and converts them (vLLM reads both forms too).
+FUSED_EXPERT_PARTS = {"experts.gate_up_proj": ("gate_proj", "up_proj"),
+                      "experts.down_proj": ("down_proj",)}
+
+
+class ExpertPart(NamedTuple):
+    """One expert's tensor in a fused 3-D experts tensor of ``num_experts`` experts and
+    ``fused_rows`` rows each: its ``rows`` rows from ``first_row``."""
+
+    expert: int
+    first_row: int
+    rows: int
+    num_experts: int
+    fused_rows: int
+
+
+def _expert_parts(name: str, targets: dict[str, Target]) -> list[tuple[str, ExpertPart]]:
+    """For a fused 3-D experts tensor the model reads per expert: each expert's tensor
+    name and where it is in the 3-D tensor; [] for any other name."""
+    prefix, separator, fused = name.rpartition("experts.")
+    kinds = FUSED_EXPERT_PARTS.get(separator + fused)
+    first = f"{prefix}experts.0.{kinds[0]}.weight" if kinds else ""
+    if kinds is None or first not in targets:
+        return []
+    num_experts = 0
+    while f"{prefix}experts.{num_experts}.{kinds[0]}.weight" in targets:
+        num_experts += 1
+    rows = targets[first].shape[0]
+    return [(f"{prefix}experts.{expert}.{kind}.weight",
+             ExpertPart(expert, index * rows, rows, num_experts, len(kinds) * rows))
+            for expert in range(num_experts) for index, kind in enumerate(kinds)]
+
+
+class _ExpertSlice:
+    """One expert's rows of a fused 3-D experts tensor, with the part of a safetensors
+    slice's interface the loader reads (its dtype and shape, then its rows)."""
+
+    def __init__(self, path: Path, name: str, fused: Any, part: ExpertPart) -> None:
+        if fused.get_dtype() in SAFETENSORS_FLOAT8:
+            raise ModelLoadError(f"{path}: tensor {name} holds FP8 experts in one 3-D tensor, "
+                                 f"which trio-llm does not read (one tensor an expert, as "
+                                 f"Qwen's FP8 releases store them, it does)")
+        shape = fused.get_shape()
+        if len(shape) != 3 or shape[:2] != [part.num_experts, part.fused_rows]:
+            raise ModelLoadError(f"{path}: shape mismatch for tensor {name}: expected "
+                                 f"[{part.num_experts}, {part.fused_rows}, ...] (experts, "
+                                 f"rows), found {shape}")
+        self._fused, self._part = fused, part
+        self._shape = [part.rows, shape[2]]
+
+    def get_dtype(self) -> str:
+        return self._fused.get_dtype()
+
+    def get_shape(self) -> list[int]:
+        return self._shape
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        part = self._part
+        rows = self._fused[part.expert:part.expert + 1,
+                           part.first_row:part.first_row + part.rows][0]
+        return rows[index]
 
 
 def _check_shape(path: Path, name: str, shape: list[int], target: Target) -> None:
