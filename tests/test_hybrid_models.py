@@ -367,30 +367,29 @@ def test_experts_stored_as_3d_tensors_load_as_one_tensor_an_expert_does(tmp_path
             assert torch.equal(parameter, theirs[name]), name
 
 
-def test_a_3d_experts_tensor_of_another_shape_is_refused_by_name(tmp_path):
+def _shorter(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor[:, :-1].contiguous()
+
+
+def _in_e4m3(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to(torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize(("name", "change", "message"), [
+    ("model.layers.0.mlp.experts.gate_up_proj", _shorter,
+     r"shape mismatch for tensor model\.layers\.0\.mlp\.experts\.gate_up_proj"),
+    ("model.layers.0.mlp.experts.down_proj", _in_e4m3,
+     r"experts\.down_proj holds FP8 experts in one 3-D tensor"),
+], ids=["shape", "fp8"])
+def test_a_3d_experts_tensor_it_cannot_read_is_refused_by_name(tmp_path, name, change, message):
     directory, _ = saved(random_hybrid_model("Qwen3_5MoeForCausalLM"), tmp_path / "experts")
     _fuse_experts(directory, tmp_path / "fused")
     path = tmp_path / "fused" / "model.safetensors"
     tensors = load_file(path)
-    name = "model.layers.0.mlp.experts.gate_up_proj"
-    tensors[name] = tensors[name][:, :-1].contiguous()
-    save_file(tensors, path, metadata={"format": "pt"})
-    with pytest.raises(ModelLoadError, match=r"shape mismatch for tensor "
-                                             r"model\.layers\.0\.mlp\.experts\.gate_up_proj"):
-        load_model(tmp_path / "fused", dtype=torch.float32, device=torch.device("cpu"))
-
-
-def test_fp8_experts_in_a_3d_tensor_are_refused_by_name(tmp_path):
-    directory, _ = saved(random_hybrid_model("Qwen3_5MoeForCausalLM"), tmp_path / "experts")
-    _fuse_experts(directory, tmp_path / "fused")
-    path = tmp_path / "fused" / "model.safetensors"
-    tensors = load_file(path)
-    name = "model.layers.0.mlp.experts.down_proj"
-    tensors[name] = tensors[name].to(torch.float8_e4m3fn)
+    tensors[name] = change(tensors[name])
     save_file(tensors, path, metadata={"format": "pt"})
     config = json.loads((tmp_path / "fused" / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [16, 16]}
     (tmp_path / "fused" / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match=r"experts\.down_proj holds FP8 experts in one "
-                                             r"3-D tensor"):
+    with pytest.raises(ModelLoadError, match=message):
         load_model(tmp_path / "fused", dtype=torch.float32, device=torch.device("cpu"))
