@@ -11,12 +11,8 @@ linear attention's state carries from chunk to chunk and step to step); two
 ranks over gloo generate what one does.
 """
 
-import json
-import shutil
-
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 from test_model_support import (
     HYBRID_ARCHITECTURES,
     HYBRID_TEXT,
@@ -326,70 +322,3 @@ def test_cuda_greedy_generation_matches_the_cpu(checkpoint, prompts):
     assert [request.output_token_ids for request in on_cuda] == [
         request.output_token_ids for request in on_cpu]
 
-
-def _fuse_experts(directory, fused_directory) -> None:
-    """``directory``'s checkpoint with each layer's experts as two 3-D tensors, as
-    Qwen3.5-MoE's releases store them: experts.gate_up_proj [experts, 2 x intermediate,
-    hidden] (an expert's gate rows, then its up rows) and experts.down_proj."""
-    tensors = load_file(directory / "model.safetensors")
-    prefixes = sorted({name.split("experts.")[0] for name in tensors if ".experts." in name})
-    for prefix in prefixes:
-        count = 1 + max(int(name[len(prefix):].split(".")[1]) for name in tensors
-                        if name.startswith(prefix + "experts."))
-        parts = {kind: [tensors.pop(f"{prefix}experts.{expert}.{kind}.weight")
-                        for expert in range(count)]
-                 for kind in ("gate_proj", "up_proj", "down_proj")}
-        tensors[prefix + "experts.gate_up_proj"] = torch.stack(
-            [torch.cat(pair) for pair in zip(parts["gate_proj"], parts["up_proj"],
-                                              strict=True)])
-        tensors[prefix + "experts.down_proj"] = torch.stack(parts["down_proj"])
-    shutil.copytree(directory, fused_directory)
-    save_file(tensors, fused_directory / "model.safetensors", metadata={"format": "pt"})
-
-
-@pytest.mark.parametrize("architecture", ["Qwen3_5MoeForCausalLM",
-                                          "Qwen3_5MoeForConditionalGeneration"])
-def test_experts_stored_as_3d_tensors_load_as_one_tensor_an_expert_does(tmp_path,
-                                                                        architecture):
-    """Qwen3.5-MoE's releases store each layer's experts in two 3-D tensors, where
-    transformers writes one tensor an expert: both load the same parameters, on one
-    rank and on each of two."""
-    directory, _ = saved(random_hybrid_model(architecture), tmp_path / "experts")
-    _fuse_experts(directory, tmp_path / "fused")
-    for rank, world_size in ((0, 1), (0, 2), (1, 2)):
-        models = [load_model(path, dtype=torch.float32, device=torch.device("cpu"),
-                             parallel=TensorParallel(rank=rank, world_size=world_size))
-                  for path in (directory, tmp_path / "fused")]
-        ours, theirs = (dict(model.named_parameters()) for model in models)
-        assert ours.keys() == theirs.keys()
-        assert any("experts_gate_up" in name for name in ours)
-        for name, parameter in ours.items():
-            assert torch.equal(parameter, theirs[name]), name
-
-
-def _shorter(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor[:, :-1].contiguous()
-
-
-def _in_e4m3(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to(torch.float8_e4m3fn)
-
-
-@pytest.mark.parametrize(("name", "change", "message"), [
-    ("model.layers.0.mlp.experts.gate_up_proj", _shorter,
-     r"shape mismatch for tensor model\.layers\.0\.mlp\.experts\.gate_up_proj"),
-    ("model.layers.0.mlp.experts.down_proj", _in_e4m3,
-     r"experts\.down_proj holds FP8 experts in one 3-D tensor"),
-], ids=["shape", "fp8"])
-def test_a_3d_experts_tensor_it_cannot_read_is_refused_by_name(tmp_path, name, change, message):
-    directory, _ = saved(random_hybrid_model("Qwen3_5MoeForCausalLM"), tmp_path / "experts")
-    _fuse_experts(directory, tmp_path / "fused")
-    path = tmp_path / "fused" / "model.safetensors"
-    tensors = load_file(path)
-    tensors[name] = change(tensors[name])
-    save_file(tensors, path, metadata={"format": "pt"})
-    config = json.loads((tmp_path / "fused" / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [16, 16]}
-    (tmp_path / "fused" / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match=message):
-        load_model(tmp_path / "fused", dtype=torch.float32, device=torch.device("cpu"))

@@ -2,16 +2,19 @@
 and one clear ModelLoadError, naming the file and the problem, for each failure."""
 
 import json
+import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from test_model_support import moe_config, random_causal_lm, random_hybrid_model
 
 from trio_llm.actors.config import EngineConfig
 from trio_llm.gpu.builtin import TINY_CONFIG, tiny_weights
 from trio_llm.gpu.executor import ModelExecutor
 from trio_llm.gpu.loader import ModelLoadError, load_model
 from trio_llm.gpu.models import read_model_config
+from trio_llm.gpu.tensor_parallel import TensorParallel
 
 CPU = torch.device("cpu")
 SMALL_CONFIG = TINY_CONFIG | {"vocab_size": 96, "num_hidden_layers": 2}
@@ -241,3 +244,84 @@ def test_cpu_kv_cache_is_sized_from_its_memory_budget(model_dir):
     assert executor.num_kv_blocks == int(0.001 * 2**30 // bytes_per_block)
     assert executor.kv_caches[0][0].shape == (executor.num_kv_blocks, 16, 2, 16)
 
+
+# -- experts in two 3-D tensors a layer ---------------------------------------------------
+
+
+def _fuse_experts(directory, fused_directory) -> None:
+    """``directory``'s checkpoint with each layer's experts as two 3-D tensors, as
+    Qwen3.5-MoE's releases store them: experts.gate_up_proj [experts, 2 x intermediate,
+    hidden] (an expert's gate rows, then its up rows) and experts.down_proj."""
+    tensors = load_file(directory / "model.safetensors")
+    prefixes = sorted({name.split("experts.")[0] for name in tensors if ".experts." in name})
+    for prefix in prefixes:
+        count = 1 + max(int(name[len(prefix):].split(".")[1]) for name in tensors
+                        if name.startswith(prefix + "experts."))
+        parts = {kind: [tensors.pop(f"{prefix}experts.{expert}.{kind}.weight")
+                        for expert in range(count)]
+                 for kind in ("gate_proj", "up_proj", "down_proj")}
+        tensors[prefix + "experts.gate_up_proj"] = torch.stack(
+            [torch.cat(pair) for pair in zip(parts["gate_proj"], parts["up_proj"],
+                                              strict=True)])
+        tensors[prefix + "experts.down_proj"] = torch.stack(parts["down_proj"])
+    shutil.copytree(directory, fused_directory)
+    save_file(tensors, fused_directory / "model.safetensors", metadata={"format": "pt"})
+
+
+def _moe_checkpoint(architecture: str, directory):
+    if architecture == "Qwen3MoeForCausalLM":
+        model = random_causal_lm(moe_config("qwen3_moe"), seed=5)
+    else:
+        model = random_hybrid_model(architecture)
+    model.save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.parametrize("architecture", ["Qwen3_5MoeForCausalLM",
+                                          "Qwen3_5MoeForConditionalGeneration",
+                                          "Qwen3MoeForCausalLM"])
+def test_experts_stored_as_3d_tensors_load_as_one_tensor_an_expert_does(tmp_path,
+                                                                        architecture):
+    """Qwen3.5-MoE's releases store each layer's experts in two 3-D tensors, where
+    transformers writes one tensor an expert: both load the same parameters, on one
+    rank and on each of two, from one file or from shards."""
+    directory = _moe_checkpoint(architecture, tmp_path / "experts")
+    _fuse_experts(directory, tmp_path / "fused")
+    shutil.copytree(tmp_path / "fused", tmp_path / "sharded")
+    _shard(tmp_path / "sharded")
+    for rank, world_size in ((0, 1), (0, 2), (1, 2)):
+        models = [_load(path, parallel=TensorParallel(rank=rank, world_size=world_size))
+                  for path in (directory, tmp_path / "fused", tmp_path / "sharded")]
+        ours, *others = (dict(model.named_parameters()) for model in models)
+        assert any("experts_gate_up" in name for name in ours)
+        for theirs in others:
+            assert ours.keys() == theirs.keys()
+            for name, parameter in ours.items():
+                assert torch.equal(parameter, theirs[name]), name
+
+
+def _shorter(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor[:, :-1].contiguous()
+
+
+def _in_e4m3(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to(torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize(("name", "change", "message"), [
+    ("model.layers.0.mlp.experts.gate_up_proj", _shorter,
+     r"shape mismatch for tensor model\.layers\.0\.mlp\.experts\.gate_up_proj"),
+    ("model.layers.0.mlp.experts.down_proj", _in_e4m3,
+     r"experts\.down_proj holds FP8 experts in one 3-D tensor"),
+], ids=["shape", "fp8"])
+def test_a_3d_experts_tensor_it_cannot_read_is_refused_by_name(tmp_path, name, change, message):
+    directory = _moe_checkpoint("Qwen3_5MoeForCausalLM", tmp_path / "experts")
+    _fuse_experts(directory, tmp_path / "fused")
+    path = tmp_path / "fused" / "model.safetensors"
+    tensors = load_file(path)
+    tensors[name] = change(tensors[name])
+    save_file(tensors, path, metadata={"format": "pt"})
+    _edit_config(tmp_path / "fused", quantization_config={"quant_method": "fp8",
+                                                          "weight_block_size": [16, 16]})
+    with pytest.raises(ModelLoadError, match=message):
+        _load(tmp_path / "fused")
