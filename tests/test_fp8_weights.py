@@ -28,6 +28,7 @@ from trio_llm.gpu.builtin import resolve_model
 from trio_llm.gpu.layers.fp8_linear import Fp8Linear
 from trio_llm.gpu.loader import load_model
 from trio_llm.gpu.quantization import E4M3, Fp8Weight
+from trio_llm.gpu.tensor_parallel import TensorParallel
 
 CPU = torch.device("cpu")
 
@@ -165,6 +166,10 @@ def test_a_hybrid_fp8_checkpoint_keeps_its_projections_in_e4m3(
     assert {"layers.0.linear_attn.in_proj", "layers.0.linear_attn.out_proj",
             "layers.3.self_attn.qkv_proj"} <= kept.keys()
     assert "layers.0.linear_attn.in_proj_ba" not in kept
+    # (two ranks dequantize every projection: b and a stay in the fused one)
+    rank = load_model(tmp_path / "fp8", dtype=torch.float32, device=CPU,
+                      parallel=TensorParallel(rank=0, world_size=2))
+    assert rank.decoder_layers[0].linear_attn.in_proj_ba is None and not _kept(rank)
     quantization.FP8_DEVICE_TYPES = ("cuda",)  # (the fixture's monkeypatch restores it)
     _assert_kept_layers_hold_the_dequantized_weights(
         kept, load_model(tmp_path / "fp8", dtype=torch.float32, device=CPU))

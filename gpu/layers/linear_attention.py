@@ -31,7 +31,7 @@ Fused projection (``in_proj``), this rank's heads only: rows
 heads (a key head serves ``value heads / key heads`` consecutive value heads, so a
 rank's value heads are those of its key heads). The conv weight's channels are
 ``[q | k | v]`` of the same heads. An FP8 checkpoint's layer on a device that keeps
-FP8 weights keeps ``[b | a]`` apart (``in_proj_ba``, in the model's dtype):
+FP8 weights (one rank) keeps ``[b | a]`` apart (``in_proj_ba``, in the model's dtype):
 checkpoints leave those small projections unquantized, or quantize them in blocks
 their rows do not fill, and in one fused layer that would keep the large q/k/v/z rows
 from staying e4m3 (gpu/fp8_weights.py); apart, they cost a launch of their own.
@@ -170,7 +170,8 @@ class GatedDeltaNet(nn.Module):
         num_value_heads = shape.num_value_heads
         fused_rows = shape.conv_channels + shape.value_size
         self.in_proj_ba: Linear | None = None
-        if config.quantization is not None and keeps_fp8_weights(device):  # see the module
+        if (config.quantization is not None and keeps_fp8_weights(device)
+                and not parallel.is_parallel):  # see the module
             self.in_proj_ba = Linear(config.hidden_size, 2 * num_value_heads, bias=False,
                                      dtype=dtype, device=device)
         else:
