@@ -134,13 +134,14 @@ def _qk_and_norms(model: str) -> None:
         triton_offset_norm.offset_rms_norm(x, weight, 1e-6)
         triton_offset_norm.add_offset_rms_norm(x, x, weight, 1e-6)
         rotary = int(head_dim * config["rope_parameters"]["partial_rotary_factor"])
-        k_cache = _empty(64, 16, kv_heads, head_dim)
         qkv = _empty(tokens, heads * 2 * head_dim + 2 * kv_heads * head_dim)
-        triton_gated_attention.gated_qk_norm_rope_write_kv(
-            qkv, _empty(tokens, dtype=torch.int64), _empty(128, rotary), _empty(128, rotary),
-            _empty(head_dim), _empty(head_dim), 1e-6, k_cache, k_cache,
-            _empty(tokens, dtype=torch.int64), num_heads=heads, num_kv_heads=kv_heads,
-            head_dim=head_dim)
+        for cache_dtype in (BF16, E4M3):
+            k_cache = _empty(64, 16, kv_heads, head_dim, dtype=cache_dtype)
+            triton_gated_attention.gated_qk_norm_rope_write_kv(
+                qkv, _empty(tokens, dtype=torch.int64), _empty(128, rotary),
+                _empty(128, rotary), _empty(head_dim), _empty(head_dim), 1e-6, k_cache,
+                k_cache, _empty(tokens, dtype=torch.int64), num_heads=heads,
+                num_kv_heads=kv_heads, head_dim=head_dim)
         triton_gated_attention.sigmoid_gate(_empty(tokens, heads, head_dim), qkv)
         return
     triton_layers.rms_norm(x, weight, 1e-6)
