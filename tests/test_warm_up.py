@@ -24,10 +24,12 @@ from trio_llm.gpu.factory import create_executor
 CONFIG = EngineConfig(model="tiny", max_num_seqs=16, max_num_batched_tokens=512,
                       max_model_len=512, num_kv_blocks=128)
 TIMEOUT = 120
-# The first step after ready may take at most this many times the typical one
-# (the median of the next ones). Measured on the 2-core machine: about 1.2 warm,
-# about 7 with no warm-up.
-MAX_FIRST_STEP_RATIO = 4.0
+# A request's prompt step right after ready may take at most this many times the same
+# step of the requests after it (the median of five), in the median of three engines.
+# Measured on the 2-core machine: 1.05-1.23 warm, 2.8-3.3 with no warm-up; a single
+# engine's first step now and then takes a millisecond more, hence three.
+MAX_FIRST_STEP_RATIO = 2.0
+NUM_ENGINES = 3
 
 
 class RecordedExecutor:
@@ -83,25 +85,33 @@ async def test_health_is_503_until_warmed_up_and_the_first_step_after_is_not_slo
                     warm = await client.get("/health")
                 nursery.cancel_scope.cancel()
             num_warm_up_steps = len(executor.durations)
-            await generate_together(engine, num_requests=4, num_tokens=24)
+            ratios = [await first_step_ratio(engine, executor)]
+        for _ in range(NUM_ENGINES - 1):
+            ratios.append(await warmed_up_first_step_ratio())
     assert (cold.status_code, warm.status_code) == (503, 200)
     assert "warming up" in cold.json()["error"]["message"]
     assert num_warm_up_steps >= len(decode_ladder(CONFIG.max_num_seqs))
-    after = executor.durations[num_warm_up_steps:]
-    typical = statistics.median(after[1:21])
-    assert after[0] <= MAX_FIRST_STEP_RATIO * typical, (after[0], typical)
+    assert statistics.median(ratios) <= MAX_FIRST_STEP_RATIO, ratios
 
 
-async def generate_together(engine: Engine, *, num_requests: int, num_tokens: int) -> None:
-    params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
+async def warmed_up_first_step_ratio() -> float:
+    executor = RecordedExecutor(await trio.to_thread.run_sync(create_executor, CONFIG))
+    async with Engine.open(CONFIG, executor=executor, warm_up=WarmUpPlan()) as engine:
+        await engine.wait_ready()
+        return await first_step_ratio(engine, executor)
 
-    async def one(index: int) -> None:
-        async for _ in engine.generate([5 + index, 6, 7, 8], params):
+
+async def first_step_ratio(engine: Engine, executor: RecordedExecutor) -> float:
+    """The first request's prompt step after ready over the same step of the next five
+    (one request at a time, a 4-token prompt each: the same step every time)."""
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    prompt_steps = []
+    for first_token in range(5, 11):
+        prompt_steps.append(len(executor.durations))
+        async for _ in engine.generate([first_token, 6, 7, 8], params):
             pass
-
-    async with trio.open_nursery() as nursery:
-        for index in range(num_requests):
-            nursery.start_soon(one, index)
+    first, *later = (executor.durations[index] for index in prompt_steps)
+    return first / statistics.median(later)
 
 
 async def test_an_engine_without_warm_up_is_ready_at_once() -> None:
