@@ -49,9 +49,8 @@ MIN_BLOCK_COLUMNS = 16
 def fp8_layout(model: CausalLM, checkpoint: CheckpointQuantization | None,
                online: bool) -> Fp8Layout | None:
     """The layout an FP8 model's projections keep on its device; None: dequantize."""
-    if (checkpoint is None and not online) or not keeps_fp8_weights(model.device):
-        return None
-    if model.parallel.is_parallel:
+    if (checkpoint is None and not online) or not keeps_fp8_weights(
+            model.device, model.parallel.is_parallel):
         return None
     block_size = checkpoint.block_size if checkpoint is not None else None
     kind = "channel" if block_size is None else "block"

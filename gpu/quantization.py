@@ -183,9 +183,11 @@ def quantize_row_groups(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor,
 FP8_DEVICE_TYPES = ("cuda",)
 
 
-def keeps_fp8_weights(device: torch.device) -> bool:
-    """Whether a model on ``device`` may keep FP8 weights in e4m3 (else it dequantizes)."""
-    return device.type in FP8_DEVICE_TYPES
+def keeps_fp8_weights(device: torch.device, is_parallel: bool) -> bool:
+    """Whether a model on ``device`` may keep FP8 weights in e4m3 (else it dequantizes):
+    a device type of FP8_DEVICE_TYPES, one rank (shards of block scales are not written
+    yet)."""
+    return device.type in FP8_DEVICE_TYPES and not is_parallel
 
 
 def is_quantizable(parameter_name: str) -> bool:

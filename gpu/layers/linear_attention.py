@@ -170,8 +170,8 @@ class GatedDeltaNet(nn.Module):
         num_value_heads = shape.num_value_heads
         fused_rows = shape.conv_channels + shape.value_size
         self.in_proj_ba: Linear | None = None
-        if (config.quantization is not None and keeps_fp8_weights(device)
-                and not parallel.is_parallel):  # see the module
+        # an FP8 checkpoint where the weights stay e4m3: b and a apart (see the module)
+        if config.quantization is not None and keeps_fp8_weights(device, parallel.is_parallel):
             self.in_proj_ba = Linear(config.hidden_size, 2 * num_value_heads, bias=False,
                                      dtype=dtype, device=device)
         else:
