@@ -47,9 +47,16 @@ def linear_flops_per_token(executor: Any) -> float:
     a prompt's lm_head runs for its last token only)."""
     config = executor.model.config
     hidden = config.hidden_size
-    per_layer = (hidden * (config.q_size + 2 * config.kv_size) + config.q_size * hidden
-                 + 3 * hidden * config.intermediate_size)
-    return 2.0 * config.num_layers * per_layer
+    attention = hidden * (config.q_size + 2 * config.kv_size) + config.q_size * hidden
+
+    def feed_forward(index: int) -> int:
+        """An MoE layer's active weights: its top-k experts and a shared expert."""
+        if not getattr(config, "is_moe_layer", lambda _: False)(index):
+            return 3 * hidden * config.intermediate_size
+        return 3 * hidden * (config.num_experts_per_tok * config.moe_intermediate_size
+                             + config.shared_expert_intermediate_size) + hidden * config.num_experts
+
+    return 2.0 * sum(attention + feed_forward(index) for index in range(config.num_layers))
 
 
 def attention_flops(executor: Any, prompt_len: int) -> float:
@@ -138,10 +145,13 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--budgets", type=int, nargs="+", default=[8192, 16384, 4096, 2048])
+    parser.add_argument("--quantization", choices=["fp8"], default=None)
     args = parser.parse_args()
+    quantization = {"quantization": args.quantization} if args.quantization else {}
     results: dict[str, Any] = {"model": args.model, "command": " ".join(["python3", *sys.argv]),
                                "date": time.strftime("%Y-%m-%d %H:%M"), "phases": {}}
-    path = OUT / f"scheduling-sweep-{args.model}.json"
+    name = args.model + (f"-{args.quantization}" if args.quantization else "")
+    path = OUT / f"scheduling-sweep-{name}.json"
 
     def record(name: str, figures: dict[str, Any]) -> None:
         results["phases"][name] = figures
@@ -149,7 +159,7 @@ def main() -> None:
         path.write_text(json.dumps(results, indent=1))
 
     started = time.perf_counter()
-    executor = create_executor(engine_config(args.model, depth=2,
+    executor = create_executor(engine_config(args.model, depth=2, **quantization,
                                              max_num_batched_tokens=max(args.budgets)))
     results["start_up_seconds"] = time.perf_counter() - started
     vocab = min(10000, executor.vocab_size)
@@ -160,7 +170,7 @@ def main() -> None:
     def prompts(seed: int, num_prompts: int = args.num_prompts) -> list[list[int]]:
         return random_prompts(seed, num_prompts, args.input_len, vocab)
 
-    default = engine_config(args.model, depth=2)
+    default = engine_config(args.model, depth=2, **quantization)
     # untimed warm-up: first uses of kernels and allocator sizes
     trio.run(closed_loop, default, executor, prompts(1, 16), 8, 16)
     first_wave = trio.run(closed_loop, default, executor, prompts(2, args.concurrency), 1,
@@ -175,7 +185,7 @@ def main() -> None:
         args.output_len - 1)
     record("first_wave_whole", whole_wave)
     for index, budget in enumerate(args.budgets):
-        config = engine_config(args.model, depth=2, max_num_batched_tokens=budget)
+        config = engine_config(args.model, depth=2, **quantization, max_num_batched_tokens=budget)
         record(f"budget_{budget}", trio.run(closed_loop, config, executor,
                                             prompts(10 + index), args.output_len,
                                             args.concurrency))
