@@ -4,7 +4,7 @@ The fused CPU forward (gpu/kernels/cpu_layers.py) runs a whole part of a step as
 compiled call, so its linear layers must be callable from compiled code. They
 call the very routine torch's ``bmm`` reaches on the CPU: the Fortran ``sgemm_``
 that libtorch exports (MKL's, on x86 builds), found once by name. Called the way
-``chunked_linear`` (gpu/layers.py) calls it, one GEMM of ``ROWS_PER_CHUNK`` rows at
+``chunked_linear`` (gpu/layers/linear.py) calls it, one GEMM of ``ROWS_PER_CHUNK`` rows at
 a time, it gives the same bits (tests/test_cpu_layers.py checks), so the compiled
 forward keeps the torch forward's batch invariance: every GEMM has one shape,
 whatever the batch.

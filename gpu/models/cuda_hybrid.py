@@ -1,7 +1,7 @@
 """The hybrid family's forward on CUDA (Qwen3.5, Qwen3-Next): Gated DeltaNet layers and
 gated full attention through Triton kernels and fla-core, inside CUDA graphs.
 
-gpu/models/cuda_fused.py's FusedCausalLM runs a model with linear-attention layers
+gpu/models/cuda_fused.py's FusedHybridLM runs a model with linear-attention layers
 (or gated attention, or ``(1 + weight)`` norms) through ``hybrid_forward``, layer
 by layer over the same modules and weights as the torch forward (the layers'
 ``forward`` is the reference each kernel is tested against):
