@@ -53,6 +53,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     seed: int = 0
     max_num_seqs: PositiveInt = 256
     max_num_batched_tokens: PositiveInt = 8192
+    # vLLM's --long-prefill-token-threshold: a prompt takes at most this many tokens of
+    # one step (0: as many as the budget leaves), so a long prompt is chunked over
+    # steps that other prompts and decodes share
+    long_prefill_token_threshold: Annotated[int, msgspec.Meta(ge=0)] = 0
     max_model_len: PositiveInt | None = None
     block_size: PositiveInt = 16
     num_kv_blocks: PositiveInt | None = None

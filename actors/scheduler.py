@@ -12,7 +12,8 @@ One step is planned in three phases:
    evicts it when seats or blocks are short, and is scheduled first, leaving
    room for the running requests ranked above it.
 2. ``_schedule_running``: running requests, best first; a decode takes one
-   token, an unfinished prefill a chunk of what is left of the budget. A
+   token, an unfinished prefill a chunk of what is left of the budget (at most
+   ``long_prefill_token_threshold`` tokens, where set: vLLM's flag). A
    request that cannot get a KV block preempts the worst running request
    not yet scheduled in this step (possibly itself). Running requests are
    kept best first, so the victims always come from the end.
@@ -351,10 +352,12 @@ class _StepBuilder:
     """The batch being planned, and what is left of its token budget."""
 
     def __init__(self, step_id: int, max_num_tokens: int, num_chunk_seats: int,
-                 decode_snapshot_interval: int = 0) -> None:
+                 decode_snapshot_interval: int = 0, max_chunk_tokens: int = 0) -> None:
         self.step_id = step_id
         self.max_num_tokens = max_num_tokens
         self.budget = max_num_tokens
+        # the most tokens one prefill chunk takes (--long-prefill-token-threshold)
+        self.max_chunk_tokens = max_chunk_tokens or max_num_tokens
         # chunks of two tokens or more the step may still take (``prefill_budget``)
         self.num_free_chunk_seats = num_chunk_seats
         self.requests: list[ScheduledRequest] = []
@@ -384,7 +387,9 @@ class _StepBuilder:
     def prefill_budget(self) -> int:
         """Tokens the next prefill chunk may take: one once the chunk seats are taken
         (a one-token chunk updates its state in place, beside them)."""
-        return self.budget if self.num_free_chunk_seats else min(self.budget, 1)
+        if not self.num_free_chunk_seats:
+            return min(self.budget, 1)
+        return min(self.budget, self.max_chunk_tokens)
 
     def add_prefill(self, running: RunningRequest, num_tokens: int,
                     new_block_ids: list[int]) -> None:
@@ -538,7 +543,8 @@ class Scheduler:
         # a model with state slots runs them through a kernel with MAX_CHUNKED_SEQS seats
         step = _StepBuilder(self._next_step_id, max_num_tokens,
                             MAX_CHUNKED_SEQS if self.state_slots is not None else max_num_tokens,
-                            self._decode_snapshot_interval)
+                            self._decode_snapshot_interval,
+                            self.config.long_prefill_token_threshold)
         saved = self._save_snapshots(step) if self._snapshots_wanted else _NO_HASHES
         waiting = deque(w for w in pulled if not self._was_stopped_while_waiting(w))
         not_compiled = self._hold_compiled_grammars(waiting)

@@ -44,6 +44,8 @@ _ENGINE_FLAGS: list[tuple[str, type, str]] = [
     ("--seed", int, "seed for requests that give none"),
     ("--max-num-seqs", int, "most requests running at once"),
     ("--max-num-batched-tokens", int, "token budget of one step"),
+    ("--long-prefill-token-threshold", int, "most tokens of one prompt in a step (0: no "
+                                            "cap but the budget); vLLM's"),
     ("--max-model-len", int, "longest prompt + output"),
     ("--block-size", int, "tokens per KV cache block"),
     ("--num-kv-blocks", int, "KV cache blocks (default: sized from memory)"),

@@ -86,6 +86,7 @@ async def test_same_tokens_under_every_batching(sampled: bool) -> None:
             "together, fcfs, depth 1": replace(AMPLE, pipeline_depth=1),
             "together, priority, depth 2": replace(AMPLE, scheduling_policy="priority"),
             "together, small chunks": replace(AMPLE, max_num_batched_tokens=37),
+            "together, long prefills capped": replace(AMPLE, long_prefill_token_threshold=7),
         }
         for name, config in variants.items():
             results, _ = await run_together(config, workload)

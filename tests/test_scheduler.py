@@ -413,6 +413,22 @@ def test_long_prompts_are_prefilled_in_chunks_under_the_budget():
     assert_reference_outputs(driver, [request])
 
 
+def test_a_prompt_takes_at_most_the_long_prefill_threshold_of_a_step():
+    # vLLM's --long-prefill-token-threshold: the budget left after the first chunk
+    # goes to the next prompt, not to more of the first
+    long = make_request("long", list(range(50)), max_tokens=3)
+    short = make_request("short", list(range(100, 104)), arrival_index=1, max_tokens=3)
+    driver = run_workload([long, short], num_kv_blocks=64, max_num_batched_tokens=32,
+                          long_prefill_token_threshold=12, pipeline_depth=1)
+    batches = driver.model.batches
+    assert [(r.request_id, len(r.token_ids)) for r in batches[0].requests] == [("long", 12),
+                                                                               ("short", 4)]
+    long_chunks = [len(r.token_ids) for batch in batches for r in batch.requests
+                   if r.request_id == "long" and r.num_computed_tokens < 50]
+    assert long_chunks == [12, 12, 12, 12, 2]
+    assert_reference_outputs(driver, [long, short])
+
+
 def test_no_batch_exceeds_the_token_budget_or_the_seats():
     requests = random_workload(random.Random(5), 20)
     driver = run_workload(requests, num_kv_blocks=256, max_num_batched_tokens=20, max_num_seqs=3)
