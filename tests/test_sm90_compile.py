@@ -221,6 +221,24 @@ def _fp8_gemm(model: str) -> None:
     _rowwise_gemm(fp8_gemm.ROWWISE_MAX_ROWS, outputs, hidden, fp8_gemm.ROWWISE_CONFIG)
 
 
+def _fp8_block_gemm_narrow_blocks() -> None:
+    """The block-scaled GEMM at every block width the loader keeps in e4m3 (a power of
+    two from MIN_BLOCK_COLUMNS; cuBLASLt takes 128 x 128 only), at both tiles."""
+    from trio_llm.gpu.fp8_weights import MIN_BLOCK_COLUMNS
+    from trio_llm.gpu.kernels import fp8_gemm
+
+    hidden, outputs = 256, 512
+    width = MIN_BLOCK_COLUMNS
+    while width <= 128:
+        for rows in (fp8_gemm.SMALL_M_MAX_ROWS, 4 * fp8_gemm.SMALL_M_MAX_ROWS):
+            values, scales = fp8_gemm.quantize_groups(_empty(rows, hidden), width)
+            fp8_gemm.block_fp8_matmul(
+                values, scales, _empty(outputs, hidden, dtype=E4M3),
+                _empty(outputs // width, hidden // width, dtype=torch.float32),
+                (width, width), None, BF16)
+        width *= 2
+
+
 def _rowwise_gemm(rows: int, outputs: int, inputs: int, tile: Any) -> None:
     from trio_llm.gpu.kernels import fp8_gemm
 
@@ -402,6 +420,7 @@ def _scenarios() -> dict[str, Callable[[], None]]:
         if _is_hybrid(config):
             scenarios[f"linear-attention[{model}]"] = partial(_linear_attention, model)
     scenarios["fp8-gemm-tables"] = _rowwise_gemm_tables
+    scenarios["fp8-block-gemm-narrow-blocks"] = _fp8_block_gemm_narrow_blocks
     scenarios[PAST_BUG] = _large_varlen_tile_at_head_dim_256
     return scenarios
 
