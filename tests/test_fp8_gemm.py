@@ -140,7 +140,7 @@ SHAPES = [
     (3, 200, 300, (128, 128)),
     (37, 96, 256, (32, 64)),
     (1, 64, 128, (64, 128)),
-    # groups narrower than an e4m3 dot's 32 columns (multiplied widened to bf16)
+    # groups narrower than an e4m3 dot's 32 columns (multiplied widened to float32)
     (20, 48, 80, (16, 16)),
 ]
 
