@@ -1,7 +1,8 @@
 """A hybrid model (built-in ``qwen3.5-small``: Gated DeltaNet linear attention beside
 gated full attention, dummy weights) through the whole engine on the CPU: each
 running request holds a state slot, and its tokens are the same alone or batched,
-at depth 1 or 2, in small chunks, preempted (recomputed in another slot) or not.
+at depth 1 or 2, in small chunks (or a prompt's chunks capped), preempted
+(recomputed in another slot) or not.
 
 Prefix caching stays off: reusing a cached prefix needs the prefix's state
 snapshot (the hybrid-engine scheduler's work); without one the executor refuses
@@ -39,7 +40,9 @@ async def test_same_tokens_under_every_batching(kv_cache_dtype) -> None:
         assert all(reference)
         variants = {"together, depth 2": ample,
                     "together, small chunks, depth 1": replace(
-                        ample, max_num_batched_tokens=37, pipeline_depth=1)}
+                        ample, max_num_batched_tokens=37, pipeline_depth=1),
+                    "together, long prefills capped": replace(
+                        ample, long_prefill_token_threshold=7)}
         for name, config in variants.items():
             results, _ = await run_together(config, workload)
             assert results == reference, name
