@@ -156,8 +156,10 @@ PREFIX = list(range(1, 13))  # three blocks of 4
 @pytest.mark.parametrize("pipeline_depth", [1, 2])
 @pytest.mark.parametrize("num_kv_blocks", [20, 512])
 @pytest.mark.parametrize("scheduling_policy", ["fcfs", "priority"])
+@pytest.mark.parametrize("long_prefill_token_threshold", [0, 5])
 def test_prefix_caching_with_snapshots_changes_no_output(pipeline_depth, num_kv_blocks,
-                                                         scheduling_policy):
+                                                         scheduling_policy,
+                                                         long_prefill_token_threshold):
     rng = random.Random(5)
     prefixes = [[rng.randrange(VOCAB_SIZE) for _ in range(length)] for length in (9, 17, 30)]
     requests = random_workload(rng, 32, max_prompt_len=12, num_priorities=3,
@@ -166,11 +168,18 @@ def test_prefix_caching_with_snapshots_changes_no_output(pipeline_depth, num_kv_
     runs = {enabled: run_hybrid(requests, num_kv_blocks, pipeline_depth=pipeline_depth,
                                 scheduling_policy=scheduling_policy,
                                 priority_preemption_threshold=threshold,
+                                long_prefill_token_threshold=long_prefill_token_threshold,
                                 enable_prefix_caching=enabled)
             for enabled in (False, True)}
     assert_reference_outputs(runs[True], requests)
     assert runs[True].outputs == runs[False].outputs
     assert runs[True].finishes == runs[False].finishes
+    largest_chunk = max(len(scheduled.token_ids) for run in runs.values()
+                        for batch in run.model.batches for scheduled in batch.requests)
+    if long_prefill_token_threshold:  # the cap holds, and is reached
+        assert largest_chunk == long_prefill_token_threshold
+    else:
+        assert largest_chunk > 5
     cached = runs[True].scheduler.statistics()
     uncached = runs[False].scheduler.statistics()
     # (recomputed requests restore too, but only first starts are counted)
