@@ -905,7 +905,7 @@ class Scheduler:
     def _num_blocks_wanted_by_better(self, waiting: WaitingRequest, step: _StepBuilder) -> int:
         """New blocks the running requests ranked above ``waiting`` and not yet
         scheduled may need in this step: a decode that opens a block, a prefill
-        chunk (at most the budget)."""
+        chunk (at most the budget, and the chunk cap)."""
         sort_key = self._sort_key(waiting)
         block_manager = self.block_manager
         num_blocks = 0
@@ -919,7 +919,8 @@ class Scheduler:
                 num_blocks += (num_computed_tokens % block_manager.block_size == 0
                                and running.can_decode)
             else:
-                num_tokens = min(running.num_prefill_tokens - num_computed_tokens, step.budget)
+                num_tokens = min(running.num_prefill_tokens - num_computed_tokens, step.budget,
+                                 step.max_chunk_tokens)
                 num_blocks += block_manager.blocks_needed(num_computed_tokens + num_tokens,
                                                           len(running.block_ids))
         return num_blocks

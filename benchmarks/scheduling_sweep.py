@@ -38,6 +38,7 @@ from gpu_bench import _drain, create_executor, engine_config  # noqa: E402
 
 from trio_llm.actors.messages import SamplingParams  # noqa: E402
 from trio_llm.api.engine import Engine  # noqa: E402
+from trio_llm.gpu.models.config import MoeConfig  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", "."))
 
@@ -51,7 +52,7 @@ def linear_flops_per_token(executor: Any) -> float:
 
     def feed_forward(index: int) -> int:
         """An MoE layer's active weights: its top-k experts and a shared expert."""
-        if not getattr(config, "is_moe_layer", lambda _: False)(index):
+        if not (isinstance(config, MoeConfig) and config.is_moe_layer(index)):
             return 3 * hidden * config.intermediate_size
         return 3 * hidden * (config.num_experts_per_tok * config.moe_intermediate_size
                              + config.shared_expert_intermediate_size) + hidden * config.num_experts
